@@ -1,0 +1,152 @@
+"""App factory and lifespan: clients, store and config are created once and shared via state."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from . import logs
+from .config import ProxyConfig, Settings, config_mtimes, load_config
+from .embedded import EmbeddedRedis
+from .errors import ConfigError, error_bytes
+from .metrics import Metrics
+from .routes import routes
+from .store import RedisStore
+from .tokens import TokenCounter
+from .upstream import UpstreamClient
+
+log = logs.get("app")
+RELOAD_POLL_S = 2.0
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    config: ProxyConfig
+    metrics: Metrics
+    tokens: TokenCounter
+    upstreams: dict[str, UpstreamClient] = field(default_factory=dict)
+    store: RedisStore | None = None
+    embedded: EmbeddedRedis | None = None
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+    truncations: OrderedDict[tuple[str, int], str] = field(default_factory=OrderedDict)
+
+    def spawn(self, coro: object) -> None:
+        """Run work off the request path; keep a reference so it is not collected mid-flight."""
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    async def sync_upstreams(self) -> None:
+        old = self.upstreams
+        new: dict[str, UpstreamClient] = {}
+        for name, spec in self.config.upstreams.items():
+            client = old.get(name)
+            if client is None or client.spec != spec:
+                client = UpstreamClient(name, spec)
+                await client.start()
+            new[name] = client
+        self.upstreams = new
+        stale = [c for n, c in old.items() if new.get(n) is not c]
+        if stale:
+            # In-flight requests still hold the old clients: close them once those are done.
+            self.spawn(_close_later(stale))
+
+    async def reload(self, reason: str) -> bool:
+        try:
+            config = load_config(self.settings)
+        except ConfigError as exc:
+            self.metrics.config_reloads.labels("error").inc()
+            log.error("config reload failed; keeping the last good config",
+                      extra={"reason": reason, "error": str(exc)})
+            return False
+        self.config = config
+        await self.sync_upstreams()
+        self.metrics.config_reloads.labels("ok").inc()
+        log.info("config reloaded", extra={"reason": reason, "tenants": len(config.tenants)})
+        return True
+
+
+async def _close_later(clients: list[UpstreamClient], delay: float = 60.0) -> None:
+    await asyncio.sleep(delay)
+    for c in clients:
+        await c.close()
+
+
+async def _watch_config(state: AppState) -> None:
+    seen = config_mtimes(state.settings.config_dir)
+    while True:
+        await asyncio.sleep(RELOAD_POLL_S)
+        now = config_mtimes(state.settings.config_dir)
+        if now != seen:
+            seen = now
+            await state.reload("file change")
+
+
+def create_app(settings: Settings, config: ProxyConfig | None = None,
+               metrics: Metrics | None = None) -> Starlette:
+    """Build the ASGI app. ``config`` is loaded from ``settings`` when not given."""
+    config = config or load_config(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state = AppState(settings=settings, config=config, metrics=metrics or Metrics(),
+                         tokens=TokenCounter())
+        app.state.runloop = state
+        await state.sync_upstreams()
+        redis_url = config.store.redis_url
+        if not redis_url:
+            state.embedded = EmbeddedRedis(settings.data_dir)
+            redis_url = await asyncio.to_thread(state.embedded.start)
+        state.store = RedisStore(redis_url, config.store, state.metrics)
+        await state.store.ping()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(signal.SIGHUP,
+                                    lambda: state.spawn(state.reload("SIGHUP")))
+        watcher = asyncio.create_task(_watch_config(state)) if settings.config_dir else None
+        log.info("runloop-proxy ready", extra={
+            "tenants": len(config.tenants), "passthrough": config.passthrough is not None,
+            "store": "embedded" if state.embedded else "external"})
+        try:
+            yield
+        finally:
+            if watcher:
+                watcher.cancel()
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(signal.SIGHUP)
+            if state.background:
+                await asyncio.wait(set(state.background), timeout=5)
+            for client in state.upstreams.values():
+                await client.close()
+            await state.store.close()
+            if state.embedded:
+                await asyncio.to_thread(state.embedded.stop)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        body = error_bytes(f"{request.method} {request.url.path}: {exc.detail}",
+                           "invalid_request_error", None,
+                           "not_found" if exc.status_code == 404 else None)
+        return Response(body, exc.status_code, media_type="application/json")
+
+    return Starlette(routes=routes(), lifespan=lifespan,
+                     exception_handlers={HTTPException: http_error})
+
+
+def app_from_env() -> Starlette:
+    """Factory for uvicorn worker processes (``serve --workers N``)."""
+    from .cli import settings_from_env
+
+    settings = settings_from_env()
+    logs.configure(settings.log_level, settings.log_format)
+    return create_app(settings)

@@ -1,0 +1,390 @@
+"""Typed configuration: a global file plus one file per tenant, with validation and reload.
+
+Layout of a config directory::
+
+    runloop.toml          global: server, store, upstreams, defaults (model windows, policy)
+    tenants/*.toml        one tenant per file; each field overrides the global defaults
+
+Secrets are written as ``${ENV_VAR}`` references and resolved at load time. Proxy keys may be
+given as ``sha256:<hex>`` so the plain key never sits in a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+
+GLOBAL_FILE = "runloop.toml"
+TENANTS_DIR = "tenants"
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+BUILTIN_CONTEXT_WINDOWS: dict[str, int] = {
+    "gpt-4o": 128_000,
+    "gpt-4o-mini": 128_000,
+    "gpt-4.1": 1_047_576,
+    "gpt-4.1-mini": 1_047_576,
+    "gpt-4.1-nano": 1_047_576,
+    "gpt-4-turbo": 128_000,
+    "gpt-4": 8_192,
+    "gpt-3.5-turbo": 16_385,
+    "o1": 200_000,
+    "o3": 200_000,
+    "o3-mini": 200_000,
+    "o4-mini": 200_000,
+    "gpt-5": 400_000,
+    "gpt-5-mini": 400_000,
+    "deepseek-chat": 128_000,
+    "deepseek-reasoner": 128_000,
+    "claude-sonnet-4": 200_000,
+    "claude-opus-4": 200_000,
+}
+DEFAULT_CONTEXT_WINDOW = 128_000
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ReducePastLoops(str, Enum):
+    ALWAYS = "always"
+    OVER_THRESHOLD = "over_threshold"
+
+
+class Policy(_Strict):
+    """How a tenant's windows are compressed. Token amounts are in the model's tokens."""
+
+    enabled: bool = True
+    max_run_loops: int = Field(10, ge=1)
+    max_message_length: int = Field(500, ge=16, description="tokens kept of a past user/final")
+    max_time_range_s: float = Field(7 * 86_400, gt=0)
+    threshold: float = Field(0.8, gt=0, le=1)
+    target: float = Field(0.5, gt=0, le=1)
+    soft_budget_tokens: int | None = Field(
+        24_000, ge=1024, description="working budget below the model window (cost cap)"
+    )
+    keep_recent_tool_results: int = Field(4, ge=0)
+    clear_at_least: int = Field(2_000, ge=0)
+    exclude_tools: tuple[str, ...] = ()
+    reduce_past_loops: ReducePastLoops = ReducePastLoops.ALWAYS
+    ledger_arg_chars: int = Field(60, ge=0)
+    reasoning_keep_tokens: int = Field(200, ge=16)
+    max_tool_result_share: float = Field(0.25, gt=0, le=1)
+    reserved_output_tokens: int = Field(4_096, ge=0)
+    safety_margin_tokens: int = Field(512, ge=0)
+    max_tool_rounds: int = Field(4, ge=0, le=16)
+    search_results: int = Field(5, ge=1, le=50)
+
+    @field_validator("target")
+    @classmethod
+    def _target_below_threshold(cls, v: float, info: Any) -> float:
+        threshold = info.data.get("threshold", 0.8)
+        if v >= threshold:
+            raise ValueError(f"target ({v}) must be below threshold ({threshold})")
+        return v
+
+
+class ModelSpec(_Strict):
+    context_window: int = Field(gt=0)
+    encoding: str | None = None
+
+
+class UpstreamSpec(_Strict):
+    url: str
+    api_key: str | None = None
+    connect_timeout: float = Field(10.0, gt=0)
+    read_timeout: float = Field(600.0, gt=0)
+    total_timeout: float = Field(1800.0, gt=0)
+    max_retries: int = Field(2, ge=0, le=10)
+    backoff_base: float = Field(0.25, ge=0)
+    backoff_max: float = Field(8.0, ge=0)
+    max_connections: int = Field(512, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return v.rstrip("/")
+
+
+class ServerSection(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    session_header: str = "X-Session-Id"
+    admin_key: str | None = None
+
+
+class StoreSection(_Strict):
+    redis_url: str | None = None
+    key_prefix: str = "rl"
+    retention_days: float = Field(30, gt=0)
+    max_messages_per_session: int = Field(20_000, ge=10)
+    max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_branches: int = Field(256, ge=1)
+    timeout_s: float = Field(0.5, gt=0)
+    retry_after_s: float = Field(2.0, ge=0)
+
+
+class TenantSpec(_Strict):
+    name: str
+    keys: tuple[str, ...] = ()
+    upstream: str = "default"
+    upstream_key: str | None = None
+    forward_client_key: bool = False
+    models: dict[str, ModelSpec] = {}
+    default_context_window: int = Field(DEFAULT_CONTEXT_WINDOW, gt=0)
+    retention_days: float | None = Field(None, gt=0)
+    policy: Policy = Policy()
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}", v):
+            raise ValueError("must be 1-63 letters, digits, '.', '_' or '-'")
+        return v
+
+    def context_window(self, model: str) -> int:
+        spec = self.models.get(model)
+        if spec is not None:
+            return spec.context_window
+        builtin = _builtin_window(model)
+        return builtin if builtin is not None else self.default_context_window
+
+    def encoding_for(self, model: str) -> str | None:
+        spec = self.models.get(model)
+        return spec.encoding if spec is not None else None
+
+
+def _builtin_window(model: str) -> int | None:
+    if model in BUILTIN_CONTEXT_WINDOWS:
+        return BUILTIN_CONTEXT_WINDOWS[model]
+    # Dated snapshots ("gpt-4o-2024-08-06") share their family's window: longest prefix wins.
+    best = max((m for m in BUILTIN_CONTEXT_WINDOWS if model.startswith(m + "-")),
+               key=len, default=None)
+    return BUILTIN_CONTEXT_WINDOWS[best] if best else None
+
+
+class GlobalFile(_Strict):
+    server: ServerSection = ServerSection()
+    store: StoreSection = StoreSection()
+    upstreams: dict[str, UpstreamSpec] = {}
+    defaults: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the command line and RUNLOOP_* environment say; overrides the files."""
+
+    host: str | None = None
+    port: int | None = None
+    upstream: str | None = None
+    config_dir: str | None = None
+    redis_url: str | None = None
+    data_dir: str = ".runloop"
+    log_level: str = "info"
+    log_format: Literal["json", "text"] = "json"
+    context_window: int | None = None
+    admin_key: str | None = None
+    workers: int = 1
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """The effective, validated configuration shared by every request."""
+
+    server: ServerSection
+    store: StoreSection
+    upstreams: dict[str, UpstreamSpec]
+    tenants: dict[str, TenantSpec]
+    passthrough: TenantSpec | None
+    key_index: dict[str, str] = field(default_factory=dict)  # sha256(key) -> tenant name
+    sources: tuple[Path, ...] = ()
+
+    def tenant_for_key(self, key: str | None) -> TenantSpec | None:
+        if key is None:
+            return None
+        name = self.key_index.get(hash_key(key))
+        return self.tenants.get(name) if name else None
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _resolve_env(value: Any, where: str, file: str) -> Any:
+    if isinstance(value, str):
+        def sub(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name not in os.environ:
+                raise ConfigError(file, where, f"environment variable {name} is not set")
+            return os.environ[name]
+        return _ENV_REF.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: _resolve_env(v, f"{where}.{k}" if where else k, file) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve_env(v, f"{where}[{i}]", file) for i, v in enumerate(value)]
+    return value
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = _deep_merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path), "", f"invalid TOML: {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from exc
+
+
+def _validate(model: type[_Strict], data: dict[str, Any], file: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(file, loc, err["msg"]) from exc
+
+
+def _key_hashes(tenant: TenantSpec, file: str) -> list[str]:
+    hashes = []
+    for i, key in enumerate(tenant.keys):
+        if key.startswith("sha256:"):
+            digest = key.removeprefix("sha256:").lower()
+            if not re.fullmatch(r"[0-9a-f]{64}", digest):
+                raise ConfigError(file, f"keys[{i}]", "sha256: must be followed by 64 hex digits")
+            hashes.append(digest)
+        elif len(key) < 16:
+            raise ConfigError(file, f"keys[{i}]", "a proxy key must be at least 16 characters")
+        else:
+            hashes.append(hash_key(key))
+    return hashes
+
+
+def passthrough_tenant(settings: Settings, defaults: dict[str, Any] | None = None) -> TenantSpec:
+    data = _deep_merge(defaults or {}, {"name": "passthrough", "forward_client_key": True})
+    if settings.context_window:
+        data["default_context_window"] = settings.context_window
+    return TenantSpec.model_validate(data)
+
+
+def load_config(settings: Settings) -> ProxyConfig:
+    """Build the effective config from the files (if any) and the settings; raise ConfigError."""
+    raw: dict[str, Any] = {}
+    sources: list[Path] = []
+    tenant_files: list[Path] = []
+    if settings.config_dir:
+        root = Path(settings.config_dir)
+        if not root.is_dir():
+            raise ConfigError(str(root), "", "config directory does not exist")
+        gpath = root / GLOBAL_FILE
+        if gpath.exists():
+            raw = _resolve_env(_read_toml(gpath), "", str(gpath))
+            sources.append(gpath)
+        tdir = root / TENANTS_DIR
+        if tdir.is_dir():
+            tenant_files = sorted(tdir.glob("*.toml"))
+    gfile: GlobalFile = _validate(GlobalFile, raw, str(sources[0]) if sources else "<defaults>")
+
+    server_over = {k: v for k, v in (("host", settings.host), ("port", settings.port),
+                                     ("admin_key", settings.admin_key)) if v is not None}
+    server = gfile.server.model_copy(update=server_over)
+    store = gfile.store.model_copy(update={"redis_url": settings.redis_url}
+                                   if settings.redis_url else {})
+    upstreams = dict(gfile.upstreams)
+    if settings.upstream:
+        upstreams["default"] = _validate(UpstreamSpec, {"url": settings.upstream}, "--upstream")
+    defaults = dict(gfile.defaults)
+    if settings.context_window:
+        defaults["default_context_window"] = settings.context_window
+
+    tenants: dict[str, TenantSpec] = {}
+    key_index: dict[str, str] = {}
+    for path in tenant_files:
+        data = _resolve_env(_read_toml(path), "", str(path))
+        data.setdefault("name", path.stem)
+        tenant: TenantSpec = _validate(TenantSpec, _deep_merge(defaults, data), str(path))
+        if tenant.name in tenants:
+            raise ConfigError(str(path), "name", f"tenant {tenant.name!r} is defined twice")
+        if tenant.upstream not in upstreams:
+            raise ConfigError(str(path), "upstream",
+                              f"unknown upstream {tenant.upstream!r} "
+                              f"(known: {', '.join(sorted(upstreams)) or 'none'})")
+        if not tenant.keys:
+            raise ConfigError(str(path), "keys", "a tenant needs at least one proxy key")
+        if not tenant.upstream_key and not tenant.forward_client_key \
+                and not upstreams[tenant.upstream].api_key:
+            raise ConfigError(str(path), "upstream_key",
+                              "no upstream key (set upstream_key or the upstream's api_key)")
+        for digest in _key_hashes(tenant, str(path)):
+            if digest in key_index:
+                raise ConfigError(str(path), "keys",
+                                  f"a key is already used by tenant {key_index[digest]!r}")
+            key_index[digest] = tenant.name
+        tenants[tenant.name] = tenant
+        sources.append(path)
+
+    passthrough = None
+    if not tenants:
+        if "default" not in upstreams:
+            raise ConfigError("<settings>", "upstream",
+                              "no tenants are configured: give --upstream (pass-through mode)")
+        passthrough = passthrough_tenant(settings, defaults)
+    return ProxyConfig(server=server, store=store, upstreams=upstreams, tenants=tenants,
+                       passthrough=passthrough, key_index=key_index, sources=tuple(sources))
+
+
+def describe(config: ProxyConfig) -> dict[str, Any]:
+    """The effective config as plain data, secrets redacted (for check-config)."""
+    def redact_upstream(u: UpstreamSpec) -> dict[str, Any]:
+        d = u.model_dump()
+        d["api_key"] = "<set>" if u.api_key else None
+        return d
+
+    tenants = {}
+    for name, t in {**config.tenants, **({"passthrough": config.passthrough}
+                                          if config.passthrough else {})}.items():
+        d = t.model_dump(mode="json")
+        d["keys"] = [f"<{len(t.keys)} key(s)>"] if t.keys else []
+        d["upstream_key"] = "<set>" if t.upstream_key else None
+        tenants[name] = d
+    server = config.server.model_dump()
+    server["admin_key"] = "<set>" if config.server.admin_key else None
+    return {"server": server, "store": config.store.model_dump(),
+            "upstreams": {n: redact_upstream(u) for n, u in config.upstreams.items()},
+            "tenants": tenants}
+
+
+def config_mtimes(config_dir: str | None) -> tuple[tuple[str, float], ...]:
+    """A cheap fingerprint of the config files, to notice edits without inotify."""
+    if not config_dir:
+        return ()
+    root = Path(config_dir)
+    paths = [root / GLOBAL_FILE, *sorted((root / TENANTS_DIR).glob("*.toml"))]
+    out = []
+    for p in paths:
+        try:
+            out.append((str(p), p.stat().st_mtime))
+        except OSError:
+            continue
+    return tuple(out)

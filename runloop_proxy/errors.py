@@ -1,0 +1,129 @@
+"""Every error the proxy raises, and the OpenAI-shaped body a client sees for it.
+
+    ProxyError
+    ├── ClientError                 the request is at fault (4xx, shown to the client)
+    │   ├── InvalidRequest          400 invalid_request_error (names the field)
+    │   ├── ContextLengthExceeded   400 context_length_exceeded
+    │   ├── AuthenticationFailed    401 invalid_api_key
+    │   ├── PermissionDenied        403
+    │   ├── NotFound                404
+    │   └── PayloadTooLarge         413
+    ├── UpstreamError               the upstream is at fault (5xx or its own status)
+    │   ├── UpstreamUnreachable     502
+    │   ├── UpstreamTimeout         504
+    │   └── UpstreamStatus          the upstream's own status and body, passed through
+    ├── StoreError                  Redis failed: the proxy degrades, the client never sees it
+    │   └── StoreLimitExceeded      a session outgrew its configured bounds
+    └── ConfigError                 a config file is invalid (file, field, why)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class ProxyError(Exception):
+    """Base of every error raised by runloop-proxy."""
+
+
+class ClientError(ProxyError):
+    status = 400
+    error_type = "invalid_request_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.error_type, self.param, self.code)
+
+
+class InvalidRequest(ClientError):
+    pass
+
+
+class ContextLengthExceeded(ClientError):
+    code = "context_length_exceeded"
+
+
+class AuthenticationFailed(ClientError):
+    status = 401
+    error_type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PermissionDenied(ClientError):
+    status = 403
+    error_type = "permission_error"
+
+
+class NotFound(ClientError):
+    status = 404
+    code = "not_found"
+
+
+class PayloadTooLarge(ClientError):
+    status = 413
+    code = "request_too_large"
+
+
+class UpstreamError(ProxyError):
+    status = 502
+    error_type = "upstream_error"
+    code = "upstream_error"
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), self.error_type, None, self.code)
+
+
+class UpstreamUnreachable(UpstreamError):
+    status = 502
+    code = "upstream_unreachable"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    code = "upstream_timeout"
+
+
+class UpstreamStatus(UpstreamError):
+    """The upstream answered with an error status; its body goes back unchanged."""
+
+    def __init__(self, status: int, body: bytes, headers: dict[str, str]):
+        super().__init__(f"upstream answered {status}")
+        self.status = status
+        self.raw_body = body
+        self.headers = headers
+
+
+class StoreError(ProxyError):
+    pass
+
+
+class StoreLimitExceeded(StoreError):
+    pass
+
+
+class ConfigError(ProxyError):
+    def __init__(self, file: str, field: str, why: str):
+        super().__init__(f"{file}: {field}: {why}" if field else f"{file}: {why}")
+        self.file = file
+        self.field = field
+        self.why = why
+
+
+def error_body(
+    message: str, error_type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_bytes(message: str, error_type: str, param: str | None = None,
+                code: str | None = None) -> bytes:
+    return orjson.dumps(error_body(message, error_type, param, code))

@@ -1,0 +1,93 @@
+"""Prometheus metrics. Labels are bounded: tenant names and model names only, never keys,
+session ids or prompt text. Several uvicorn workers: set PROMETHEUS_MULTIPROC_DIR (README)."""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_OVERHEAD = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
+MAX_MODEL_LABELS = 64
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        self._models: set[str] = set()
+        r = self.registry
+        tm = ("tenant", "model")
+        self.requests = Counter("runloop_requests_total", "Chat requests by outcome",
+                                [*tm, "status", "stream"], registry=r)
+        self.passthrough_requests = Counter("runloop_passthrough_requests_total",
+                                            "Other /v1 requests passed through",
+                                            ["tenant", "status"], registry=r)
+        self.in_flight = Gauge("runloop_in_flight_requests", "Requests being served",
+                               registry=r, multiprocess_mode="livesum")
+        self.upstream_latency = Histogram("runloop_upstream_latency_seconds",
+                                          "Upstream time per request (all upstream calls)", tm,
+                                          buckets=_LATENCY, registry=r)
+        self.ttft = Histogram("runloop_time_to_first_token_seconds",
+                              "Time from request to first streamed byte", tm,
+                              buckets=_LATENCY, registry=r)
+        self.overhead = Histogram("runloop_proxy_overhead_seconds",
+                                  "Time spent in the proxy excluding the upstream", tm,
+                                  buckets=_OVERHEAD, registry=r)
+        self.client_tokens = Counter("runloop_prompt_tokens_client_total",
+                                     "Prompt tokens as the client sent them", tm, registry=r)
+        self.forwarded_tokens = Counter("runloop_prompt_tokens_forwarded_total",
+                                        "Prompt tokens as forwarded upstream", tm, registry=r)
+        self.saved_tokens = Counter("runloop_prompt_tokens_saved_total",
+                                    "Prompt tokens saved by the window", tm, registry=r)
+        self.usage_tokens = Counter("runloop_upstream_usage_tokens_total",
+                                    "Upstream-reported usage", [*tm, "kind"], registry=r)
+        self.compactions = Counter("runloop_compaction_events_total",
+                                   "Window compaction events", [*tm, "kind"], registry=r)
+        self.recalls = Counter("runloop_recalls_total", "Proxy-owned tool calls answered",
+                               ["tenant", "tool", "outcome"], registry=r)
+        self.summaries = Counter("runloop_summaries_total", "Summaries by outcome",
+                                 ["tenant", "outcome"], registry=r)
+        self.summary_latency = Histogram("runloop_summary_latency_seconds",
+                                         "Summary generation latency", ["tenant"],
+                                         buckets=_LATENCY, registry=r)
+        self.truncations = Counter("runloop_truncations_total",
+                                   "Hard-limit truncations", tm, registry=r)
+        self.rejections = Counter("runloop_context_rejections_total",
+                                  "Requests refused as context_length_exceeded", tm, registry=r)
+        self.store_errors = Counter("runloop_store_errors_total", "Store operation failures",
+                                    ["op"], registry=r)
+        self.degraded = Counter("runloop_degraded_requests_total",
+                                "Requests served in degraded mode", ["tenant", "reason"],
+                                registry=r)
+        self.store_up = Gauge("runloop_store_up", "1 when the store answered last time",
+                              registry=r, multiprocess_mode="max")
+        self.config_reloads = Counter("runloop_config_reloads_total", "Config reloads",
+                                      ["outcome"], registry=r)
+        self.store_latency = Histogram("runloop_store_latency_seconds",
+                                       "Store round-trips on the request path", ["op"],
+                                       buckets=_OVERHEAD, registry=r)
+
+    def model_label(self, model: str) -> str:
+        """Model names come from clients: cap how many distinct ones become labels."""
+        if model in self._models:
+            return model
+        if len(self._models) < MAX_MODEL_LABELS and len(model) <= 64:
+            self._models.add(model)
+            return model
+        return "other"
+
+    def render(self) -> tuple[bytes, str]:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+            return generate_latest(registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

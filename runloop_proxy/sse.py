@@ -1,0 +1,107 @@
+"""Incremental Server-Sent Events decoding and encoding (pure: bytes in, events out).
+
+The decoder accepts any chunking of the byte stream — a line split across chunks, CRLF split
+between two chunks, many events in one chunk — and LF, CR or CRLF line endings, as the SSE
+spec allows.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import orjson
+
+
+class SSEEvent(NamedTuple):
+    data: str
+    event: str | None = None
+    id: str | None = None
+
+    @property
+    def is_done(self) -> bool:
+        return self.data.strip() == "[DONE]"
+
+
+class SSEDecoder:
+    """Feed bytes, get complete events; ``flush()`` at end of stream yields a trailing event."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._pending_cr = False
+        self._data: list[str] = []
+        self._event: str | None = None
+        self._id: str | None = None
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        if self._pending_cr and chunk.startswith(b"\n"):
+            chunk = chunk[1:]  # the LF half of a CRLF split across chunks
+        self._pending_cr = False
+        buf = self._buf + chunk
+        events: list[SSEEvent] = []
+        start = 0
+        n = len(buf)
+        while start < n:
+            lf = buf.find(b"\n", start)
+            cr = buf.find(b"\r", start, lf if lf != -1 else n)
+            if cr != -1:
+                end, nxt = cr, cr + 1
+                if nxt < n and buf[nxt] == 0x0A:
+                    nxt += 1
+                elif nxt == n:
+                    self._pending_cr = True
+            elif lf != -1:
+                end, nxt = lf, lf + 1
+            else:
+                break
+            event = self._line(buf[start:end])
+            if event is not None:
+                events.append(event)
+            start = nxt
+        self._buf = buf[start:]
+        return events
+
+    def flush(self) -> list[SSEEvent]:
+        events = []
+        if self._buf:
+            event = self._line(self._buf)
+            self._buf = b""
+            if event is not None:
+                events.append(event)
+        event = self._line(b"")
+        if event is not None:
+            events.append(event)
+        return events
+
+    def _line(self, raw: bytes) -> SSEEvent | None:
+        if not raw:
+            if not self._data and self._event is None:
+                return None
+            event = SSEEvent("\n".join(self._data), self._event, self._id)
+            self._data, self._event = [], None
+            return event
+        line = raw.decode("utf-8", errors="replace")
+        if line.startswith(":"):
+            return None
+        name, sep, value = line.partition(":")
+        if sep and value.startswith(" "):
+            value = value[1:]
+        if name == "data":
+            self._data.append(value)
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            self._id = value
+        return None
+
+
+def encode_event(data: bytes | str, event: str | None = None) -> bytes:
+    payload = data.encode() if isinstance(data, str) else data
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + payload + b"\n\n"
+
+
+def encode_json(obj: object) -> bytes:
+    return encode_event(orjson.dumps(obj))
+
+
+DONE = b"data: [DONE]\n\n"

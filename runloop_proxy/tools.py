@@ -1,0 +1,255 @@
+"""Proxy-owned tools: their definitions, their execution, and splicing their exchanges back.
+
+The model sees ``recall_tool_call`` and ``search_history`` only when the window elided or
+omitted something. The proxy answers them itself; the client never sees these calls. When the
+model mixes them with the client's own calls in one message, the client gets only its calls and
+the proxy keeps its part, to splice back when the client's next request arrives.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .errors import StoreError
+from .messages import Message, ToolCall, message_hash, message_text
+from .runloops import segment
+from .store import RedisStore
+
+RECALL = "recall_tool_call"
+SEARCH = "search_history"
+_WORD = re.compile(r"[A-Za-z0-9_]{2,}|[^\sA-Za-z0-9_]", re.UNICODE)
+SNIPPET_CHARS = 240
+
+
+def _definition(name: str, kind: str) -> dict[str, Any]:
+    if kind == RECALL:
+        return {"type": "function", "function": {
+            "name": name,
+            "description": "Return, verbatim, the result of an earlier tool call whose result "
+                           "was elided from the conversation to save context. Use the call_id "
+                           "shown in the elision note or ledger.",
+            "parameters": {"type": "object", "properties": {
+                "call_id": {"type": "string", "description": "the call_id from the note"}},
+                "required": ["call_id"], "additionalProperties": False}}}
+    return {"type": "function", "function": {
+        "name": name,
+        "description": "Search this conversation's full history, including turns and tool "
+                       "results no longer shown, and return the best-matching snippets with "
+                       "their turn index and call ids.",
+        "parameters": {"type": "object", "properties": {
+            "query": {"type": "string", "description": "words to look for"}},
+            "required": ["query"], "additionalProperties": False}}}
+
+
+@dataclass(frozen=True)
+class ProxyTools:
+    """The proxy's tool names for one request: renamed if the client already uses a name."""
+
+    names: dict[str, str]  # name as the model sees it -> RECALL | SEARCH
+
+    @classmethod
+    def for_request(cls, client_tools: list[dict[str, Any]] | None) -> ProxyTools:
+        taken = {str((t.get("function") or {}).get("name")) for t in client_tools or []
+                 if isinstance(t, dict)}
+        names: dict[str, str] = {}
+        for kind in (RECALL, SEARCH):
+            name = kind
+            k = 1
+            while name in taken:
+                name = f"runloop_{kind}" if k == 1 else f"runloop_{kind}_{k}"
+                k += 1
+            names[name] = kind
+        return cls(names)
+
+    def definitions(self) -> list[dict[str, Any]]:
+        return [_definition(name, kind) for name, kind in self.names.items()]
+
+    def owns(self, call: ToolCall) -> bool:
+        return (call.get("function") or {}).get("name") in self.names
+
+
+def splice_internal(messages: list[Message], keys: list[str],
+                    internal: dict[str, dict[str, Any]]) -> tuple[list[Message], list[str],
+                                                                  frozenset[str]]:
+    """Put the proxy's stored tool exchanges back where they happened.
+
+    ``internal`` maps the hash of a client-visible assistant message to
+    ``{"before": [...], "replace": msg | None, "after": [...]}``. Returns the messages, their
+    keys and the call ids of the spliced proxy results (kept visible for the rest of the loop).
+    """
+    if not internal:
+        return messages, keys, frozenset()
+    out: list[Message] = []
+    out_keys: list[str] = []
+    protected: set[str] = set()
+    pending_after: list[Message] = []
+
+    def flush_after() -> None:
+        for m in pending_after:
+            out.append(m)
+            out_keys.append(message_hash(m))
+            protected.add(str(m.get("tool_call_id", "")))
+        pending_after.clear()
+
+    for m, k in zip(messages, keys, strict=True):
+        if pending_after and m.get("role") != "tool":
+            flush_after()
+        entry = internal.get(k) if m.get("role") == "assistant" else None
+        if entry:
+            for extra in entry.get("before", []):
+                out.append(extra)
+                out_keys.append(message_hash(extra))
+                if extra.get("role") == "tool":
+                    protected.add(str(extra.get("tool_call_id", "")))
+            replacement = entry.get("replace")
+            if replacement:
+                out.append(replacement)
+                out_keys.append(message_hash(replacement))
+            else:
+                out.append(m)
+                out_keys.append(k)
+            pending_after.extend(entry.get("after", []))
+            continue
+        out.append(m)
+        out_keys.append(k)
+    if pending_after:
+        # the client has not answered its own calls yet: the proxy's answers wait with them
+        pending_after.clear()
+    return out, out_keys, frozenset(protected)
+
+
+class ToolRunner:
+    """Executes proxy-owned calls against the request's conversation and the store."""
+
+    def __init__(self, tools: ProxyTools, messages: list[Message], keys: list[str],
+                 store: RedisStore | None, tenant: str, session_id: str, max_results: int):
+        self.tools = tools
+        self.messages = messages
+        self.keys = keys
+        self.store = store
+        self.tenant = tenant
+        self.session_id = session_id
+        self.max_results = max_results
+        self.outcomes: list[tuple[str, str]] = []  # (tool, outcome) for metrics
+
+    async def run(self, call: ToolCall) -> Message:
+        fn = call.get("function") or {}
+        kind = self.tools.names.get(str(fn.get("name")), "")
+        try:
+            args = orjson.loads(fn.get("arguments") or "{}")
+            if not isinstance(args, dict):
+                raise ValueError("arguments must be a JSON object")
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            self.outcomes.append((kind, "bad_arguments"))
+            return _tool_message(call, f"error: invalid arguments ({exc})")
+        if kind == RECALL:
+            content, outcome = await self.recall(str(args.get("call_id", "")))
+        else:
+            content, outcome = await self.search(str(args.get("query", "")))
+        self.outcomes.append((kind, outcome))
+        return _tool_message(call, content)
+
+    async def recall(self, ref: str) -> tuple[Any, str]:
+        call_id, _, short = ref.partition("#")
+        if not call_id:
+            return "error: call_id is required", "bad_arguments"
+        found = [(k, m) for m, k in zip(self.messages, self.keys, strict=True)
+                 if m.get("role") == "tool" and m.get("tool_call_id") == call_id]
+        if not found and self.store is not None:
+            try:
+                stored = await self.store.tool_results(self.tenant, self.session_id, call_id)
+            except StoreError:
+                return (f"error: the history store is unavailable; call {call_id} cannot be "
+                        f"recalled right now"), "store_error"
+            found = [(message_hash(m), m) for m in stored]
+        if short:
+            found = [(k, m) for k, m in found if k.startswith(short)]
+        if not found:
+            return f"error: no tool result with call_id {ref!r} in this conversation", \
+                "not_found"
+        content = found[-1][1].get("content")
+        if len(found) > 1:
+            others = ", ".join(f"{call_id}#{k[:8]}" for k, _ in found[:-1])
+            note = f"\n[runloop-proxy] call_id {call_id} was used more than once; this is the " \
+                   f"latest. Earlier: {others}"
+            content = (content if isinstance(content, str) else message_text(found[-1][1])) \
+                + note
+        return content, "hit"
+
+    async def search(self, query: str) -> tuple[str, str]:
+        terms = [t.lower() for t in _WORD.findall(query) if t.strip() and len(t) > 1]
+        if not terms:
+            return "error: query must contain words", "bad_arguments"
+        corpus: list[tuple[str, Message]] = list(zip(self.keys, self.messages, strict=True))
+        if self.store is not None:
+            try:
+                stored = await self.store.all_messages(self.tenant, self.session_id)
+            except StoreError:
+                stored = []
+            known = set(self.keys)
+            corpus += [(k, m) for k, m in stored if k not in known]
+        loop_of = _loop_index(self.messages, self.keys)
+        hits = rank(terms, corpus, self.max_results)
+        if not hits:
+            return f"no match for {query!r} in this conversation's history", "miss"
+        lines = [f"{len(hits)} best match(es) for {query!r}:"]
+        for score, key, m in hits:
+            where = f"turn {loop_of[key]}" if key in loop_of else "another branch"
+            ids = ""
+            if m.get("role") == "tool":
+                ids = f" call_id={m.get('tool_call_id')}"
+            elif m.get("tool_calls"):
+                ids = " calls=" + ",".join(str(c.get("id")) for c in m["tool_calls"])
+            lines.append(f"- [{where}, {m.get('role')}{ids}, score {score:.2f}] "
+                         f"{snippet(message_text(m), terms)}")
+        return "\n".join(lines), "hit"
+
+
+def _loop_index(messages: list[Message], keys: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for lp in segment(messages):
+        for i in lp.positions:
+            out.setdefault(keys[i], lp.index)
+    return out
+
+
+def rank(terms: list[str], corpus: list[tuple[str, Message]], k: int
+         ) -> list[tuple[float, str, Message]]:
+    """BM25-style ranking of messages for the query terms (pure)."""
+    docs = [(key, m, Counter(t.lower() for t in _WORD.findall(message_text(m))))
+            for key, m in corpus]
+    if not docs:
+        return []
+    avg = sum(sum(c.values()) for _, _, c in docs) / len(docs) or 1.0
+    df = {t: sum(1 for _, _, c in docs if t in c) for t in set(terms)}
+    scored = []
+    for key, m, c in docs:
+        length = sum(c.values()) or 1
+        score = 0.0
+        for t in terms:
+            tf = c.get(t, 0)
+            if tf:
+                idf = math.log(1 + (len(docs) - df[t] + 0.5) / (df[t] + 0.5))
+                score += idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * length / avg))
+        if score > 0:
+            scored.append((score, key, m))
+    scored.sort(key=lambda s: -s[0])
+    return scored[:k]
+
+
+def snippet(text: str, terms: list[str]) -> str:
+    low = text.lower()
+    pos = min((p for p in (low.find(t) for t in terms) if p >= 0), default=0)
+    start = max(0, pos - SNIPPET_CHARS // 3)
+    piece = " ".join(text[start:start + SNIPPET_CHARS].split())
+    return ("…" if start else "") + piece + ("…" if start + SNIPPET_CHARS < len(text) else "")
+
+
+def _tool_message(call: ToolCall, content: Any) -> Message:
+    return {"role": "tool", "tool_call_id": call["id"], "content": content}

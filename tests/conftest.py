@@ -1,0 +1,175 @@
+"""Shared fixtures: a real Redis, a scripted upstream and the proxy, each a real server."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from runloop_proxy.app import create_app
+from runloop_proxy.config import ProxyConfig, Settings, load_config
+from runloop_proxy.embedded import find_redis_server
+from runloop_proxy.metrics import Metrics
+from runloop_proxy.scripted import ScriptedUpstream
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port (tests that restart or kill it)."""
+
+    def __init__(self, *extra: str, port: int | None = None, data_dir: str | None = None):
+        binary = find_redis_server()
+        if binary is None:
+            pytest.skip("no redis-server binary on this machine")
+        self.binary = binary
+        self.port = port or free_port()
+        self.dir = data_dir or tempfile.mkdtemp(prefix="rl-redis-")
+        self.extra = extra
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> RedisServer:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.dir, *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    """REDIS_URL when given, else a redis-server the tests start themselves."""
+    given = os.environ.get("REDIS_URL")
+    if given:
+        yield given
+        return
+    server = RedisServer().start()
+    yield server.url
+    server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def upstream_server() -> Iterator[ScriptedUpstream]:
+    up = ScriptedUpstream().start()
+    yield up
+    up.stop()
+
+
+@pytest.fixture
+def upstream(upstream_server: ScriptedUpstream) -> ScriptedUpstream:
+    upstream_server.reset()
+    return upstream_server
+
+
+class ProxyServer:
+    """runloop-proxy under a real uvicorn server on a loopback port, in a thread."""
+
+    def __init__(self, settings: Settings, config: ProxyConfig | None = None):
+        self.settings = settings
+        self.config = config
+        self.metrics = Metrics()
+        self.app = create_app(settings, config, metrics=self.metrics)
+        self.server: uvicorn.Server | None = None
+        self.thread: threading.Thread | None = None
+        self.port = 0
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return self.base + "/v1"
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.runloop
+
+    def start(self) -> ProxyServer:
+        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="error",
+                             lifespan="on", access_log=False)
+        self.server = uvicorn.Server(cfg)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("proxy did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+            if self.thread is not None:
+                self.thread.join(timeout=15)
+
+
+def unique_config(settings: Settings, **store: Any) -> ProxyConfig:
+    config = load_config(settings)
+    prefix = "t" + uuid.uuid4().hex[:10]
+    return dataclasses.replace(config, store=config.store.model_copy(
+        update={"key_prefix": prefix, **store}))
+
+
+@pytest.fixture
+def make_proxy(upstream: ScriptedUpstream, redis_url: str, tmp_path: Path) -> Iterator[Any]:
+    started: list[ProxyServer] = []
+
+    def make(config_dir: str | None = None, redis: str | None = None, **kw: Any) -> ProxyServer:
+        store_kw = kw.pop("store", {})
+        settings = Settings(upstream=None if config_dir else upstream.url,
+                            config_dir=config_dir, redis_url=redis or redis_url,
+                            data_dir=str(tmp_path / "data"), **kw)
+        proxy = ProxyServer(settings, unique_config(settings, **store_kw)).start()
+        started.append(proxy)
+        return proxy
+
+    yield make
+    for p in started:
+        p.stop()
+
+
+@pytest.fixture
+def proxy(make_proxy: Any) -> ProxyServer:
+    return make_proxy()  # type: ignore[no-any-return]

@@ -1,0 +1,317 @@
+"""The proxy core through real HTTP: the official openai SDK against the proxy in front of a
+scripted upstream."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer, free_port
+
+
+def client(proxy: ProxyServer, **kw: object) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url, api_key="sk-test-client-key", max_retries=0, **kw)
+
+
+def test_sync_completion_passes_through(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.push({"content": "hello there"})
+    resp = client(proxy).chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}])
+    assert resp.choices[0].message.content == "hello there"
+    assert resp.usage is not None and resp.usage.total_tokens > 0
+    # the client's own key reaches the upstream in pass-through mode
+    assert upstream.headers[-1]["authorization"] == "Bearer sk-test-client-key"
+
+
+def test_unknown_fields_and_options_pass_through_byte_identical(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    c = client(proxy)
+    c.chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "hi"}], seed=7, n=2,
+        logprobs=True, top_logprobs=2, response_format={"type": "json_object"},
+        extra_body={"some_vendor_field": {"x": [1, 2]}, "another": None})
+    sent = upstream.requests[-1]
+    assert sent["seed"] == 7 and sent["n"] == 2 and sent["logprobs"] is True
+    assert sent["response_format"] == {"type": "json_object"}
+    assert sent["some_vendor_field"] == {"x": [1, 2]} and "another" in sent
+    # nothing to compress: the body the upstream saw is the body the client sent
+    raw = c.chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "second"}], seed=1)
+    assert raw.http_request.content == upstream.raw_bodies[-1]
+
+
+def test_n_choices_come_back(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    resp = client(proxy).chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}], n=3)
+    assert len(resp.choices) == 3
+
+
+def test_streaming_with_usage(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.push({"content": "one two three four five six seven"})
+    stream = client(proxy).chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "count"}], stream=True,
+        stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "one two three four five six seven"
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens > 0
+
+
+def test_tool_calls_parallel_round_trip(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    upstream.push({"tool_calls": [{"id": "call_a", "name": "get_weather",
+                                   "arguments": {"city": "Paris"}},
+                                  {"id": "call_b", "name": "get_weather",
+                                   "arguments": {"city": "Rome"}}]},
+                  {"content": "Paris 20C, Rome 25C"})
+    c = client(proxy)
+    msgs: list[dict[str, object]] = [{"role": "user", "content": "weather?"}]
+    first = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=tools)
+    calls = first.choices[0].message.tool_calls
+    assert calls is not None and [t.id for t in calls] == ["call_a", "call_b"]
+    assert first.choices[0].finish_reason == "tool_calls"
+    msgs.append(first.choices[0].message.model_dump(exclude_none=True))
+    for t in calls:
+        msgs.append({"role": "tool", "tool_call_id": t.id, "content": "sunny"})
+    second = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=tools)
+    assert second.choices[0].message.content == "Paris 20C, Rome 25C"
+    assert upstream.requests[-1]["tools"] == tools
+
+
+def test_streamed_tool_calls(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.push({"tool_calls": [{"id": "call_s", "name": "lookup",
+                                   "arguments": {"q": "a long argument string here"}}]})
+    stream = client(proxy).chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "look"}], stream=True,
+        tools=[{"type": "function", "function": {"name": "lookup", "parameters": {}}}])
+    args = ""
+    finish = None
+    for ch in stream:
+        for choice in ch.choices:
+            for tc in choice.delta.tool_calls or []:
+                args += tc.function.arguments or "" if tc.function else ""
+            finish = choice.finish_reason or finish
+    assert orjson.loads(args) == {"q": "a long argument string here"}
+    assert finish == "tool_calls"
+
+
+async def test_async_client_concurrent(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    c = openai.AsyncOpenAI(base_url=proxy.url, api_key="sk-async", max_retries=0)
+    results = await asyncio.gather(*[
+        c.chat.completions.create(model="gpt-4o-mini",
+                                  messages=[{"role": "user", "content": f"q{i}"}])
+        for i in range(10)])
+    assert sorted(r.choices[0].message.content or "" for r in results) == \
+        sorted(f"echo: q{i}" for i in range(10))
+    stream = await c.chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "streamed"}], stream=True)
+    text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+    assert text == "echo: streamed"
+    await c.close()
+
+
+def test_models_and_embeddings_pass_through(proxy: ProxyServer,
+                                            upstream: ScriptedUpstream) -> None:
+    c = client(proxy)
+    assert "gpt-4o-mini" in [m.id for m in c.models.list()]
+    emb = c.embeddings.create(model="text-embedding-3-small", input=["a", "b"])
+    assert len(emb.data) == 2
+
+
+def test_langchain_chat_openai(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    from langchain_openai import ChatOpenAI
+
+    upstream.push({"content": "from langchain"})
+    llm = ChatOpenAI(model="gpt-4o-mini", base_url=proxy.url, api_key="sk-lc", max_retries=0)
+    assert llm.invoke("hello").content == "from langchain"
+
+
+@pytest.mark.parametrize("body,param", [
+    (b"{not json", None),
+    (b"[]", None),
+    (orjson.dumps({"messages": [{"role": "user", "content": "x"}]}), "model"),
+    (orjson.dumps({"model": "m", "messages": []}), "messages"),
+    (orjson.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}),
+     "messages[0].role"),
+    (orjson.dumps({"model": "m", "messages": [{"role": "tool", "content": "x"}]}),
+     "messages[0].tool_call_id"),
+    (orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                   "stream": "yes"}), "stream"),
+])
+def test_invalid_requests_get_400_naming_the_field(proxy: ProxyServer, body: bytes,
+                                                   param: str | None) -> None:
+    r = httpx.post(proxy.url + "/chat/completions", content=body,
+                   headers={"Authorization": "Bearer k", "Content-Type": "application/json"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert err["param"] == param
+
+
+def test_sdk_raises_bad_request_for_invalid(proxy: ProxyServer) -> None:
+    with pytest.raises(openai.BadRequestError):
+        client(proxy).chat.completions.create(model="m", messages=[])
+
+
+def test_body_over_limit_is_413(make_proxy: object) -> None:
+    proxy = make_proxy()  # type: ignore[operator]
+    limit = proxy.state.config.server.max_body_bytes
+    big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * limit}]})
+    r = httpx.post(proxy.url + "/chat/completions", content=big,
+                   headers={"Authorization": "Bearer k"})
+    assert r.status_code == 413
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_upstream_error_status_and_body_pass_through(proxy: ProxyServer,
+                                                     upstream: ScriptedUpstream) -> None:
+    upstream.push({"status": 400, "body": {"error": {"message": "bad thing", "type":
+                                                     "invalid_request_error", "param": "x",
+                                                     "code": "weird"}}})
+    with pytest.raises(openai.BadRequestError) as info:
+        client(proxy).chat.completions.create(model="m", messages=[{"role": "user",
+                                                                     "content": "x"}])
+    assert info.value.body["code"] == "weird"  # type: ignore[index]
+
+
+def test_retries_on_503_then_succeeds(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.push({"status": 503, "headers": {"Retry-After": "0"}}, {"content": "recovered"})
+    resp = client(proxy).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}])
+    assert resp.choices[0].message.content == "recovered"
+    assert len(upstream.requests) == 2
+
+
+def test_429_after_retries_passes_through(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.push(*[{"status": 429, "headers": {"Retry-After": "0"}}] * 3)
+    with pytest.raises(openai.RateLimitError):
+        client(proxy).chat.completions.create(model="m", messages=[{"role": "user",
+                                                                     "content": "x"}])
+    assert len(upstream.requests) == 3  # first try + max_retries (2)
+
+
+def test_unreachable_upstream_is_502(make_proxy: object, redis_url: str, tmp_path: object
+                                     ) -> None:
+    from runloop_proxy.config import Settings
+
+    from .conftest import unique_config
+
+    port = free_port()
+    settings = Settings(upstream=f"http://127.0.0.1:{port}/v1", redis_url=redis_url)
+    proxy = ProxyServer(settings, unique_config(settings)).start()
+    try:
+        r = httpx.post(proxy.url + "/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 502
+        assert r.json()["error"]["code"] == "upstream_unreachable"
+    finally:
+        proxy.stop()
+
+
+def test_upstream_timeout_is_504(redis_url: str, upstream: ScriptedUpstream, tmp_path: object
+                                 ) -> None:
+    import dataclasses
+
+    from runloop_proxy.config import Settings
+
+    from .conftest import unique_config
+
+    settings = Settings(upstream=upstream.url, redis_url=redis_url)
+    config = unique_config(settings)
+    slow = config.upstreams["default"].model_copy(update={"read_timeout": 0.3,
+                                                          "max_retries": 0})
+    config = dataclasses.replace(config, upstreams={"default": slow})
+    proxy = ProxyServer(settings, config).start()
+    upstream.push({"content": "late", "delay": 1.5})
+    try:
+        r = httpx.post(proxy.url + "/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "x"}]}, timeout=10)
+        assert r.status_code == 504
+        assert r.json()["error"]["code"] == "upstream_timeout"
+    finally:
+        proxy.stop()
+
+
+def test_upstream_dying_mid_stream_gives_sdk_error(proxy: ProxyServer,
+                                                   upstream: ScriptedUpstream) -> None:
+    upstream.push({"pieces": ["a", "b", "c", "d"], "die_after": 2})
+    stream = client(proxy).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], stream=True)
+    got = []
+    with pytest.raises(openai.APIError):
+        for ch in stream:
+            if ch.choices:
+                got.append(ch.choices[0].delta.content or "")
+    assert "".join(got) == "ab"
+
+
+@pytest.mark.parametrize("raw_chunks,expected", [
+    # CRLF line endings, an event split across chunks, a CR/LF split between chunks
+    ([b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+      b'[{"index":0,"delta":{"content":"he"},"finish_reason":null}]}\r',
+      b'\n\r\ndata: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m",',
+      b'"choices":[{"index":0,"delta":{"content":"llo"},"finish_reason":"stop"}]}\r\n\r\n',
+      b"data: [DONE]\r\n\r\n"], "hello"),
+    # one huge chunk holding many events, and a comment line
+    ([b": keep-alive\n\n" + b"".join(
+        b'data: {"id":"x","object":"chat.completion.chunk","created":1,"model":"m","choices":'
+        b'[{"index":0,"delta":{"content":"' + (b"z" * 5000) + b'"},"finish_reason":null}]}\n\n'
+        for _ in range(40)) + b"data: [DONE]\n\n"], "z" * 200_000),
+])
+def test_raw_sse_edge_cases_relay_exactly(proxy: ProxyServer, upstream: ScriptedUpstream,
+                                          raw_chunks: list[bytes], expected: str) -> None:
+    upstream.push({"raw_chunks": raw_chunks})
+    stream = client(proxy).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == expected
+
+
+def test_stream_events_arrive_as_they_are_produced(proxy: ProxyServer,
+                                                  upstream: ScriptedUpstream) -> None:
+    upstream.push({"pieces": ["a", "b", "c"], "chunk_delay": 0.4})
+    arrivals = []
+    with httpx.stream("POST", proxy.url + "/chat/completions", json={
+            "model": "m", "stream": True, "messages": [{"role": "user", "content": "x"}]},
+            timeout=10) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                arrivals.append(time.monotonic())
+    assert len(arrivals) == 3
+    # no buffering: pieces produced 0.4 s apart reach the client about 0.4 s apart
+    assert arrivals[2] - arrivals[0] > 0.5
+
+
+def test_client_disconnect_cancels_upstream(proxy: ProxyServer,
+                                            upstream: ScriptedUpstream) -> None:
+    upstream.push({"pieces": ["x"] * 50, "chunk_delay": 0.2})
+    body = orjson.dumps({"model": "m", "stream": True,
+                         "messages": [{"role": "user", "content": "slow"}]})
+    with socket.create_connection(("127.0.0.1", proxy.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert b"200 OK" in s.recv(4096)
+    deadline = time.monotonic() + 5
+    while upstream.streams_closed_early == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert upstream.streams_closed_early == 1
+
+
+def test_health_and_ready(proxy: ProxyServer) -> None:
+    assert httpx.get(proxy.base + "/healthz").json() == {"status": "ok"}
+    ready = httpx.get(proxy.base + "/readyz")
+    assert ready.status_code == 200 and ready.json()["checks"]["store"] is True
+
+
+def test_unknown_path_is_openai_shaped_404(proxy: ProxyServer) -> None:
+    r = httpx.get(proxy.base + "/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
