@@ -18,6 +18,8 @@ from . import logs
 from .config import TenantSpec
 from .errors import ContextLengthExceeded, StoreError, UpstreamError
 from .messages import ChatRequest, Message, message_hash
+from .metrics import BoundMetrics
+from .runloops import preamble_end
 from .sse import DONE, SSEDecoder, encode_json
 from .store import Prepared, prepare
 from .streaming import ChunkRewriter, StreamAccumulator, add_usage
@@ -71,6 +73,9 @@ class Exchange:
 
     def labels(self) -> tuple[str, str]:
         return self.tenant_label, self.state.metrics.model_label(self.model)
+
+    def bound(self) -> BoundMetrics:
+        return self.state.metrics.bound(*self.labels())
 
 
 # -- sessions ----------------------------------------------------------------------------------
@@ -133,32 +138,41 @@ async def handle_chat(ex: Exchange) -> Response:
     state = ex.state
     messages: list[Message] = ex.body["messages"]
     prepared = [prepare(m) for m in messages]
-    internal: dict[str, dict[str, Any]] = {}
+    internal: dict[str, Any] = {}
     store = state.store
-    if store is not None and ex.tenant.policy.enabled:
+    if store is None or not store.available:
+        ex.degraded = "store"
+    else:
         try:
             if ex.server_history:
-                messages = await store.append(ex.tenant_id, ex.session_id,
-                                              _without_leading_system(messages, prepared),
-                                              ex.tenant.retention_days)
-                messages = _with_request_system(ex.body["messages"], messages)
+                system = preamble_end(messages)
+                stored = await store.append(ex.tenant_id, ex.session_id, prepared,
+                                            ex.tenant.retention_days, system=system)
+                # this turn's system prompt, if it sent one, stands in for the stored one
+                messages = [*messages[:system], *stored[preamble_end(stored):]] if system \
+                    else stored
                 prepared = [prepare(m) for m in messages]
                 ex.body = {**ex.body, "messages": messages}  # type: ignore[typeddict-item]
             else:
-                synced = await store.sync(ex.tenant_id, ex.session_id, prepared,
-                                          ex.tenant.retention_days)
-                ex.forked = synced.forked
-                internal = synced.internal  # type: ignore[assignment]
+                cached = store.cached_internal(ex.tenant_id, ex.session_id)
+                if cached is None:
+                    # First sight of this session on this replica: reconcile before the window,
+                    # which needs the proxy's stored tool exchanges. Warm sessions reconcile
+                    # write-behind, after the reply (see _record).
+                    synced = await store.sync(ex.tenant_id, ex.session_id, prepared,
+                                              ex.tenant.retention_days)
+                    ex.forked = synced.forked
+                    cached = synced.internal
+                internal = cached
         except StoreError as exc:
             ex.degraded = "store"
-            state.metrics.degraded.labels(ex.tenant_label, "store").inc()
             log.warning("store unavailable: passing through uncompressed",
                         extra={"tenant": ex.tenant.name, "error": str(exc)})
-    elif store is None:
-        ex.degraded = "store"
     if ex.degraded:
-        return await forward(ex, ex.raw if not ex.server_history else orjson.dumps(ex.body),
-                             messages, prepared)
+        state.metrics.degraded.labels(ex.tenant_label, "store").inc()
+        return await forward(ex, ex.raw, messages, prepared)
+    if not ex.tenant.policy.enabled:
+        return await forward(ex, ex.raw, messages, prepared)
 
     keys = [p.hash for p in prepared]
     spliced, spliced_keys, protected = splice_internal(messages, keys, internal)
@@ -218,22 +232,6 @@ def compute_window(ex: Exchange, messages: list[Message], keys: list[str],
 PROXY_TOOLS_TOKENS = 160
 
 
-def _without_leading_system(messages: list[Message], prepared: list[Prepared]
-                            ) -> list[Prepared]:
-    """Server-history mode: the request's system prompt is not history, it is this turn's."""
-    i = 0
-    while i < len(messages) and messages[i].get("role") in ("system", "developer"):
-        i += 1
-    return prepared[i:]
-
-
-def _with_request_system(request: list[Message], stored: list[Message]) -> list[Message]:
-    system = [m for m in request if m.get("role") in ("system", "developer")]
-    rest = [m for m in stored if m.get("role") not in ("system", "developer")] \
-        if system else stored
-    return [*system, *rest]
-
-
 def log_events(ex: Exchange, window: Window) -> None:
     for event in window.events:
         record = {"ts": int(time.time() * 1000), "kind": event.kind.value,
@@ -285,6 +283,7 @@ async def forward(ex: Exchange, body: bytes | dict[str, Any], messages: list[Mes
     headers = _response_headers(ex, resp)
     if resp.status >= 400:
         raw = await timed_read(ex, resp)
+        _record(ex, prepared, None)
         finish(ex, resp.status, None)
         return Response(raw, resp.status, headers=headers)
     if ex.stream:
@@ -292,8 +291,8 @@ async def forward(ex: Exchange, body: bytes | dict[str, Any], messages: list[Mes
         return LiveStreamResponse(gen, resp.status, headers)
     raw = await timed_read(ex, resp)
     if ex.tools is None:
-        ex.state.spawn(_record_raw(ex, raw, prepared))
-        _note_usage(ex, raw)
+        data = _record_raw(ex, raw, prepared)
+        _note_usage_dict(ex, data.get("usage") if data else None)
         finish(ex, resp.status, None)
         return Response(raw, resp.status, headers=headers)
     data = await _tool_loop(ex, raw, body, messages, prepared, window_msgs or [],
@@ -361,7 +360,7 @@ async def _tool_loop(ex: Exchange, raw: bytes, body: bytes | dict[str, Any],
     clean = {k: v for k, v in reply.items() if v is not None}
     if exchange:
         ex.state.spawn(_keep_internal(ex, clean, exchange, None, []))
-    ex.state.spawn(_record(ex, prepared, clean))
+    _record(ex, prepared, clean)
     return data  # type: ignore[no-any-return]
 
 
@@ -396,19 +395,20 @@ async def _stream(ex: Exchange, resp: UpstreamResponse, body: bytes | dict[str, 
             async for chunk in resp.iter_chunks():
                 if first:
                     first = False
-                    ex.state.metrics.ttft.labels(*ex.labels()).observe(
+                    ex.bound().ttft.observe(
                         time.perf_counter() - ex.started)
                 yield chunk
                 _observe(decoder.feed(chunk), acc)
             _observe(decoder.flush(), acc)
             _note_usage_dict(ex, acc.usage)
-            ex.state.spawn(_record(ex, prepared, _clean(acc.message())))
+            _record(ex, prepared, _clean(acc.message()))
         else:
             async for out in _stream_tool_loop(ex, resp, body, window_msgs, window_keys,
                                                prepared):
                 yield out
     except UpstreamError as exc:
         status = exc.status
+        _record(ex, prepared, None)
         log.warning("upstream failed mid-stream", extra={"tenant": ex.tenant.name,
                                                          "error": str(exc)})
         yield encode_json(exc.body())
@@ -508,7 +508,7 @@ async def _stream_tool_loop(ex: Exchange, resp: UpstreamResponse, body: bytes | 
         exchange = []
     if exchange:
         ex.state.spawn(_keep_internal(ex, client_view, exchange, None, []))
-    ex.state.spawn(_record(ex, prepared, client_view))
+    _record(ex, prepared, client_view)
 
 
 def _rewrite_event(ev: Any, acc: StreamAccumulator, rewriter: ChunkRewriter
@@ -538,27 +538,35 @@ def _clean(msg: Message) -> Message:
 
 # -- recording ------------------------------------------------------------------------------------
 
-async def _record_raw(ex: Exchange, raw: bytes, prepared: list[Prepared]) -> None:
+def _record_raw(ex: Exchange, raw: bytes, prepared: list[Prepared]) -> dict[str, Any] | None:
+    """Record a non-streamed reply; return the parsed completion (for usage)."""
     try:
         data = orjson.loads(raw)
         reply = data["choices"][0]["message"]
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-        return
-    await _record(ex, prepared, _clean(reply))
+        _record(ex, prepared, None)
+        return None
+    _record(ex, prepared, _clean(reply))
+    return data if isinstance(data, dict) else None
 
 
-async def _record(ex: Exchange, prepared: list[Prepared], reply: Message) -> None:
-    """Append the reply the client received to the session's full history."""
+def _record(ex: Exchange, prepared: list[Prepared], reply: Message | None) -> None:
+    """Add what the client sent, and the reply it received, to the session's full history."""
     store = ex.state.store
     if store is None or ex.degraded:
         return
+    if ex.server_history:
+        if reply is not None:
+            ex.state.spawn(_append_reply(ex, reply))
+        return
+    items = [*prepared, prepare(reply)] if reply is not None else prepared
+    store.submit(ex.tenant_id, ex.session_id, items, ex.tenant.retention_days)
+
+
+async def _append_reply(ex: Exchange, reply: Message) -> None:
     try:
-        if ex.server_history:
-            await store.append(ex.tenant_id, ex.session_id, [prepare(reply)],
-                               ex.tenant.retention_days)
-        else:
-            await store.sync(ex.tenant_id, ex.session_id, [*prepared, prepare(reply)],
-                             ex.tenant.retention_days)
+        await ex.state.store.append(ex.tenant_id, ex.session_id,  # type: ignore[union-attr]
+                                    [prepare(reply)], ex.tenant.retention_days)
     except StoreError as exc:
         log.warning("reply not recorded", extra={"tenant": ex.tenant.name, "error": str(exc)})
 
@@ -578,24 +586,15 @@ async def _keep_internal(ex: Exchange, client_view: Message, before: list[Messag
 
 # -- accounting -----------------------------------------------------------------------------------
 
-def _note_usage(ex: Exchange, raw: bytes) -> None:
-    try:
-        usage = orjson.loads(raw).get("usage")
-    except (orjson.JSONDecodeError, AttributeError):
-        return
-    _note_usage_dict(ex, usage if isinstance(usage, dict) else None)
-
-
 def _note_usage_dict(ex: Exchange, usage: dict[str, Any] | None) -> None:
     if not usage:
         return
-    tl, ml = ex.labels()
-    m = ex.state.metrics
+    b = ex.bound()
     prompt = int(usage.get("prompt_tokens") or 0)
-    m.usage_tokens.labels(tl, ml, "prompt").inc(prompt)
-    m.usage_tokens.labels(tl, ml, "completion").inc(int(usage.get("completion_tokens") or 0))
+    b.usage_prompt.inc(prompt)
+    b.usage_completion.inc(int(usage.get("completion_tokens") or 0))
     details = usage.get("prompt_tokens_details") or {}
-    m.usage_tokens.labels(tl, ml, "cached_prompt").inc(int(details.get("cached_tokens") or 0))
+    b.usage_cached.inc(int(details.get("cached_tokens") or 0))
     if ex.window is not None and ex.tools is None:
         enc, exact = ex.state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
         if not exact:
@@ -606,8 +605,7 @@ def _note_usage_dict(ex: Exchange, usage: dict[str, Any] | None) -> None:
 
 def finish(ex: Exchange, status: int, error: str | None) -> None:
     """Count and log the request once, whatever path it took."""
-    m = ex.state.metrics
-    tl, ml = ex.labels()
+    b = ex.bound()
     elapsed = time.perf_counter() - ex.started
     if ex.stream and ex.upstream_called_at is not None:
         # a stream's body time is the upstream's: the proxy's share is what came before it
@@ -615,14 +613,14 @@ def finish(ex: Exchange, status: int, error: str | None) -> None:
         ex.upstream_seconds = elapsed - overhead
     else:
         overhead = max(0.0, elapsed - ex.upstream_seconds)
-    m.requests.labels(tl, ml, str(status), "true" if ex.stream else "false").inc()
-    m.upstream_latency.labels(tl, ml).observe(ex.upstream_seconds)
-    m.overhead.labels(tl, ml).observe(overhead)
+    b.request(status, ex.stream)
+    b.upstream_latency.observe(ex.upstream_seconds)
+    b.overhead.observe(overhead)
     w = ex.window
     if w is not None:
-        m.client_tokens.labels(tl, ml).inc(w.tokens_in)
-        m.forwarded_tokens.labels(tl, ml).inc(w.tokens_out)
-        m.saved_tokens.labels(tl, ml).inc(max(0, w.tokens_in - w.tokens_out))
+        b.client_tokens.inc(w.tokens_in)
+        b.forwarded_tokens.inc(w.tokens_out)
+        b.saved_tokens.inc(max(0, w.tokens_in - w.tokens_out))
     log.info("request", extra={
         "tenant": ex.tenant.name, "model": ex.model, "session": ex.session_id,
         "status": status, "stream": ex.stream,

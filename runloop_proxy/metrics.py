@@ -24,6 +24,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self._models: set[str] = set()
+        self._bound: dict[tuple[str, str], BoundMetrics] = {}
         r = self.registry
         tm = ("tenant", "model")
         self.requests = Counter("runloop_requests_total", "Chat requests by outcome",
@@ -76,6 +77,14 @@ class Metrics:
                                        "Store round-trips on the request path", ["op"],
                                        buckets=_OVERHEAD, registry=r)
 
+    def bound(self, tenant: str, model: str) -> BoundMetrics:
+        """The per-(tenant, model) children, resolved once (labels() is not free)."""
+        key = (tenant, model)
+        hit = self._bound.get(key)
+        if hit is None:
+            hit = self._bound[key] = BoundMetrics(self, tenant, model)
+        return hit
+
     def model_label(self, model: str) -> str:
         """Model names come from clients: cap how many distinct ones become labels."""
         if model in self._models:
@@ -91,3 +100,28 @@ class Metrics:
             multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class BoundMetrics:
+    def __init__(self, m: Metrics, tenant: str, model: str):
+        tm = (tenant, model)
+        self.upstream_latency = m.upstream_latency.labels(*tm)
+        self.ttft = m.ttft.labels(*tm)
+        self.overhead = m.overhead.labels(*tm)
+        self.client_tokens = m.client_tokens.labels(*tm)
+        self.forwarded_tokens = m.forwarded_tokens.labels(*tm)
+        self.saved_tokens = m.saved_tokens.labels(*tm)
+        self.usage_prompt = m.usage_tokens.labels(*tm, "prompt")
+        self.usage_completion = m.usage_tokens.labels(*tm, "completion")
+        self.usage_cached = m.usage_tokens.labels(*tm, "cached_prompt")
+        self.requests = {(status, stream): m.requests.labels(*tm, str(status), stream)
+                         for status in (200,) for stream in ("true", "false")}
+        self._requests = m.requests
+        self._tm = tm
+
+    def request(self, status: int, stream: bool) -> None:
+        key = (status, "true" if stream else "false")
+        child = self.requests.get(key)
+        if child is None:
+            child = self.requests[key] = self._requests.labels(*self._tm, str(status), key[1])
+        child.inc()

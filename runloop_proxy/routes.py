@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 
 log = logs.get("routes")
 Handler = Callable[[Request], Awaitable[Any]]
+CHAT_PATH = "/v1/chat/completions"
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 
@@ -58,6 +59,11 @@ def openai_errors(handler: Handler) -> Handler:
         except UpstreamError as exc:
             log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
             return json_response(exc.body(), exc.status)
+        except Exception:
+            log.exception("unexpected error")
+            return json_response({"error": {"message": "internal error in runloop-proxy",
+                                            "type": "server_error", "param": None,
+                                            "code": "internal_error"}}, 500)
         finally:
             state.metrics.in_flight.dec()
     return wrapped
@@ -249,7 +255,7 @@ async def admin_sessions(request: Request) -> Response:
 
 def routes() -> list[BaseRoute]:
     return [
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route(CHAT_PATH, chat_completions, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),

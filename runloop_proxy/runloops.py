@@ -58,8 +58,11 @@ def segment(messages: list[Message]) -> list[RunLoop]:
             closed = False
         elif not bounds:
             bounds.append(i)  # a conversation that does not begin with a user message
+            closed = False
         if msg.get("role") == "assistant":
             closed = is_final(msg)
+        elif msg.get("role") in ("tool", "function"):
+            closed = False  # a tool result means the agent is still working
     loops = []
     for k, b in enumerate(bounds):
         e = bounds[k + 1] if k + 1 < len(bounds) else len(messages)

@@ -21,6 +21,8 @@ length it last saw (a hint); the script answers "need" when the hint was wrong.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import re
 import time
@@ -42,8 +44,13 @@ from .metrics import Metrics
 log = logs.get("store")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 EMPTY_CHAIN = ""
-HINT_CACHE_SIZE = 50_000
+SESSION_CACHE_SIZE = 50_000
+CHAIN_CACHE_SIZE = 2_000
 MAX_RECORDS = 1_000
+INDEX_EVERY_S = 60.0
+BATCH = 256
+MAX_QUEUE = 100_000
+MAX_ATTEMPTS = 3
 
 _SYNC_LUA = r"""
 local p = ARGV[1]
@@ -142,17 +149,19 @@ return {'ok', tostring(L), head, tostring(forked), tostring(common), internal}
 
 _APPEND_LUA = r"""
 local p = ARGV[1]; local now = ARGV[2]; local ttl = tonumber(ARGV[3]); local maxm = tonumber(ARGV[4])
-local sid = ARGV[5]
+local sid = ARGV[5]; local nsys = tonumber(ARGV[6])
 local meta = p .. ':meta'
 local head = redis.call('HGET', meta, 'head') or '0'
 local L = tonumber(redis.call('HGET', meta, 'len') or '0')
 local tip = redis.call('HGET', meta, 'tip') or ''
-local k = (#ARGV - 5) / 4
-if L + k > maxm then return {'limit'} end
+local k = (#ARGV - 6) / 4
+local first = 0
+if L > 0 then first = nsys end  -- a system prompt is history only when it opens the session
+if L + k - first > maxm then return {'limit'} end
 local bl = p .. ':b:' .. head
 local cl = p .. ':c:' .. head
-for i = 0, k - 1 do
-  local j = 6 + i * 4
+for i = first, k - 1 do
+  local j = 7 + i * 4
   local h = ARGV[j]
   redis.call('HSETNX', p .. ':msg', h, ARGV[j + 1])
   redis.call('HSETNX', p .. ':ts', h, now)
@@ -164,8 +173,8 @@ for i = 0, k - 1 do
   tip = redis.sha1hex(tip .. h)
   redis.call('RPUSH', bl, h)
   redis.call('RPUSH', cl, tip)
+  L = L + 1
 end
-L = L + k
 redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
 redis.call('HSETNX', meta, 'created', now)
 for _, key in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec'}) do
@@ -196,6 +205,34 @@ def prepare(msg: Message, tokens: int | None = None) -> Prepared:
     body = canonical_json(msg)
     tid = msg.get("tool_call_id") if msg.get("role") == "tool" else ""
     return Prepared(content_hash(body), body, tid if isinstance(tid, str) else "", tokens)
+
+
+@dataclass
+class _Job:
+    tenant: str
+    session_id: str
+    items: list[Prepared]
+    chains: list[str]
+    retention_days: float | None
+    hint: int = 0
+    retry_hint: int | None = None
+    attempts: int = 0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.tenant, self.session_id)
+
+    def extended_by(self, other: _Job) -> bool:
+        n = len(self.items)
+        return len(other.items) >= n and other.chains[n] == self.chains[n] \
+            and other.retention_days == self.retention_days
+
+
+@dataclass
+class _Cached:
+    length: int
+    chain: str
+    internal: dict[str, Any]
 
 
 @dataclass
@@ -237,13 +274,22 @@ class RedisStore:
                 "redis://" + url.removeprefix("redis+cluster://"), socket_timeout=timeout,
                 socket_connect_timeout=timeout)
         else:
-            self.client = aioredis.Redis.from_url(url, socket_timeout=timeout,
-                                                  socket_connect_timeout=timeout,
-                                                  retry=None, max_connections=256)
+            # A blocking pool: a burst waits for a connection instead of failing.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=64,
+                timeout=timeout)
+            self.client = aioredis.Redis(connection_pool=pool, retry=None)
         self._sync = self.client.register_script(_SYNC_LUA)
         self._append = self.client.register_script(_APPEND_LUA)
-        self._hints: OrderedDict[tuple[str, str], tuple[int, str]] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, str], _Cached] = OrderedDict()
+        self._chains: OrderedDict[tuple[str, str], tuple[list[str], list[str]]] = OrderedDict()
+        self._indexed: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._down_until = 0.0
+        self._queue: list[_Job] = []
+        self._queued: dict[tuple[str, str], _Job] = {}
+        self._in_flight = 0
+        self._wake = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
 
     # -- health ---------------------------------------------------------------------------
 
@@ -277,6 +323,11 @@ class RedisStore:
         return True
 
     async def close(self) -> None:
+        await self.drain()
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
         await self.client.aclose()
 
     # -- keys -----------------------------------------------------------------------------
@@ -300,78 +351,230 @@ class RedisStore:
 
     async def sync(self, tenant: str, session_id: str, items: list[Prepared],
                    retention_days: float | None = None) -> SyncResult:
-        """Make the session's head branch hold ``items`` (append, keep, or fork)."""
-        key = (tenant, session_id)
-        chains = [EMPTY_CHAIN]
-        for it in items:
-            chains.append(chain_next(chains[-1], it.hash))
-        hint_len, hint_chain = self._hints.get(key, (0, EMPTY_CHAIN))
-        hint = hint_len if hint_len <= len(items) and chains[hint_len] == hint_chain else 0
+        """Make the session's head branch hold ``items`` (append, keep, or fork), now."""
+        job = self._job(tenant, session_id, items, retention_days)
         for _ in range(3):
-            reply = await self._call("sync", self._run_sync(tenant, session_id, items, chains,
-                                                            hint, retention_days))
-            status = _s(reply[0])
-            if status == "ok":
-                length = int(reply[1])
-                self._remember(key, length, chains[length] if length <= len(items) else "")
-                internal = _pairs(reply[5])
-                return SyncResult(length, _s(reply[2]), reply[3] in (b"1", "1"), internal)
-            if status == "limit":
-                raise StoreLimitExceeded(f"session {_s(reply[1])} limit reached")
-            stored = int(reply[1])
-            hint = stored if 0 < stored <= len(items) and stored != hint else 0
+            reply = await self._call("sync", self._run_one(job))
+            result = self._settle(job, reply)
+            if result is not None:
+                return result
         raise StoreError("sync did not converge")
 
-    def _run_sync(self, tenant: str, session_id: str, items: list[Prepared], chains: list[str],
-                  hint: int, retention_days: float | None) -> Any:
+    def submit(self, tenant: str, session_id: str, items: list[Prepared],
+               retention_days: float | None = None) -> None:
+        """Queue a sync off the request path (write-behind, pipelined, coalesced per session).
+
+        A later job of the same session that extends an earlier queued one replaces it: the
+        conversation it carries holds the earlier one whole.
+        """
+        job = self._job(tenant, session_id, items, retention_days)
+        key = (tenant, session_id)
+        queued = self._queued.get(key)
+        if queued is not None and queued.extended_by(job):
+            queued.items, queued.chains = job.items, job.chains
+        else:
+            self._queue.append(job)
+            self._queued[key] = job
+        if len(self._queue) > MAX_QUEUE:
+            dropped = self._queue.pop(0)
+            self._queued.pop(dropped.key, None)
+            self.metrics.store_errors.labels("queue_overflow").inc()
+        self._wake.set()
+
+    def _job(self, tenant: str, session_id: str, items: list[Prepared],
+             retention_days: float | None) -> _Job:
+        key = (tenant, session_id)
+        chains = [EMPTY_CHAIN]
+        known = self._chains.get(key)
+        if known is not None:
+            # reuse the chain of the prefix this session sent last time (O(new) hashing)
+            hashes, cached = known
+            k = 0
+            limit = min(len(hashes), len(items))
+            while k < limit and hashes[k] == items[k].hash:
+                k += 1
+            chains = cached[:k + 1]
+        for it in items[len(chains) - 1:]:
+            chains.append(chain_next(chains[-1], it.hash))
+        self._chains[key] = ([it.hash for it in items], chains)
+        self._chains.move_to_end(key)
+        if len(self._chains) > CHAIN_CACHE_SIZE:
+            self._chains.popitem(last=False)
+        return _Job(tenant, session_id, items, chains, retention_days)
+
+    def _hint(self, job: _Job) -> int:
+        cached = self._sessions.get(job.key)
+        if cached is None:
+            return 0
+        n = cached.length
+        return n if n <= len(job.items) and job.chains[n] == cached.chain else 0
+
+    def _args(self, job: _Job, hint: int) -> list[Any]:
+        items, chains = job.items, job.chains
         self._check_sizes(items[hint:])
-        p = self.prefix(tenant, session_id)
-        args: list[Any] = [p, hint, len(items), "".join(chains[hint + 1:]),
-                           "".join(it.hash for it in items[hint:]), _now_ms(),
-                           self._ttl_ms(retention_days), self.cfg.max_messages_per_session,
-                           self.cfg.max_branches, session_id, chains[hint]]
+        args: list[Any] = [self.prefix(job.tenant, job.session_id), hint, len(items),
+                           "".join(chains[hint + 1:]), "".join(it.hash for it in items[hint:]),
+                           _now_ms(), self._ttl_ms(job.retention_days),
+                           self.cfg.max_messages_per_session, self.cfg.max_branches,
+                           job.session_id, chains[hint]]
         for it in items[hint:]:
             args += [it.body, it.tool_call_id, "" if it.tokens is None else it.tokens]
-        return self._sync_and_index(tenant, session_id, p, args)
+        job.hint = hint
+        return args
 
-    async def _sync_and_index(self, tenant: str, session_id: str, p: str,
-                              args: list[Any]) -> Any:
-        reply = await self._sync(keys=[p + ":meta"], args=args)
-        await self.client.zadd(self._index_key(tenant), {session_id: _now_ms()})
+    async def _run_one(self, job: _Job) -> Any:
+        hint = job.retry_hint if job.retry_hint is not None else self._hint(job)
+        args = self._args(job, hint)
+        reply = await self._sync(keys=[args[0] + ":meta"], args=args)
+        await self._index(job.tenant, job.session_id)
         return reply
 
-    def _remember(self, key: tuple[str, str], length: int, chain: str) -> None:
-        self._hints[key] = (length, chain)
-        self._hints.move_to_end(key)
-        if len(self._hints) > HINT_CACHE_SIZE:
-            self._hints.popitem(last=False)
+    def _settle(self, job: _Job, reply: Any) -> SyncResult | None:
+        """Apply a script reply: cache the new head; None when the job must be re-sent."""
+        status = _s(reply[0])
+        if status == "ok":
+            length = int(reply[1])
+            internal = _pairs(reply[5])
+            chain = job.chains[length] if length <= len(job.items) else ""
+            self._remember(job.key, length, chain, internal)
+            return SyncResult(length, _s(reply[2]), reply[3] in (b"1", "1"), internal)
+        if status == "limit":
+            raise StoreLimitExceeded(f"session {_s(reply[1])} limit reached")
+        stored = int(reply[1])
+        job.retry_hint = stored if 0 < stored <= len(job.items) and stored != job.hint else 0
+        return None
+
+    async def start(self) -> None:
+        self._flusher = asyncio.create_task(self._flush_forever())
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        """Wait until queued writes are flushed (or the store gives up)."""
+        deadline = time.monotonic() + timeout
+        while (self._queue or self._in_flight) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                if not self.available:
+                    await asyncio.sleep(max(0.05, self._down_until - time.monotonic()))
+                    continue
+                batch, self._queue = self._queue[:BATCH], self._queue[BATCH:]
+                for job in batch:
+                    if self._queued.get(job.key) is job:
+                        del self._queued[job.key]
+                self._in_flight = len(batch)
+                try:
+                    await self._flush(batch)
+                finally:
+                    self._in_flight = 0
+
+    async def _flush(self, batch: list[_Job]) -> None:
+        try:
+            replies = await self._call("sync", self._pipeline(batch))
+        except StoreError as exc:
+            # Keep the newest job per session for when Redis is back: the next request of a
+            # session carries the whole conversation anyway, so the history heals.
+            log.warning("write-behind flush failed; will retry",
+                        extra={"jobs": len(batch), "error": str(exc)})
+            for job in batch:
+                if job.key not in self._queued and job.attempts < MAX_ATTEMPTS:
+                    job.attempts += 1
+                    self._queue.append(job)
+                    self._queued[job.key] = job
+            return
+        for job, reply in zip(batch, replies, strict=True):
+            try:
+                if isinstance(reply, Exception):
+                    raise StoreError(str(reply))
+                if self._settle(job, reply) is None and job.attempts < MAX_ATTEMPTS:
+                    job.attempts += 1
+                    self._queue.append(job)
+            except StoreError as exc:
+                self.metrics.store_errors.labels("sync").inc()
+                log.warning("history not stored", extra={"tenant": job.tenant,
+                                                         "error": str(exc)})
+
+    async def _pipeline(self, batch: list[_Job]) -> list[Any]:
+        if isinstance(self.client, RedisCluster):
+            return list(await asyncio.gather(*[self._run_one(j) for j in batch],
+                                             return_exceptions=True))
+        pipe = self.client.pipeline(transaction=False)
+        ok: list[_Job] = []
+        errors: dict[int, Exception] = {}
+        for i, job in enumerate(batch):
+            try:
+                hint = job.retry_hint if job.retry_hint is not None else self._hint(job)
+                args = self._args(job, hint)
+            except StoreLimitExceeded as exc:
+                errors[i] = exc
+                continue
+            await self._sync(keys=[args[0] + ":meta"], args=args, client=pipe)
+            ok.append(job)
+        results = iter(await pipe.execute(raise_on_error=False) if ok else [])
+        out = [errors[i] if i in errors else next(results) for i in range(len(batch))]
+        for job in ok:
+            await self._index(job.tenant, job.session_id)
+        return out
+
+    def cached_internal(self, tenant: str, session_id: str) -> dict[str, Any] | None:
+        """The proxy's tool exchanges of a session this replica has seen, None if cold."""
+        cached = self._sessions.get((tenant, session_id))
+        return None if cached is None else cached.internal
+
+    async def _index(self, tenant: str, session_id: str) -> None:
+        """Keep the tenant's session list current, at most once a minute per session."""
+        now = time.monotonic()
+        key = (tenant, session_id)
+        if now - self._indexed.get(key, -INDEX_EVERY_S) < INDEX_EVERY_S:
+            return
+        self._indexed[key] = now
+        self._indexed.move_to_end(key)
+        if len(self._indexed) > SESSION_CACHE_SIZE:
+            self._indexed.popitem(last=False)
+        await self.client.zadd(self._index_key(tenant), {session_id: _now_ms()})
+
+    def _remember(self, key: tuple[str, str], length: int, chain: str,
+                  internal: dict[str, Any]) -> None:
+        self._sessions[key] = _Cached(length, chain, internal)
+        self._sessions.move_to_end(key)
+        if len(self._sessions) > SESSION_CACHE_SIZE:
+            self._sessions.popitem(last=False)
 
     async def append(self, tenant: str, session_id: str, items: list[Prepared],
-                     retention_days: float | None = None) -> list[Message]:
-        """Append to the head branch whatever it holds (server-history mode); return it all."""
+                     retention_days: float | None = None, system: int = 0) -> list[Message]:
+        """Append to the head branch whatever it holds (server-history mode); return it all.
+
+        The first ``system`` items are the request's system prompt: stored only when they open
+        the session."""
         self._check_sizes(items)
         p = self.prefix(tenant, session_id)
         args: list[Any] = [p, _now_ms(), self._ttl_ms(retention_days),
-                           self.cfg.max_messages_per_session, session_id]
+                           self.cfg.max_messages_per_session, session_id, system]
         for it in items:
             args += [it.hash, it.body, it.tool_call_id, "" if it.tokens is None else it.tokens]
 
         async def run() -> Any:
             reply = await self._append(keys=[p + ":meta"], args=args)
-            await self.client.zadd(self._index_key(tenant), {session_id: _now_ms()})
+            await self._index(tenant, session_id)
             return reply
 
         reply = await self._call("append", run())
         if _s(reply[0]) == "limit":
             raise StoreLimitExceeded("session messages limit reached")
-        self._hints.pop((tenant, session_id), None)
+        self._sessions.pop((tenant, session_id), None)
         return [orjson.loads(b) for b in reply[1] if b is not None]
 
     async def add_internal(self, tenant: str, session_id: str, anchor: str,
-                           messages: list[Message]) -> None:
-        """Keep a proxy-owned tool exchange, to splice before ``anchor`` in later windows."""
+                           entry: dict[str, Any]) -> None:
+        """Keep a proxy-owned tool exchange, to splice around ``anchor`` in later windows."""
         p = self.prefix(tenant, session_id)
-        await self._call("internal", self.client.hset(p + ":int", anchor, orjson.dumps(messages)))
+        await self._call("internal", self.client.hset(p + ":int", anchor, orjson.dumps(entry)))
+        cached = self._sessions.get((tenant, session_id))
+        if cached is not None:
+            cached.internal[anchor] = entry
 
     async def add_record(self, tenant: str, session_id: str, record: dict[str, Any]) -> None:
         key = self.prefix(tenant, session_id) + ":rec"

@@ -423,7 +423,7 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
                  protected: frozenset[str] = frozenset()) -> Window:
     """The window for a request carrying ``messages`` (pure; ``counts`` per message)."""
     tokens_in = sum(counts)
-    if not policy.enabled:
+    if not policy.enabled or _nothing_to_do(messages, counts, policy, budget, tokens_in):
         return Window(messages, False, tokens_in <= budget.hard, tokens_in, tokens_in)
     conv = _Conversation(messages, keys, counts, policy, budget, ops, protected)
     replay = _Replay(conv, timestamps, now_ms, summary)
@@ -440,6 +440,20 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
                   tokens_out if changed else tokens_in, tuple(elided),
                   replay.plan.reduced_upto - replay.plan.omit_upto, replay.plan.omit_upto,
                   tuple(events))
+
+
+def _nothing_to_do(messages: list[Message], counts: list[int], policy: Policy, budget: Budget,
+                   tokens_in: int) -> bool:
+    """A short single-loop conversation under the threshold: the replay would change nothing
+    (no past loop to reduce, and every earlier request point held fewer tokens)."""
+    if not policy.enabled:
+        return True
+    if tokens_in > policy.threshold * budget.working or tokens_in > budget.hard:
+        return False
+    cap = max(64, int(policy.max_tool_result_share * budget.working))
+    if any(c > cap for c in counts):
+        return False
+    return len(segment(messages)) <= 1
 
 
 def _hard_limit(conv: _Conversation, replay: _Replay, events: list[Event]

@@ -1,0 +1,211 @@
+"""Proxy overhead benchmark: the proxy and, in the same run, the upstream directly.
+
+    python bench/overhead.py [--requests 1000] [--duration 10] [--workers 1] [--json]
+
+Starts the scripted upstream and `runloop-proxy serve` (embedded Redis) as separate processes,
+then prints the latency the proxy adds at concurrency 1 (p50/p99, requests alternating between
+direct and proxied) and its throughput at concurrency 32 as a ratio of direct (wrk when
+installed, else an aiohttp load generator). Ratios, not absolute times: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+BODY = {"model": "gpt-4o-mini", "messages": [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Say hello in one short sentence, please."}]}
+HEADERS = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_ready(url: str, timeout: float = 30) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def start_servers(workers: int, data_dir: str, extra_env: dict[str, str]
+                  ) -> tuple[list[subprocess.Popen[bytes]], str, str, str]:
+    up_port, proxy_port, mini_port = free_port(), free_port(), free_port()
+    env = {**os.environ, **extra_env}
+    upstream = subprocess.Popen([sys.executable, "-m", "runloop_proxy.scripted", "--port",
+                                 str(up_port)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, env=env)
+    wait_ready(f"http://127.0.0.1:{up_port}/v1/models")
+    proxy = subprocess.Popen([sys.executable, "-m", "runloop_proxy.cli", "serve", "--upstream",
+                              f"http://127.0.0.1:{up_port}/v1", "--port", str(proxy_port),
+                              "--data-dir", data_dir, "--workers", str(workers)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    wait_ready(f"http://127.0.0.1:{proxy_port}/readyz")
+    up_chat = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+    mini = subprocess.Popen([sys.executable, str(Path(__file__).with_name(
+        "minimal_passthrough.py")), up_chat, str(mini_port)], stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, env=env)
+    wait_ready(f"http://127.0.0.1:{mini_port}/")
+    return ([upstream, proxy, mini], up_chat,
+            f"http://127.0.0.1:{proxy_port}/v1/chat/completions",
+            f"http://127.0.0.1:{mini_port}/v1/chat/completions")
+
+
+async def latency(direct: str, proxied: str, n: int) -> dict[str, list[float]]:
+    payload = json.dumps(BODY).encode()
+    out: dict[str, list[float]] = {"direct": [], "proxy": []}
+    async with aiohttp.ClientSession() as s:
+        async def one(url: str) -> float:
+            t = time.perf_counter()
+            async with s.post(url, data=payload, headers=HEADERS) as r:
+                await r.read()
+                assert r.status == 200, r.status
+            return time.perf_counter() - t
+
+        for _ in range(50):  # warm-up: connections, caches
+            await one(direct)
+            await one(proxied)
+        for i in range(n):
+            # alternate the order so drift on a noisy machine hits both sides alike
+            pair = (("direct", direct), ("proxy", proxied)) if i % 2 else \
+                (("proxy", proxied), ("direct", direct))
+            for name, url in pair:
+                out[name].append(await one(url))
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def wrk_throughput(url: str, duration: int, conns: int) -> float:
+    script = Path(tempfile.mkstemp(suffix=".lua")[1])
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(json.dumps(BODY))}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        'wrk.headers["Authorization"] = "Bearer sk-bench"\n')
+    try:
+        out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "-s", str(script),
+                              url], capture_output=True, text=True, check=True).stdout
+    finally:
+        script.unlink()
+    errors = [ln for ln in out.splitlines() if "Non-2xx" in ln or "Socket errors" in ln]
+    if errors:
+        print(f"  wrk reported: {'; '.join(errors)}", file=sys.stderr)
+    line = next(ln for ln in out.splitlines() if ln.startswith("Requests/sec"))
+    return float(line.split()[1])
+
+
+async def aiohttp_throughput(url: str, duration: int, conns: int) -> float:
+    payload = json.dumps(BODY).encode()
+    done = 0
+    stop = time.monotonic() + duration
+    connector = aiohttp.TCPConnector(limit=conns)
+    async with aiohttp.ClientSession(connector=connector) as s:
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < stop:
+                async with s.post(url, data=payload, headers=HEADERS) as r:
+                    await r.read()
+                done += 1
+        await asyncio.gather(*[worker() for _ in range(conns)])
+    return done / duration
+
+
+def throughput(url: str, duration: int, conns: int, generator: str) -> float:
+    if generator == "wrk":
+        return wrk_throughput(url, duration, conns)
+    return asyncio.run(aiohttp_throughput(url, duration, conns))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--requests", type=int, default=1000, help="per side at concurrency 1")
+    parser.add_argument("--duration", type=int, default=10, help="seconds per throughput run")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="throughput runs per side")
+    parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--load-generator", choices=["aiohttp", "wrk"], default="aiohttp",
+                        help="aiohttp (a Python client, as the targets were measured) or wrk "
+                             "(C: a much faster direct baseline, so a harsher ratio)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.load_generator == "wrk" and not shutil.which("wrk"):
+        parser.error("wrk is not installed (apt-get install wrk)")
+    data_dir = tempfile.mkdtemp(prefix="rl-bench-")
+    procs, direct, proxied, minimal = start_servers(args.workers, data_dir, {})
+    try:
+        lat = asyncio.run(latency(direct, proxied, args.requests))
+        tputs: dict[str, list[float]] = {"direct": [], "proxy": [], "minimal": []}
+        for _ in range(args.rounds):
+            for name, url in (("direct", direct), ("proxy", proxied), ("minimal", minimal)):
+                tputs[name].append(throughput(url, args.duration, args.concurrency,
+                                              args.load_generator))
+    finally:
+        for p in procs[::-1]:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(data_dir, ignore_errors=True)
+    d50, p50 = pct(lat["direct"], 0.5), pct(lat["proxy"], 0.5)
+    d99, p99 = pct(lat["direct"], 0.99), pct(lat["proxy"], 0.99)
+    td, tp = statistics.mean(tputs["direct"]), statistics.mean(tputs["proxy"])
+    tm = statistics.mean(tputs["minimal"])
+    result = {
+        "workers": args.workers, "requests_per_side": args.requests,
+        "direct_p50_ms": round(d50 * 1000, 3), "proxy_p50_ms": round(p50 * 1000, 3),
+        "added_p50_ms": round((p50 - d50) * 1000, 3),
+        "direct_p99_ms": round(d99 * 1000, 3), "proxy_p99_ms": round(p99 * 1000, 3),
+        "added_p99_ms": round((p99 - d99) * 1000, 3),
+        "concurrency": args.concurrency, "direct_rps": round(td, 1), "proxy_rps": round(tp, 1),
+        "throughput_ratio": round(tp / td, 3) if td else None,
+        "minimal_passthrough_rps": round(tm, 1),
+        "minimal_ratio": round(tm / td, 3) if td else None,
+        "load_generator": args.load_generator,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"concurrency 1, {args.requests} requests per side (alternating):")
+        print(f"  direct p50 {result['direct_p50_ms']:.3f} ms  p99 {result['direct_p99_ms']:.3f} ms")
+        print(f"  proxy  p50 {result['proxy_p50_ms']:.3f} ms  p99 {result['proxy_p99_ms']:.3f} ms")
+        print(f"  added  p50 {result['added_p50_ms']:.3f} ms  p99 {result['added_p99_ms']:.3f} ms")
+        print(f"concurrency {args.concurrency}, {args.rounds}x{args.duration}s per side "
+              f"({result['load_generator']}), {args.workers} proxy worker(s):")
+        print(f"  direct {td:.0f} req/s  proxy {tp:.0f} req/s  ratio {tp / td:.1%}")
+        print(f"  reference: bare Starlette+aiohttp relay {tm:.0f} req/s ({tm / td:.1%} of "
+              f"direct); the proxy reaches {tp / tm:.1%} of it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

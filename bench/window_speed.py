@@ -1,0 +1,64 @@
+"""Time building the window for a long session at steady state (warm token cache).
+
+    python bench/window_speed.py [--messages 300] [--repeat 200]
+
+Steady state is what the proxy does on every request of a long session: the client resends
+the conversation with one or two new messages; counts of old messages come from the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import OrderedDict
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from synthetic import agent_session  # noqa: E402
+
+from runloop_proxy.chat import WindowTokens  # noqa: E402
+from runloop_proxy.config import Policy  # noqa: E402
+from runloop_proxy.messages import message_hash  # noqa: E402
+from runloop_proxy.tokens import TokenCounter  # noqa: E402
+from runloop_proxy.window import Budget, build_window  # noqa: E402
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--messages", type=int, default=300)
+    parser.add_argument("--repeat", type=int, default=200)
+    args = parser.parse_args()
+    msgs = agent_session(args.messages)
+    counter = TokenCounter()
+    enc, _ = counter.encoding("gpt-4o-mini")
+    state = SimpleNamespace(tokens=counter, truncations=OrderedDict())
+    ops = WindowTokens(state, enc)  # type: ignore[arg-type]
+    policy = Policy()
+    budget = Budget(hard=120_000, working=24_000)
+
+    def one(prefix: list[dict]) -> float:  # type: ignore[type-arg]
+        t = time.perf_counter()
+        keys = [message_hash(m) for m in prefix]  # type: ignore[arg-type]
+        counts = [counter.message(enc, m, k) for m, k in zip(prefix, keys)]  # type: ignore[arg-type]
+        build_window(prefix, keys, counts, policy, budget, ops)  # type: ignore[arg-type]
+        return time.perf_counter() - t
+
+    # warm up: the session grows request by request, as the proxy would see it
+    for n in range(2, len(msgs) + 1):
+        if msgs[n - 1]["role"] != "assistant":
+            one(msgs[:n])
+    times = [one(msgs) for _ in range(args.repeat)]
+    total = sum(counter.message(enc, m) for m in msgs)  # type: ignore[arg-type]
+    print(f"window for a {len(msgs)}-message session ({total} tokens), steady state, "
+          f"{args.repeat} builds (hashing and counting included):")
+    print(f"  p50 {statistics.median(times) * 1000:.3f} ms  "
+          f"p99 {sorted(times)[int(0.99 * len(times)) - 1] * 1000:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

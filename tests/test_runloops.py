@@ -1,0 +1,99 @@
+"""Run-loop segmentation: table-driven cases and properties over random conversations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runloop_proxy.runloops import LoopStatus, preamble_end, segment
+
+S = {"role": "system", "content": "sys"}
+U = {"role": "user", "content": "q"}
+F = {"role": "assistant", "content": "answer"}
+
+
+def A(*ids: str, content: Any = None) -> dict[str, Any]:
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": "t", "arguments": "{}"}} for i in ids]}
+
+
+def T(i: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": i, "content": "r"}
+
+
+CASES = [
+    ("empty", [], []),
+    ("system only", [S], []),
+    ("one open question", [S, U], [(1, 2, "open", None)]),
+    ("one closed loop", [S, U, F], [(1, 3, "closed", 2)]),
+    ("tool loop", [S, U, A("a"), T("a"), F], [(1, 5, "closed", 4)]),
+    ("parallel calls", [U, A("a", "b"), T("a"), T("b"), F], [(0, 5, "closed", 4)]),
+    ("three loops", [S, U, F, U, A("x"), T("x"), F, U],
+     [(1, 3, "closed", 2), (3, 7, "closed", 6), (7, 8, "open", None)]),
+    ("user joins an open loop", [U, A("a"), T("a"), U, F], [(0, 5, "closed", 4)]),
+    ("two users in a row", [U, U, F], [(0, 3, "closed", 2)]),
+    ("starts with assistant", [F, U, F], [(0, 1, "closed", 0), (1, 3, "closed", 2)]),
+    ("legacy function_call", [U, {"role": "assistant", "content": None,
+                                   "function_call": {"name": "f", "arguments": "{}"}},
+                              {"role": "function", "name": "f", "content": "r"}, F],
+     [(0, 4, "closed", 3)]),
+    ("content as parts, null and refusal",
+     [U | {"content": [{"type": "text", "text": "hi"}]},
+      {"role": "assistant", "content": None, "refusal": "no"}], [(0, 2, "closed", 1)]),
+    ("open after tool result", [U, A("a"), T("a")], [(0, 3, "open", None)]),
+]
+
+
+@pytest.mark.parametrize("name,messages,expected", CASES, ids=[c[0] for c in CASES])
+def test_segment_table(name: str, messages: list[Any], expected: list[Any]) -> None:
+    loops = segment(messages)
+    got = [(lp.start, lp.end, lp.status.value, lp.final_position) for lp in loops]
+    assert got == expected
+
+
+def test_tool_call_ids_collected() -> None:
+    loops = segment([U, A("a", "b"), T("a"), T("b"), A("c"), T("c"), F])
+    assert loops[0].tool_call_ids == ("a", "b", "c")
+
+
+message = st.one_of(
+    st.just(U), st.just(F), st.just(S),
+    st.builds(lambda i: A(f"c{i}"), st.integers(0, 5)),
+    st.builds(lambda i: T(f"c{i}"), st.integers(0, 5)),
+)
+
+
+@given(st.lists(message, max_size=40))
+def test_every_message_in_exactly_one_loop_in_order(messages: list[Any]) -> None:
+    loops = segment(messages)
+    covered = [i for lp in loops for i in lp.positions]
+    assert covered == list(range(preamble_end(messages), len(messages)))
+    for k, lp in enumerate(loops):
+        assert lp.index == k and lp.start < lp.end
+
+
+@given(st.lists(message, max_size=40))
+def test_loop_boundaries_as_defined(messages: list[Any]) -> None:
+    loops = segment(messages)
+    for lp in loops:
+        if lp.index > 0:
+            # a loop after the first starts with a user message once the previous loop gave
+            # its final reply (only system notes may stand between them)
+            assert messages[lp.start]["role"] == "user"
+            prev = loops[lp.index - 1]
+            assert prev.status is LoopStatus.CLOSED
+            between = messages[prev.final_position + 1:lp.start]  # type: ignore[operator]
+            assert all(m["role"] in ("system", "developer") for m in between)
+        if lp.status is LoopStatus.CLOSED:
+            final = messages[lp.final_position]  # type: ignore[index]
+            assert final["role"] == "assistant" and not final.get("tool_calls")
+        # a user message joins a loop only while it is open (no final reply yet, or a tool
+        # result after it)
+        for i in range(lp.start + 1, lp.end):
+            if messages[i]["role"] == "user":
+                before = [m for m in messages[lp.start:i] if m["role"] in ("assistant", "tool")]
+                assert not before or before[-1]["role"] == "tool" \
+                    or before[-1].get("tool_calls")

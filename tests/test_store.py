@@ -1,0 +1,358 @@
+"""Sessions and the full history in a real Redis, through the real proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import redis
+
+from runloop_proxy.config import Settings, StoreSection
+from runloop_proxy.messages import canonical_json
+from runloop_proxy.metrics import Metrics
+from runloop_proxy.scripted import ScriptedUpstream
+from runloop_proxy.store import RedisStore, prepare
+
+from .conftest import ProxyServer, RedisServer, free_port, unique_config
+
+ADMIN = "admin-key-for-tests-0123456789"
+KEY = "sk-store-tests"
+TENANT = "pt-" + hashlib.sha256(KEY.encode()).hexdigest()[:16]
+TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {
+    "type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+
+
+def sdk(proxy: ProxyServer, session: str | None = None, **headers: str) -> openai.OpenAI:
+    h = {"X-Session-Id": session} if session else {}
+    return openai.OpenAI(base_url=proxy.url, api_key=KEY, max_retries=0,
+                         default_headers={**h, **headers})
+
+
+def admin(proxy: ProxyServer, path: str, **params: str) -> httpx.Response:
+    return httpx.get(proxy.base + path, params={"tenant": TENANT, **params},
+                     headers={"Authorization": f"Bearer {ADMIN}"})
+
+
+def settle(proxy: ProxyServer) -> None:
+    """Wait for the write-behind queue to reach Redis."""
+    asyncio.run_coroutine_threadsafe(proxy.state.store.drain(),
+                                     _loop_of(proxy)).result(timeout=10)
+
+
+def _loop_of(proxy: ProxyServer) -> asyncio.AbstractEventLoop:
+    assert proxy.state.store._flusher is not None
+    return proxy.state.store._flusher.get_loop()  # type: ignore[no-any-return]
+
+
+def run_tool_conversation(c: openai.OpenAI, upstream: ScriptedUpstream, turns: int
+                          ) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"task {t}"})
+        upstream.push({"tool_calls": [{"id": f"call_{t}_a", "name": "bash",
+                                       "arguments": {"cmd": f"ls {t}"}}]},
+                      {"content": f"done {t}"})
+        r = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=TOOLS)
+        msgs.append(r.choices[0].message.model_dump(exclude_none=True))
+        msgs.append({"role": "tool", "tool_call_id": f"call_{t}_a", "content": f"out {t}"})
+        r = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=TOOLS)
+        msgs.append(r.choices[0].message.model_dump(exclude_none=True))
+    return msgs
+
+
+@pytest.fixture
+def aproxy(make_proxy: Any) -> ProxyServer:
+    return make_proxy(admin_key=ADMIN)  # type: ignore[no-any-return]
+
+
+def test_three_turn_tool_conversation_stored_and_segmented(aproxy: ProxyServer,
+                                                           upstream: ScriptedUpstream) -> None:
+    r = sdk(aproxy, "s-three").chat.completions.with_raw_response.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "warm-up"}])
+    assert r.headers["x-session-id"] == "s-three"
+    msgs = run_tool_conversation(sdk(aproxy, "s-three2"), upstream, 3)
+    settle(aproxy)
+    view = admin(aproxy, "/admin/sessions/s-three2").json()
+    assert view["message_count"] == len(msgs) == 13
+    assert view["session_id"] == "s-three2" and view["tenant"] == TENANT
+    loops = view["run_loops"]
+    assert [(lp["status"], lp["tool_call_ids"]) for lp in loops] == \
+        [("closed", [f"call_{t}_a"]) for t in range(3)]
+    assert loops[0]["user_preview"] == "task 0" and loops[2]["final_preview"] == "done 2"
+    assert loops[1]["start"] == 5 and loops[1]["end"] == 8
+    full = admin(aproxy, "/admin/sessions/s-three2", messages="1").json()["messages"]
+    # stored exactly, in the canonical form the client's echo matches
+    assert [canonical_json(m) for m in full] == [canonical_json(m) for m in msgs]  # type: ignore[arg-type]
+    listing = admin(aproxy, "/admin/sessions").json()
+    assert {"s-three", "s-three2"} <= {s["session_id"] for s in listing["sessions"]}
+
+
+def test_regenerated_answer_forks_and_keeps_old_branch(aproxy: ProxyServer,
+                                                       upstream: ScriptedUpstream) -> None:
+    c = sdk(aproxy, "s-fork")
+    msgs = [{"role": "user", "content": "tell me a joke"}]
+    upstream.push({"content": "first joke"}, {"content": "second joke"})
+    c.chat.completions.create(model="m", messages=msgs)
+    settle(aproxy)
+    c.chat.completions.create(model="m", messages=msgs)  # regenerate: same request again
+    settle(aproxy)
+    view = admin(aproxy, "/admin/sessions/s-fork", messages="1").json()
+    assert [m.get("content") for m in view["messages"]] == ["tell me a joke", "second joke"]
+    assert len(view["branches"]) == 2
+    old = view["branches"]["0"]
+    assert old["length"] == 2 and view["branches"]["1"]["fork_at"] == 1
+    # an edited earlier message forks too; both earlier branches stay
+    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "edited"}])
+    settle(aproxy)
+    view = admin(aproxy, "/admin/sessions/s-fork").json()
+    assert len(view["branches"]) == 3 and view["message_count"] == 2
+
+
+def test_resent_reply_with_sdk_noise_does_not_fork(aproxy: ProxyServer,
+                                                   upstream: ScriptedUpstream) -> None:
+    c = sdk(aproxy, "s-echo")
+    upstream.push({"content": "reply"})
+    r = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "q"}])
+    echoed = r.choices[0].message.model_dump()  # refusal: None, annotations: [], etc.
+    c.chat.completions.create(model="m", messages=[
+        {"role": "user", "content": "q"}, echoed, {"role": "user", "content": "more"}])
+    settle(aproxy)
+    view = admin(aproxy, "/admin/sessions/s-echo").json()
+    assert len(view["branches"]) == 1 and view["message_count"] == 4
+
+
+def test_server_history_mode(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    c = sdk(aproxy, "s-server", **{"X-Runloop-History": "server"})
+    c.chat.completions.create(model="m", messages=[
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "one"}])
+    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "two"}])
+    sent = upstream.requests[-1]["messages"]
+    assert [m["content"] for m in sent] == ["be brief", "one", "echo: one", "two"]
+    # a new system prompt replaces the stored one for this turn
+    c.chat.completions.create(model="m", messages=[
+        {"role": "system", "content": "be verbose"}, {"role": "user", "content": "three"}])
+    sent = upstream.requests[-1]["messages"]
+    assert sent[0]["content"] == "be verbose" and sent[-1]["content"] == "three"
+    assert len(sent) == 6
+
+
+def test_fifty_concurrent_requests_lose_nothing(aproxy: ProxyServer,
+                                               upstream: ScriptedUpstream) -> None:
+    async def go() -> None:
+        c = openai.AsyncOpenAI(base_url=aproxy.url, api_key=KEY, max_retries=0,
+                               default_headers={"X-Session-Id": "s-50",
+                                                "X-Runloop-History": "server"})
+        await asyncio.gather(*[c.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": f"msg {i}"}]) for i in range(50)])
+        await c.close()
+
+    asyncio.run(go())
+    settle(aproxy)
+    time.sleep(0.3)  # server-history replies are appended by background tasks
+    view = admin(aproxy, "/admin/sessions/s-50", messages="1").json()
+    contents = [m["content"] for m in view["messages"]]
+    assert sorted(c for c in contents if c.startswith("msg ")) == \
+        sorted(f"msg {i}" for i in range(50))
+    assert len(contents) == 100  # 50 questions, 50 replies, none twice
+
+
+def test_concurrent_full_resends_keep_every_message(aproxy: ProxyServer,
+                                                    upstream: ScriptedUpstream) -> None:
+    base = [{"role": "user", "content": "base"}, {"role": "assistant", "content": "ok"}]
+
+    async def go() -> None:
+        c = openai.AsyncOpenAI(base_url=aproxy.url, api_key=KEY, max_retries=0,
+                               default_headers={"X-Session-Id": "s-par"})
+        await asyncio.gather(*[c.chat.completions.create(
+            model="m", messages=[*base, {"role": "user", "content": f"v{i}"}])
+            for i in range(20)])
+        await c.close()
+
+    asyncio.run(go())
+    settle(aproxy)
+    r = redis.Redis.from_url(aproxy.state.store.client.connection_pool.connection_kwargs
+                             and _url(aproxy))
+    prefix = aproxy.state.store.prefix(TENANT, "s-par")
+    bodies = [v.decode() for v in r.hvals(prefix + ":msg")]
+    for i in range(20):
+        assert sum(f'"v{i}"' in b for b in bodies) == 1
+    # every variant lives on some branch, whole
+    view = admin(aproxy, "/admin/sessions/s-par").json()
+    total = sum(b["length"] for b in view["branches"].values())
+    assert total >= 20
+
+
+def _url(proxy: ProxyServer) -> str:
+    return str(proxy.settings.redis_url)
+
+
+def test_tool_call_ids_reused_are_kept_apart(redis_url: str) -> None:
+    async def go() -> None:
+        store = RedisStore(redis_url, StoreSection(key_prefix="t-reuse-" + str(time.time())),
+                           Metrics())
+        msgs: list[dict[str, Any]] = []
+        for k in range(2):
+            msgs += [{"role": "user", "content": f"q{k}"},
+                     {"role": "assistant", "content": None, "tool_calls": [
+                         {"id": "call_same", "type": "function",
+                          "function": {"name": "f", "arguments": "{}"}}]},
+                     {"role": "tool", "tool_call_id": "call_same", "content": f"result {k}"},
+                     {"role": "assistant", "content": f"a{k}"}]
+        await store.sync("t", "s", [prepare(m) for m in msgs])  # type: ignore[arg-type]
+        results = await store.tool_results("t", "s", "call_same")
+        assert [m["content"] for m in results] == ["result 0", "result 1"]
+        await store.close()
+
+    asyncio.run(go())
+
+
+def test_limits_degrade_instead_of_failing(make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    proxy = make_proxy(admin_key=ADMIN, store={"max_messages_per_session": 10})
+    c = sdk(proxy, "s-big")
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"}
+            for i in range(13)]
+    r = c.chat.completions.with_raw_response.create(model="m", messages=msgs)
+    assert r.http_response.status_code == 200
+    assert r.headers.get("x-runloop-degraded") == "store"
+
+
+def test_admin_needs_key_and_is_tenant_scoped(aproxy: ProxyServer, make_proxy: Any,
+                                              upstream: ScriptedUpstream) -> None:
+    sdk(aproxy, "s-secret").chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "private"}])
+    settle(aproxy)
+    assert httpx.get(aproxy.base + "/admin/sessions/s-secret",
+                     params={"tenant": TENANT}).status_code == 401
+    assert httpx.get(aproxy.base + "/admin/sessions/s-secret", params={"tenant": TENANT},
+                     headers={"Authorization": "Bearer wrong"}).status_code == 401
+    # another key's tenant cannot see it
+    other = "pt-" + hashlib.sha256(b"sk-other").hexdigest()[:16]
+    assert admin(aproxy, "/admin/sessions/s-secret", tenant=other).status_code == 404
+    # no admin key configured: the admin API does not exist
+    plain = make_proxy()
+    assert httpx.get(plain.base + "/admin/sessions/s-secret",
+                     headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
+
+
+def test_sessions_listing_pages(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    for i in range(5):
+        sdk(aproxy, f"s-page-{i}").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}])
+    settle(aproxy)
+    page = admin(aproxy, "/admin/sessions", limit="2", offset="1").json()
+    assert page["total"] >= 5 and len(page["sessions"]) == 2
+
+
+def test_restart_with_embedded_redis_keeps_history(upstream: ScriptedUpstream,
+                                                   tmp_path: Any) -> None:
+    settings = Settings(upstream=upstream.url, data_dir=str(tmp_path / "d"), admin_key=ADMIN)
+    for round_ in range(2):
+        proxy = ProxyServer(settings).start()
+        try:
+            if round_ == 0:
+                run_tool_conversation(sdk(proxy, "s-restart"), upstream, 2)
+                settle(proxy)
+            else:
+                view = admin(proxy, "/admin/sessions/s-restart").json()
+                assert view["message_count"] == 9 and len(view["run_loops"]) == 2
+        finally:
+            proxy.stop()
+    assert (tmp_path / "d" / "redis" / "appendonlydir").exists() or \
+        list((tmp_path / "d" / "redis").glob("*.aof*"))
+
+
+def test_redis_killed_mid_traffic_no_client_failures(make_proxy: Any,
+                                                     upstream: ScriptedUpstream) -> None:
+    server = RedisServer().start()
+    try:
+        proxy = make_proxy(redis=server.url, admin_key=ADMIN,
+                           store={"retry_after_s": 0.2, "timeout_s": 0.2})
+        c = sdk(proxy)
+        failures = 0
+        degraded = 0
+        stop_at = time.monotonic() + 4.0
+        killer = threading.Timer(1.0, server.stop)
+        restarter = threading.Timer(2.0, server.start)
+        killer.start()
+        restarter.start()
+        i = 0
+        while time.monotonic() < stop_at:
+            i += 1
+            try:
+                r = c.chat.completions.with_raw_response.create(
+                    model="m", messages=[{"role": "user", "content": f"req {i}"}],
+                    extra_headers={"X-Session-Id": f"s-kill-{i}"})
+                degraded += r.headers.get("x-runloop-degraded") == "store"
+            except openai.APIError:
+                failures += 1
+        killer.join()
+        restarter.join()
+        assert failures == 0 and i > 20
+        assert degraded > 0
+        text = httpx.get(proxy.base + "/metrics").text
+        assert "runloop_degraded_requests_total" in text
+        # recovered: a fresh request is served with the store again
+        time.sleep(0.5)
+        r = c.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": "after"}],
+            extra_headers={"X-Session-Id": "s-after"})
+        assert r.headers.get("x-runloop-degraded") is None
+    finally:
+        server.cleanup()
+
+
+def test_cluster_three_masters(upstream: ScriptedUpstream, make_proxy: Any,
+                               tmp_path: Any) -> None:
+    nodes = [RedisServer("--cluster-enabled", "yes", "--cluster-config-file",
+                         f"nodes-{i}.conf", port=free_port()).start() for i in range(3)]
+    try:
+        clients = [redis.Redis(port=n.port) for n in nodes]
+        per = 16384 // 3
+        ranges = [(0, per - 1), (per, 2 * per - 1), (2 * per, 16383)]
+        for cl, (a, b) in zip(clients, ranges, strict=True):
+            cl.execute_command("CLUSTER ADDSLOTS", *range(a, b + 1))
+        for cl in clients[1:]:
+            cl.execute_command("CLUSTER MEET", "127.0.0.1", nodes[0].port)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            infos = [cl.cluster("INFO") for cl in clients]
+            if all(str(i.get("cluster_state")) in ("ok", "b'ok'") for i in infos):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("cluster did not converge")
+        proxy = make_proxy(redis=f"redis+cluster://127.0.0.1:{nodes[0].port}", admin_key=ADMIN)
+        for s in range(6):  # several sessions: several slots, several masters
+            run_tool_conversation(sdk(proxy, f"s-cluster-{s}"), upstream, 1)
+        settle(proxy)
+        for s in range(6):
+            view = admin(proxy, f"/admin/sessions/s-cluster-{s}").json()
+            assert view["message_count"] == 5
+        used = [cl.dbsize() for cl in clients]
+        assert sum(1 for u in used if u) >= 2
+    finally:
+        for n in nodes:
+            n.cleanup()
+
+
+def test_resolve_session_order() -> None:
+    from runloop_proxy.chat import resolve_session
+
+    base: dict[str, Any] = {"model": "m", "messages": [
+        {"role": "system", "content": "changes every time"}, {"role": "user", "content": "hi"}]}
+    assert resolve_session("hdr", base, "t") == "hdr"  # type: ignore[arg-type]
+    assert resolve_session(None, {**base, "prompt_cache_key": "pck", "user": "u"}, "t") == "pck"  # type: ignore[arg-type]
+    assert resolve_session(None, {**base, "metadata": {"session_id": "md"}, "user": "u"},
+                           "t") == "md"  # type: ignore[arg-type]
+    assert resolve_session(None, {**base, "user": "u"}, "t") == "u"  # type: ignore[arg-type]
+    fp = resolve_session(None, base, "t")  # type: ignore[arg-type]
+    other_system = {**base, "messages": [{"role": "system", "content": "different"},
+                                         *base["messages"][1:]]}
+    assert fp.startswith("fp-") and fp == resolve_session(None, other_system, "t")  # type: ignore[arg-type]
+    assert fp != resolve_session(None, base, "another-tenant")  # type: ignore[arg-type]
