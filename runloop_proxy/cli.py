@@ -198,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--proxy", default=None, metavar="URL",
                    help="send every request through a running proxy instead of building offline")
     r.add_argument("--limit", type=int, default=None, help="only the first N conversations")
+    r.add_argument("--set", action="append", metavar="FIELD=VALUE",
+                   help="override a policy field for this run (repeatable)")
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-progress", action="store_true")
     return parser

@@ -70,14 +70,14 @@ class Policy(_Strict):
     threshold: float = Field(0.8, gt=0, le=1)
     target: float = Field(0.5, gt=0, le=1)
     soft_budget_tokens: int | None = Field(
-        24_000, ge=1024, description="working budget below the model window (cost cap)"
+        16_000, ge=1024, description="working budget below the model window (cost cap)"
     )
-    keep_recent_tool_results: int = Field(4, ge=0)
+    keep_recent_tool_results: int = Field(3, ge=0)
     clear_at_least: int = Field(2_000, ge=0)
     exclude_tools: tuple[str, ...] = ()
     reduce_past_loops: ReducePastLoops = ReducePastLoops.ALWAYS
-    ledger_arg_chars: int = Field(60, ge=0)
-    reasoning_keep_tokens: int = Field(200, ge=16)
+    ledger_arg_chars: int = Field(40, ge=0)
+    reasoning_keep_tokens: int = Field(60, ge=16)
     max_tool_result_share: float = Field(0.25, gt=0, le=1)
     reserved_output_tokens: int = Field(4_096, ge=0)
     safety_margin_tokens: int = Field(512, ge=0)

@@ -173,12 +173,13 @@ class ToolRunner:
         if not found:
             return f"error: no tool result with call_id {ref!r} in this conversation", \
                 "not_found"
-        content = found[-1][1].get("content")
-        if len(found) > 1:
-            others = ", ".join(f"{call_id}#{k[:8]}" for k, _ in found[:-1])
+        # A plain id names its first result; later results of a reused id carry "#hash".
+        content = found[0][1].get("content")
+        if len(found) > 1 and not short:
+            others = ", ".join(f"{call_id}#{k[:8]}" for k, _ in found[1:])
             note = f"\n[runloop-proxy] call_id {call_id} was used more than once; this is the " \
-                   f"latest. Earlier: {others}"
-            content = (content if isinstance(content, str) else message_text(found[-1][1])) \
+                   f"first result. Later ones: {others}"
+            content = (content if isinstance(content, str) else message_text(found[0][1])) \
                 + note
         return content, "hit"
 

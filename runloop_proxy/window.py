@@ -39,6 +39,7 @@ class CompactionKind(str, Enum):
     PAST_LOOPS = "past_loop_reduction"
     ELISION = "in_loop_elision"
     OMISSION = "loop_omission"
+    DROP = "in_loop_drop"
     TRUNCATION = "hard_truncation"
     SUMMARY = "summary"
     REJECTION = "rejection"
@@ -89,6 +90,8 @@ class _Plan:
     reduced_upto: int = 0  # loops below are in question+answer form
     omit_upto: int = 0  # loops below are not shown
     elide_upto: int = 0  # tool results / reasoning below this position are elided
+    drop_from: int = 0  # whole tool exchanges in [drop_from, drop_upto) are not shown
+    drop_upto: int = 0
     events: list[Event] = field(default_factory=list)
 
 
@@ -128,11 +131,9 @@ class _Conversation:
                 saving = self.full_counts[i] - ops.count(ph)
                 if saving > 0:
                     self.short[i], self.saving[i] = ph, saving
-            elif role == "assistant" and tool_calls_of(m) and isinstance(m.get("content"), str):
-                text = m["content"]
-                trimmed_text = ops.truncate(text, policy.reasoning_keep_tokens)
-                if trimmed_text != text:
-                    trimmed: Message = {**m, "content": trimmed_text}  # type: ignore[typeddict-item]
+            elif role == "assistant" and m.get("tool_calls"):
+                trimmed = self._trimmed_call(i)
+                if trimmed is not None:
                     saving = counts[i] - ops.count(trimmed)
                     if saving > 0:
                         self.short[i], self.saving[i] = trimmed, saving
@@ -143,6 +144,19 @@ class _Conversation:
             self.sav_prefix[i + 1] = self.sav_prefix[i] + self.saving[i]
         self.pre_tokens = self.prefix[self.pre]
         self._reduced: dict[int, tuple[list[Message], int, bool]] = {}
+        # tool exchanges: an assistant message with calls and the results that follow it
+        self.group_end: dict[int, int] = {}
+        i = 0
+        while i < self.n:
+            if messages[i].get("role") == "assistant" and messages[i].get("tool_calls"):
+                j = i + 1
+                while j < self.n and messages[j].get("role") == "tool":
+                    j += 1
+                self.group_end[i] = j
+                i = j
+            else:
+                i += 1
+        self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
 
     def _tool_names(self) -> tuple[list[str], list[str]]:
         names, args = [""] * self.n, [""] * self.n
@@ -158,16 +172,16 @@ class _Conversation:
         return names, args
 
     def _refs(self) -> list[str]:
-        seen: dict[str, int] = {}
-        for m in self.messages:
-            if m.get("role") == "tool":
-                cid = str(m.get("tool_call_id", ""))
-                seen[cid] = seen.get(cid, 0) + 1
+        """What recall_tool_call takes for each result: the call id, or for a call id the
+        conversation already used, the id plus a content hash. Fixed once a result exists,
+        so later reuse of an id never rewrites earlier notes (append-only)."""
+        seen: set[str] = set()
         refs = [""] * self.n
         for i, m in enumerate(self.messages):
             if m.get("role") == "tool":
                 cid = str(m.get("tool_call_id", ""))
-                refs[i] = cid if seen[cid] == 1 else f"{cid}#{self.keys[i][:8]}"
+                refs[i] = cid if cid not in seen else f"{cid}#{self.keys[i][:8]}"
+                seen.add(cid)
         return refs
 
     def _short_args(self, i: int) -> str:
@@ -175,10 +189,34 @@ class _Conversation:
         limit = self.policy.ledger_arg_chars
         return args if len(args) <= limit else args[: max(0, limit - 1)] + "…"
 
+    def _trimmed_call(self, i: int) -> Message | None:
+        """An older assistant tool-call message with its reasoning text and long arguments cut
+        (head + tail); the arguments stay valid JSON and recall_tool_call gives them back."""
+        m = self.messages[i]
+        keep = self.policy.reasoning_keep_tokens
+        out: dict[str, object] = dict(m)
+        changed = False
+        if isinstance(m.get("content"), str):
+            text = self.ops.truncate(m["content"], keep)
+            if text != m["content"]:
+                out["content"] = text
+                changed = True
+        calls = []
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            args = fn.get("arguments")
+            if isinstance(args, str) and len(args) > keep:
+                short = _trim_arguments(args, keep, call.get("id", ""), self.ops)
+                if short != args:
+                    call = {**call, "function": {**fn, "arguments": short}}
+                    changed = True
+            calls.append(call)
+        out["tool_calls"] = calls
+        return out if changed else None  # type: ignore[return-value]
+
     def _placeholder(self, i: int) -> Message:
-        text = (f"{TAG} Result elided to save context: {self.full_counts[i]} tokens from "
-                f"{self.tool_names[i]}({self._short_args(i)}). "
-                f'Call recall_tool_call with call_id="{self.refs[i]}" to get it back verbatim.')
+        text = (f'{TAG} {self.full_counts[i]}-token result elided; '
+                f'recall_tool_call(call_id="{self.refs[i]}") returns it.')
         return {"role": "tool", "tool_call_id": self.messages[i]["tool_call_id"], "content": text}
 
     def _capped(self, i: int, cap: int) -> Message:
@@ -200,48 +238,71 @@ class _Conversation:
         changed = len(lp.user_positions) + (lp.final_position is not None) != lp.end - lp.start
         users = list(lp.user_positions)
         ledger = self._ledger(lp)
-        for k, i in enumerate(users):
+        for i in users:
             m = self.messages[i]
             text = message_text(m)
             capped = self.ops.truncate(text, limit)
-            if k == len(users) - 1 and ledger:
-                capped += "\n\n" + ledger
             if capped == text:
                 out.append(m)
             else:
                 out.append({**m, "content": capped})  # type: ignore[typeddict-item]
                 changed = True
-        if lp.final_position is not None:
-            m = self.messages[lp.final_position]
-            text = message_text(m)
+        # The ledger goes with the final reply, not the question: the question then stays
+        # byte-identical, so the cached prefix reaches through it when the loop is reduced.
+        final_pos = lp.final_position
+        if final_pos is not None or ledger:
+            m = self.messages[final_pos] if final_pos is not None else {"role": "assistant"}
+            text = message_text(m) if final_pos is not None else ""
             capped = self.ops.truncate(text, limit)
-            if capped != text:
+            if ledger:
+                capped = f"{capped}\n\n{ledger}" if capped else ledger
+            if capped != text or final_pos is None:
                 out.append({"role": "assistant", "content": capped})
                 changed = True
             else:
-                out.append(m)
-        tokens = sum(self.ops.count(m) if m is not self.messages[i] else self.counts[i]
-                     for m, i in zip(out, [*users, lp.final_position], strict=False)
-                     if i is not None)
+                out.append(m)  # type: ignore[arg-type]
+        tokens = sum(self.counts[i] if i is not None and m is self.messages[i]
+                     else self.ops.count(m)
+                     for m, i in zip(out, [*users, final_pos], strict=False))
         self._reduced[j] = (out, tokens, changed)
         return self._reduced[j]
 
     def _ledger(self, lp: RunLoop) -> str:
-        lines = []
-        for i in lp.positions:
-            if self.messages[i].get("role") == "tool":
-                lines.append(f"- {self.refs[i]} {self.tool_names[i]}({self._short_args(i)}) "
-                             f"-> {self.full_counts[i]} tokens")
-        if not lines:
+        entries = [f"{self.refs[i]} {self.tool_names[i]}({self._short_args(i)}) "
+                   f"{self.full_counts[i]}t"
+                   for i in lp.positions if self.messages[i].get("role") == "tool"]
+        if not entries:
             return ""
-        if len(lines) > LEDGER_MAX_LINES:
+        if len(entries) > LEDGER_MAX_LINES:
             head = LEDGER_MAX_LINES // 3
             tail = LEDGER_MAX_LINES - head
-            lines = [*lines[:head], f"- … {len(lines) - LEDGER_MAX_LINES} more "
-                     f"(search_history finds them) …", *lines[-tail:]]
-        return (f"{TAG} To answer this the assistant made {len(lp.tool_call_ids)} tool "
-                f"call(s); their results are not shown. recall_tool_call(call_id) returns "
-                f"any of them verbatim:\n" + "\n".join(lines))
+            entries = [*entries[:head], f"…{len(entries) - LEDGER_MAX_LINES} more…",
+                       *entries[-tail:]]
+        return (f"{TAG} {len(entries)} tool result(s) of this turn not shown; "
+                f"recall_tool_call(call_id) returns one: " + "; ".join(entries))
+
+    def shown(self, a: int, b: int) -> int:
+        """Tokens of positions [a, b) in their elided form (all of them lie below the
+        elision boundary when they are dropped)."""
+        return (self.prefix[b] - self.prefix[a]) - (self.sav_prefix[b] - self.sav_prefix[a])
+
+    def noted(self, at: int, steps: int) -> tuple[Message, int]:
+        """The user message at ``at`` with a note that ``steps`` exchanges after it are not
+        shown, and the tokens the note adds."""
+        key = (at, steps)
+        if key not in self._noted:
+            m = self.messages[at]
+            note = (f"\n\n{TAG} The first {steps} tool exchange(s) after this message are "
+                    f"not shown to save context; search_history(query) searches them and "
+                    f"recall_tool_call(call_id) returns any result.")
+            content = m.get("content")
+            if isinstance(content, list):
+                new: Message = {**m, "content": [*content, {"type": "text",  # type: ignore[typeddict-item]
+                                                            "text": note.strip()}]}
+            else:
+                new = {**m, "content": text_of(content) + note}  # type: ignore[typeddict-item]
+            self._noted[key] = (new, self.ops.count(new) - self.counts[at])
+        return self._noted[key]
 
     def marker(self, omitted: int, summary: str | None) -> Message:
         text = (f"{TAG} {omitted} earlier turn(s) of this conversation are not shown to save "
@@ -277,7 +338,14 @@ class _Replay:
             total -= c.sav_prefix[e] - c.sav_prefix[fs]
         if plan.omit_upto:
             total += self.marker_tokens(plan.omit_upto)
+        if plan.drop_upto > plan.drop_from and plan.drop_upto <= p:
+            total -= c.shown(plan.drop_from, plan.drop_upto)
+            total += c.noted(plan.drop_from - 1, self.dropped_steps())[1]
         return total
+
+    def dropped_steps(self) -> int:
+        c, plan = self.c, self.plan
+        return sum(1 for g in c.group_end if plan.drop_from <= g < plan.drop_upto)
 
     def marker_tokens(self, k: int) -> int:
         if k not in self._marker_tokens:
@@ -293,7 +361,21 @@ class _Replay:
                 self.red_sum += self.c.reduced(j)[1]
         plan.reduced_upto = loop
         plan.elide_upto = max(plan.elide_upto, self.full_start())
+        plan.drop_from = plan.drop_upto = 0  # what was dropped is now in a reduced loop
         return True
+
+    def reduction_saving(self, current: int) -> int:
+        """Tokens saved by reducing the closed loops still shown whole, before ``current``."""
+        c, plan = self.c, self.plan
+        if current <= plan.reduced_upto:
+            return 0
+        fs, cs = self.full_start(), c.loops[current].start
+        full = c.prefix[cs] - c.prefix[fs]
+        e = min(plan.elide_upto, cs)
+        if e > fs:
+            full -= c.sav_prefix[e] - c.sav_prefix[fs]
+        reduced = sum(c.reduced(j)[1] for j in range(plan.reduced_upto, current))
+        return full - reduced
 
     def omit_to(self, loop: int) -> bool:
         plan = self.plan
@@ -330,8 +412,11 @@ class _Replay:
         c, plan, pol = self.c, self.plan, self.c.policy
         current = c.loop_of[p - 1] if p > c.pre else 0
         before = self.tokens(p)
-        if pol.reduce_past_loops is ReducePastLoops.ALWAYS and self.reduce_to(current):
-            self._event(record, CompactionKind.PAST_LOOPS, before, p, "new run loop")
+        if pol.reduce_past_loops is ReducePastLoops.ALWAYS \
+                and self.reduction_saving(current) >= pol.clear_at_least \
+                and self.reduce_to(current):
+            # batched like elision: one prefix change clears at least clear_at_least tokens
+            self._event(record, CompactionKind.PAST_LOOPS, before, p, "past run loops")
         before = self.tokens(p)
         if self.omit_to(max(self.batch_omission(), self.time_omission())):
             self._event(record, CompactionKind.OMISSION, before, p, "max_run_loops/max_time_range")
@@ -346,6 +431,10 @@ class _Replay:
             before = self.tokens(p)
             if self.elide(p, target):
                 self._event(record, CompactionKind.ELISION, before, p, "over threshold")
+        if self.tokens(p) > target:
+            before = self.tokens(p)
+            if self.drop(p, target):
+                self._event(record, CompactionKind.DROP, before, p, "elision not enough")
         if self.tokens(p) > pol.threshold * working:
             before = self.tokens(p)
             b = max(1, pol.max_run_loops // 2)
@@ -379,6 +468,32 @@ class _Replay:
         plan.elide_upto = e
         return True
 
+    def drop(self, p: int, target: float) -> bool:
+        """Stop showing the oldest elided tool exchanges of the open region, whole, until the
+        window is under ``target`` (at least ``clear_at_least`` per event)."""
+        c, plan = self.c, self.plan
+        fs = self.full_start()
+        if plan.drop_upto <= plan.drop_from:
+            start = fs
+            while start < c.n and c.messages[start].get("role") == "user":
+                start += 1
+            if start == fs or start not in c.group_end:
+                return False  # the note needs a user message to ride on
+            plan.drop_from = plan.drop_upto = start
+        before = self.tokens(p)
+        need = max(before - target, c.policy.clear_at_least)
+        g = plan.drop_upto
+        moved = False
+        while g in c.group_end and c.group_end[g] <= min(plan.elide_upto, p):
+            g = c.group_end[g]
+            plan.drop_upto = g
+            moved = True
+            if before - self.tokens(p) >= need:
+                break
+        if not moved and plan.drop_upto == plan.drop_from:
+            plan.drop_from = plan.drop_upto = 0
+        return moved
+
     def _event(self, record: bool, kind: CompactionKind, before: int, p: int, why: str) -> None:
         if record:
             self.plan.events.append(Event(kind, before, self.tokens(p), why))
@@ -395,7 +510,14 @@ class _Replay:
             out.extend(msgs)
             changed |= loop_changed
         elided: list[Elided] = []
+        dropping = plan.drop_upto > plan.drop_from
         for i in range(self.full_start(), c.n):
+            if dropping and plan.drop_from <= i < plan.drop_upto:
+                continue
+            if dropping and i == plan.drop_from - 1:
+                out.append(c.noted(i, self.dropped_steps())[0])
+                changed = True
+                continue
             short = c.short[i]
             if i < plan.elide_upto and short is not None:
                 out.append(short)
@@ -407,6 +529,29 @@ class _Replay:
                 out.append(c.full[i])
                 changed |= c.full[i] is not c.messages[i]
         return out, elided, changed
+
+
+def _trim_arguments(args: str, keep: int, call_id: str, ops: TokenOps) -> str:
+    """Cut long string values inside JSON arguments; the result still parses as JSON."""
+    try:
+        parsed = orjson.loads(args)
+    except orjson.JSONDecodeError:
+        return args
+    note = (f" [runloop-proxy: arguments cut; recall_tool_call(call_id=\"{call_id}\", "
+            f"part=\"arguments\") returns them whole] ")
+
+    def cut(v: object) -> object:
+        if isinstance(v, str) and len(v) > keep:
+            short = ops.truncate(v, keep)
+            return short.replace("\n…[", "\n…" + note + "[", 1) if short != v else v
+        if isinstance(v, dict):
+            return {k: cut(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [cut(x) for x in v]
+        return v
+
+    out = orjson.dumps(cut(parsed)).decode()
+    return out if len(out) < len(args) else args
 
 
 def request_points(messages: list[Message], pre: int) -> list[int]:
@@ -491,8 +636,9 @@ def _drop_oldest_exchanges(conv: _Conversation, out: list[Message], tokens: int
             i += 1
     drop: set[int] = set()
     dropped = 0
+    note_reserve = 48  # the note added below
     for a, b in groups[:-1]:
-        if tokens <= conv.budget.hard:
+        if tokens + note_reserve <= conv.budget.hard:
             break
         for k in range(a, b):
             drop.add(k)

@@ -1,0 +1,276 @@
+"""`runloop-proxy replay FILE.jsonl`: what the window saves on recorded conversations.
+
+For every assistant turn i of every conversation it builds the window the proxy would send for
+``messages[:i]`` (offline, exactly as the proxy does, minus the proxy's own tool exchanges, which
+a recording does not have) and tallies prompt tokens client vs forwarded, a prefix-cache-aware
+cost, and requests over ``--context``. ``--proxy URL`` sends each request through a running
+proxy instead and reads the forwarded size from its ``X-Runloop-Tokens`` header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import orjson
+
+from .chat import PROXY_TOOLS_TOKENS, WindowTokens
+from pydantic import ValidationError
+
+from .config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
+from .errors import ConfigError
+from .messages import Message, message_hash
+from .tokens import REPLY_PRIMING, TokenCounter
+from .window import Budget, build_window
+
+CACHE_MIN = 1024
+CACHE_BLOCK = 128
+CACHED_PRICE = 0.1
+
+
+@dataclass
+class Tally:
+    requests: int = 0
+    client: int = 0
+    forwarded: int = 0
+    client_cost: float = 0.0
+    forwarded_cost: float = 0.0
+    forwarded_cost_strict: float = 0.0
+    over_client: int = 0
+    over_forwarded: int = 0
+    rejected: int = 0
+    events: dict[str, int] = field(default_factory=dict)
+
+    def saving(self, a: float, b: float) -> float:
+        return 1 - b / a if a else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"requests": self.requests, "client_tokens": self.client,
+                "forwarded_tokens": self.forwarded,
+                "raw_saving": round(self.saving(self.client, self.forwarded), 4),
+                "client_cost": round(self.client_cost), "forwarded_cost":
+                    round(self.forwarded_cost),
+                "cache_aware_saving": round(self.saving(self.client_cost,
+                                                        self.forwarded_cost), 4),
+                "forwarded_cost_strict": round(self.forwarded_cost_strict),
+                "cache_aware_saving_strict": round(self.saving(
+                    self.client_cost, self.forwarded_cost_strict), 4),
+                "over_context_passthrough": self.over_client,
+                "over_context_proxy": self.over_forwarded, "rejected": self.rejected,
+                "compaction_events": self.events}
+
+
+def cached_cost(total: int, prefix: int) -> float:
+    """Cost of a prompt of ``total`` tokens whose first ``prefix`` repeat the last request."""
+    cached = (prefix // CACHE_BLOCK) * CACHE_BLOCK if prefix >= CACHE_MIN else 0
+    return (total - cached) + CACHED_PRICE * cached
+
+
+def common_prefix_tokens(prev: list[str] | None, cur: list[str], counts: list[int]) -> int:
+    """Tokens of the leading messages ``cur`` shares with ``prev``."""
+    if prev is None:
+        return 0
+    k = 0
+    while k < len(prev) and k < len(cur) and prev[k] == cur[k]:
+        k += 1
+    return sum(counts[:k])
+
+
+class Replayer:
+    def __init__(self, tenant: TenantSpec, model: str, context: int | None):
+        self.tenant = tenant
+        self.model = model
+        self.context = context or tenant.context_window(model)
+        self.counter = TokenCounter()
+        self.enc, _ = self.counter.encoding(model, tenant.encoding_for(model))
+        self.ops = WindowTokens(SimpleNamespace(tokens=self.counter,  # type: ignore[arg-type]
+                                                truncations=OrderedDict()), self.enc)
+
+    def budget(self, tools_tokens: int) -> Budget:
+        p = self.tenant.policy
+        hard = self.context - p.reserved_output_tokens - p.safety_margin_tokens \
+            - tools_tokens - PROXY_TOOLS_TOKENS - REPLY_PRIMING
+        working = min(hard, p.soft_budget_tokens - tools_tokens) if p.soft_budget_tokens \
+            else hard
+        return Budget(hard=max(hard, 0), working=max(working, 1))
+
+    def conversation(self, conv: dict[str, Any], tally: Tally) -> None:
+        messages: list[Message] = conv["messages"]
+        tools = conv.get("tools") or None
+        tools_tokens = self.counter.tools(self.enc, tools)
+        budget = self.budget(tools_tokens)
+        keys = [message_hash(m) for m in messages]
+        counts = [self.counter.message(self.enc, m, k) for m, k in zip(messages, keys,
+                                                                       strict=True)]
+        prev_client: list[str] | None = None
+        prev_fwd: list[str] | None = None
+        prev_fwd_tools = False
+        for i in range(1, len(messages)):
+            if messages[i].get("role") != "assistant":
+                continue
+            req, rkeys, rcounts = messages[:i], keys[:i], counts[:i]
+            window = build_window(req, rkeys, rcounts, self.tenant.policy, budget, self.ops)
+            client_total = sum(rcounts) + tools_tokens + REPLY_PRIMING
+            with_tools = window.needs_tools
+            fwd_tools = tools_tokens + (PROXY_TOOLS_TOKENS if with_tools else 0)
+            if window.changed:
+                wkeys = [message_hash(m) for m in window.messages]
+                wcounts = [self.counter.message(self.enc, m, k)
+                           for m, k in zip(window.messages, wkeys, strict=True)]
+            else:
+                wkeys, wcounts = rkeys, rcounts
+            fwd_total = sum(wcounts) + fwd_tools + REPLY_PRIMING
+            tally.requests += 1
+            tally.client += client_total
+            # The cached prefix: the client's tool schemas (unchanged), the proxy's once they
+            # were already there, plus the leading messages shared with the previous request.
+            # Strict: any change of the tool schemas (the proxy adding its own) also voids the
+            # message prefix, as with providers that render tools before the messages.
+            first = prev_client is None
+            tally.client_cost += cached_cost(client_total, (0 if first else tools_tokens)
+                                             + common_prefix_tokens(prev_client, rkeys, rcounts))
+            same_tools = prev_fwd is not None and prev_fwd_tools == with_tools
+            msg_prefix = common_prefix_tokens(prev_fwd, wkeys, wcounts)
+            tools_prefix = 0 if first else tools_tokens + (PROXY_TOOLS_TOKENS if same_tools
+                                                           and with_tools else 0)
+            tally.forwarded_cost += cached_cost(fwd_total, tools_prefix + msg_prefix)
+            tally.forwarded_cost_strict += cached_cost(
+                fwd_total, fwd_tools + msg_prefix if same_tools else 0)
+            tally.forwarded += fwd_total
+            tally.over_client += client_total > self.context
+            if not window.fits:
+                tally.rejected += 1
+                tally.over_forwarded += 1
+            else:
+                tally.over_forwarded += fwd_total > self.context
+            for e in window.events:
+                tally.events[e.kind.value] = tally.events.get(e.kind.value, 0) + 1
+            prev_client, prev_fwd, prev_fwd_tools = rkeys, wkeys, with_tools
+
+
+def _through_proxy(url: str, conv: dict[str, Any], idx: int, model: str, tally: Tally,
+                   counter: TokenCounter) -> None:
+    import httpx
+
+    enc, _ = counter.encoding(model)
+    messages = conv["messages"]
+    with httpx.Client(base_url=url.rstrip("/"), timeout=120) as http:
+        for i in range(1, len(messages)):
+            if messages[i].get("role") != "assistant":
+                continue
+            body: dict[str, Any] = {"model": model, "messages": messages[:i], "max_tokens": 1}
+            if conv.get("tools"):
+                body["tools"] = conv["tools"]
+            r = http.post("/v1/chat/completions", content=orjson.dumps(body),
+                          headers={"X-Session-Id": f"replay-{idx}-{time.time_ns()}",
+                                   "Content-Type": "application/json"})
+            client = sum(counter.message(enc, m) for m in messages[:i])
+            tally.requests += 1
+            tally.client += client
+            header = r.headers.get("x-runloop-tokens")
+            fwd = int(header.split(";")[1]) if header else client
+            tally.forwarded += fwd
+            if r.status_code == 400 and "context_length_exceeded" in r.text:
+                tally.rejected += 1
+
+
+def _progress(done: int, total: int, started: float, enabled: bool) -> None:
+    if not enabled:
+        return
+    width = 30
+    filled = int(width * done / max(total, 1))
+    rate = done / max(time.monotonic() - started, 1e-9)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
+                     f"conversations ({rate:.1f}/s)")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def _tenant(args: argparse.Namespace) -> TenantSpec:
+    if not args.config:
+        tenant = passthrough_tenant(Settings(context_window=args.context))
+    else:
+        config = load_config(Settings(config_dir=args.config, upstream="http://unused"))
+        tenant = config.tenants[args.tenant] if args.tenant else \
+            config.passthrough or next(iter(config.tenants.values()))
+    overrides: dict[str, Any] = {}
+    for item in args.set or []:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError("--set", item, "expected FIELD=VALUE")
+        overrides[name] = orjson.loads(value) if value[:1] in "[{\"0123456789tfn" \
+            and value not in ("over_threshold",) else value
+    if overrides:
+        try:
+            policy = Policy.model_validate({**tenant.policy.model_dump(), **overrides})
+        except ValidationError as exc:
+            raise ConfigError("--set", "policy", str(exc.errors()[0]["msg"])) from exc
+        tenant = tenant.model_copy(update={"policy": policy})
+    return tenant
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:
+        print(f"cannot read {path}: {exc.strerror}", file=sys.stderr)
+        return 2
+    convs = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            conv = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            print(f"{path}:{n}: not JSON: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(conv, dict) or not isinstance(conv.get("messages"), list):
+            print(f"{path}:{n}: expected an object with a 'messages' array", file=sys.stderr)
+            return 2
+        convs.append(conv)
+    if args.limit:
+        convs = convs[: args.limit]
+    try:
+        tenant = _tenant(args)
+    except (ConfigError, KeyError) as exc:
+        print(f"config: {exc}", file=sys.stderr)
+        return 2
+    tally = Tally()
+    replayer = Replayer(tenant, args.model, args.context)
+    show = not args.no_progress and not args.json and sys.stderr.isatty()
+    started = time.monotonic()
+    for k, conv in enumerate(convs):
+        if args.proxy:
+            _through_proxy(args.proxy, conv, k, args.model, tally, replayer.counter)
+        else:
+            replayer.conversation(conv, tally)
+        _progress(k + 1, len(convs), started, show)
+    out = tally.as_dict()
+    out.update({"file": str(path), "conversations": len(convs), "model": args.model,
+                "context": replayer.context, "seconds": round(time.monotonic() - started, 2)})
+    if args.json:
+        print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
+        return 0
+    print(f"{path.name}: {len(convs)} conversations, {tally.requests} requests, "
+          f"model {args.model}, context {replayer.context}")
+    print(f"  prompt tokens   client {tally.client:>12,}  forwarded {tally.forwarded:>12,}  "
+          f"saving {out['raw_saving']:.1%}")
+    print(f"  cache-aware     client {tally.client_cost:>12,.0f}  forwarded "
+          f"{tally.forwarded_cost:>12,.0f}  saving {out['cache_aware_saving']:.1%}")
+    print(f"  (strict: a tool-schema change voids the cache: forwarded "
+          f"{tally.forwarded_cost_strict:,.0f}, saving {out['cache_aware_saving_strict']:.1%})")
+    print(f"  over {replayer.context} tokens: pass-through {tally.over_client} "
+          f"({tally.over_client / max(tally.requests, 1):.0%}), through the proxy "
+          f"{tally.over_forwarded} (rejected {tally.rejected})")
+    if tally.events:
+        print("  compaction events: " + ", ".join(f"{k} {v}" for k, v in
+                                                  sorted(tally.events.items())))
+    return 0
