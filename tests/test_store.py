@@ -19,7 +19,7 @@ from runloop_proxy.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream
 from runloop_proxy.store import RedisStore, prepare
 
-from .conftest import ProxyServer, RedisServer, free_port, unique_config
+from .conftest import ProxyServer, RedisServer, free_cluster_port
 
 ADMIN = "admin-key-for-tests-0123456789"
 KEY = "sk-store-tests"
@@ -310,7 +310,7 @@ def test_redis_killed_mid_traffic_no_client_failures(make_proxy: Any,
 def test_cluster_three_masters(upstream: ScriptedUpstream, make_proxy: Any,
                                tmp_path: Any) -> None:
     nodes = [RedisServer("--cluster-enabled", "yes", "--cluster-config-file",
-                         f"nodes-{i}.conf", port=free_port()).start() for i in range(3)]
+                         f"nodes-{i}.conf", port=free_cluster_port()).start() for i in range(3)]
     try:
         clients = [redis.Redis(port=n.port) for n in nodes]
         per = 16384 // 3
