@@ -118,9 +118,7 @@ def splice_internal(messages: list[Message], keys: list[str],
             continue
         out.append(m)
         out_keys.append(k)
-    if pending_after:
-        # the client has not answered its own calls yet: the proxy's answers wait with them
-        pending_after.clear()
+    flush_after()  # the conversation ends with the client's answers: the proxy's follow
     return out, out_keys, frozenset(protected)
 
 

@@ -120,12 +120,12 @@ class _Conversation:
         for i, m in enumerate(messages):
             role = m.get("role")
             if role == "tool":
+                if self.tool_names[i] in policy.exclude_tools or \
+                        m.get("tool_call_id") in protected:
+                    continue  # kept whole: only the hard limit may touch them
                 if counts[i] > cap:
                     self.full[i] = self._capped(i, cap)
                     self.full_counts[i] = ops.count(self.full[i])
-                if self.tool_names[i] in policy.exclude_tools or \
-                        m.get("tool_call_id") in protected:
-                    continue
                 self.tool_positions.append(i)
                 ph = self._placeholder(i)
                 saving = self.full_counts[i] - ops.count(ph)
@@ -157,6 +157,7 @@ class _Conversation:
             else:
                 i += 1
         self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
+        self._elidable = frozenset(self.tool_positions)
 
     def _tool_names(self) -> tuple[list[str], list[str]]:
         names, args = [""] * self.n, [""] * self.n
@@ -281,20 +282,30 @@ class _Conversation:
         return (f"{TAG} {len(entries)} tool result(s) of this turn not shown; "
                 f"recall_tool_call(call_id) returns one: " + "; ".join(entries))
 
+    def keeps(self, group: int) -> bool:
+        """Whether a tool exchange holds a result that is never elided (excluded, or a
+        proxy recall): such an exchange is never dropped either."""
+        return any(self.messages[i].get("role") == "tool" and i not in self._elidable
+                   for i in range(group + 1, self.group_end[group]))
+
     def shown(self, a: int, b: int) -> int:
         """Tokens of positions [a, b) in their elided form (all of them lie below the
         elision boundary when they are dropped)."""
         return (self.prefix[b] - self.prefix[a]) - (self.sav_prefix[b] - self.sav_prefix[a])
 
-    def noted(self, at: int, steps: int) -> tuple[Message, int]:
-        """The user message at ``at`` with a note that ``steps`` exchanges after it are not
-        shown, and the tokens the note adds."""
-        key = (at, steps)
+    def noted(self, at: int, upto: int) -> tuple[Message, int]:
+        """The user message at ``at`` with a note that the tool exchanges from ``at + 1`` to
+        ``upto`` are not shown, and the tokens the note adds."""
+        key = (at, upto)
         if key not in self._noted:
             m = self.messages[at]
-            note = (f"\n\n{TAG} The first {steps} tool exchange(s) after this message are "
-                    f"not shown to save context; search_history(query) searches them and "
-                    f"recall_tool_call(call_id) returns any result.")
+            steps = [g for g in self.group_end if at < g < upto]
+            first = tool_calls_of(self.messages[steps[0]])[0].get("id", "")
+            last = tool_calls_of(self.messages[steps[-1]])[-1].get("id", "")
+            note = (f"\n\n{TAG} The first {len(steps)} tool exchange(s) after this message "
+                    f"(calls {first} … {last}) are not shown to save context; "
+                    f"search_history(query) searches them and recall_tool_call(call_id) "
+                    f"returns any result.")
             content = m.get("content")
             if isinstance(content, list):
                 new: Message = {**m, "content": [*content, {"type": "text",  # type: ignore[typeddict-item]
@@ -340,12 +351,8 @@ class _Replay:
             total += self.marker_tokens(plan.omit_upto)
         if plan.drop_upto > plan.drop_from and plan.drop_upto <= p:
             total -= c.shown(plan.drop_from, plan.drop_upto)
-            total += c.noted(plan.drop_from - 1, self.dropped_steps())[1]
+            total += c.noted(plan.drop_from - 1, plan.drop_upto)[1]
         return total
-
-    def dropped_steps(self) -> int:
-        c, plan = self.c, self.plan
-        return sum(1 for g in c.group_end if plan.drop_from <= g < plan.drop_upto)
 
     def marker_tokens(self, k: int) -> int:
         if k not in self._marker_tokens:
@@ -484,7 +491,8 @@ class _Replay:
         need = max(before - target, c.policy.clear_at_least)
         g = plan.drop_upto
         moved = False
-        while g in c.group_end and c.group_end[g] <= min(plan.elide_upto, p):
+        while g in c.group_end and c.group_end[g] <= min(plan.elide_upto, p) \
+                and not c.keeps(g):
             g = c.group_end[g]
             plan.drop_upto = g
             moved = True
@@ -515,7 +523,7 @@ class _Replay:
             if dropping and plan.drop_from <= i < plan.drop_upto:
                 continue
             if dropping and i == plan.drop_from - 1:
-                out.append(c.noted(i, self.dropped_steps())[0])
+                out.append(c.noted(i, plan.drop_upto)[0])
                 changed = True
                 continue
             short = c.short[i]
@@ -646,13 +654,16 @@ def _drop_oldest_exchanges(conv: _Conversation, out: list[Message], tokens: int
         dropped += 1
     if not drop:
         return out, tokens
-    note: Message = {"role": "system", "content": f"{TAG} {dropped} older tool exchange(s) of "
-                     f"this turn were dropped to fit the context; search_history(query) finds "
-                     f"them."}
     kept = [m for k, m in enumerate(out) if k not in drop]
-    first_user = next((k for k, m in enumerate(kept) if m.get("role") == "user"), len(kept))
-    kept.insert(first_user + 1, note)
-    return kept, tokens + conv.ops.count(note)
+    at = next((k for k, m in enumerate(kept) if m.get("role") == "user"
+               and isinstance(m.get("content"), str)), None)
+    if at is not None:
+        note = (f"\n\n{TAG} {dropped} older tool exchange(s) were dropped to fit the context; "
+                f"search_history(query) finds them.")
+        old = kept[at]
+        kept[at] = {**old, "content": old["content"] + note}  # type: ignore[typeddict-item]
+        tokens += conv.ops.count(kept[at]) - conv.ops.count(old)
+    return kept, tokens
 
 
 def window_json(messages: list[Message]) -> bytes:

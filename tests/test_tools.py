@@ -1,0 +1,231 @@
+"""Proxy-owned tools through the real proxy: the model recalls, the client never sees it."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from runloop_proxy.scripted import ScriptedUpstream
+from runloop_proxy.tools import ProxyTools, rank
+
+from .conftest import ProxyServer
+
+CLIENT_TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {
+    "type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+
+
+def long_session(steps: int = 14, size: int = 300) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a coding agent."},
+                                  {"role": "user", "content": "fix the bug"}]
+    for k in range(steps):
+        msgs.append({"role": "assistant", "content": f"step {k}", "tool_calls": [
+            {"id": f"call_{k}", "type": "function",
+             "function": {"name": "bash", "arguments": f'{{"cmd": "cat f{k}"}}'}}]})
+        body = " ".join(f"line{k}_{i}" for i in range(size))
+        msgs.append({"role": "tool", "tool_call_id": f"call_{k}", "content": f"OUT{k} {body}"})
+    return msgs
+
+
+def recall_name(body: dict[str, Any], kind: str = "recall_tool_call") -> str | None:
+    for t in body.get("tools") or []:
+        name = t["function"]["name"]
+        if name.endswith(kind):
+            return str(name)
+    return None
+
+
+def recalling_responder(target: str = "call_0") -> Any:
+    """A fake model: recalls ``target`` when it sees it elided, then answers with it."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last["role"] == "tool" and last["tool_call_id"].startswith("rc_"):
+            return {"content": "recalled: " + str(last["content"])[:12],
+                    "prompt_tokens": 100}
+        name = recall_name(body)
+        if name and any(f'call_id="{target}"' in str(m.get("content"))
+                        for m in body["messages"]):
+            return {"content": "Let me look.", "tool_calls": [
+                {"id": "rc_1", "name": name, "arguments": {"call_id": target}}],
+                "prompt_tokens": 100}
+        return {"content": "no recall needed", "prompt_tokens": 100}
+    return respond
+
+
+def test_window_is_compressed_and_recall_is_answered_by_the_proxy(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.responder = recalling_responder()
+    msgs = long_session()
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    r = c.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=msgs,
+                                                    tools=CLIENT_TOOLS)
+    resp = r.parse()
+    assert resp.choices[0].message.content == "recalled: OUT0 line0_0"
+    assert resp.choices[0].message.tool_calls is None
+    assert resp.usage is not None and resp.usage.prompt_tokens == 200  # both upstream calls
+    first, second = upstream.requests[-2], upstream.requests[-1]
+    assert len(orjson.dumps(first["messages"])) < len(orjson.dumps(msgs)) * 0.8
+    assert [t["function"]["name"] for t in first["tools"]] == \
+        ["bash", "recall_tool_call", "search_history"]
+    recalled = second["messages"][-1]
+    assert recalled["role"] == "tool" and recalled["content"] == msgs[3]["content"]
+    tin, tout = map(int, r.headers["x-runloop-tokens"].split(";"))
+    assert tout < tin
+
+
+def test_streaming_recall_is_invisible_and_content_flows(proxy: ProxyServer,
+                                                         upstream: ScriptedUpstream) -> None:
+    upstream.responder = recalling_responder()
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    stream = c.chat.completions.create(model="gpt-4o-mini", messages=long_session(),
+                                       tools=CLIENT_TOOLS, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == "Let me look.recalled: OUT0 line0_0"
+    assert not any(ch.choices and ch.choices[0].delta.tool_calls for ch in chunks)
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices
+                and ch.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert len({ch.id for ch in chunks}) == 1
+    assert chunks[-1].usage is not None and chunks[-1].usage.prompt_tokens == 200
+
+
+def test_streaming_raw_has_one_done(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.responder = recalling_responder()
+    body = {"model": "gpt-4o-mini", "messages": long_session(), "tools": CLIENT_TOOLS,
+            "stream": True}
+    with httpx.stream("POST", proxy.url + "/chat/completions", json=body, timeout=30) as r:
+        raw = b"".join(r.iter_bytes())
+    assert raw.count(b"data: [DONE]") == 1 and raw.rstrip().endswith(b"data: [DONE]")
+    assert b"recall_tool_call" not in raw
+    assert b'"usage"' not in raw  # the client did not ask for usage
+
+
+def test_mixed_calls_client_gets_its_own_and_proxy_part_is_spliced_back(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    msgs = long_session()
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        if any(m.get("tool_call_id") == "client_1" for m in body["messages"]):
+            return {"content": "all done"}
+        return {"tool_calls": [{"id": "rc_9", "name": recall_name(body),
+                                "arguments": {"call_id": "call_1"}},
+                               {"id": "client_1", "name": "bash",
+                                "arguments": {"cmd": "ls"}}]}
+
+    upstream.responder = respond
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0,
+                      default_headers={"X-Session-Id": "mixed-1"})
+    first = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=CLIENT_TOOLS)
+    calls = first.choices[0].message.tool_calls
+    assert calls is not None and [t.id for t in calls] == ["client_1"]
+    assert first.choices[0].finish_reason == "tool_calls"
+    msgs.append(first.choices[0].message.model_dump(exclude_none=True))
+    msgs.append({"role": "tool", "tool_call_id": "client_1", "content": "file_a file_b"})
+    _wait(lambda: proxy.state.store.cached_internal(proxy.state.store and _tenant(), "mixed-1"))
+    second = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=CLIENT_TOOLS)
+    assert second.choices[0].message.content == "all done"
+    sent = upstream.requests[-1]["messages"]
+    spliced = [m for m in sent if m.get("tool_calls")
+               and {t["id"] for t in m["tool_calls"]} == {"rc_9", "client_1"}]
+    assert spliced, "the upstream must see the assistant message with both calls"
+    i = sent.index(spliced[0])
+    answered = {m["tool_call_id"] for m in sent[i + 1:i + 3]}
+    assert answered == {"rc_9", "client_1"}
+    recalled = next(m for m in sent if m.get("tool_call_id") == "rc_9")
+    assert recalled["content"] == msgs[5]["content"]
+
+
+def _tenant() -> str:
+    import hashlib
+
+    return "pt-" + hashlib.sha256(b"sk-t").hexdigest()[:16]
+
+
+def _wait(cond: Any, timeout: float = 5.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+
+
+def test_search_history_returns_ranked_snippets(proxy: ProxyServer,
+                                                upstream: ScriptedUpstream) -> None:
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last.get("tool_call_id") == "sh_1":
+            return {"content": str(last["content"])[:300]}
+        return {"tool_calls": [{"id": "sh_1", "name": recall_name(body, "search_history"),
+                                "arguments": {"query": "line3_17"}}]}
+
+    upstream.responder = respond
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    r = c.chat.completions.create(model="gpt-4o-mini", messages=long_session(),
+                                  tools=CLIENT_TOOLS)
+    answer = r.choices[0].message.content or ""
+    assert "best match" in answer and "call_id=call_3" in answer
+
+
+def test_client_tool_with_the_same_name_wins(proxy: ProxyServer,
+                                             upstream: ScriptedUpstream) -> None:
+    tools = [*CLIENT_TOOLS, {"type": "function", "function": {"name": "recall_tool_call",
+                                                              "parameters": {}}}]
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    c.chat.completions.create(model="gpt-4o-mini", messages=long_session(), tools=tools)
+    names = [t["function"]["name"] for t in upstream.requests[-1]["tools"]]
+    assert names == ["bash", "recall_tool_call", "runloop_recall_tool_call", "search_history"]
+    assert ProxyTools.for_request(tools).names == {"runloop_recall_tool_call": "recall_tool_call",
+                                                  "search_history": "search_history"}
+
+
+def test_tool_rounds_are_bounded(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        name = recall_name(body)
+        if name is None:
+            return {"content": "gave up recalling"}
+        return {"tool_calls": [{"name": name, "arguments": {"call_id": "call_0"}}]}
+
+    upstream.responder = respond
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    r = c.chat.completions.create(model="gpt-4o-mini", messages=long_session(),
+                                  tools=CLIENT_TOOLS)
+    assert r.choices[0].message.content == "gave up recalling"
+    assert len(upstream.requests) == 1 + proxy.state.config.passthrough.policy.max_tool_rounds
+
+
+def test_context_length_exceeded_is_openai_shaped(make_proxy: Any,
+                                                  upstream: ScriptedUpstream) -> None:
+    proxy = make_proxy(context_window=2000)
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    huge = " ".join(f"w{i}" for i in range(6000))
+    with pytest.raises(openai.BadRequestError) as info:
+        c.chat.completions.create(model="unknown-model", messages=[
+            {"role": "user", "content": huge}])
+    assert info.value.code == "context_length_exceeded"
+    assert len(upstream.requests) == 0
+
+
+def test_rank_prefers_rare_terms() -> None:
+    corpus = [("a", {"role": "tool", "content": "common common rare_word"}),
+              ("b", {"role": "tool", "content": "common common common"})]
+    hits = rank(["rare_word"], corpus, 5)  # type: ignore[arg-type]
+    assert [k for _, k, _ in hits] == ["a"]
+
+
+async def test_async_streaming_recall(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.responder = recalling_responder("call_2")
+    c = openai.AsyncOpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    stream = await c.chat.completions.create(model="gpt-4o-mini", messages=long_session(),
+                                             tools=CLIENT_TOOLS, stream=True)
+    text = "".join([ch.choices[0].delta.content or "" async for ch in stream if ch.choices])
+    assert text.endswith("recalled: OUT2 line2_0")
+    await c.close()
+    await asyncio.sleep(0)

@@ -1,0 +1,349 @@
+"""The window builder: table-driven cases and its invariants as properties (hypothesis)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runloop_proxy.config import Policy, ReducePastLoops
+from runloop_proxy.messages import Message, message_hash, tool_calls_of
+from runloop_proxy.window import Budget, CompactionKind, Window, build_window, request_points
+
+
+class WordOps:
+    """A deterministic token model for pure tests: one token per word, +3 per message."""
+
+    def count(self, msg: Message) -> int:
+        n = 3 + len(str(msg.get("content") or "").split())
+        for c in msg.get("tool_calls") or []:
+            n += 4 + len(c["function"]["arguments"].split()) + 1
+        return n
+
+    def truncate(self, text: str, max_tokens: int) -> str:
+        words = text.split()
+        if len(words) <= max_tokens:
+            return text
+        head = max_tokens * 2 // 3
+        tail = max_tokens - head
+        return " ".join(words[:head]) + f" …[{len(words) - max_tokens} elided]… " + \
+            " ".join(words[-tail:])
+
+
+OPS = WordOps()
+
+
+def words(n: int, tag: str = "w") -> str:
+    return " ".join(f"{tag}{i}" for i in range(n))
+
+
+def U(n: int = 5, tag: str = "u") -> Message:
+    return {"role": "user", "content": words(n, tag)}
+
+
+def F(n: int = 5, tag: str = "f") -> Message:
+    return {"role": "assistant", "content": words(n, tag)}
+
+
+def A(cid: str, n: int = 3, args: int = 2) -> Message:
+    return {"role": "assistant", "content": words(n, "think"), "tool_calls": [
+        {"id": cid, "type": "function", "function": {
+            "name": "bash", "arguments": orjson.dumps({"cmd": words(args, "a")}).decode()}}]}
+
+
+def T(cid: str, n: int = 20) -> Message:
+    return {"role": "tool", "tool_call_id": cid, "content": words(n, "out")}
+
+
+S: Message = {"role": "system", "content": words(10, "sys")}
+
+
+def build(messages: list[Message], policy: Policy | None = None, hard: int = 100_000,
+          working: int = 1_000) -> Window:
+    keys = [message_hash(m) for m in messages]
+    counts = [OPS.count(m) for m in messages]
+    return build_window(messages, keys, counts, policy or Policy(), Budget(hard, working), OPS)
+
+
+def assert_valid(window: list[Message]) -> None:
+    """A valid chat-completions list: system first, every call answered, every result called."""
+    seen_other = False
+    for m in window:
+        if m["role"] in ("system", "developer"):
+            assert not seen_other, "system message after the conversation started"
+        else:
+            seen_other = True
+    i = 0
+    while i < len(window):
+        m = window[i]
+        if m["role"] == "tool":
+            raise AssertionError(f"tool message at {i} follows no tool call")
+        if m["role"] == "assistant" and tool_calls_of(m):
+            ids = [c["id"] for c in tool_calls_of(m)]
+            j = i + 1
+            answered = []
+            while j < len(window) and window[j]["role"] == "tool":
+                answered.append(window[j]["tool_call_id"])
+                j += 1
+            assert sorted(answered) == sorted(ids), (ids, answered)
+            i = j
+        else:
+            i += 1
+
+
+# -- table-driven ---------------------------------------------------------------------------
+
+def test_short_conversation_is_passed_unchanged() -> None:
+    msgs = [S, U(), F(), U()]
+    w = build(msgs)
+    assert not w.changed and w.messages is msgs and w.fits and not w.events
+
+
+def test_past_loops_without_tools_stay_identical() -> None:
+    msgs = [S, U(), F(), U(), F(), U()]
+    w = build(msgs, Policy(clear_at_least=0))
+    assert not w.changed
+
+
+def test_past_loop_reduced_to_question_answer_and_ledger() -> None:
+    msgs = [S, U(tag="q"), A("c1"), T("c1", 300), A("c2"), T("c2", 300), F(tag="ans"), U()]
+    w = build(msgs, Policy(clear_at_least=0))
+    assert w.changed
+    roles = [m["role"] for m in w.messages]
+    assert roles == ["system", "user", "assistant", "user"]
+    assert w.messages[1] is msgs[1]  # the question is untouched (its cached prefix holds)
+    final = w.messages[2]["content"]
+    assert final.startswith(msgs[6]["content"])
+    assert "c1 bash(" in final and "c2 bash(" in final and "recall_tool_call" in final
+    assert [e.kind for e in w.events] == [CompactionKind.PAST_LOOPS]
+
+
+def test_past_loop_reduction_waits_for_clear_at_least() -> None:
+    msgs = [S, U(), A("c1"), T("c1", 30), F(), U()]
+    assert not build(msgs, Policy(clear_at_least=2000)).changed
+    assert build(msgs, Policy(clear_at_least=10)).changed
+
+
+def test_over_threshold_mode_keeps_past_loops_until_pressure() -> None:
+    policy = Policy(reduce_past_loops=ReducePastLoops.OVER_THRESHOLD, clear_at_least=0)
+    msgs = [S, U(), A("c1"), T("c1", 50), F(), U()]
+    assert not build(msgs, policy, working=1000).changed
+    assert build(msgs, policy, working=80).changed
+
+
+def test_in_loop_elision_keeps_recent_results_and_names_the_ref() -> None:
+    msgs: list[Message] = [S, U()]
+    for k in range(8):
+        msgs += [A(f"c{k}"), T(f"c{k}", 100)]
+    w = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0), working=1000)
+    assert w.changed and w.fits
+    tools = [m for m in w.messages if m["role"] == "tool"]
+    assert tools[-1]["content"] == msgs[-1]["content"]
+    assert tools[-2]["content"] == msgs[-3]["content"]
+    assert 'recall_tool_call(call_id="c0")' in tools[0]["content"]
+    assert {e.ref for e in w.elided} >= {"c0"}
+    assert w.tokens_out <= 0.8 * 1000
+    assert_valid(w.messages)
+
+
+def test_excluded_tools_are_never_elided() -> None:
+    msgs: list[Message] = [S, U()]
+    for k in range(6):
+        msgs += [A(f"c{k}"), T(f"c{k}", 100)]
+    msgs[2]["tool_calls"][0]["function"]["name"] = "read_spec"
+    w = build(msgs, Policy(keep_recent_tool_results=1, clear_at_least=0,
+                           exclude_tools=("read_spec",)), working=400)
+    assert w.changed
+    kept = [m for m in w.messages if m.get("tool_call_id") == "c0"]
+    assert kept and kept[0]["content"] == msgs[3]["content"]
+
+
+def test_reused_call_id_gets_a_distinct_ref() -> None:
+    msgs: list[Message] = [S, U(), A("dup"), T("dup", 200), A("dup"),
+                           {**T("dup", 200), "content": words(200, "second")}]
+    msgs += [A("z"), T("z", 5), A("y"), T("y", 5), A("x"), T("x", 5)]
+    w = build(msgs, Policy(keep_recent_tool_results=1, clear_at_least=0), working=300)
+    refs = [e.ref for e in w.elided if e.call_id == "dup"]
+    assert refs[0] == "dup" and re.fullmatch(r"dup#[0-9a-f]{8}", refs[1])
+
+
+def test_old_loops_omitted_in_batches_with_a_marker() -> None:
+    msgs: list[Message] = [S]
+    for k in range(13):
+        msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
+    msgs.append(U())
+    w = build(msgs, Policy(max_run_loops=4, clear_at_least=0))
+    assert w.messages[1]["role"] == "system" and "earlier turn" in w.messages[1]["content"]
+    assert w.omitted_loops >= 2 and w.reduced_loops <= 4
+    assert "search_history" in w.messages[1]["content"]
+    assert_valid(w.messages)
+
+
+def test_huge_single_result_is_capped_and_recallable() -> None:
+    msgs = [S, U(), A("big"), T("big", 5000)]
+    w = build(msgs, Policy(max_tool_result_share=0.25), working=1000)
+    assert w.changed
+    capped = w.messages[-1]["content"]
+    assert len(capped.split()) < 400 and 'recall_tool_call(call_id="big")' in capped
+
+
+def test_hard_limit_drops_oldest_exchanges_then_fits() -> None:
+    msgs: list[Message] = [S, U()]
+    for k in range(40):
+        msgs += [A(f"c{k}", args=30), T(f"c{k}", 40)]
+    w = build(msgs, Policy(keep_recent_tool_results=1), hard=500, working=500)
+    assert w.fits and w.tokens_out <= 500
+    assert_valid(w.messages)
+
+
+def test_cannot_fit_is_a_rejection() -> None:
+    msgs = [S, U(n=3000)]
+    w = build(msgs, hard=200, working=200)
+    assert not w.fits
+    assert w.events[-1].kind is CompactionKind.REJECTION
+
+
+def test_drop_note_rides_on_the_question() -> None:
+    msgs: list[Message] = [S, U(tag="task")]
+    for k in range(60):
+        msgs += [A(f"c{k}", n=20, args=20), T(f"c{k}", 60)]
+    w = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0), working=900)
+    assert w.fits and any(e.kind is CompactionKind.DROP for e in w.events) or \
+        "not shown" in w.messages[1]["content"]
+    assert w.messages[1]["content"].startswith(msgs[1]["content"])
+    assert_valid(w.messages)
+
+
+def test_disabled_policy_is_pass_through() -> None:
+    msgs: list[Message] = [S, U()]
+    for k in range(30):
+        msgs += [A(f"c{k}"), T(f"c{k}", 100)]
+    w = build(msgs, Policy(enabled=False), working=100)
+    assert not w.changed
+
+
+def test_request_points() -> None:
+    msgs = [S, U(), A("a"), T("a"), F(), U()]
+    assert request_points(msgs, 1) == [2, 4, 6]
+
+
+# -- properties -----------------------------------------------------------------------------
+
+@st.composite
+def conversations(draw: Any) -> list[Message]:
+    msgs: list[Message] = [S] if draw(st.booleans()) else []
+    n_loops = draw(st.integers(1, 7))
+    call = 0
+    for k in range(n_loops):
+        msgs.append(U(draw(st.integers(1, 120)), tag=f"q{k}"))
+        for _ in range(draw(st.integers(0, 6))):
+            ids = []
+            for _ in range(draw(st.integers(1, 3))):
+                call += 1
+                reuse = draw(st.integers(0, 9)) == 0 and call > 1
+                ids.append(f"c{call - 1}" if reuse else f"c{call}")
+            ids = list(dict.fromkeys(ids))
+            msgs.append({"role": "assistant", "content": words(draw(st.integers(0, 80)), "t"),
+                         "tool_calls": [{"id": i, "type": "function", "function": {
+                             "name": draw(st.sampled_from(["bash", "read", "grep"])),
+                             "arguments": orjson.dumps({"x": words(draw(st.integers(0, 90)),
+                                                                   "a")}).decode()}}
+                             for i in ids]})
+            for i in ids:
+                msgs.append(T(i, draw(st.integers(1, 600))))
+        last = k == n_loops - 1
+        if not last or draw(st.booleans()):
+            msgs.append(F(draw(st.integers(1, 100)), tag=f"a{k}"))
+    if msgs[-1]["role"] == "assistant" and not msgs[-1].get("tool_calls"):
+        msgs.append(U(3))
+    return msgs
+
+
+policies = st.builds(
+    Policy, max_run_loops=st.integers(1, 6), keep_recent_tool_results=st.integers(0, 4),
+    clear_at_least=st.sampled_from([0, 100, 500]), max_message_length=st.integers(16, 80),
+    reduce_past_loops=st.sampled_from(list(ReducePastLoops)),
+    reasoning_keep_tokens=st.integers(16, 40))
+
+PROPS = settings(max_examples=120, deadline=None,
+                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@PROPS
+@given(conversations(), policies, st.integers(300, 3000))
+def test_window_is_valid_and_within_budget(msgs: list[Message], policy: Policy,
+                                           working: int) -> None:
+    hard = working + 200
+    w = build(msgs, policy, hard=hard, working=working)
+    assert_valid(w.messages)
+    if w.fits:
+        assert sum(OPS.count(m) for m in w.messages) == w.tokens_out
+        assert w.tokens_out <= hard
+    else:
+        assert w.events and w.events[-1].kind is CompactionKind.REJECTION
+
+
+@PROPS
+@given(conversations(), policies)
+def test_window_is_deterministic(msgs: list[Message], policy: Policy) -> None:
+    a = build(msgs, policy, working=800)
+    b = build(orjson.loads(orjson.dumps(msgs)), policy, working=800)
+    assert orjson.dumps(a.messages) == orjson.dumps(b.messages)
+
+
+@PROPS
+@given(conversations(), policies, st.integers(400, 3000))
+def test_append_only_between_compaction_events(msgs: list[Message], policy: Policy,
+                                               working: int) -> None:
+    hard = 10 * working  # hard-limit truncation is the one lever allowed to break the prefix
+    previous: list[Message] | None = None
+    for p in request_points(msgs, 0):
+        w = build(msgs[:p], policy, hard=hard, working=working)
+        if previous is not None and not w.events:
+            assert w.messages[: len(previous)] == previous, f"prefix changed at {p}"
+        previous = list(w.messages)
+
+
+def resolve(ref: str, msgs: list[Message]) -> Any:
+    """What recall_tool_call answers for ``ref`` (the rule tools.ToolRunner.recall applies)."""
+    cid, _, short = ref.partition("#")
+    found = [m for m in msgs if m["role"] == "tool" and m["tool_call_id"] == cid
+             and message_hash(m).startswith(short)]
+    return found[0]["content"] if found else None
+
+
+@PROPS
+@given(conversations(), policies, st.integers(300, 3000))
+def test_every_elided_item_is_recallable(msgs: list[Message], policy: Policy,
+                                         working: int) -> None:
+    w = build(msgs, policy, hard=working * 10, working=working)
+    text = orjson.dumps(w.messages).decode()
+    shown = {orjson.dumps(m) for m in w.messages}
+    first: set[str] = set()
+    for m in msgs:
+        if m["role"] != "tool":
+            continue
+        cid = m["tool_call_id"]
+        ref = cid if cid not in first else f"{cid}#{message_hash(m)[:8]}"
+        first.add(cid)
+        if orjson.dumps(m) in shown:
+            continue
+        # not shown as sent: its ref resolves to it byte for byte ...
+        assert resolve(ref, msgs) == m["content"]
+        # ... and the model is told: the ref is in a note or ledger, or a marker points at
+        # search_history for what is not shown at all
+        assert f'"{ref}"' in text or f"{ref} " in text or "search_history" in text
+    for e in w.elided:
+        assert resolve(e.ref, msgs) == msgs[e.position]["content"]
+
+
+@PROPS
+@given(conversations())
+def test_nothing_to_reduce_means_identical(msgs: list[Message]) -> None:
+    w = build(msgs, Policy(clear_at_least=10**9, max_run_loops=50), working=10**6,
+              hard=10**7)
+    assert not w.changed and w.messages is msgs
