@@ -1,0 +1,217 @@
+"""Config files, tenants, validation errors, reload — and tenant isolation through the proxy."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from runloop_proxy.config import Settings, load_config
+from runloop_proxy.errors import ConfigError
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer
+
+ACME_KEY = "acme-proxy-key-0123456789"
+GLOBEX_KEY = "globex-proxy-key-0123456789"
+
+
+def write_config(root: Path, upstream_url: str, extra_global: str = "",
+                 acme_policy: str = "") -> Path:
+    (root / "tenants").mkdir(parents=True, exist_ok=True)
+    (root / "runloop.toml").write_text(f"""
+[server]
+admin_key = "admin-0123456789abcdef"
+{extra_global}
+[upstreams.main]
+url = "{upstream_url}"
+api_key = "${{TEST_UPSTREAM_KEY}}"
+max_retries = 0
+
+[defaults]
+upstream = "main"
+[defaults.policy]
+max_run_loops = 7
+""")
+    (root / "tenants" / "acme.toml").write_text(f"""
+keys = ["${{TEST_ACME_KEY}}"]
+upstream_key = "sk-acme-upstream"
+[policy]
+keep_recent_tool_results = 5
+{acme_policy}
+""")
+    digest = hashlib.sha256(GLOBEX_KEY.encode()).hexdigest()
+    (root / "tenants" / "globex.toml").write_text(f"""
+name = "globex"
+keys = ["sha256:{digest}"]
+""")
+    return root
+
+
+@pytest.fixture(autouse=True)
+def env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-shared-upstream")
+    monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
+
+
+def test_tenant_files_override_defaults_field_by_field(tmp_path: Path) -> None:
+    cfg = load_config(Settings(config_dir=str(write_config(tmp_path, "http://x/v1"))))
+    acme, globex = cfg.tenants["acme"], cfg.tenants["globex"]
+    assert acme.policy.keep_recent_tool_results == 5 and acme.policy.max_run_loops == 7
+    assert globex.policy.keep_recent_tool_results == 3 and globex.policy.max_run_loops == 7
+    assert cfg.tenant_for_key(ACME_KEY) is acme and cfg.tenant_for_key(GLOBEX_KEY) is globex
+    assert cfg.tenant_for_key("nope") is None and cfg.passthrough is None
+    assert cfg.upstreams["main"].api_key == "sk-shared-upstream"
+
+
+@pytest.mark.parametrize("mutate,where", [
+    (lambda r: (r / "tenants" / "acme.toml").write_text('keys = ["short"]'), "keys[0]"),
+    (lambda r: (r / "tenants" / "acme.toml").write_text(
+        'keys = ["a-long-enough-key-123"]\nupstream = "nowhere"'), "upstream"),
+    (lambda r: (r / "tenants" / "acme.toml").write_text(
+        'keys = ["a-long-enough-key-123"]\n[policy]\nthreshold = 2'), "policy.threshold"),
+    (lambda r: (r / "tenants" / "acme.toml").write_text(
+        'keys = ["a-long-enough-key-123"]\n[policy]\ntarget = 0.9'), "policy.target"),
+    (lambda r: (r / "tenants" / "acme.toml").write_text(
+        'keys = ["a-long-enough-key-123"]\n[policy]\nmax_run_loopz = 3'), "policy.max_run_loopz"),
+    (lambda r: (r / "tenants" / "acme.toml").write_text("keys = [unquoted"), ""),
+    (lambda r: (r / "tenants" / "acme.toml").write_text(
+        'keys = ["${NOT_SET_ANYWHERE}"]'), "keys[0]"),
+    (lambda r: (r / "tenants" / "acme.toml").write_text(
+        f'keys = ["sha256:{hashlib.sha256(GLOBEX_KEY.encode()).hexdigest()}"]'), "keys"),
+])
+def test_validation_errors_name_file_and_field(tmp_path: Path, mutate: Any, where: str) -> None:
+    root = write_config(tmp_path, "http://x/v1")
+    mutate(root)
+    with pytest.raises(ConfigError) as info:
+        load_config(Settings(config_dir=str(root)))
+    assert info.value.file.endswith(".toml")
+    assert info.value.field == where and info.value.why
+
+
+def test_passthrough_needs_an_upstream() -> None:
+    with pytest.raises(ConfigError):
+        load_config(Settings())
+    cfg = load_config(Settings(upstream="https://api.openai.com/v1", context_window=32000))
+    assert cfg.passthrough is not None
+    assert cfg.passthrough.context_window("some-unknown-model") == 32000
+    assert cfg.passthrough.context_window("gpt-4o-2024-08-06") == 128_000
+
+
+def test_check_config_cli(tmp_path: Path) -> None:
+    root = write_config(tmp_path, "http://x/v1")
+    ok = subprocess.run([sys.executable, "-m", "runloop_proxy.cli", "check-config", str(root)],
+                        capture_output=True, text=True, env=os.environ)
+    assert ok.returncode == 0, ok.stderr
+    assert '"acme"' in ok.stdout and ACME_KEY not in ok.stdout and "sk-acme" not in ok.stdout
+    (root / "tenants" / "acme.toml").write_text('keys = ["short"]')
+    bad = subprocess.run([sys.executable, "-m", "runloop_proxy.cli", "check-config", str(root)],
+                         capture_output=True, text=True, env=os.environ)
+    assert bad.returncode == 1 and "acme.toml: keys[0]:" in bad.stderr
+
+
+def test_version_cli() -> None:
+    out = subprocess.run([sys.executable, "-m", "runloop_proxy.cli", "--version"],
+                         capture_output=True, text=True)
+    assert out.stdout.startswith("runloop-proxy ")
+
+
+def test_tenants_are_isolated_through_the_proxy(tmp_path: Path, make_proxy: Any,
+                                                upstream: ScriptedUpstream) -> None:
+    proxy: ProxyServer = make_proxy(config_dir=str(write_config(tmp_path, upstream.url)))
+    acme = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0)
+    globex = openai.OpenAI(base_url=proxy.url, api_key=GLOBEX_KEY, max_retries=0)
+    acme.chat.completions.create(model="m", messages=[{"role": "user", "content": "acme"}],
+                                 extra_headers={"X-Session-Id": "shared-name"})
+    assert upstream.headers[-1]["authorization"] == "Bearer sk-acme-upstream"
+    globex.chat.completions.create(model="m", messages=[{"role": "user", "content": "globex"}],
+                                   extra_headers={"X-Session-Id": "shared-name"})
+    assert upstream.headers[-1]["authorization"] == "Bearer sk-shared-upstream"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=proxy.url, api_key="wrong-key-000000000",
+                      max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}])
+    time.sleep(0.3)
+    admin = {"Authorization": "Bearer admin-0123456789abcdef"}
+    a = httpx.get(proxy.base + "/admin/sessions/shared-name", params={"tenant": "acme"},
+                  headers=admin).json()
+    g = httpx.get(proxy.base + "/admin/sessions/shared-name", params={"tenant": "globex"},
+                  headers=admin).json()
+    assert a["run_loops"][0]["user_preview"] == "acme"
+    assert g["run_loops"][0]["user_preview"] == "globex"
+    # keys never reach the logs or the metrics
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert ACME_KEY not in metrics and "sk-acme-upstream" not in metrics
+
+
+def test_reload_on_file_change_keeps_last_good(tmp_path: Path, make_proxy: Any,
+                                               upstream: ScriptedUpstream) -> None:
+    root = write_config(tmp_path, upstream.url)
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    assert proxy.state.config.tenants["acme"].policy.keep_recent_tool_results == 5
+    # a broken edit: the last good config stays
+    (root / "tenants" / "acme.toml").write_text("keys = [broken")
+    _bump(root / "tenants" / "acme.toml")
+    time.sleep(2.6)
+    assert proxy.state.config.tenants["acme"].policy.keep_recent_tool_results == 5
+    # a good edit is picked up without a restart
+    (root / "tenants" / "acme.toml").write_text(
+        f'keys = ["{ACME_KEY}"]\nupstream_key = "k2"\n[policy]\nkeep_recent_tool_results = 9')
+    _bump(root / "tenants" / "acme.toml")
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline and \
+            proxy.state.config.tenants["acme"].policy.keep_recent_tool_results != 9:
+        time.sleep(0.1)
+    assert proxy.state.config.tenants["acme"].policy.keep_recent_tool_results == 9
+    text = httpx.get(proxy.base + "/metrics").text
+    assert 'runloop_config_reloads_total{outcome="error"}' in text
+    assert 'runloop_config_reloads_total{outcome="ok"}' in text
+
+
+def _bump(path: Path) -> None:
+    t = time.time() + 1
+    os.utime(path, (t, t))
+
+
+def test_sighup_reloads(tmp_path: Path, upstream: ScriptedUpstream, redis_url: str) -> None:
+    root = write_config(tmp_path, upstream.url)
+    env = {**os.environ, "RUNLOOP_REDIS_URL": redis_url}
+    port = __import__("tests.conftest", fromlist=["free_port"]).free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy.cli", "serve", "--config",
+                             str(root), "--port", str(port), "--log-format", "json"],
+                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            text=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/healthz")
+        (root / "tenants" / "acme.toml").write_text(
+            f'keys = ["{ACME_KEY}"]\nupstream_key = "k3"\n[policy]\nmax_run_loops = 3')
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert '"reason": "SIGHUP"' in err or '"reason":"SIGHUP"' in err
+    assert ACME_KEY not in err
+
+
+def _wait_http(url: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never answered")

@@ -1,0 +1,57 @@
+"""`runloop-proxy replay` on a small recorded conversation file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from runloop_proxy.replay import cached_cost
+
+
+def conversation(steps: int) -> dict[str, object]:
+    msgs: list[dict[str, object]] = [{"role": "system", "content": "agent"},
+                                     {"role": "user", "content": "task"}]
+    for k in range(steps):
+        msgs.append({"role": "assistant", "content": f"step {k}", "tool_calls": [
+            {"id": f"c{k}", "type": "function",
+             "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]})
+        msgs.append({"role": "tool", "tool_call_id": f"c{k}",
+                     "content": " ".join(f"word{k}x{i}" for i in range(600))})
+    msgs.append({"role": "assistant", "content": "done"})
+    return {"messages": msgs, "tools": [{"type": "function", "function": {"name": "bash"}}]}
+
+
+def run(path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "runloop_proxy.cli", "replay", str(path),
+                           *args], capture_output=True, text=True)
+
+
+def test_replay_reports_savings_and_context(tmp_path: Path) -> None:
+    f = tmp_path / "c.jsonl"
+    f.write_text("\n".join(json.dumps(conversation(n)) for n in (3, 40)) + "\n")
+    out = run(f, "--json", "--context", "16384")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["conversations"] == 2 and data["requests"] == 45
+    assert data["raw_saving"] > 0.3 and data["cache_aware_saving"] > 0
+    assert data["over_context_passthrough"] > 0 and data["over_context_proxy"] == 0
+    human = run(f, "--set", "soft_budget_tokens=4000")
+    assert human.returncode == 0 and "saving" in human.stdout
+
+
+def test_replay_rejects_bad_input(tmp_path: Path) -> None:
+    f = tmp_path / "bad.jsonl"
+    f.write_text('{"messages": []}\nnot json\n')
+    out = run(f)
+    assert out.returncode == 2 and "bad.jsonl:2" in out.stderr
+    assert run(tmp_path / "missing.jsonl").returncode == 2
+    good = tmp_path / "g.jsonl"
+    good.write_text(json.dumps(conversation(2)))
+    assert run(good, "--set", "threshold=7").returncode == 2
+
+
+def test_cached_cost_rules() -> None:
+    assert cached_cost(2000, 1000) == 2000  # under 1024 tokens nothing is cached
+    assert cached_cost(2000, 1100) == 2000 - 1024 + 102.4  # 128-token blocks

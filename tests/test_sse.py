@@ -1,0 +1,49 @@
+"""SSE decoding: any chunking of a stream decodes to the same events."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runloop_proxy.sse import SSEDecoder, SSEEvent, encode_event, encode_json
+
+STREAM = (b": comment\n\ndata: one\n\nevent: ping\ndata: two\ndata: lines\n\n"
+          b"id: 7\ndata: three\n\ndata: [DONE]\n\n")
+EXPECTED = [SSEEvent("one"), SSEEvent("two\nlines", "ping"), SSEEvent("three", None, "7"),
+            SSEEvent("[DONE]", None, "7")]
+
+
+def decode(chunks: list[bytes]) -> list[SSEEvent]:
+    d = SSEDecoder()
+    out = [e for c in chunks for e in d.feed(c)]
+    return out + d.flush()
+
+
+@pytest.mark.parametrize("stream", [
+    STREAM, STREAM.replace(b"\n", b"\r\n"), STREAM.replace(b"\n", b"\r")])
+def test_line_endings(stream: bytes) -> None:
+    assert decode([stream]) == EXPECTED
+
+
+def test_trailing_event_without_blank_line_is_flushed() -> None:
+    assert decode([b"data: last"]) == [SSEEvent("last")]
+
+
+def test_field_without_space_and_unknown_fields() -> None:
+    assert decode([b"data:x\nretry: 10\nfoo: bar\n\n"]) == [SSEEvent("x")]
+
+
+@given(st.lists(st.integers(0, len(STREAM)), max_size=12),
+       st.sampled_from([b"\n", b"\r\n", b"\r"]))
+def test_any_chunking_gives_the_same_events(cuts: list[int], eol: bytes) -> None:
+    stream = STREAM.replace(b"\n", eol)
+    points = sorted({min(c, len(stream)) for c in cuts})
+    chunks = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
+    assert decode(chunks) == EXPECTED
+
+
+def test_encode_round_trip() -> None:
+    raw = encode_event("payload", "evt") + encode_json({"a": 1})
+    assert decode([raw]) == [SSEEvent("payload", "evt"), SSEEvent('{"a":1}')]
+    assert SSEEvent("[DONE]").is_done
