@@ -1,0 +1,185 @@
+"""Observability: a real Prometheus scrapes a real proxy under traffic; every dashboard panel
+and alert expression is evaluated against it. Plus the deploy files' own checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from runloop_proxy.metrics import Metrics
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer, free_port
+from .test_tools import CLIENT_TOOLS, long_session, recalling_responder
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "runloop-proxy.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    board = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["expr"]) for p in board["panels"] if p["type"] != "row"
+            for t in p["targets"]]
+
+
+def alert_exprs() -> list[tuple[str, str]]:
+    rules = yaml.safe_load(ALERTS.read_text())
+    return [(r["alert"], r["expr"]) for g in rules["groups"] for r in g["rules"]]
+
+
+def concrete(expr: str) -> str:
+    return expr.replace("$__rate_interval", "1m").replace('"$tenant"', '".*"')
+
+
+def drive_traffic(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-metrics", max_retries=0)
+    for i in range(3):
+        c.chat.completions.create(model="gpt-4o-mini",
+                                  messages=[{"role": "user", "content": f"hello {i}"}])
+    for chunk in c.chat.completions.create(model="gpt-4o-mini", stream=True,
+                                           messages=[{"role": "user", "content": "stream"}]):
+        pass
+    upstream.responder = recalling_responder()
+    c.chat.completions.create(model="gpt-4o-mini", messages=long_session(), tools=CLIENT_TOOLS)
+    upstream.responder = None
+    upstream.push(*[{"status": 500}] * 3)
+    with pytest.raises(openai.InternalServerError):
+        c.chat.completions.create(model="gpt-4o-mini",
+                                  messages=[{"role": "user", "content": "fail"}])
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None,
+                    reason="no prometheus binary (apt-get install prometheus)")
+def test_every_panel_and_alert_evaluates_against_a_live_proxy(
+        proxy: ProxyServer, upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    port = free_port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(ALERTS)],
+        "scrape_configs": [{"job_name": "runloop-proxy",
+                            "static_configs": [{"targets": [f"127.0.0.1:{proxy.port}"]}]}]}))
+    prom = subprocess.Popen(["prometheus", f"--config.file={cfg}",
+                             f"--storage.tsdb.path={tmp_path / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=error"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    api = f"http://127.0.0.1:{port}/api/v1"
+    try:
+        _wait(lambda: httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=1)
+              .status_code == 200)
+        # traffic in two waves, so rates over the last minute see changes between scrapes
+        drive_traffic(proxy, upstream)
+        time.sleep(2.5)
+        drive_traffic(proxy, upstream)
+        _wait(lambda: _scraped(api), timeout=20)
+        time.sleep(2.5)
+        failures = []
+        for title, expr in [*dashboard_exprs(), *alert_exprs()]:
+            r = httpx.get(f"{api}/query", params={"query": concrete(expr)}, timeout=10)
+            body = r.json()
+            if body.get("status") != "success":
+                failures.append(f"{title}: does not parse: {body.get('error')}")
+            elif (title, expr) in dashboard_exprs() and not body["data"]["result"]:
+                failures.append(f"{title}: no data for {expr}")
+        assert not failures, "\n".join(failures)
+        rules = httpx.get(f"{api}/rules").json()["data"]["groups"][0]["rules"]
+        assert {r["name"] for r in rules} == {a for a, _ in alert_exprs()}
+        assert all(r["health"] == "ok" for r in rules), rules
+    finally:
+        prom.terminate()
+        prom.wait(timeout=10)
+
+
+def _scraped(api: str) -> bool:
+    r = httpx.get(f"{api}/query", params={
+        "query": 'sum(runloop_requests_total{status="500"})'}, timeout=5).json()
+    return bool(r["data"]["result"]) and float(r["data"]["result"][0]["value"][1]) >= 2
+
+
+def _wait(cond: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except (httpx.HTTPError, KeyError, IndexError) as exc:
+            last = exc
+        time.sleep(0.2)
+    raise AssertionError(f"condition not met in {timeout}s ({last!r})")
+
+
+def test_metrics_never_carry_keys_or_prompts(proxy: ProxyServer,
+                                             upstream: ScriptedUpstream) -> None:
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-secret-key-in-test", max_retries=0)
+    c.chat.completions.create(model="gpt-4o-mini", messages=[
+        {"role": "user", "content": "very private prompt text"}],
+        extra_headers={"X-Session-Id": "session-name-private"})
+    text = httpx.get(proxy.base + "/metrics").text
+    for secret in ("sk-secret-key-in-test", "very private", "session-name-private"):
+        assert secret not in text
+    assert 'tenant="passthrough"' in text
+
+
+def test_model_label_cardinality_is_bounded() -> None:
+    m = Metrics()
+    labels = {m.model_label(f"model-{i}") for i in range(200)}
+    assert len(labels) <= 65 and "other" in labels
+
+
+def test_dashboard_file_is_generated_from_its_source() -> None:
+    out = subprocess.run([sys.executable, "-c",
+                          "import json,sys; sys.path.insert(0, 'deploy'); "
+                          "import make_dashboard as m; print(json.dumps(m.build()))"],
+                         capture_output=True, text=True, cwd=DEPLOY.parent, check=True)
+    assert json.loads(out.stdout) == json.loads(DASHBOARD.read_text()), \
+        "run python deploy/make_dashboard.py"
+
+
+def test_grafana_provisioning_points_at_the_dashboard() -> None:
+    prov = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/runloop.yml").read_text())
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    mounts = compose["services"]["grafana"]["volumes"]
+    path = prov["providers"][0]["options"]["path"]
+    assert any(m.endswith(":" + path + ":ro") for m in mounts)
+    assert set(compose["services"]) == {"proxy", "redis", "prometheus", "grafana"}
+    assert "--appendonly" in compose["services"]["redis"]["command"]
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="no promtool")
+def test_alert_rules_pass_promtool() -> None:
+    out = subprocess.run(["promtool", "check", "rules", str(ALERTS)], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_kubernetes_manifests_validate() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    files = sorted((DEPLOY / "k8s").glob("*.yaml"))
+    assert {f.name for f in files} >= {"deployment.yaml", "service.yaml", "hpa.yaml",
+                                       "configmap.yaml", "redis.yaml"}
+    kinds = set()
+    for f in files:
+        for doc in yaml.safe_load_all(f.read_text()):
+            if doc.get("kind") == "Kustomization":
+                continue
+            kv.validate(doc, "1.30.0", strict=True)
+            kinds.add(doc["kind"])
+    assert kinds >= {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap",
+                     "Secret", "StatefulSet"}
+    deployment = yaml.safe_load((DEPLOY / "k8s/deployment.yaml").read_text())
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert container["envFrom"][0]["secretRef"]["name"] == "runloop-secrets"
