@@ -103,6 +103,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
         state = AppState(settings=settings, config=config, metrics=metrics or Metrics(),
                          tokens=TokenCounter())
         app.state.runloop = state
+        state.tokens.encoding("gpt-4o")  # load the offline encoding now, not on a request
         await state.sync_upstreams()
         redis_url = config.store.redis_url
         if not redis_url:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from . import logs
 from .config import StoreSection
@@ -290,6 +290,7 @@ class RedisStore:
         self._in_flight = 0
         self._wake = asyncio.Event()
         self._flusher: asyncio.Task[None] | None = None
+        self._scripts_loaded = False
 
     # -- health ---------------------------------------------------------------------------
 
@@ -501,6 +502,11 @@ class RedisStore:
         if isinstance(self.client, RedisCluster):
             return list(await asyncio.gather(*[self._run_one(j) for j in batch],
                                              return_exceptions=True))
+        # EVALSHA straight into the pipeline: redis-py's script objects would ask
+        # SCRIPT EXISTS on every flush, one more round trip each time.
+        if not self._scripts_loaded:
+            await self.client.script_load(_SYNC_LUA)
+            self._scripts_loaded = True
         pipe = self.client.pipeline(transaction=False)
         ok: list[_Job] = []
         errors: dict[int, Exception] = {}
@@ -511,10 +517,14 @@ class RedisStore:
             except StoreLimitExceeded as exc:
                 errors[i] = exc
                 continue
-            await self._sync(keys=[args[0] + ":meta"], args=args, client=pipe)
+            pipe.evalsha(self._sync.sha, 1, args[0] + ":meta", *args)
             ok.append(job)
-        results = iter(await pipe.execute(raise_on_error=False) if ok else [])
-        out = [errors[i] if i in errors else next(results) for i in range(len(batch))]
+        results = await pipe.execute(raise_on_error=False) if ok else []
+        if any(isinstance(r, NoScriptError) for r in results):
+            self._scripts_loaded = False  # Redis lost its scripts (restart): reload, re-send
+            raise NoScriptError("scripts not loaded")
+        it = iter(results)
+        out = [errors[i] if i in errors else next(it) for i in range(len(batch))]
         for job in ok:
             await self._index(job.tenant, job.session_id)
         return out

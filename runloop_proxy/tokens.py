@@ -38,6 +38,7 @@ class TokenCounter:
 
     def __init__(self, cache_size: int = CACHE_SIZE):
         self._encodings: dict[str, tiktoken.Encoding | None] = {}
+        self._by_model: dict[tuple[str, str | None], tuple[tiktoken.Encoding, bool]] = {}
         self._cache: OrderedDict[tuple[str, str], int] = OrderedDict()
         self._cache_size = cache_size
         self._factors: dict[str, float] = {}
@@ -45,6 +46,15 @@ class TokenCounter:
 
     def encoding(self, model: str, override: str | None = None) -> tuple[tiktoken.Encoding, bool]:
         """The model's encoding and whether it is exact (else: fallback + calibration)."""
+        key = (model, override)
+        hit = self._by_model.get(key)
+        if hit is None:
+            hit = self._by_model[key] = self._resolve(model, override)
+            if len(self._by_model) > 4096:  # model names come from clients
+                self._by_model.pop(next(iter(self._by_model)))
+        return hit
+
+    def _resolve(self, model: str, override: str | None) -> tuple[tiktoken.Encoding, bool]:
         name = override or _encoding_name(model)
         enc = self._load(name) if name else None
         if enc is not None:
