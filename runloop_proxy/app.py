@@ -40,6 +40,7 @@ class AppState:
     embedded: EmbeddedRedis | None = None
     background: set[asyncio.Task[None]] = field(default_factory=set)
     truncations: OrderedDict[tuple[str, int], str] = field(default_factory=OrderedDict)
+    first_seen: OrderedDict[str, int] = field(default_factory=OrderedDict)
 
     def spawn(self, coro: object) -> None:
         """Run work off the request path; keep a reference so it is not collected mid-flight."""

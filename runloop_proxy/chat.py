@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logs.get("chat")
 HISTORY_HEADER = "x-runloop-history"
 TRUNCATE_CACHE = 50_000
+FIRST_SEEN_SIZE = 1_000_000
 
 
 @dataclass
@@ -137,7 +138,7 @@ class WindowTokens:
 async def handle_chat(ex: Exchange) -> Response:
     state = ex.state
     messages: list[Message] = ex.body["messages"]
-    prepared = [prepare(m) for m in messages]
+    prepared = counted(ex, messages)
     internal: dict[str, Any] = {}
     store = state.store
     if store is None or not store.available:
@@ -151,7 +152,7 @@ async def handle_chat(ex: Exchange) -> Response:
                 # this turn's system prompt, if it sent one, stands in for the stored one
                 messages = [*messages[:system], *stored[preamble_end(stored):]] if system \
                     else stored
-                prepared = [prepare(m) for m in messages]
+                prepared = counted(ex, messages)
                 ex.body = {**ex.body, "messages": messages}  # type: ignore[typeddict-item]
             else:
                 cached = store.cached_internal(ex.tenant_id, ex.session_id)
@@ -207,26 +208,45 @@ async def handle_chat(ex: Exchange) -> Response:
     return await forward(ex, body, messages, prepared, spliced, spliced_keys)
 
 
+def counted(ex: Exchange, messages: list[Message]) -> list[Prepared]:
+    """Messages hashed, canonicalised and counted (the counts are cached by hash, so the
+    window's own counting costs nothing more, and the store keeps them)."""
+    enc, _ = ex.state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
+    out = []
+    for m in messages:
+        p = prepare(m)
+        out.append(p._replace(tokens=ex.state.tokens.message(enc, m, p.hash)))
+    return out
+
+
 def compute_window(ex: Exchange, messages: list[Message], keys: list[str],
                    protected: frozenset[str]) -> Window:
     state = ex.state
     enc, exact = state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
     factor = 1.0 if exact else state.tokens.factor(ex.model)
     counts = [state.tokens.message(enc, m, k) for m, k in zip(messages, keys, strict=True)]
-    policy = ex.tenant.policy
     b: dict[str, Any] = ex.body  # type: ignore[assignment]
-    reserve = b.get("max_completion_tokens") or b.get("max_tokens") \
-        or policy.reserved_output_tokens
-    tools_tokens = state.tokens.tools(enc, b.get("tools")) + PROXY_TOOLS_TOKENS
-    context = ex.tenant.context_window(ex.model)
-    hard = int((context - reserve - policy.safety_margin_tokens) / factor) \
-        - tools_tokens - REPLY_PRIMING
-    working = hard
-    if policy.soft_budget_tokens:
-        working = min(hard, int(policy.soft_budget_tokens / factor) - tools_tokens)
-    budget = Budget(hard=max(hard, 0), working=max(working, 1))
-    return build_window(messages, keys, counts, policy, budget, WindowTokens(state, enc),
-                        protected=protected, now_ms=int(time.time() * 1000))
+    budget = Budget.for_request(
+        ex.tenant.policy, ex.tenant.context_window(ex.model),
+        b.get("max_completion_tokens") or b.get("max_tokens"),
+        state.tokens.tools(enc, b.get("tools")) + PROXY_TOOLS_TOKENS, factor, REPLY_PRIMING)
+    now = int(time.time() * 1000)
+    return build_window(messages, keys, counts, ex.tenant.policy, budget,
+                        WindowTokens(state, enc), protected=protected,
+                        timestamps=first_seen(state.first_seen, keys, now), now_ms=now)
+
+
+def first_seen(seen: OrderedDict[str, int], keys: list[str], now: int) -> list[int | None]:
+    """When this replica first saw each message (for max_time_range); new ones: now."""
+    out: list[int | None] = []
+    for k in keys:
+        t = seen.get(k)
+        if t is None:
+            t = seen[k] = now
+            if len(seen) > FIRST_SEEN_SIZE:
+                seen.popitem(last=False)
+        out.append(t)
+    return out
 
 
 PROXY_TOOLS_TOKENS = 160
@@ -559,14 +579,14 @@ def _record(ex: Exchange, prepared: list[Prepared], reply: Message | None) -> No
         if reply is not None:
             ex.state.spawn(_append_reply(ex, reply))
         return
-    items = [*prepared, prepare(reply)] if reply is not None else prepared
+    items = [*prepared, *counted(ex, [reply])] if reply is not None else prepared
     store.submit(ex.tenant_id, ex.session_id, items, ex.tenant.retention_days)
 
 
 async def _append_reply(ex: Exchange, reply: Message) -> None:
     try:
         await ex.state.store.append(ex.tenant_id, ex.session_id,  # type: ignore[union-attr]
-                                    [prepare(reply)], ex.tenant.retention_days)
+                                    counted(ex, [reply]), ex.tenant.retention_days)
     except StoreError as exc:
         log.warning("reply not recorded", extra={"tenant": ex.tenant.name, "error": str(exc)})
 

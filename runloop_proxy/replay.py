@@ -93,12 +93,8 @@ class Replayer:
                                                 truncations=OrderedDict()), self.enc)
 
     def budget(self, tools_tokens: int) -> Budget:
-        p = self.tenant.policy
-        hard = self.context - p.reserved_output_tokens - p.safety_margin_tokens \
-            - tools_tokens - PROXY_TOOLS_TOKENS - REPLY_PRIMING
-        working = min(hard, p.soft_budget_tokens - tools_tokens) if p.soft_budget_tokens \
-            else hard
-        return Budget(hard=max(hard, 0), working=max(working, 1))
+        return Budget.for_request(self.tenant.policy, self.context, None,
+                                  tools_tokens + PROXY_TOOLS_TOKENS, 1.0, REPLY_PRIMING)
 
     def conversation(self, conv: dict[str, Any], tally: Tally) -> None:
         messages: list[Message] = conv["messages"]

@@ -50,6 +50,19 @@ class Budget:
     hard: int  # what must fit: window - reserved output - tool schemas - margin
     working: int  # what compaction aims at (threshold/target are fractions of it)
 
+    @classmethod
+    def for_request(cls, policy: Policy, context: int, reserve: int | None, tools: int,
+                    factor: float = 1.0, priming: int = 3) -> Budget:
+        """Message budget for a request: the model's window less the reserved output
+        (``max_tokens``, else the policy's), the tool schemas and the margin; ``factor``
+        converts the model's tokens into the counter's (calibration)."""
+        out = reserve or policy.reserved_output_tokens
+        hard = int((context - out - policy.safety_margin_tokens) / factor) - tools - priming
+        working = hard
+        if policy.soft_budget_tokens:
+            working = min(hard, int(policy.soft_budget_tokens / factor) - tools)
+        return cls(hard=max(hard, 0), working=max(working, 1))
+
 
 @dataclass(frozen=True)
 class Elided:

@@ -356,3 +356,30 @@ def test_resolve_session_order() -> None:
                                          *base["messages"][1:]]}
     assert fp.startswith("fp-") and fp == resolve_session(None, other_system, "t")  # type: ignore[arg-type]
     assert fp != resolve_session(None, base, "another-tenant")  # type: ignore[arg-type]
+
+
+def test_inspect_prints_a_session(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    import subprocess
+    import sys
+
+    run_tool_conversation(sdk(aproxy, "s-inspect"), upstream, 2)
+    settle(aproxy)
+    out = subprocess.run([sys.executable, "-m", "runloop_proxy.cli", "inspect", "s-inspect",
+                          "--tenant", TENANT, "--url", aproxy.base, "--admin-key", ADMIN],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "9 messages" in out.stdout and "loop   1" in out.stdout and "call_1_a" in out.stdout
+    missing = subprocess.run([sys.executable, "-m", "runloop_proxy.cli", "inspect", "nope",
+                              "--tenant", TENANT, "--url", aproxy.base, "--admin-key", ADMIN],
+                             capture_output=True, text=True)
+    assert missing.returncode == 1 and "404" in missing.stderr
+
+
+def test_token_counts_are_stored_with_messages(aproxy: ProxyServer,
+                                               upstream: ScriptedUpstream) -> None:
+    sdk(aproxy, "s-tok").chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": "count my tokens"}])
+    settle(aproxy)
+    r = redis.Redis.from_url(_url(aproxy))
+    counts = r.hvals(aproxy.state.store.prefix(TENANT, "s-tok") + ":tok")
+    assert counts and all(int(c) > 0 for c in counts)
