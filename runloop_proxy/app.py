@@ -8,6 +8,7 @@ import signal
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -41,6 +42,7 @@ class AppState:
     background: set[asyncio.Task[None]] = field(default_factory=set)
     truncations: OrderedDict[tuple[str, int], str] = field(default_factory=OrderedDict)
     first_seen: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    window_memo: dict[tuple[str, ...], Any] = field(default_factory=dict)
 
     def spawn(self, coro: object) -> None:
         """Run work off the request path; keep a reference so it is not collected mid-flight."""

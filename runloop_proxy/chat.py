@@ -233,7 +233,8 @@ def compute_window(ex: Exchange, messages: list[Message], keys: list[str],
     now = int(time.time() * 1000)
     return build_window(messages, keys, counts, ex.tenant.policy, budget,
                         WindowTokens(state, enc), protected=protected,
-                        timestamps=first_seen(state.first_seen, keys, now), now_ms=now)
+                        timestamps=first_seen(state.first_seen, keys, now), now_ms=now,
+                        memo=state.window_memo)
 
 
 def first_seen(seen: OrderedDict[str, int], keys: list[str], now: int) -> list[int | None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from enum import Enum
+from collections.abc import Callable, MutableMapping
 from typing import Protocol
 
 import orjson
@@ -26,6 +27,8 @@ from .messages import Message, message_text, text_of, tool_calls_of
 from .runloops import RunLoop, preamble_end, segment
 
 TAG = "[runloop-proxy]"
+MEMO_SIZE = 200_000
+Memo = MutableMapping[tuple[str, ...], tuple["Message | None", int]]
 LEDGER_MAX_LINES = 24
 
 
@@ -112,9 +115,11 @@ class _Conversation:
     """Per-message facts the replay needs, computed once per build (O(n))."""
 
     def __init__(self, messages: list[Message], keys: list[str], counts: list[int],
-                 policy: Policy, budget: Budget, ops: TokenOps, protected: frozenset[str]):
+                 policy: Policy, budget: Budget, ops: TokenOps, protected: frozenset[str],
+                 memo: Memo | None):
         self.messages, self.keys, self.counts = messages, keys, counts
         self.policy, self.budget, self.ops = policy, budget, ops
+        self.memo = memo
         self.n = len(messages)
         self.pre = preamble_end(messages)
         self.loops = segment(messages)
@@ -137,19 +142,19 @@ class _Conversation:
                         m.get("tool_call_id") in protected:
                     continue  # kept whole: only the hard limit may touch them
                 if counts[i] > cap:
-                    self.full[i] = self._capped(i, cap)
-                    self.full_counts[i] = ops.count(self.full[i])
+                    capped, n = self._derived(("cap", keys[i], str(cap), self.refs[i]),
+                                              lambda i=i: self._capped(i, cap))
+                    self.full[i], self.full_counts[i] = capped, n  # type: ignore[assignment]
                 self.tool_positions.append(i)
-                ph = self._placeholder(i)
-                saving = self.full_counts[i] - ops.count(ph)
-                if saving > 0:
-                    self.short[i], self.saving[i] = ph, saving
+                ph, n = self._derived(("ph", keys[i], self.refs[i], str(self.full_counts[i])),
+                                      lambda i=i: self._placeholder(i))
+                if self.full_counts[i] - n > 0:
+                    self.short[i], self.saving[i] = ph, self.full_counts[i] - n
             elif role == "assistant" and m.get("tool_calls"):
-                trimmed = self._trimmed_call(i)
-                if trimmed is not None:
-                    saving = counts[i] - ops.count(trimmed)
-                    if saving > 0:
-                        self.short[i], self.saving[i] = trimmed, saving
+                trimmed, n = self._derived(("trim", keys[i], str(policy.reasoning_keep_tokens)),
+                                           lambda i=i: self._trimmed_call(i))
+                if trimmed is not None and counts[i] - n > 0:
+                    self.short[i], self.saving[i] = trimmed, counts[i] - n
         self.prefix = [0] * (self.n + 1)
         self.sav_prefix = [0] * (self.n + 1)
         for i in range(self.n):
@@ -202,6 +207,23 @@ class _Conversation:
         args = " ".join(self.tool_args[i].split())
         limit = self.policy.ledger_arg_chars
         return args if len(args) <= limit else args[: max(0, limit - 1)] + "…"
+
+    def _derived(self, key: tuple[str, ...], make: Callable[[], Message | None]
+                 ) -> tuple[Message | None, int]:
+        """A derived form of a message and its count, memoised across requests: the same
+        message yields the same form, so a long session re-derives only its new messages."""
+        memo = self.memo
+        if memo is not None:
+            hit = memo.get(key)
+            if hit is not None:
+                return hit
+        msg = make()
+        out = (msg, self.ops.count(msg) if msg is not None else 0)
+        if memo is not None:
+            if len(memo) >= MEMO_SIZE:
+                memo.clear()
+            memo[key] = out
+        return out
 
     def _trimmed_call(self, i: int) -> Message | None:
         """An older assistant tool-call message with its reasoning text and long arguments cut
@@ -586,12 +608,13 @@ def request_points(messages: list[Message], pre: int) -> list[int]:
 def build_window(messages: list[Message], keys: list[str], counts: list[int], policy: Policy,
                  budget: Budget, ops: TokenOps, *, timestamps: list[int | None] | None = None,
                  now_ms: int | None = None, summary: str | None = None,
-                 protected: frozenset[str] = frozenset()) -> Window:
-    """The window for a request carrying ``messages`` (pure; ``counts`` per message)."""
+                 protected: frozenset[str] = frozenset(), memo: Memo | None = None) -> Window:
+    """The window for a request carrying ``messages`` (pure; ``counts`` per message;
+    ``memo`` only caches derived forms, it never changes the result)."""
     tokens_in = sum(counts)
     if not policy.enabled or _nothing_to_do(messages, counts, policy, budget, tokens_in):
         return Window(messages, False, tokens_in <= budget.hard, tokens_in, tokens_in)
-    conv = _Conversation(messages, keys, counts, policy, budget, ops, protected)
+    conv = _Conversation(messages, keys, counts, policy, budget, ops, protected, memo)
     replay = _Replay(conv, timestamps, now_ms, summary)
     points = request_points(messages, conv.pre)
     for p in points:

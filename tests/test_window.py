@@ -293,6 +293,13 @@ def test_window_is_deterministic(msgs: list[Message], policy: Policy) -> None:
     a = build(msgs, policy, working=800)
     b = build(orjson.loads(orjson.dumps(msgs)), policy, working=800)
     assert orjson.dumps(a.messages) == orjson.dumps(b.messages)
+    # the cross-request memo of derived forms never changes a window
+    memo: dict[Any, Any] = {}
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    for _ in range(2):
+        c = build_window(msgs, keys, counts, policy, Budget(100_000, 800), OPS, memo=memo)
+        assert orjson.dumps(c.messages) == orjson.dumps(a.messages)
 
 
 @PROPS
