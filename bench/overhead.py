@@ -196,7 +196,8 @@ def main() -> int:
         print(json.dumps(result, indent=2))
     else:
         print(f"concurrency 1, {args.requests} requests per side (alternating):")
-        print(f"  direct p50 {result['direct_p50_ms']:.3f} ms  p99 {result['direct_p99_ms']:.3f} ms")
+        print(f"  direct p50 {result['direct_p50_ms']:.3f} ms  "
+              f"p99 {result['direct_p99_ms']:.3f} ms")
         print(f"  proxy  p50 {result['proxy_p50_ms']:.3f} ms  p99 {result['proxy_p99_ms']:.3f} ms")
         print(f"  added  p50 {result['added_p50_ms']:.3f} ms  p99 {result['added_p99_ms']:.3f} ms")
         print(f"concurrency {args.concurrency}, {args.rounds}x{args.duration}s per side "

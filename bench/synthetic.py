@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from typing import Any
 
@@ -31,7 +32,7 @@ def agent_session(n_messages: int, seed: int = 7, turns: int = 3) -> list[dict[s
             cid = f"call_{call:05d}"
             msgs.append({"role": "assistant", "content": text(rng, rng.randint(5, 80)),
                          "tool_calls": [{"id": cid, "type": "function", "function": {
-                             "name": "bash", "arguments": '{"cmd": "%s"}' % text(rng, 6)}}]})
+                             "name": "bash", "arguments": json.dumps({"cmd": text(rng, 6)})}}]})
             size = rng.choice((20, 80, 300, 1200, 3000))
             msgs.append({"role": "tool", "tool_call_id": cid, "content": text(rng, size)})
         msgs.append({"role": "assistant", "content": text(rng, rng.randint(30, 150))})

@@ -44,7 +44,7 @@ def main() -> int:
     def one(prefix: list[dict]) -> float:  # type: ignore[type-arg]
         t = time.perf_counter()
         keys = [message_hash(m) for m in prefix]  # type: ignore[arg-type]
-        counts = [counter.message(enc, m, k) for m, k in zip(prefix, keys)]  # type: ignore[arg-type]
+        counts = [counter.message(enc, m, k) for m, k in zip(prefix, keys, strict=True)]  # type: ignore[arg-type]
         build_window(prefix, keys, counts, policy, budget, ops, memo=memo)  # type: ignore[arg-type]
         return time.perf_counter() - t
 

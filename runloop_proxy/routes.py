@@ -113,7 +113,7 @@ def authenticate(state: AppState, request: Request) -> tuple[TenantSpec, str, st
 
 
 @openai_errors
-async def chat_completions(request: Request) -> Response:
+async def chat_completions(request: Request) -> Response | LiveStreamResponse:
     state: AppState = request.app.state.runloop
     tenant, label, tid, upstream_auth = authenticate(state, request)
     raw = await read_body(request, state.config.server.max_body_bytes)

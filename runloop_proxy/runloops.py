@@ -9,14 +9,14 @@ preamble and belong to no loop; every later message belongs to exactly one loop,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from .messages import Message, message_text, tool_calls_of
 
 PREAMBLE_ROLES = frozenset({"system", "developer"})
 
 
-class LoopStatus(str, Enum):
+class LoopStatus(StrEnum):
     OPEN = "open"
     CLOSED = "closed"
 

@@ -97,8 +97,8 @@ class ScriptedUpstream:
             return self.script.popleft()
         if self.responder is not None:
             return self.responder(body)
-        last_user = next((m for m in reversed(body.get("messages", []))
-                          if m.get("role") == "user"), {})
+        last_user: dict[str, Any] = next((m for m in reversed(body.get("messages", []))
+                                          if m.get("role") == "user"), {})
         return {"content": f"echo: {_text(last_user.get('content'))[:200]}"}
 
     def app(self) -> Starlette:
@@ -220,7 +220,8 @@ def _call(c: dict[str, Any]) -> dict[str, Any]:
     args = c.get("arguments", {})
     return {"id": c.get("id") or f"call_{next(_ids)}", "type": "function",
             "function": {"name": c["name"],
-                         "arguments": args if isinstance(args, str) else orjson.dumps(args).decode()}}
+                         "arguments": args if isinstance(args, str)
+                         else orjson.dumps(args).decode()}}
 
 
 def main() -> None:

@@ -33,6 +33,8 @@ from typing import Any, NamedTuple
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
 from . import logs
@@ -148,7 +150,8 @@ return {'ok', tostring(L), head, tostring(forked), tostring(common), internal}
 """
 
 _APPEND_LUA = r"""
-local p = ARGV[1]; local now = ARGV[2]; local ttl = tonumber(ARGV[3]); local maxm = tonumber(ARGV[4])
+local p = ARGV[1]; local now = ARGV[2]
+local ttl = tonumber(ARGV[3]); local maxm = tonumber(ARGV[4])
 local sid = ARGV[5]; local nsys = tonumber(ARGV[6])
 local meta = p .. ':meta'
 local head = redis.call('HGET', meta, 'head') or '0'
@@ -167,7 +170,9 @@ for i = first, k - 1 do
   redis.call('HSETNX', p .. ':ts', h, now)
   if ARGV[j + 2] ~= '' then
     local cur = redis.call('HGET', p .. ':tool', ARGV[j + 2]) or ''
-    if not string.find(cur, h, 1, true) then redis.call('HSET', p .. ':tool', ARGV[j + 2], cur .. h) end
+    if not string.find(cur, h, 1, true) then
+      redis.call('HSET', p .. ':tool', ARGV[j + 2], cur .. h)
+    end
   end
   if ARGV[j + 3] ~= '' then redis.call('HSETNX', p .. ':tok', h, ARGV[j + 3]) end
   tip = redis.sha1hex(tip .. h)
@@ -278,7 +283,8 @@ class RedisStore:
             pool = aioredis.BlockingConnectionPool.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=64,
                 timeout=timeout)
-            self.client = aioredis.Redis(connection_pool=pool, retry=None)
+            # no retries inside redis-py: a failure marks the store down and requests fail open
+            self.client = aioredis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
         self._sync = self.client.register_script(_SYNC_LUA)
         self._append = self.client.register_script(_APPEND_LUA)
         self._sessions: OrderedDict[tuple[str, str], _Cached] = OrderedDict()
@@ -345,8 +351,9 @@ class RedisStore:
     def _check_sizes(self, items: list[Prepared]) -> None:
         for it in items:
             if len(it.body) > self.cfg.max_message_bytes:
-                raise StoreLimitExceeded(f"a message of {len(it.body)} bytes exceeds the "
-                                         f"store's max_message_bytes ({self.cfg.max_message_bytes})")
+                raise StoreLimitExceeded(
+                    f"a message of {len(it.body)} bytes exceeds the store's max_message_bytes "
+                    f"({self.cfg.max_message_bytes})")
 
     # -- writes ---------------------------------------------------------------------------
 

@@ -47,7 +47,7 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         try:
             body = await self._resp.read()
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout("upstream timed out while sending its answer") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"upstream connection failed mid-answer: {exc!r}") from exc
@@ -62,7 +62,7 @@ class UpstreamResponse:
                 if self.first_byte_at is None:
                     self.first_byte_at = time.perf_counter()
                 yield chunk
-        except asyncio.TimeoutError as exc:
+        except TimeoutError as exc:
             raise UpstreamTimeout("upstream stopped sending (read timeout)") from exc
         except aiohttp.ClientError as exc:
             raise UpstreamUnreachable(f"upstream connection broke mid-stream: {exc!r}") from exc
@@ -116,7 +116,7 @@ class UpstreamClient:
                 await asyncio.sleep(self._backoff(attempt, None))
                 attempt += 1
                 continue
-            except asyncio.TimeoutError as exc:
+            except TimeoutError as exc:
                 raise UpstreamTimeout(f"upstream {self.name} timed out") from exc
             except aiohttp.ClientError as exc:
                 raise UpstreamUnreachable(f"upstream {self.name} failed: "
@@ -137,7 +137,7 @@ class UpstreamClient:
                 # Honour the server's hint, but never hold a client longer than the cap allows.
                 return min(hinted, self.spec.backoff_max)
         base = self.spec.backoff_base * (2 ** attempt)
-        return min(self.spec.backoff_max, base * (0.5 + random.random()))
+        return float(min(self.spec.backoff_max, base * (0.5 + random.random())))
 
 
 def parse_retry_after(value: str) -> float | None:

@@ -15,9 +15,10 @@ when a threshold is crossed — by at least ``clear_at_least`` tokens and down t
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
-from enum import Enum
 from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import partial
 from typing import Protocol
 
 import orjson
@@ -38,7 +39,7 @@ class TokenOps(Protocol):
     def truncate(self, text: str, max_tokens: int) -> str: ...
 
 
-class CompactionKind(str, Enum):
+class CompactionKind(StrEnum):
     PAST_LOOPS = "past_loop_reduction"
     ELISION = "in_loop_elision"
     OMISSION = "loop_omission"
@@ -143,16 +144,16 @@ class _Conversation:
                     continue  # kept whole: only the hard limit may touch them
                 if counts[i] > cap:
                     capped, n = self._derived(("cap", keys[i], str(cap), self.refs[i]),
-                                              lambda i=i: self._capped(i, cap))
+                                              partial(self._capped, i, cap))
                     self.full[i], self.full_counts[i] = capped, n  # type: ignore[assignment]
                 self.tool_positions.append(i)
                 ph, n = self._derived(("ph", keys[i], self.refs[i], str(self.full_counts[i])),
-                                      lambda i=i: self._placeholder(i))
+                                      partial(self._placeholder, i))
                 if self.full_counts[i] - n > 0:
                     self.short[i], self.saving[i] = ph, self.full_counts[i] - n
             elif role == "assistant" and m.get("tool_calls"):
                 trimmed, n = self._derived(("trim", keys[i], str(policy.reasoning_keep_tokens)),
-                                           lambda i=i: self._trimmed_call(i))
+                                           partial(self._trimmed_call, i))
                 if trimmed is not None and counts[i] - n > 0:
                     self.short[i], self.saving[i] = trimmed, counts[i] - n
         self.prefix = [0] * (self.n + 1)
@@ -260,7 +261,7 @@ class _Conversation:
         text = self.ops.truncate(text_of(m.get("content")), cap)
         note = (f"\n{TAG} Result truncated from {self.counts[i]} tokens; "
                 f'recall_tool_call(call_id="{self.refs[i]}") returns it in full.')
-        return {**m, "content": text + note}  # type: ignore[typeddict-item]
+        return {**m, "content": text + note}
 
     # -- past loops in question + answer form -----------------------------------------------
 
@@ -281,7 +282,7 @@ class _Conversation:
             if capped == text:
                 out.append(m)
             else:
-                out.append({**m, "content": capped})  # type: ignore[typeddict-item]
+                out.append({**m, "content": capped})
                 changed = True
         # The ledger goes with the final reply, not the question: the question then stays
         # byte-identical, so the cached prefix reaches through it when the loop is reduced.
@@ -296,7 +297,7 @@ class _Conversation:
                 out.append({"role": "assistant", "content": capped})
                 changed = True
             else:
-                out.append(m)  # type: ignore[arg-type]
+                out.append(m)
         tokens = sum(self.counts[i] if i is not None and m is self.messages[i]
                      else self.ops.count(m)
                      for m, i in zip(out, [*users, final_pos], strict=False))
@@ -343,10 +344,10 @@ class _Conversation:
                     f"returns any result.")
             content = m.get("content")
             if isinstance(content, list):
-                new: Message = {**m, "content": [*content, {"type": "text",  # type: ignore[typeddict-item]
+                new: Message = {**m, "content": [*content, {"type": "text",
                                                             "text": note.strip()}]}
             else:
-                new = {**m, "content": text_of(content) + note}  # type: ignore[typeddict-item]
+                new = {**m, "content": text_of(content) + note}
             self._noted[key] = (new, self.ops.count(new) - self.counts[at])
         return self._noted[key]
 
@@ -697,7 +698,7 @@ def _drop_oldest_exchanges(conv: _Conversation, out: list[Message], tokens: int
         note = (f"\n\n{TAG} {dropped} older tool exchange(s) were dropped to fit the context; "
                 f"search_history(query) finds them.")
         old = kept[at]
-        kept[at] = {**old, "content": old["content"] + note}  # type: ignore[typeddict-item]
+        kept[at] = {**old, "content": old["content"] + note}
         tokens += conv.ops.count(kept[at]) - conv.ops.count(old)
     return kept, tokens
 

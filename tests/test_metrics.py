@@ -47,7 +47,7 @@ def drive_traffic(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     for i in range(3):
         c.chat.completions.create(model="gpt-4o-mini",
                                   messages=[{"role": "user", "content": f"hello {i}"}])
-    for chunk in c.chat.completions.create(model="gpt-4o-mini", stream=True,
+    for _chunk in c.chat.completions.create(model="gpt-4o-mini", stream=True,
                                            messages=[{"role": "user", "content": "stream"}]):
         pass
     upstream.responder = recalling_responder()

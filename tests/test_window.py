@@ -6,7 +6,6 @@ import re
 from typing import Any
 
 import orjson
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
