@@ -22,9 +22,10 @@ from synthetic import agent_session  # noqa: E402
 
 from runloop_proxy.chat import WindowTokens  # noqa: E402
 from runloop_proxy.config import Policy  # noqa: E402
+from runloop_proxy.forms import Budget  # noqa: E402
 from runloop_proxy.messages import message_hash  # noqa: E402
 from runloop_proxy.tokens import TokenCounter  # noqa: E402
-from runloop_proxy.window import Budget, build_window  # noqa: E402
+from runloop_proxy.window import build_window  # noqa: E402
 
 
 def main() -> int:

@@ -24,9 +24,10 @@ from pydantic import ValidationError
 from .chat import PROXY_TOOLS_TOKENS, WindowTokens
 from .config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
 from .errors import ConfigError
+from .forms import Budget
 from .messages import Message, message_hash
 from .tokens import REPLY_PRIMING, TokenCounter
-from .window import Budget, build_window
+from .window import build_window
 
 CACHE_MIN = 1024
 CACHE_BLOCK = 128

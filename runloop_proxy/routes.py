@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from . import logs
-from .chat import HISTORY_HEADER, Exchange, finish, handle_chat, resolve_session
+from .chat import handle_chat, resolve_session
 from .config import TenantSpec
 from .errors import (
     AuthenticationFailed,
@@ -26,6 +26,7 @@ from .errors import (
     UpstreamError,
     UpstreamStatus,
 )
+from .exchange import HISTORY_HEADER, Exchange, finish
 from .messages import validate_chat_request
 from .responses import LiveStreamResponse
 from .runloops import preview, segment

@@ -42,6 +42,7 @@ from .config import StoreSection
 from .errors import StoreError, StoreLimitExceeded
 from .messages import Message, canonical_json, content_hash
 from .metrics import Metrics
+from .scripts import APPEND_LUA, SYNC_LUA
 
 log = logs.get("store")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -54,143 +55,7 @@ BATCH = 256
 MAX_QUEUE = 100_000
 MAX_ATTEMPTS = 3
 
-_SYNC_LUA = r"""
-local p = ARGV[1]
-local hint = tonumber(ARGV[2]); local n = tonumber(ARGV[3])
-local chains = ARGV[4]; local hashes = ARGV[5]
-local now = ARGV[6]; local ttl = tonumber(ARGV[7])
-local maxm = tonumber(ARGV[8]); local maxb = tonumber(ARGV[9]); local sid = ARGV[10]
-local meta = p .. ':meta'
-if n > maxm then return {'limit', 'messages'} end
-local head = redis.call('HGET', meta, 'head') or '0'
-local L = tonumber(redis.call('HGET', meta, 'len') or '0')
-local tip = redis.call('HGET', meta, 'tip') or ''
-local function chain_at(i)
-  if i == 0 then return '' end
-  local off = (i - hint - 1) * 40
-  return string.sub(chains, off + 1, off + 40)
-end
-local function hash_at(i)
-  local off = (i - hint - 1) * 32
-  return string.sub(hashes, off + 1, off + 32)
-end
-local bl = p .. ':b:' .. head
-local cl = p .. ':c:' .. head
-local basechain = ARGV[11]
-local common = -1
-if L == hint then
-  if hint == 0 or basechain == tip then common = L end
-elseif L > hint and L <= n and chain_at(L) == tip then
-  common = L
-elseif L >= n and n > hint and redis.call('LINDEX', cl, n - 1) == chain_at(n) then
-  common = n
-elseif L >= n and n == hint and redis.call('LINDEX', cl, n - 1) == basechain then
-  common = n
-end
-local forked = 0
-if common < 0 then
-  if hint ~= 0 then return {'need', tostring(L)} end
-  -- diverged: the longest stored prefix that matches (chains match on a prefix only)
-  local lo, hi = 0, math.min(L, n)
-  while lo < hi do
-    local mid = math.floor((lo + hi + 1) / 2)
-    if redis.call('LINDEX', cl, mid - 1) == chain_at(mid) then lo = mid else hi = mid - 1 end
-  end
-  local nb = redis.call('HINCRBY', meta, 'nbranches', 1)
-  if nb > maxb then
-    redis.call('HINCRBY', meta, 'nbranches', -1)
-    return {'limit', 'branches'}
-  end
-  local nbl = p .. ':b:' .. nb
-  local ncl = p .. ':c:' .. nb
-  local step = 1000
-  for s = 0, lo - 1, step do
-    local e = math.min(s + step, lo) - 1
-    redis.call('RPUSH', nbl, unpack(redis.call('LRANGE', bl, s, e)))
-    redis.call('RPUSH', ncl, unpack(redis.call('LRANGE', cl, s, e)))
-  end
-  redis.call('HSET', p .. ':branches', tostring(nb),
-    cjson.encode({parent = tonumber(head), fork_at = lo, created = tonumber(now)}))
-  head = tostring(nb); bl = nbl; cl = ncl; L = lo; common = lo; forked = 1
-end
-local base = 12
-for i = common + 1, n do
-  local h = hash_at(i)
-  local j = base + (i - hint - 1) * 3
-  redis.call('HSETNX', p .. ':msg', h, ARGV[j])
-  redis.call('HSETNX', p .. ':ts', h, now)
-  if ARGV[j + 1] ~= '' then
-    local cur = redis.call('HGET', p .. ':tool', ARGV[j + 1]) or ''
-    if not string.find(cur, h, 1, true) then
-      redis.call('HSET', p .. ':tool', ARGV[j + 1], cur .. h)
-    end
-  end
-  if ARGV[j + 2] ~= '' then redis.call('HSETNX', p .. ':tok', h, ARGV[j + 2]) end
-  redis.call('RPUSH', bl, h)
-  redis.call('RPUSH', cl, chain_at(i))
-  L = i; tip = chain_at(i)
-end
-redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
-redis.call('HSETNX', meta, 'created', now)
-local xat = tonumber(redis.call('HGET', meta, 'xat') or '0')
-if tonumber(now) - xat > ttl / 20 then
-  redis.call('HSET', meta, 'xat', now)
-  for _, k in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec'}) do
-    redis.call('PEXPIRE', p .. ':' .. k, ttl)
-  end
-  local nb = tonumber(redis.call('HGET', meta, 'nbranches') or '0')
-  for b = 0, nb do
-    redis.call('PEXPIRE', p .. ':b:' .. b, ttl)
-    redis.call('PEXPIRE', p .. ':c:' .. b, ttl)
-  end
-end
-local internal = {}
-if redis.call('EXISTS', p .. ':int') == 1 then internal = redis.call('HGETALL', p .. ':int') end
-return {'ok', tostring(L), head, tostring(forked), tostring(common), internal}
-"""
 
-_APPEND_LUA = r"""
-local p = ARGV[1]; local now = ARGV[2]
-local ttl = tonumber(ARGV[3]); local maxm = tonumber(ARGV[4])
-local sid = ARGV[5]; local nsys = tonumber(ARGV[6])
-local meta = p .. ':meta'
-local head = redis.call('HGET', meta, 'head') or '0'
-local L = tonumber(redis.call('HGET', meta, 'len') or '0')
-local tip = redis.call('HGET', meta, 'tip') or ''
-local k = (#ARGV - 6) / 4
-local first = 0
-if L > 0 then first = nsys end  -- a system prompt is history only when it opens the session
-if L + k - first > maxm then return {'limit'} end
-local bl = p .. ':b:' .. head
-local cl = p .. ':c:' .. head
-for i = first, k - 1 do
-  local j = 7 + i * 4
-  local h = ARGV[j]
-  redis.call('HSETNX', p .. ':msg', h, ARGV[j + 1])
-  redis.call('HSETNX', p .. ':ts', h, now)
-  if ARGV[j + 2] ~= '' then
-    local cur = redis.call('HGET', p .. ':tool', ARGV[j + 2]) or ''
-    if not string.find(cur, h, 1, true) then
-      redis.call('HSET', p .. ':tool', ARGV[j + 2], cur .. h)
-    end
-  end
-  if ARGV[j + 3] ~= '' then redis.call('HSETNX', p .. ':tok', h, ARGV[j + 3]) end
-  tip = redis.sha1hex(tip .. h)
-  redis.call('RPUSH', bl, h)
-  redis.call('RPUSH', cl, tip)
-  L = L + 1
-end
-redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
-redis.call('HSETNX', meta, 'created', now)
-for _, key in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec'}) do
-  redis.call('PEXPIRE', p .. ':' .. key, ttl)
-end
-redis.call('PEXPIRE', bl, ttl); redis.call('PEXPIRE', cl, ttl)
-local hs = redis.call('LRANGE', bl, 0, -1)
-local bodies = {}
-if #hs > 0 then bodies = redis.call('HMGET', p .. ':msg', unpack(hs)) end
-return {tostring(L), bodies}
-"""
 
 
 def chain_next(prev: str, msg_hash: str) -> str:
@@ -285,8 +150,8 @@ class RedisStore:
                 timeout=timeout)
             # no retries inside redis-py: a failure marks the store down and requests fail open
             self.client = aioredis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
-        self._sync = self.client.register_script(_SYNC_LUA)
-        self._append = self.client.register_script(_APPEND_LUA)
+        self._sync = self.client.register_script(SYNC_LUA)
+        self._append = self.client.register_script(APPEND_LUA)
         self._sessions: OrderedDict[tuple[str, str], _Cached] = OrderedDict()
         self._chains: OrderedDict[tuple[str, str], tuple[list[str], list[str]]] = OrderedDict()
         self._indexed: OrderedDict[tuple[str, str], float] = OrderedDict()
@@ -512,7 +377,7 @@ class RedisStore:
         # EVALSHA straight into the pipeline: redis-py's script objects would ask
         # SCRIPT EXISTS on every flush, one more round trip each time.
         if not self._scripts_loaded:
-            await self.client.script_load(_SYNC_LUA)
+            await self.client.script_load(SYNC_LUA)
             self._scripts_loaded = True
         pipe = self.client.pipeline(transaction=False)
         ok: list[_Job] = []

@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runloop_proxy.config import Policy, ReducePastLoops
+from runloop_proxy.forms import Budget
 from runloop_proxy.messages import Message, message_hash, tool_calls_of
-from runloop_proxy.window import Budget, CompactionKind, Window, build_window, request_points
+from runloop_proxy.window import CompactionKind, Window, build_window, request_points
 
 
 class WordOps:

@@ -1,0 +1,321 @@
+"""What each part of a conversation looks like when the window reduces it (pure).
+
+Per message and per run loop: the elision placeholder of a tool result, a tool-call message
+with its reasoning and long arguments trimmed, a capped huge result, a past loop as question +
+answer + tool ledger, the omission marker and the dropped-steps note — with their token counts
+and the prefix sums the window's replay runs on. Derived forms are memoised across requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Protocol
+
+import orjson
+
+from .config import Policy
+from .messages import Message, message_text, text_of, tool_calls_of
+from .runloops import RunLoop, preamble_end, segment
+
+TAG = "[runloop-proxy]"
+MEMO_SIZE = 200_000
+Memo = MutableMapping[tuple[str, ...], tuple["Message | None", int]]
+LEDGER_MAX_LINES = 24
+
+
+@dataclass(frozen=True)
+class Budget:
+    hard: int  # what must fit: window - reserved output - tool schemas - margin
+    working: int  # what compaction aims at (threshold/target are fractions of it)
+
+    @classmethod
+    def for_request(cls, policy: Policy, context: int, reserve: int | None, tools: int,
+                    factor: float = 1.0, priming: int = 3) -> Budget:
+        """Message budget for a request: the model's window less the reserved output
+        (``max_tokens``, else the policy's), the tool schemas and the margin; ``factor``
+        converts the model's tokens into the counter's (calibration)."""
+        out = reserve or policy.reserved_output_tokens
+        hard = int((context - out - policy.safety_margin_tokens) / factor) - tools - priming
+        working = hard
+        if policy.soft_budget_tokens:
+            working = min(hard, int(policy.soft_budget_tokens / factor) - tools)
+        return cls(hard=max(hard, 0), working=max(working, 1))
+
+
+class TokenOps(Protocol):
+    def count(self, msg: Message) -> int: ...
+
+    def truncate(self, text: str, max_tokens: int) -> str: ...
+
+
+class Conversation:
+    """Per-message facts the replay needs, computed once per build (O(n))."""
+
+    def __init__(self, messages: list[Message], keys: list[str], counts: list[int],
+                 policy: Policy, budget: Budget, ops: TokenOps, protected: frozenset[str],
+                 memo: Memo | None):
+        self.messages, self.keys, self.counts = messages, keys, counts
+        self.policy, self.budget, self.ops = policy, budget, ops
+        self.memo = memo
+        self.n = len(messages)
+        self.pre = preamble_end(messages)
+        self.loops = segment(messages)
+        self.loop_of = [0] * self.n
+        for lp in self.loops:
+            for i in lp.positions:
+                self.loop_of[i] = lp.index
+        self.tool_names, self.tool_args = self._tool_names()
+        self.refs = self._refs()
+        cap = max(64, int(policy.max_tool_result_share * budget.working))
+        self.full: list[Message] = list(messages)  # as shown when not elided (huge ones capped)
+        self.full_counts = list(counts)
+        self.short: list[Message | None] = [None] * self.n  # elided / trimmed form
+        self.saving = [0] * self.n
+        self.tool_positions: list[int] = []
+        for i, m in enumerate(messages):
+            role = m.get("role")
+            if role == "tool":
+                if self.tool_names[i] in policy.exclude_tools or \
+                        m.get("tool_call_id") in protected:
+                    continue  # kept whole: only the hard limit may touch them
+                if counts[i] > cap:
+                    capped, n = self._derived(("cap", keys[i], str(cap), self.refs[i]),
+                                              partial(self._capped, i, cap))
+                    self.full[i], self.full_counts[i] = capped, n  # type: ignore[assignment]
+                self.tool_positions.append(i)
+                ph, n = self._derived(("ph", keys[i], self.refs[i], str(self.full_counts[i])),
+                                      partial(self._placeholder, i))
+                if self.full_counts[i] - n > 0:
+                    self.short[i], self.saving[i] = ph, self.full_counts[i] - n
+            elif role == "assistant" and m.get("tool_calls"):
+                trimmed, n = self._derived(("trim", keys[i], str(policy.reasoning_keep_tokens)),
+                                           partial(self._trimmed_call, i))
+                if trimmed is not None and counts[i] - n > 0:
+                    self.short[i], self.saving[i] = trimmed, counts[i] - n
+        self.prefix = [0] * (self.n + 1)
+        self.sav_prefix = [0] * (self.n + 1)
+        for i in range(self.n):
+            self.prefix[i + 1] = self.prefix[i] + self.full_counts[i]
+            self.sav_prefix[i + 1] = self.sav_prefix[i] + self.saving[i]
+        self.pre_tokens = self.prefix[self.pre]
+        self._reduced: dict[int, tuple[list[Message], int, bool]] = {}
+        # tool exchanges: an assistant message with calls and the results that follow it
+        self.group_end: dict[int, int] = {}
+        i = 0
+        while i < self.n:
+            if messages[i].get("role") == "assistant" and messages[i].get("tool_calls"):
+                j = i + 1
+                while j < self.n and messages[j].get("role") == "tool":
+                    j += 1
+                self.group_end[i] = j
+                i = j
+            else:
+                i += 1
+        self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
+        self._elidable = frozenset(self.tool_positions)
+
+    def _tool_names(self) -> tuple[list[str], list[str]]:
+        names, args = [""] * self.n, [""] * self.n
+        pending: dict[str, tuple[str, str]] = {}
+        for i, m in enumerate(self.messages):
+            if m.get("role") == "assistant":
+                for c in tool_calls_of(m):
+                    fn = c.get("function") or {}
+                    pending[c.get("id", "")] = (str(fn.get("name", "")),
+                                                str(fn.get("arguments", "")))
+            elif m.get("role") == "tool":
+                names[i], args[i] = pending.get(str(m.get("tool_call_id", "")), ("tool", ""))
+        return names, args
+
+    def _refs(self) -> list[str]:
+        """What recall_tool_call takes for each result: the call id, or for a call id the
+        conversation already used, the id plus a content hash. Fixed once a result exists,
+        so later reuse of an id never rewrites earlier notes (append-only)."""
+        seen: set[str] = set()
+        refs = [""] * self.n
+        for i, m in enumerate(self.messages):
+            if m.get("role") == "tool":
+                cid = str(m.get("tool_call_id", ""))
+                refs[i] = cid if cid not in seen else f"{cid}#{self.keys[i][:8]}"
+                seen.add(cid)
+        return refs
+
+    def _short_args(self, i: int) -> str:
+        args = " ".join(self.tool_args[i].split())
+        limit = self.policy.ledger_arg_chars
+        return args if len(args) <= limit else args[: max(0, limit - 1)] + "…"
+
+    def _derived(self, key: tuple[str, ...], make: Callable[[], Message | None]
+                 ) -> tuple[Message | None, int]:
+        """A derived form of a message and its count, memoised across requests: the same
+        message yields the same form, so a long session re-derives only its new messages."""
+        memo = self.memo
+        if memo is not None:
+            hit = memo.get(key)
+            if hit is not None:
+                return hit
+        msg = make()
+        out = (msg, self.ops.count(msg) if msg is not None else 0)
+        if memo is not None:
+            if len(memo) >= MEMO_SIZE:
+                memo.clear()
+            memo[key] = out
+        return out
+
+    def _trimmed_call(self, i: int) -> Message | None:
+        """An older assistant tool-call message with its reasoning text and long arguments cut
+        (head + tail); the arguments stay valid JSON and recall_tool_call gives them back."""
+        m = self.messages[i]
+        keep = self.policy.reasoning_keep_tokens
+        out: dict[str, object] = dict(m)
+        changed = False
+        if isinstance(m.get("content"), str):
+            text = self.ops.truncate(m["content"], keep)
+            if text != m["content"]:
+                out["content"] = text
+                changed = True
+        calls = []
+        for call in m.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            args = fn.get("arguments")
+            if isinstance(args, str) and len(args) > keep:
+                short = _trim_arguments(args, keep, call.get("id", ""), self.ops)
+                if short != args:
+                    call = {**call, "function": {**fn, "arguments": short}}
+                    changed = True
+            calls.append(call)
+        out["tool_calls"] = calls
+        return out if changed else None  # type: ignore[return-value]
+
+    def _placeholder(self, i: int) -> Message:
+        text = (f'{TAG} {self.full_counts[i]}-token result elided; '
+                f'recall_tool_call(call_id="{self.refs[i]}") returns it.')
+        return {"role": "tool", "tool_call_id": self.messages[i]["tool_call_id"], "content": text}
+
+    def _capped(self, i: int, cap: int) -> Message:
+        m = self.messages[i]
+        text = self.ops.truncate(text_of(m.get("content")), cap)
+        note = (f"\n{TAG} Result truncated from {self.counts[i]} tokens; "
+                f'recall_tool_call(call_id="{self.refs[i]}") returns it in full.')
+        return {**m, "content": text + note}
+
+    # -- past loops in question + answer form -----------------------------------------------
+
+    def reduced(self, j: int) -> tuple[list[Message], int, bool]:
+        """Loop ``j`` as its user messages and final reply, capped, with a tool ledger."""
+        if j in self._reduced:
+            return self._reduced[j]
+        lp = self.loops[j]
+        limit = self.policy.max_message_length
+        out: list[Message] = []
+        changed = len(lp.user_positions) + (lp.final_position is not None) != lp.end - lp.start
+        users = list(lp.user_positions)
+        ledger = self._ledger(lp)
+        for i in users:
+            m = self.messages[i]
+            text = message_text(m)
+            capped = self.ops.truncate(text, limit)
+            if capped == text:
+                out.append(m)
+            else:
+                out.append({**m, "content": capped})
+                changed = True
+        # The ledger goes with the final reply, not the question: the question then stays
+        # byte-identical, so the cached prefix reaches through it when the loop is reduced.
+        final_pos = lp.final_position
+        if final_pos is not None or ledger:
+            m = self.messages[final_pos] if final_pos is not None else {"role": "assistant"}
+            text = message_text(m) if final_pos is not None else ""
+            capped = self.ops.truncate(text, limit)
+            if ledger:
+                capped = f"{capped}\n\n{ledger}" if capped else ledger
+            if capped != text or final_pos is None:
+                out.append({"role": "assistant", "content": capped})
+                changed = True
+            else:
+                out.append(m)
+        tokens = sum(self.counts[i] if i is not None and m is self.messages[i]
+                     else self.ops.count(m)
+                     for m, i in zip(out, [*users, final_pos], strict=False))
+        self._reduced[j] = (out, tokens, changed)
+        return self._reduced[j]
+
+    def _ledger(self, lp: RunLoop) -> str:
+        entries = [f"{self.refs[i]} {self.tool_names[i]}({self._short_args(i)}) "
+                   f"{self.full_counts[i]}t"
+                   for i in lp.positions if self.messages[i].get("role") == "tool"]
+        if not entries:
+            return ""
+        if len(entries) > LEDGER_MAX_LINES:
+            head = LEDGER_MAX_LINES // 3
+            tail = LEDGER_MAX_LINES - head
+            entries = [*entries[:head], f"…{len(entries) - LEDGER_MAX_LINES} more…",
+                       *entries[-tail:]]
+        return (f"{TAG} {len(entries)} tool result(s) of this turn not shown; "
+                f"recall_tool_call(call_id) returns one: " + "; ".join(entries))
+
+    def keeps(self, group: int) -> bool:
+        """Whether a tool exchange holds a result that is never elided (excluded, or a
+        proxy recall): such an exchange is never dropped either."""
+        return any(self.messages[i].get("role") == "tool" and i not in self._elidable
+                   for i in range(group + 1, self.group_end[group]))
+
+    def shown(self, a: int, b: int) -> int:
+        """Tokens of positions [a, b) in their elided form (all of them lie below the
+        elision boundary when they are dropped)."""
+        return (self.prefix[b] - self.prefix[a]) - (self.sav_prefix[b] - self.sav_prefix[a])
+
+    def noted(self, at: int, upto: int) -> tuple[Message, int]:
+        """The user message at ``at`` with a note that the tool exchanges from ``at + 1`` to
+        ``upto`` are not shown, and the tokens the note adds."""
+        key = (at, upto)
+        if key not in self._noted:
+            m = self.messages[at]
+            steps = [g for g in self.group_end if at < g < upto]
+            first = tool_calls_of(self.messages[steps[0]])[0].get("id", "")
+            last = tool_calls_of(self.messages[steps[-1]])[-1].get("id", "")
+            note = (f"\n\n{TAG} The first {len(steps)} tool exchange(s) after this message "
+                    f"(calls {first} … {last}) are not shown to save context; "
+                    f"search_history(query) searches them and recall_tool_call(call_id) "
+                    f"returns any result.")
+            content = m.get("content")
+            if isinstance(content, list):
+                new: Message = {**m, "content": [*content, {"type": "text",
+                                                            "text": note.strip()}]}
+            else:
+                new = {**m, "content": text_of(content) + note}
+            self._noted[key] = (new, self.ops.count(new) - self.counts[at])
+        return self._noted[key]
+
+    def marker(self, omitted: int, summary: str | None) -> Message:
+        text = (f"{TAG} {omitted} earlier turn(s) of this conversation are not shown to save "
+                f"context. search_history(query) searches them; recall_tool_call(call_id) "
+                f"returns any earlier tool result.")
+        if summary:
+            text += f"\nSummary of those turns:\n{summary}"
+        return {"role": "system", "content": text}
+
+
+def _trim_arguments(args: str, keep: int, call_id: str, ops: TokenOps) -> str:
+    """Cut long string values inside JSON arguments; the result still parses as JSON."""
+    try:
+        parsed = orjson.loads(args)
+    except orjson.JSONDecodeError:
+        return args
+    note = (f" [runloop-proxy: arguments cut; recall_tool_call(call_id=\"{call_id}\", "
+            f"part=\"arguments\") returns them whole] ")
+
+    def cut(v: object) -> object:
+        if isinstance(v, str) and len(v) > keep:
+            short = ops.truncate(v, keep)
+            return short.replace("\n…[", "\n…" + note + "[", 1) if short != v else v
+        if isinstance(v, dict):
+            return {k: cut(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [cut(x) for x in v]
+        return v
+
+    out = orjson.dumps(cut(parsed)).decode()
+    return out if len(out) < len(args) else args
