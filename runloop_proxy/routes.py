@@ -25,6 +25,7 @@ from .errors import (
     StoreError,
     UpstreamError,
     UpstreamStatus,
+    error_body,
 )
 from .exchange import HISTORY_HEADER, Exchange, finish
 from .messages import validate_chat_request
@@ -62,9 +63,8 @@ def openai_errors(handler: Handler) -> Handler:
             return json_response(exc.body(), exc.status)
         except Exception:
             log.exception("unexpected error")
-            return json_response({"error": {"message": "internal error in runloop-proxy",
-                                            "type": "server_error", "param": None,
-                                            "code": "internal_error"}}, 500)
+            return json_response(error_body("internal error in runloop-proxy", "server_error",
+                                            None, "internal_error"), 500)
         finally:
             state.metrics.in_flight.dec()
     return wrapped
@@ -198,6 +198,11 @@ def _admin(state: AppState, request: Request) -> str:
     raise InvalidRequest("give ?tenant=NAME (the tenant whose sessions to read)", param="tenant")
 
 
+def _store_unavailable(exc: StoreError) -> Response:
+    return json_response(error_body(str(exc), "store_unavailable", None, "store_unavailable"),
+                         503)
+
+
 def session_summary(view: Any) -> dict[str, Any]:
     messages = view.messages
     loops = []
@@ -224,8 +229,7 @@ async def admin_session(request: Request) -> Response:
     try:
         view = await state.store.session(tenant, session_id)
     except StoreError as exc:
-        return json_response({"error": {"message": str(exc), "type": "store_unavailable",
-                                        "param": None, "code": "store_unavailable"}}, 503)
+        return _store_unavailable(exc)
     if view is None:
         raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
     out = session_summary(view)
@@ -248,8 +252,7 @@ async def admin_sessions(request: Request) -> Response:
     try:
         rows, total = await state.store.list_sessions(tenant, offset, limit)
     except StoreError as exc:
-        return json_response({"error": {"message": str(exc), "type": "store_unavailable",
-                                        "param": None, "code": "store_unavailable"}}, 503)
+        return _store_unavailable(exc)
     return json_response({"tenant": tenant, "total": total, "offset": offset, "limit": limit,
                           "sessions": [{"session_id": s, "updated_ms": t} for s, t in rows]})
 

@@ -16,7 +16,7 @@ import itertools
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import uvicorn
@@ -49,8 +49,7 @@ class ScriptedUpstream:
         self.streams_started = 0
         self.streams_closed_early = 0
         self.keep_requests = True
-        self.server: uvicorn.Server | None = None
-        self.thread: threading.Thread | None = None
+        self.server: ThreadedServer | None = None
         self.port = 0
 
     # -- control ---------------------------------------------------------------------------
@@ -71,24 +70,13 @@ class ScriptedUpstream:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, port: int = 0) -> ScriptedUpstream:
-        config = uvicorn.Config(self.app(), host="127.0.0.1", port=port, log_level="error",
-                                lifespan="off", access_log=False)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            if time.monotonic() > deadline:
-                raise RuntimeError("scripted upstream did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.server = ThreadedServer(self.app(), lifespan="off")
+        self.port = self.server.start(port)
         return self
 
     def stop(self) -> None:
         if self.server is not None:
-            self.server.should_exit = True
-            if self.thread is not None:
-                self.thread.join(timeout=10)
+            self.server.stop()
 
     # -- the fake LLM ----------------------------------------------------------------------
 
@@ -214,6 +202,30 @@ class ScriptedUpstream:
         finally:
             if not done:
                 self.streams_closed_early += 1
+
+
+class ThreadedServer:
+    """An ASGI app under a real uvicorn server on a loopback port, in a daemon thread."""
+
+    def __init__(self, app: Any, lifespan: Literal["auto", "on", "off"] = "on"):
+        self.config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
+                                     lifespan=lifespan, access_log=False)
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def start(self, port: int = 0, timeout: float = 20) -> int:
+        self.config.port = port
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server did not start")
+            time.sleep(0.01)
+        return int(self.server.servers[0].sockets[0].getsockname()[1])
+
+    def stop(self, timeout: float = 15) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=timeout)
 
 
 def _call(c: dict[str, Any]) -> dict[str, Any]:

@@ -7,7 +7,22 @@ that hint is stale the script answers "need" with the stored length. APPEND adds
 head whatever it holds (server-history mode) and returns the whole head.
 """
 
-SYNC_LUA = r"""
+STORE_MESSAGE = r"""
+local function store_message(p, h, body, tool_id, tokens, now)
+  redis.call('HSETNX', p .. ':msg', h, body)
+  redis.call('HSETNX', p .. ':ts', h, now)
+  if tool_id ~= '' then
+    -- every result of a call id, in order: ids repeat in real traces
+    local cur = redis.call('HGET', p .. ':tool', tool_id) or ''
+    if not string.find(cur, h, 1, true) then
+      redis.call('HSET', p .. ':tool', tool_id, cur .. h)
+    end
+  end
+  if tokens ~= '' then redis.call('HSETNX', p .. ':tok', h, tokens) end
+end
+"""
+
+SYNC_LUA = STORE_MESSAGE + r"""
 local p = ARGV[1]
 local hint = tonumber(ARGV[2]); local n = tonumber(ARGV[3])
 local chains = ARGV[4]; local hashes = ARGV[5]
@@ -70,15 +85,7 @@ local base = 12
 for i = common + 1, n do
   local h = hash_at(i)
   local j = base + (i - hint - 1) * 3
-  redis.call('HSETNX', p .. ':msg', h, ARGV[j])
-  redis.call('HSETNX', p .. ':ts', h, now)
-  if ARGV[j + 1] ~= '' then
-    local cur = redis.call('HGET', p .. ':tool', ARGV[j + 1]) or ''
-    if not string.find(cur, h, 1, true) then
-      redis.call('HSET', p .. ':tool', ARGV[j + 1], cur .. h)
-    end
-  end
-  if ARGV[j + 2] ~= '' then redis.call('HSETNX', p .. ':tok', h, ARGV[j + 2]) end
+  store_message(p, h, ARGV[j], ARGV[j + 1], ARGV[j + 2], now)
   redis.call('RPUSH', bl, h)
   redis.call('RPUSH', cl, chain_at(i))
   L = i; tip = chain_at(i)
@@ -102,7 +109,7 @@ if redis.call('EXISTS', p .. ':int') == 1 then internal = redis.call('HGETALL', 
 return {'ok', tostring(L), head, tostring(forked), tostring(common), internal}
 """
 
-APPEND_LUA = r"""
+APPEND_LUA = STORE_MESSAGE + r"""
 local p = ARGV[1]; local now = ARGV[2]
 local ttl = tonumber(ARGV[3]); local maxm = tonumber(ARGV[4])
 local sid = ARGV[5]; local nsys = tonumber(ARGV[6])
@@ -119,15 +126,7 @@ local cl = p .. ':c:' .. head
 for i = first, k - 1 do
   local j = 7 + i * 4
   local h = ARGV[j]
-  redis.call('HSETNX', p .. ':msg', h, ARGV[j + 1])
-  redis.call('HSETNX', p .. ':ts', h, now)
-  if ARGV[j + 2] ~= '' then
-    local cur = redis.call('HGET', p .. ':tool', ARGV[j + 2]) or ''
-    if not string.find(cur, h, 1, true) then
-      redis.call('HSET', p .. ':tool', ARGV[j + 2], cur .. h)
-    end
-  end
-  if ARGV[j + 3] ~= '' then redis.call('HSETNX', p .. ':tok', h, ARGV[j + 3]) end
+  store_message(p, h, ARGV[j + 1], ARGV[j + 2], ARGV[j + 3], now)
   tip = redis.sha1hex(tip .. h)
   redis.call('RPUSH', bl, h)
   redis.call('RPUSH', cl, tip)

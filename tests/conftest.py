@@ -8,7 +8,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -16,13 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 from runloop_proxy.app import create_app
 from runloop_proxy.config import ProxyConfig, Settings, load_config
 from runloop_proxy.embedded import find_redis_server
 from runloop_proxy.metrics import Metrics
-from runloop_proxy.scripted import ScriptedUpstream
+from runloop_proxy.scripted import ScriptedUpstream, ThreadedServer
 
 
 def free_port() -> int:
@@ -123,8 +121,7 @@ class ProxyServer:
         self.config = config
         self.metrics = Metrics()
         self.app = create_app(settings, config, metrics=self.metrics)
-        self.server: uvicorn.Server | None = None
-        self.thread: threading.Thread | None = None
+        self.server: ThreadedServer | None = None
         self.port = 0
 
     @property
@@ -140,24 +137,13 @@ class ProxyServer:
         return self.app.state.runloop
 
     def start(self) -> ProxyServer:
-        cfg = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="error",
-                             lifespan="on", access_log=False)
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("proxy did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.server = ThreadedServer(self.app)
+        self.port = self.server.start()
         return self
 
     def stop(self) -> None:
         if self.server is not None:
-            self.server.should_exit = True
-            if self.thread is not None:
-                self.thread.join(timeout=15)
+            self.server.stop()
 
 
 def unique_config(settings: Settings, **store: Any) -> ProxyConfig:
