@@ -122,8 +122,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
                                     lambda: state.spawn(state.reload("SIGHUP")))
         watcher = asyncio.create_task(_watch_config(state)) if settings.config_dir else None
         log.info("runloop-proxy ready", extra={
-            "tenants": len(config.tenants), "passthrough": config.passthrough is not None,
-            "store": "embedded" if state.embedded else "external"})
+            "tenants": len(config.tenants), "passthrough": config.passthrough is not None})
         try:
             yield
         finally:
