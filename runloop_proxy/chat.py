@@ -158,13 +158,13 @@ async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
         return await forward(ex, ex.raw, messages, prepared)
     body: dict[str, Any] = {**ex.body, "messages": window.messages}
     n_choices = body.get("n") or 1
-    if window.needs_tools and n_choices == 1:
+    if (window.needs_tools or spliced is not messages) and n_choices == 1:
         ex.tools = ProxyTools.for_request(body.get("tools"))
         body["tools"] = [*(body.get("tools") or []), *ex.tools.definitions()]
-    if ex.stream:
-        opts = dict(body.get("stream_options") or {})
-        opts["include_usage"] = True
-        body["stream_options"] = opts
+        if ex.stream:
+            # the rewritten stream sums every round's usage; the client gets it if it asked
+            body["stream_options"] = {**(body.get("stream_options") or {}),
+                                      "include_usage": True}
     log_events(ex, window)
     return await forward(ex, body, messages, prepared, spliced, spliced_keys)
 

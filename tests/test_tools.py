@@ -229,3 +229,14 @@ async def test_async_streaming_recall(proxy: ProxyServer, upstream: ScriptedUpst
     assert text.endswith("recalled: OUT2 line2_0")
     await c.close()
     await asyncio.sleep(0)
+
+
+def test_compressed_stream_without_proxy_tools_adds_no_usage_chunk(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    body = {"model": "gpt-4o-mini", "messages": long_session(), "stream": True, "n": 2}
+    with httpx.stream("POST", proxy.url + "/chat/completions", json=body, timeout=30) as r:
+        raw = b"".join(r.iter_bytes())
+        assert r.headers.get("x-runloop-tokens")  # the window was compressed
+    assert b'"choices":[]' not in raw and raw.count(b"[DONE]") == 1
+    sent = upstream.requests[-1]
+    assert "stream_options" not in sent and "tools" not in sent  # n>1: no proxy tools
