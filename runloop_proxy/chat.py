@@ -44,8 +44,8 @@ if TYPE_CHECKING:
     from .app import AppState
 
 log = logs.get("chat")
-TRUNCATE_CACHE = 50_000
-FIRST_SEEN_SIZE = 1_000_000
+TRUNCATE_CACHE = 20_000
+FIRST_SEEN_SIZE = 200_000
 def resolve_session(header_value: str | None, body: ChatRequest, tenant_id: str) -> str:
     """Header, then prompt_cache_key, metadata.session_id, user; else a fingerprint of the
     tenant and the conversation's first non-system message."""

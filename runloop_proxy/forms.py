@@ -20,7 +20,7 @@ from .messages import Message, message_text, text_of, tool_calls_of
 from .runloops import RunLoop, preamble_end, segment
 
 TAG = "[runloop-proxy]"
-MEMO_SIZE = 200_000
+MEMO_SIZE = 50_000
 Memo = MutableMapping[tuple[str, ...], tuple["Message | None", int]]
 LEDGER_MAX_LINES = 24
 
