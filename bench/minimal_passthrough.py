@@ -24,8 +24,9 @@ def build(upstream: str) -> Starlette:
 
     async def chat(request: Request) -> Response:
         body = await request.body()
-        async with session[0].post(upstream, data=body,
-                                   headers={"Content-Type": "application/json"}) as r:
+        headers = {k: v for k, v in request.headers.items()
+                   if k not in ("host", "content-length", "connection")}
+        async with session[0].post(upstream, data=body, headers=headers) as r:
             data = await r.read()
         return Response(data, r.status, media_type="application/json")
 

@@ -103,13 +103,14 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def wrk_throughput(url: str, duration: int, conns: int) -> float:
+def wrk_throughput(url: str, duration: int, conns: int, delay_ms: float) -> float:
     script = Path(tempfile.mkstemp(suffix=".lua")[1])
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = {json.dumps(json.dumps(BODY))}\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
-        'wrk.headers["Authorization"] = "Bearer sk-bench"\n')
+        'wrk.headers["Authorization"] = "Bearer sk-bench"\n'
+        f'wrk.headers["X-Scripted-Delay-Ms"] = "{delay_ms}"\n')
     try:
         out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "-s", str(script),
                               url], capture_output=True, text=True, check=True).stdout
@@ -122,8 +123,9 @@ def wrk_throughput(url: str, duration: int, conns: int) -> float:
     return float(line.split()[1])
 
 
-async def aiohttp_throughput(url: str, duration: int, conns: int) -> float:
+async def aiohttp_throughput(url: str, duration: int, conns: int, delay_ms: float) -> float:
     payload = json.dumps(BODY).encode()
+    headers = {**HEADERS, "X-Scripted-Delay-Ms": str(delay_ms)}
     done = 0
     stop = time.monotonic() + duration
     connector = aiohttp.TCPConnector(limit=conns)
@@ -131,17 +133,17 @@ async def aiohttp_throughput(url: str, duration: int, conns: int) -> float:
         async def worker() -> None:
             nonlocal done
             while time.monotonic() < stop:
-                async with s.post(url, data=payload, headers=HEADERS) as r:
+                async with s.post(url, data=payload, headers=headers) as r:
                     await r.read()
                 done += 1
         await asyncio.gather(*[worker() for _ in range(conns)])
     return done / duration
 
 
-def throughput(url: str, duration: int, conns: int, generator: str) -> float:
+def throughput(url: str, duration: int, conns: int, generator: str, delay_ms: float) -> float:
     if generator == "wrk":
-        return wrk_throughput(url, duration, conns)
-    return asyncio.run(aiohttp_throughput(url, duration, conns))
+        return wrk_throughput(url, duration, conns, delay_ms)
+    return asyncio.run(aiohttp_throughput(url, duration, conns, delay_ms))
 
 
 def main() -> int:
@@ -154,6 +156,9 @@ def main() -> int:
     parser.add_argument("--load-generator", choices=["aiohttp", "wrk"], default="aiohttp",
                         help="aiohttp (a Python client, as the targets were measured) or wrk "
                              "(C: a much faster direct baseline, so a harsher ratio)")
+    parser.add_argument("--upstream-delay-ms", type=float, default=10.0,
+                        help="the scripted LLM's think time per answer in the second "
+                             "throughput run (the first uses an instant upstream)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.load_generator == "wrk" and not shutil.which("wrk"):
@@ -162,11 +167,15 @@ def main() -> int:
     procs, direct, proxied, minimal = start_servers(args.workers, data_dir, {})
     try:
         lat = asyncio.run(latency(direct, proxied, args.requests))
-        tputs: dict[str, list[float]] = {"direct": [], "proxy": [], "minimal": []}
-        for _ in range(args.rounds):
-            for name, url in (("direct", direct), ("proxy", proxied), ("minimal", minimal)):
-                tputs[name].append(throughput(url, args.duration, args.concurrency,
-                                              args.load_generator))
+        runs: dict[float, dict[str, list[float]]] = {}
+        for delay in sorted({0.0, args.upstream_delay_ms}):
+            tputs: dict[str, list[float]] = {"direct": [], "proxy": [], "minimal": []}
+            for _ in range(args.rounds):
+                for name, url in (("direct", direct), ("proxy", proxied),
+                                  ("minimal", minimal)):
+                    tputs[name].append(throughput(url, args.duration, args.concurrency,
+                                                  args.load_generator, delay))
+            runs[delay] = tputs
     finally:
         for p in procs[::-1]:
             p.send_signal(signal.SIGINT)
@@ -178,33 +187,36 @@ def main() -> int:
         shutil.rmtree(data_dir, ignore_errors=True)
     d50, p50 = pct(lat["direct"], 0.5), pct(lat["proxy"], 0.5)
     d99, p99 = pct(lat["direct"], 0.99), pct(lat["proxy"], 0.99)
-    td, tp = statistics.mean(tputs["direct"]), statistics.mean(tputs["proxy"])
-    tm = statistics.mean(tputs["minimal"])
-    result = {
+    result: dict[str, object] = {
         "workers": args.workers, "requests_per_side": args.requests,
+        "load_generator": args.load_generator, "concurrency": args.concurrency,
         "direct_p50_ms": round(d50 * 1000, 3), "proxy_p50_ms": round(p50 * 1000, 3),
         "added_p50_ms": round((p50 - d50) * 1000, 3),
         "direct_p99_ms": round(d99 * 1000, 3), "proxy_p99_ms": round(p99 * 1000, 3),
-        "added_p99_ms": round((p99 - d99) * 1000, 3),
-        "concurrency": args.concurrency, "direct_rps": round(td, 1), "proxy_rps": round(tp, 1),
-        "throughput_ratio": round(tp / td, 3) if td else None,
-        "minimal_passthrough_rps": round(tm, 1),
-        "minimal_ratio": round(tm / td, 3) if td else None,
-        "load_generator": args.load_generator,
-    }
+        "added_p99_ms": round((p99 - d99) * 1000, 3), "throughput": []}
+    for delay, tputs in runs.items():
+        td, tp = statistics.mean(tputs["direct"]), statistics.mean(tputs["proxy"])
+        tm = statistics.mean(tputs["minimal"])
+        result["throughput"].append({  # type: ignore[attr-defined]
+            "upstream_delay_ms": delay, "direct_rps": round(td, 1), "proxy_rps": round(tp, 1),
+            "ratio": round(tp / td, 3), "minimal_relay_rps": round(tm, 1),
+            "minimal_ratio": round(tm / td, 3)})
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        print(f"concurrency 1, {args.requests} requests per side (alternating):")
-        print(f"  direct p50 {result['direct_p50_ms']:.3f} ms  "
-              f"p99 {result['direct_p99_ms']:.3f} ms")
-        print(f"  proxy  p50 {result['proxy_p50_ms']:.3f} ms  p99 {result['proxy_p99_ms']:.3f} ms")
-        print(f"  added  p50 {result['added_p50_ms']:.3f} ms  p99 {result['added_p99_ms']:.3f} ms")
+        return 0
+    print(f"concurrency 1, {args.requests} requests per side (alternating), instant upstream:")
+    print(f"  direct p50 {d50 * 1000:.3f} ms  p99 {d99 * 1000:.3f} ms")
+    print(f"  proxy  p50 {p50 * 1000:.3f} ms  p99 {p99 * 1000:.3f} ms")
+    print(f"  added  p50 {(p50 - d50) * 1000:.3f} ms  p99 {(p99 - d99) * 1000:.3f} ms")
+    for run in result["throughput"]:  # type: ignore[attr-defined]
         print(f"concurrency {args.concurrency}, {args.rounds}x{args.duration}s per side "
-              f"({result['load_generator']}), {args.workers} proxy worker(s):")
-        print(f"  direct {td:.0f} req/s  proxy {tp:.0f} req/s  ratio {tp / td:.1%}")
-        print(f"  reference: bare Starlette+aiohttp relay {tm:.0f} req/s ({tm / td:.1%} of "
-              f"direct); the proxy reaches {tp / tm:.1%} of it")
+              f"({args.load_generator}), {args.workers} proxy worker(s), upstream think time "
+              f"{run['upstream_delay_ms']:g} ms:")
+        print(f"  direct {run['direct_rps']:.0f} req/s  proxy {run['proxy_rps']:.0f} req/s  "
+              f"ratio {run['ratio']:.1%}")
+        print(f"  reference: bare Starlette+aiohttp relay {run['minimal_relay_rps']:.0f} req/s "
+              f"({run['minimal_ratio']:.1%} of direct); the proxy reaches "
+              f"{run['proxy_rps'] / run['minimal_relay_rps']:.1%} of it")
     return 0
 
 

@@ -49,6 +49,7 @@ class ScriptedUpstream:
         self.streams_started = 0
         self.streams_closed_early = 0
         self.keep_requests = True
+        self.delay = 0.0
         self.server: ThreadedServer | None = None
         self.port = 0
 
@@ -98,8 +99,10 @@ class ScriptedUpstream:
                 self.raw_bodies.append(raw)
                 self.headers.append(dict(request.headers))
             reply = self.next_reply(body)
-            if reply.get("delay"):
-                await asyncio.sleep(reply["delay"])
+            header = request.headers.get("x-scripted-delay-ms")
+            delay = reply.get("delay", float(header) / 1000 if header else self.delay)
+            if delay:
+                await asyncio.sleep(delay)
             if "status" in reply:
                 return Response(orjson.dumps(reply.get("body") or {"error": {
                     "message": "scripted failure", "type": "server_error", "param": None,
@@ -239,9 +242,12 @@ def _call(c: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description="scripted OpenAI-compatible upstream (echo)")
     parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--delay-ms", type=float, default=0.0,
+                        help="think time before every answer (an LLM is never instant)")
     args = parser.parse_args()
     up = ScriptedUpstream()
     up.keep_requests = False
+    up.delay = args.delay_ms / 1000
     uvicorn.run(up.app(), host="127.0.0.1", port=args.port, log_level="warning",
                 access_log=False)
 
