@@ -23,6 +23,7 @@ from .exchange import (
     counted,
     finish,
     note_usage,
+    prime_counts,
     record,
     record_raw,
     timed_read,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 log = logs.get("chat")
 TRUNCATE_CACHE = 20_000
 FIRST_SEEN_SIZE = 200_000
+PRIME_FROM = 8  # below this many messages, counting is cheaper than a round trip
 def resolve_session(header_value: str | None, body: ChatRequest, tenant_id: str) -> str:
     """Header, then prompt_cache_key, metadata.session_id, user; else a fingerprint of the
     tenant and the conversation's first non-system message."""
@@ -99,6 +101,9 @@ class WindowTokens:
 async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
     state = ex.state
     messages: list[Message] = ex.body["messages"]
+    if len(messages) > PRIME_FROM and not ex.server_history and state.store is not None \
+            and state.store.available:
+        await prime_counts(ex, messages)
     prepared = counted(ex, messages)
     internal: dict[str, Any] = {}
     store = state.store

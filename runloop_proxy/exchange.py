@@ -12,7 +12,7 @@ import orjson
 from . import logs
 from .config import TenantSpec
 from .errors import StoreError
-from .messages import ChatRequest, Message
+from .messages import ChatRequest, Message, message_hash
 from .metrics import BoundMetrics
 from .store import Prepared, prepare
 from .tokens import REPLY_PRIMING
@@ -78,8 +78,23 @@ def counted(ex: Exchange, messages: list[Message]) -> list[Prepared]:
     out = []
     for m in messages:
         p = prepare(m)
-        out.append(p._replace(tokens=ex.state.tokens.message(enc, m, p.hash)))
+        out.append(p._replace(tokens=ex.state.tokens.message(enc, m, p.hash),
+                              encoding=enc.name))
     return out
+
+
+async def prime_counts(ex: Exchange, messages: list[Message]) -> None:
+    """A replica that has not seen this session reads its stored token counts first."""
+    store = ex.state.store
+    if store is None or store.cached_internal(ex.tenant_id, ex.session_id) is not None:
+        return
+    enc, _ = ex.state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
+    hashes = [message_hash(m) for m in messages]
+    try:
+        counts = await store.token_counts(ex.tenant_id, ex.session_id, hashes, enc.name)
+    except StoreError:
+        return  # the sync right after says whether the store is really down
+    ex.state.tokens.prime(enc, counts)
 
 
 async def call_upstream(ex: Exchange, body: bytes | dict[str, Any]) -> UpstreamResponse:

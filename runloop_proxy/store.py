@@ -69,6 +69,7 @@ class Prepared(NamedTuple):
     body: bytes
     tool_call_id: str
     tokens: int | None
+    encoding: str = ""  # the tiktoken encoding the count was made with
 
 
 def prepare(msg: Message, tokens: int | None = None) -> Prepared:
@@ -291,7 +292,7 @@ class RedisStore:
                            self.cfg.max_messages_per_session, self.cfg.max_branches,
                            job.session_id, chains[hint]]
         for it in items[hint:]:
-            args += [it.body, it.tool_call_id, "" if it.tokens is None else it.tokens]
+            args += [it.body, it.tool_call_id, _tokens_field(it)]
         job.hint = hint
         return args
 
@@ -436,7 +437,7 @@ class RedisStore:
         args: list[Any] = [p, _now_ms(), self._ttl_ms(retention_days),
                            self.cfg.max_messages_per_session, session_id, system]
         for it in items:
-            args += [it.hash, it.body, it.tool_call_id, "" if it.tokens is None else it.tokens]
+            args += [it.hash, it.body, it.tool_call_id, _tokens_field(it)]
 
         async def run() -> Any:
             reply = await self._append(keys=[p + ":meta"], args=args)
@@ -470,6 +471,22 @@ class RedisStore:
         await self._call("record", run())
 
     # -- reads ----------------------------------------------------------------------------
+
+    async def token_counts(self, tenant: str, session_id: str, hashes: list[str],
+                           encoding: str) -> dict[str, int]:
+        """Stored token counts of these messages, made with ``encoding`` (a cold replica
+        reads them instead of tokenizing the whole history again)."""
+        if not hashes:
+            return {}
+        raw = await self._call("read", self.client.hmget(
+            self.prefix(tenant, session_id) + ":tok", hashes))
+        out = {}
+        for h, v in zip(hashes, raw, strict=True):
+            if v is not None:
+                enc, _, n = _s(v).rpartition(":")
+                if enc == encoding and n.isdigit():
+                    out[h] = int(n)
+        return out
 
     async def tool_results(self, tenant: str, session_id: str, call_id: str) -> list[Message]:
         p = self.prefix(tenant, session_id)
@@ -556,6 +573,10 @@ class RedisStore:
             return [(_s(sid), int(score)) for sid, score in rows], int(total)
 
         return await self._call("list", run())  # type: ignore[no-any-return]
+
+
+def _tokens_field(it: Prepared) -> str:
+    return f"{it.encoding}:{it.tokens}" if it.tokens is not None else ""
 
 
 def _s(v: Any) -> str:

@@ -97,6 +97,14 @@ class TokenCounter:
                 self._cache.popitem(last=False)
         return n
 
+    def prime(self, enc: tiktoken.Encoding, counts: dict[str, int]) -> None:
+        """Seed the cache with counts made elsewhere (the store), keyed by content hash."""
+        with self._lock:
+            for key, n in counts.items():
+                self._cache[(enc.name, key)] = n
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+
     def _count(self, enc: tiktoken.Encoding, msg: Message) -> int:
         n = PER_MESSAGE + self.text(enc, str(msg.get("role", "")))
         content = msg.get("content")

@@ -55,3 +55,12 @@ def test_replay_rejects_bad_input(tmp_path: Path) -> None:
 def test_cached_cost_rules() -> None:
     assert cached_cost(2000, 1000) == 2000  # under 1024 tokens nothing is cached
     assert cached_cost(2000, 1100) == 2000 - 1024 + 102.4  # 128-token blocks
+
+
+def test_replay_through_a_running_proxy(tmp_path: Path, proxy: object) -> None:
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps(conversation(30)) + "\n")
+    out = run(f, "--json", "--proxy", proxy.url.removesuffix("/v1"))  # type: ignore[attr-defined]
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["requests"] == 31 and data["forwarded_tokens"] < data["client_tokens"]

@@ -382,4 +382,31 @@ def test_token_counts_are_stored_with_messages(aproxy: ProxyServer,
     settle(aproxy)
     r = redis.Redis.from_url(_url(aproxy))
     counts = r.hvals(aproxy.state.store.prefix(TENANT, "s-tok") + ":tok")
-    assert counts and all(int(c) > 0 for c in counts)
+    # "<encoding>:<count>": a count is only reused with the encoding it was made with
+    assert counts and all(c.decode().startswith("cl100k_base") and int(c.split(b":")[1]) > 0
+                          for c in counts)
+
+
+def test_cold_replica_reads_token_counts_from_the_store(aproxy: ProxyServer,
+                                                         upstream: ScriptedUpstream) -> None:
+    msgs = run_tool_conversation(sdk(aproxy, "s-cold"), upstream, 3)
+    settle(aproxy)
+    replica = ProxyServer(aproxy.settings, aproxy.config).start()  # same Redis, same prefix
+    try:
+        counted: list[str] = []
+        original = replica.state.tokens._count
+
+        def spy(enc: Any, msg: Any) -> int:
+            if "[runloop-proxy]" not in str(msg.get("content")):  # not a window's own form
+                counted.append(msg.get("role"))
+            return original(enc, msg)  # type: ignore[no-any-return]
+
+        replica.state.tokens._count = spy
+        msgs.append({"role": "user", "content": "one more question"})
+        upstream.push({"content": "answer"})
+        sdk(replica, "s-cold").chat.completions.create(model="gpt-4o-mini", messages=msgs,
+                                                       tools=TOOLS)
+        # only what the store had never seen was tokenized: the new question and the reply
+        assert sorted(counted) == ["assistant", "user"]
+    finally:
+        replica.stop()

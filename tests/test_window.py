@@ -183,6 +183,25 @@ def test_old_loops_omitted_in_batches_with_a_marker() -> None:
     assert_valid(w.messages)
 
 
+def test_loops_older_than_max_time_range_are_omitted() -> None:
+    day = 86_400_000
+    msgs: list[Message] = [S]
+    stamps: list[int | None] = [0]
+    for k in range(4):
+        loop = [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
+        msgs += loop
+        stamps += [k * 3 * day] * len(loop)  # loops 3 days apart
+    msgs.append(U())
+    stamps.append(12 * day)
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    w = build_window(msgs, keys, counts, Policy(clear_at_least=0, max_time_range_s=7 * 86_400),
+                     Budget(100_000, 1_000), OPS, timestamps=stamps, now_ms=12 * day)
+    assert w.omitted_loops == 2  # loops started 12 and 9 days ago; 6 and 3 days ago stay
+    assert "2 earlier turn(s)" in w.messages[1]["content"]
+    assert_valid(w.messages)
+
+
 def test_huge_single_result_is_capped_and_recallable() -> None:
     msgs = [S, U(), A("big"), T("big", 5000)]
     w = build(msgs, Policy(max_tool_result_share=0.25), working=1000)
@@ -343,7 +362,9 @@ def test_every_elided_item_is_recallable(msgs: list[Message], policy: Policy,
         assert resolve(ref, msgs) == m["content"]
         # ... and the model is told: the ref is in a note or ledger, or a marker points at
         # search_history for what is not shown at all
-        assert f'"{ref}"' in text or f"{ref} " in text or "search_history" in text
+        # in a note (call_id=\"ref\" inside JSON-escaped content) or a ledger entry ("ref tool(")
+        named = f'call_id=\\"{ref}\\"' in text or f"{ref} " in text
+        assert named or "search_history" in text
     for e in w.elided:
         assert resolve(e.ref, msgs) == msgs[e.position]["content"]
 
