@@ -21,7 +21,7 @@ from .config import ProxyConfig, Settings, config_mtimes, load_config
 from .embedded import EmbeddedRedis
 from .errors import ConfigError, error_bytes
 from .metrics import Metrics
-from .routes import CHAT_PATH, chat_completions, routes
+from .routes import CHAT_PATH, ClientGone, chat_completions, routes
 from .store import RedisStore
 from .tokens import TokenCounter
 from .upstream import UpstreamClient
@@ -162,7 +162,10 @@ class FastChatPath:
         if scope["type"] == "http" and scope["path"] == CHAT_PATH \
                 and scope["method"] == "POST":
             scope["app"] = self.app
-            response = await chat_completions(Request(scope, receive))
+            try:
+                response = await chat_completions(Request(scope, receive))
+            except ClientGone:
+                return  # the upstream call was cancelled with the client; nothing to send
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import hmac
@@ -54,6 +55,8 @@ def openai_errors(handler: Handler) -> Handler:
         state.metrics.in_flight.inc()
         try:
             return await handler(request)
+        except ClientGone:
+            raise
         except ClientError as exc:
             return json_response(exc.body(), exc.status)
         except UpstreamStatus as exc:
@@ -129,11 +132,34 @@ async def chat_completions(request: Request) -> Response | LiveStreamResponse:
                   raw=raw, client_headers=list(request.headers.items()),
                   authorization=upstream_auth, session_id=session_id,
                   server_history=request.headers.get(HISTORY_HEADER, "").lower() == "server")
+    # The body is read: the next thing the client can send is a disconnect. Until a response
+    # starts (a stream has its own listener), a client that goes away cancels the upstream call.
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, asyncio.current_task()))
     try:
         return await handle_chat(ex)
     except (ClientError, UpstreamError) as exc:
         finish(ex, exc.status, str(exc))
         raise
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            finish(ex, CLIENT_CLOSED, "client disconnected")
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer: there is nobody to answer."""
+
+
+CLIENT_CLOSED = 499  # nginx's "client closed request", for logs and metrics
+
+
+async def _cancel_on_disconnect(request: Request, task: asyncio.Task[Any] | None) -> None:
+    message = await request.receive()
+    if message["type"] == "http.disconnect" and task is not None:
+        task.cancel()
 
 
 @openai_errors

@@ -48,6 +48,7 @@ class ScriptedUpstream:
         self.raw_bodies: list[bytes] = []
         self.streams_started = 0
         self.streams_closed_early = 0
+        self.abandoned = 0
         self.keep_requests = True
         self.delay = 0.0
         self.server: ThreadedServer | None = None
@@ -64,7 +65,7 @@ class ScriptedUpstream:
         self.requests.clear()
         self.headers.clear()
         self.raw_bodies.clear()
-        self.streams_started = self.streams_closed_early = 0
+        self.streams_started = self.streams_closed_early = self.abandoned = 0
 
     @property
     def url(self) -> str:
@@ -103,6 +104,8 @@ class ScriptedUpstream:
             delay = reply.get("delay", float(header) / 1000 if header else self.delay)
             if delay:
                 await asyncio.sleep(delay)
+                if await request.is_disconnected():
+                    self.abandoned += 1  # the caller went away while the "model" thought
             if "status" in reply:
                 return Response(orjson.dumps(reply.get("body") or {"error": {
                     "message": "scripted failure", "type": "server_error", "param": None,

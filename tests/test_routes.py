@@ -315,3 +315,22 @@ def test_health_and_ready(proxy: ProxyServer) -> None:
 def test_unknown_path_is_openai_shaped_404(proxy: ProxyServer) -> None:
     r = httpx.get(proxy.base + "/nope")
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_client_disconnect_cancels_a_non_streaming_call(proxy: ProxyServer,
+                                                       upstream: ScriptedUpstream) -> None:
+    upstream.push({"content": "too late", "delay": 1.5})
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "slow"}]})
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", proxy.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.3)
+    deadline = time.monotonic() + 5
+    while upstream.abandoned == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert upstream.abandoned == 1
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert 'status="499"' in metrics
+    assert time.monotonic() - started < 5

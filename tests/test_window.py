@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -288,7 +289,7 @@ policies = st.builds(
     reduce_past_loops=st.sampled_from(list(ReducePastLoops)),
     reasoning_keep_tokens=st.integers(16, 40))
 
-PROPS = settings(max_examples=120, deadline=None,
+PROPS = settings(max_examples=int(os.environ.get("WINDOW_EXAMPLES", "120")), deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
