@@ -5,13 +5,11 @@
     │   ├── InvalidRequest          400 invalid_request_error (names the field)
     │   ├── ContextLengthExceeded   400 context_length_exceeded
     │   ├── AuthenticationFailed    401 invalid_api_key
-    │   ├── PermissionDenied        403
     │   ├── NotFound                404
     │   └── PayloadTooLarge         413
     ├── UpstreamError               the upstream is at fault (5xx or its own status)
     │   ├── UpstreamUnreachable     502
-    │   ├── UpstreamTimeout         504
-    │   └── UpstreamStatus          the upstream's own status and body, passed through
+    │   └── UpstreamTimeout         504
     ├── StoreError                  Redis failed: the proxy degrades, the client never sees it
     │   └── StoreLimitExceeded      a session outgrew its configured bounds
     └── ConfigError                 a config file is invalid (file, field, why)
@@ -58,10 +56,6 @@ class AuthenticationFailed(ClientError):
     code = "invalid_api_key"
 
 
-class PermissionDenied(ClientError):
-    status = 403
-    error_type = "permission_error"
-
 
 class NotFound(ClientError):
     status = 404
@@ -90,16 +84,6 @@ class UpstreamUnreachable(UpstreamError):
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
-
-
-class UpstreamStatus(UpstreamError):
-    """The upstream answered with an error status; its body goes back unchanged."""
-
-    def __init__(self, status: int, body: bytes, headers: dict[str, str]):
-        super().__init__(f"upstream answered {status}")
-        self.status = status
-        self.raw_body = body
-        self.headers = headers
 
 
 class StoreError(ProxyError):

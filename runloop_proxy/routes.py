@@ -25,7 +25,6 @@ from .errors import (
     PayloadTooLarge,
     StoreError,
     UpstreamError,
-    UpstreamStatus,
     error_body,
 )
 from .exchange import HISTORY_HEADER, Exchange, finish
@@ -59,8 +58,6 @@ def openai_errors(handler: Handler) -> Handler:
             raise
         except ClientError as exc:
             return json_response(exc.body(), exc.status)
-        except UpstreamStatus as exc:
-            return Response(exc.raw_body, exc.status, headers=exc.headers)
         except UpstreamError as exc:
             log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
             return json_response(exc.body(), exc.status)

@@ -512,17 +512,6 @@ class RedisStore:
 
         return await self._call("search", run())  # type: ignore[no-any-return]
 
-    async def head_hashes(self, tenant: str, session_id: str) -> list[str]:
-        p = self.prefix(tenant, session_id)
-
-        async def run() -> list[str]:
-            head = await self.client.hget(p + ":meta", "head")
-            if head is None:
-                return []
-            return [_s(h) for h in await self.client.lrange(f"{p}:b:{_s(head)}", 0, -1)]
-
-        return await self._call("read", run())  # type: ignore[no-any-return]
-
     async def session(self, tenant: str, session_id: str) -> SessionView | None:
         p = self.prefix(tenant, session_id)
 
@@ -550,16 +539,6 @@ class RedisStore:
                 created_ms=int(meta.get("created", "0")),
                 updated_ms=int(meta.get("updated", "0")),
                 internal={_s(k): orjson.loads(v) for k, v in internal.items()})
-
-        return await self._call("read", run())  # type: ignore[no-any-return]
-
-    async def branch_messages(self, tenant: str, session_id: str, branch: str) -> list[Message]:
-        p = self.prefix(tenant, session_id)
-
-        async def run() -> list[Message]:
-            hashes = await self.client.lrange(f"{p}:b:{branch}", 0, -1)
-            bodies = await self.client.hmget(p + ":msg", hashes) if hashes else []
-            return [orjson.loads(b) for b in bodies if b is not None]
 
         return await self._call("read", run())  # type: ignore[no-any-return]
 

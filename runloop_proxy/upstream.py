@@ -12,7 +12,6 @@ import email.utils
 import random
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
-from typing import Any
 
 import aiohttp
 from multidict import CIMultiDict
@@ -172,10 +171,3 @@ def json_headers(base: CIMultiDict[str]) -> CIMultiDict[str]:
     out["Content-Type"] = "application/json"
     return out
 
-
-def usage_of(obj: Any) -> dict[str, Any] | None:
-    if isinstance(obj, dict):
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            return usage
-    return None

@@ -18,8 +18,6 @@ import bisect
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-import orjson
-
 from .config import Policy, ReducePastLoops
 from .forms import TAG, Budget, Conversation, Memo, TokenOps
 from .messages import Message, tool_calls_of
@@ -399,6 +397,3 @@ def _drop_oldest_exchanges(conv: Conversation, out: list[Message], tokens: int
         tokens += conv.ops.count(kept[at]) - conv.ops.count(old)
     return kept, tokens
 
-
-def window_json(messages: list[Message]) -> bytes:
-    return orjson.dumps(messages)
