@@ -215,3 +215,14 @@ def _wait_http(url: str, timeout: float = 20) -> None:
             pass
         time.sleep(0.1)
     raise AssertionError(f"{url} never answered")
+
+
+def test_tenant_may_forward_the_client_key(tmp_path: Path, make_proxy: Any,
+                                           upstream: ScriptedUpstream) -> None:
+    root = write_config(tmp_path, upstream.url)
+    (root / "tenants" / "byok.toml").write_text(
+        'keys = ["byok-proxy-key-0123456789"]\nforward_client_key = true')
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    c = openai.OpenAI(base_url=proxy.url, api_key="byok-proxy-key-0123456789", max_retries=0)
+    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+    assert upstream.headers[-1]["authorization"] == "Bearer byok-proxy-key-0123456789"
