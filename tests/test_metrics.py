@@ -4,7 +4,9 @@ and alert expression is evaluated against it. Plus the deploy files' own checks.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -183,3 +185,29 @@ def test_kubernetes_manifests_validate() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["envFrom"][0]["secretRef"]["name"] == "runloop-secrets"
+
+
+def test_several_workers_add_up_their_metrics(upstream: ScriptedUpstream, redis_url: str,
+                                              tmp_path: Path) -> None:
+    port = free_port()
+    mp = tmp_path / "prom-mp"
+    mp.mkdir()
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mp), "RUNLOOP_REDIS_URL": redis_url}
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy.cli", "serve", "--upstream",
+                             upstream.url, "--port", str(port), "--workers", "2"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(base + "/healthz", timeout=1).status_code == 200)
+        with httpx.Client(timeout=10) as http:  # new connections: both workers get some
+            for i in range(12):
+                http.post(base + "/v1/chat/completions", headers={"Connection": "close"},
+                          json={"model": "m", "messages": [{"role": "user", "content": f"{i}"}]})
+        text = httpx.get(base + "/metrics").text
+        line = next(ln for ln in text.splitlines()
+                    if ln.startswith("runloop_requests_total{") and 'status="200"' in ln
+                    and 'stream="false"' in ln)
+        assert float(line.rsplit(" ", 1)[1]) == 12.0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=20)
