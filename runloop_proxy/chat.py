@@ -33,7 +33,7 @@ from .messages import ChatRequest, Message, message_hash
 from .responses import LiveStreamResponse
 from .runloops import preamble_end
 from .sse import SSEDecoder, encode_json
-from .store import Prepared
+from .store import Prepared, prepare
 from .streaming import StreamAccumulator
 from .tokens import REPLY_PRIMING
 from .toolloop import stream_tool_loop, tool_loop
@@ -101,10 +101,11 @@ class WindowTokens:
 async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
     state = ex.state
     messages: list[Message] = ex.body["messages"]
+    hashed = [prepare(m) for m in messages]
     if len(messages) > PRIME_FROM and not ex.server_history and state.store is not None \
             and state.store.available:
-        await prime_counts(ex, messages)
-    prepared = counted(ex, messages)
+        await prime_counts(ex, [p.hash for p in hashed])
+    prepared = counted(ex, messages, hashed)
     internal: dict[str, Any] = {}
     store = state.store
     if store is None or not store.available:
@@ -128,7 +129,6 @@ async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
                     # write-behind, after the reply (see record).
                     synced = await store.sync(ex.tenant_id, ex.session_id, prepared,
                                               ex.tenant.retention_days)
-                    ex.forked = synced.forked
                     cached = synced.internal
                 internal = cached
         except StoreError as exc:

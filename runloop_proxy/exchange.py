@@ -12,7 +12,7 @@ import orjson
 from . import logs
 from .config import TenantSpec
 from .errors import StoreError
-from .messages import ChatRequest, Message, message_hash
+from .messages import ChatRequest, Message
 from .metrics import BoundMetrics
 from .store import Prepared, prepare
 from .tokens import REPLY_PRIMING
@@ -47,7 +47,6 @@ class Exchange:
     upstream_seconds: float = 0.0
     upstream_called_at: float | None = None
     degraded: str | None = None
-    forked: bool = False
     window: Window | None = None
     tools: ProxyTools | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
@@ -71,25 +70,22 @@ class Exchange:
         return self.state.metrics.bound(*self.labels())
 
 
-def counted(ex: Exchange, messages: list[Message]) -> list[Prepared]:
+def counted(ex: Exchange, messages: list[Message],
+            prepared: list[Prepared] | None = None) -> list[Prepared]:
     """Messages hashed, canonicalised and counted (the counts are cached by hash, so the
     window's own counting costs nothing more, and the store keeps them)."""
     enc, _ = ex.state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
-    out = []
-    for m in messages:
-        p = prepare(m)
-        out.append(p._replace(tokens=ex.state.tokens.message(enc, m, p.hash),
-                              encoding=enc.name))
-    return out
+    items = prepared if prepared is not None else [prepare(m) for m in messages]
+    return [p._replace(tokens=ex.state.tokens.message(enc, m, p.hash), encoding=enc.name)
+            for m, p in zip(messages, items, strict=True)]
 
 
-async def prime_counts(ex: Exchange, messages: list[Message]) -> None:
+async def prime_counts(ex: Exchange, hashes: list[str]) -> None:
     """A replica that has not seen this session reads its stored token counts first."""
     store = ex.state.store
     if store is None or store.cached_internal(ex.tenant_id, ex.session_id) is not None:
         return
     enc, _ = ex.state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
-    hashes = [message_hash(m) for m in messages]
     try:
         counts = await store.token_counts(ex.tenant_id, ex.session_id, hashes, enc.name)
     except StoreError:
