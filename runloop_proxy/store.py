@@ -283,7 +283,9 @@ class RedisStore:
         n = cached.length
         return n if n <= len(job.items) and job.chains[n] == cached.chain else 0
 
-    def _args(self, job: _Job, hint: int) -> list[Any]:
+    def _args(self, job: _Job) -> list[Any]:
+        """The SYNC script's arguments, from the re-send hint or the session cache's."""
+        hint = job.retry_hint if job.retry_hint is not None else self._hint(job)
         items, chains = job.items, job.chains
         self._check_sizes(items[hint:])
         args: list[Any] = [self.prefix(job.tenant, job.session_id), hint, len(items),
@@ -297,8 +299,7 @@ class RedisStore:
         return args
 
     async def _run_one(self, job: _Job) -> Any:
-        hint = job.retry_hint if job.retry_hint is not None else self._hint(job)
-        args = self._args(job, hint)
+        args = self._args(job)
         reply = await self._sync(keys=[args[0] + ":meta"], args=args)
         await self._index(job.tenant, job.session_id)
         return reply
@@ -385,8 +386,7 @@ class RedisStore:
         errors: dict[int, Exception] = {}
         for i, job in enumerate(batch):
             try:
-                hint = job.retry_hint if job.retry_hint is not None else self._hint(job)
-                args = self._args(job, hint)
+                args = self._args(job)
             except StoreLimitExceeded as exc:
                 errors[i] = exc
                 continue

@@ -54,11 +54,7 @@ async def tool_loop(ex: Exchange, raw: bytes, body: bytes | dict[str, Any],
             break
         exchange += [full_assistant, *results]
         convo += [full_assistant, *results]
-        next_body = {**body, "messages": convo}
-        if rounds + 1 >= ex.tenant.policy.max_tool_rounds:
-            next_body["tools"] = [t for t in body["tools"]
-                                  if (t.get("function") or {}).get("name") not in ex.tools.names]
-        resp = await call_upstream(ex, next_body)
+        resp = await call_upstream(ex, _next_round(ex, body, convo, rounds))
         nxt = await timed_read(ex, resp)
         if resp.status >= 400:
             raise _upstream_failed(resp.status, nxt)
@@ -73,6 +69,18 @@ async def tool_loop(ex: Exchange, raw: bytes, body: bytes | dict[str, Any],
         ex.state.spawn(_keep_internal(ex, reply, exchange, None, []))
     record(ex, prepared, reply)
     return data  # type: ignore[no-any-return]
+
+
+def _next_round(ex: Exchange, body: dict[str, Any], convo: list[Message],
+                rounds: int) -> dict[str, Any]:
+    """The request for the next tool round; on the last allowed one the proxy's tools are
+    withdrawn, so the model has to answer."""
+    assert ex.tools is not None
+    out = {**body, "messages": convo}
+    if rounds + 1 >= ex.tenant.policy.max_tool_rounds:
+        out["tools"] = [t for t in body["tools"]
+                        if (t.get("function") or {}).get("name") not in ex.tools.names]
+    return out
 
 
 def _upstream_failed(status: int, body: bytes) -> UpstreamError:
@@ -136,11 +144,7 @@ async def stream_tool_loop(ex: Exchange, resp: UpstreamResponse, body: bytes | d
             assistant = clean(acc.message())
             exchange += [assistant, *results]
             convo += [assistant, *results]
-            next_body = {**body, "messages": convo}
-            if rounds + 1 >= ex.tenant.policy.max_tool_rounds:
-                next_body["tools"] = [t for t in body["tools"] if
-                                      (t.get("function") or {}).get("name") not in ex.tools.names]
-            resp = await call_upstream(ex, next_body)
+            resp = await call_upstream(ex, _next_round(ex, body, convo, rounds))
             if resp.status >= 400:
                 raise _upstream_failed(resp.status, await resp.read())
             rounds += 1
