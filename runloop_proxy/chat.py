@@ -37,7 +37,7 @@ from .store import Prepared, prepare
 from .streaming import StreamAccumulator
 from .tokens import REPLY_PRIMING
 from .toolloop import stream_tool_loop, tool_loop
-from .tools import ProxyTools, splice_internal
+from .tools import ProxyTools, definitions_tokens, splice_internal
 from .upstream import UpstreamResponse
 from .window import Window, build_window
 
@@ -158,12 +158,13 @@ async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
             param="messages")
     if any(e.kind.value == "hard_truncation" for e in window.events):
         state.metrics.truncations.labels(tl, ml).inc()
-    changed = window.changed or spliced is not messages or ex.server_history
-    if not changed:
+    offer = window.offers_tools(ex.tenant.policy, bool(ex.body.get("tools"))) \
+        or spliced is not messages
+    if not (window.changed or offer or ex.server_history):
         return await forward(ex, ex.raw, messages, prepared)
     body: dict[str, Any] = {**ex.body, "messages": window.messages}
     n_choices = body.get("n") or 1
-    if (window.needs_tools or spliced is not messages) and n_choices == 1:
+    if offer and n_choices == 1:
         ex.tools = ProxyTools.for_request(body.get("tools"))
         body["tools"] = [*(body.get("tools") or []), *ex.tools.definitions()]
         if ex.stream:
@@ -184,7 +185,8 @@ def compute_window(ex: Exchange, messages: list[Message], keys: list[str],
     budget = Budget.for_request(
         ex.tenant.policy, ex.tenant.context_window(ex.model),
         b.get("max_completion_tokens") or b.get("max_tokens"),
-        state.tokens.tools(enc, b.get("tools")) + PROXY_TOOLS_TOKENS, factor, REPLY_PRIMING)
+        state.tokens.tools(enc, b.get("tools")) + definitions_tokens(state.tokens, enc), factor,
+        REPLY_PRIMING)
     now = int(time.time() * 1000)
     return build_window(messages, keys, counts, ex.tenant.policy, budget,
                         WindowTokens(state, enc), protected=protected,
@@ -203,9 +205,6 @@ def first_seen(seen: OrderedDict[str, int], keys: list[str], now: int) -> list[i
                 seen.popitem(last=False)
         out.append(t)
     return out
-
-
-PROXY_TOOLS_TOKENS = 160
 
 
 def log_events(ex: Exchange, window: Window) -> None:

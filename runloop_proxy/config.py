@@ -60,12 +60,20 @@ class ReducePastLoops(StrEnum):
     OVER_THRESHOLD = "over_threshold"
 
 
+class ProxyToolsMode(StrEnum):
+    WHEN_NEEDED = "when_needed"
+    ALWAYS = "always"
+
+
 class Policy(_Strict):
     """How a tenant's windows are compressed. Token amounts are in the model's tokens."""
 
     enabled: bool = True
     max_run_loops: int = Field(10, ge=1)
-    max_message_length: int = Field(500, ge=16, description="tokens kept of a past user/final")
+    omit_batch: int | None = Field(
+        None, ge=1, description="loops omitted per omission event (default max_run_loops/2)")
+    max_message_length: int = Field(
+        125, ge=16, description="tokens kept of a past user/final (seed 000: 500 characters)")
     max_time_range_s: float = Field(7 * 86_400, gt=0)
     threshold: float = Field(0.8, gt=0, le=1)
     target: float = Field(0.5, gt=0, le=1)
@@ -73,16 +81,27 @@ class Policy(_Strict):
         16_000, ge=1024, description="working budget below the model window (cost cap)"
     )
     keep_recent_tool_results: int = Field(3, ge=0)
-    clear_at_least: int = Field(2_000, ge=0)
+    clear_at_least: int = Field(2_000, ge=0, description="tokens an in-loop elision clears")
+    reduce_at_least: int = Field(
+        64, ge=0, description="tokens a past-loop reduction must clear to be made")
     exclude_tools: tuple[str, ...] = ()
     reduce_past_loops: ReducePastLoops = ReducePastLoops.ALWAYS
-    ledger_arg_chars: int = Field(40, ge=0)
+    ledger_arg_chars: int = Field(32, ge=0)
     reasoning_keep_tokens: int = Field(60, ge=16)
     max_tool_result_share: float = Field(0.25, gt=0, le=1)
     reserved_output_tokens: int = Field(4_096, ge=0)
     safety_margin_tokens: int = Field(512, ge=0)
+    proxy_tools: ProxyToolsMode = Field(
+        ProxyToolsMode.WHEN_NEEDED,
+        description="when_needed: only once something is elided; always: from a session's "
+                    "first request that carries tools, so the tool list (part of every "
+                    "provider's cached prefix) never changes mid-session")
     max_tool_rounds: int = Field(4, ge=0, le=16)
     search_results: int = Field(5, ge=1, le=50)
+
+    @property
+    def omission_batch(self) -> int:
+        return self.omit_batch or max(1, self.max_run_loops // 2)
 
     @field_validator("target")
     @classmethod

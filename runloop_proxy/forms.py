@@ -16,13 +16,14 @@ from typing import Protocol
 import orjson
 
 from .config import Policy
-from .messages import Message, message_text, text_of, tool_calls_of
+from .messages import Message, message_text, result_refs, text_of, tool_calls_of
 from .runloops import RunLoop, preamble_end, segment
 
 TAG = "[runloop-proxy]"
 MEMO_SIZE = 50_000
 Memo = MutableMapping[tuple[str, ...], tuple["Message | None", int]]
 LEDGER_MAX_LINES = 24
+LEDGER_INLINE_TOKENS = 16  # a result this small is shown in the ledger itself
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class Conversation:
             for i in lp.positions:
                 self.loop_of[i] = lp.index
         self.tool_names, self.tool_args = self._tool_names()
-        self.refs = self._refs()
+        self.refs = result_refs(messages, keys)
         cap = max(64, int(policy.max_tool_result_share * budget.working))
         self.full: list[Message] = list(messages)  # as shown when not elided (huge ones capped)
         self.full_counts = list(counts)
@@ -85,7 +86,7 @@ class Conversation:
                                               partial(self._capped, i, cap))
                     self.full[i], self.full_counts[i] = capped, n  # type: ignore[assignment]
                 self.tool_positions.append(i)
-                ph, n = self._derived(("ph", keys[i], self.refs[i], str(self.full_counts[i])),
+                ph, n = self._derived(("ph", keys[i], self.refs[i], str(counts[i])),
                                       partial(self._placeholder, i))
                 if self.full_counts[i] - n > 0:
                     self.short[i], self.saving[i] = ph, self.full_counts[i] - n
@@ -129,21 +130,20 @@ class Conversation:
                 names[i], args[i] = pending.get(str(m.get("tool_call_id", "")), ("tool", ""))
         return names, args
 
-    def _refs(self) -> list[str]:
-        """What recall_tool_call takes for each result: the call id, or for a call id the
-        conversation already used, the id plus a content hash. Fixed once a result exists,
-        so later reuse of an id never rewrites earlier notes (append-only)."""
-        seen: set[str] = set()
-        refs = [""] * self.n
-        for i, m in enumerate(self.messages):
-            if m.get("role") == "tool":
-                cid = str(m.get("tool_call_id", ""))
-                refs[i] = cid if cid not in seen else f"{cid}#{self.keys[i][:8]}"
-                seen.add(cid)
-        return refs
-
     def _short_args(self, i: int) -> str:
-        args = " ".join(self.tool_args[i].split())
+        """A call's arguments for the ledger: ``key=value`` pairs when they are a flat JSON
+        object (cheaper than JSON's quotes and braces), cut at ``ledger_arg_chars``."""
+        raw = self.tool_args[i]
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            parsed = None
+        if isinstance(parsed, dict):
+            args = ", ".join(f"{k}={v}" if isinstance(v, (str, int, float, bool)) or v is None
+                             else f"{k}={orjson.dumps(v).decode()}" for k, v in parsed.items())
+        else:
+            args = raw
+        args = " ".join(args.split())
         limit = self.policy.ledger_arg_chars
         return args if len(args) <= limit else args[: max(0, limit - 1)] + "…"
 
@@ -190,7 +190,7 @@ class Conversation:
         return out if changed else None  # type: ignore[return-value]
 
     def _placeholder(self, i: int) -> Message:
-        text = (f'{TAG} {self.full_counts[i]}-token result elided; '
+        text = (f'{TAG} {self.counts[i]}-token result elided; '
                 f'recall_tool_call(call_id="{self.refs[i]}") returns it.')
         return {"role": "tool", "tool_call_id": self.messages[i]["tool_call_id"], "content": text}
 
@@ -243,9 +243,18 @@ class Conversation:
         return self._reduced[j]
 
     def _ledger(self, lp: RunLoop) -> str:
-        entries = [f"{self.refs[i]} {self.tool_names[i]}({self._short_args(i)}) "
-                   f"{self.full_counts[i]}t"
-                   for i in lp.positions if self.messages[i].get("role") == "tool"]
+        """One line for the loop's tool calls: ref, tool, short arguments and the result's
+        size; a result shorter than its ref and size would be is shown inline instead."""
+        entries = []
+        for i in lp.positions:
+            if self.messages[i].get("role") != "tool":
+                continue
+            call = f"{self.tool_names[i]}({self._short_args(i)})"
+            text = " ".join(message_text(self.messages[i]).split())
+            if self.counts[i] <= LEDGER_INLINE_TOKENS and len(text) <= 4 * LEDGER_INLINE_TOKENS:
+                entries.append(f"{call} → {text}" if text else call)
+            else:
+                entries.append(f"{self.refs[i]} {call} {self.counts[i]}t")
         if not entries:
             return ""
         if len(entries) > LEDGER_MAX_LINES:
@@ -253,8 +262,7 @@ class Conversation:
             tail = LEDGER_MAX_LINES - head
             entries = [*entries[:head], f"…{len(entries) - LEDGER_MAX_LINES} more…",
                        *entries[-tail:]]
-        return (f"{TAG} {len(entries)} tool result(s) of this turn not shown; "
-                f"recall_tool_call(call_id) returns one: " + "; ".join(entries))
+        return f"{TAG} tools used (recall_tool_call takes the id): " + "; ".join(entries)
 
     def keeps(self, group: int) -> bool:
         """Whether a tool exchange holds a result that is never elided (excluded, or a
@@ -304,8 +312,8 @@ def _trim_arguments(args: str, keep: int, call_id: str, ops: TokenOps) -> str:
         parsed = orjson.loads(args)
     except orjson.JSONDecodeError:
         return args
-    note = (f" [runloop-proxy: arguments cut; recall_tool_call(call_id=\"{call_id}\", "
-            f"part=\"arguments\") returns them whole] ")
+    note = (f" [runloop-proxy: arguments cut; recall_tool_call(call_id=\"args:{call_id}\") "
+            f"returns them whole] ")
 
     def cut(v: object) -> object:
         if isinstance(v, str) and len(v) > keep:

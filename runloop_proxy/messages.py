@@ -120,6 +120,31 @@ def message_text(msg: Message) -> str:
     return f"{text}\n{refusal}" if refusal and refusal not in text else text
 
 
+REF_CHARS = 6
+
+
+def result_refs(messages: list[Message], keys: list[str]) -> list[str]:
+    """A short id per tool result (``""`` for other messages), what recall_tool_call takes.
+
+    The leading hex digits of the result's content hash: a few tokens where provider call ids
+    take twenty, and unique where call ids are reused. A ref that would name an earlier,
+    different result grows two digits until it is unique; refs depend only on the messages
+    before them, so appending never changes an earlier one.
+    """
+    taken: dict[str, str] = {}  # ref -> key
+    refs = [""] * len(messages)
+    for i, m in enumerate(messages):
+        if m.get("role") != "tool":
+            continue
+        key = keys[i]
+        n = REF_CHARS
+        while taken.get(key[:n], key) != key and n < len(key):
+            n += 2
+        refs[i] = key[:n]
+        taken.setdefault(key[:n], key)
+    return refs
+
+
 def tool_calls_of(msg: Message) -> list[ToolCall]:
     """Tool calls of an assistant message, legacy ``function_call`` included (id = name)."""
     calls = msg.get("tool_calls") or []

@@ -21,12 +21,13 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
-from .chat import PROXY_TOOLS_TOKENS, WindowTokens
+from .chat import WindowTokens
 from .config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
 from .errors import ConfigError
 from .forms import Budget
 from .messages import Message, message_hash
 from .tokens import REPLY_PRIMING, TokenCounter
+from .tools import definitions_tokens
 from .window import build_window
 
 CACHE_MIN = 1024
@@ -89,12 +90,13 @@ class Replayer:
         self.context = context or tenant.context_window(model)
         self.counter = TokenCounter()
         self.enc, _ = self.counter.encoding(model, tenant.encoding_for(model))
+        self.proxy_tools = definitions_tokens(self.counter, self.enc)
         self.ops = WindowTokens(SimpleNamespace(tokens=self.counter,  # type: ignore[arg-type]
                                                 truncations=OrderedDict()), self.enc)
 
     def budget(self, tools_tokens: int) -> Budget:
         return Budget.for_request(self.tenant.policy, self.context, None,
-                                  tools_tokens + PROXY_TOOLS_TOKENS, 1.0, REPLY_PRIMING)
+                                  tools_tokens + self.proxy_tools, 1.0, REPLY_PRIMING)
 
     def conversation(self, conv: dict[str, Any], tally: Tally) -> None:
         messages: list[Message] = conv["messages"]
@@ -113,8 +115,8 @@ class Replayer:
             req, rkeys, rcounts = messages[:i], keys[:i], counts[:i]
             window = build_window(req, rkeys, rcounts, self.tenant.policy, budget, self.ops)
             client_total = sum(rcounts) + tools_tokens + REPLY_PRIMING
-            with_tools = window.needs_tools
-            fwd_tools = tools_tokens + (PROXY_TOOLS_TOKENS if with_tools else 0)
+            with_tools = window.offers_tools(self.tenant.policy, bool(tools))
+            fwd_tools = tools_tokens + (self.proxy_tools if with_tools else 0)
             if window.changed:
                 wkeys = [message_hash(m) for m in window.messages]
                 wcounts = [self.counter.message(self.enc, m, k)
@@ -133,7 +135,7 @@ class Replayer:
                                              + common_prefix_tokens(prev_client, rkeys, rcounts))
             same_tools = prev_fwd is not None and prev_fwd_tools == with_tools
             msg_prefix = common_prefix_tokens(prev_fwd, wkeys, wcounts)
-            tools_prefix = 0 if first else tools_tokens + (PROXY_TOOLS_TOKENS if same_tools
+            tools_prefix = 0 if first else tools_tokens + (self.proxy_tools if same_tools
                                                            and with_tools else 0)
             tally.forwarded_cost += cached_cost(fwd_total, tools_prefix + msg_prefix)
             tally.forwarded_cost_strict += cached_cost(

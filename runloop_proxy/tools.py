@@ -15,11 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
+import tiktoken
 
 from .errors import StoreError
-from .messages import Message, ToolCall, message_hash, message_text
+from .messages import Message, ToolCall, message_hash, message_text, result_refs, tool_calls_of
 from .runloops import segment
 from .store import RedisStore
+from .tokens import TOOLS_OVERHEAD, TokenCounter, render_tools
 
 RECALL = "recall_tool_call"
 SEARCH = "search_history"
@@ -28,23 +30,28 @@ SNIPPET_CHARS = 240
 
 
 def _definition(name: str, kind: str) -> dict[str, Any]:
+    # Short on purpose: these ride along in every request of a compressed session.
     if kind == RECALL:
         return {"type": "function", "function": {
             "name": name,
-            "description": "Return, verbatim, the result of an earlier tool call whose result "
-                           "was elided from the conversation to save context. Use the call_id "
-                           "shown in the elision note or ledger.",
+            "description": "Return verbatim an earlier tool result left out of the "
+                           "conversation to save context.",
             "parameters": {"type": "object", "properties": {
-                "call_id": {"type": "string", "description": "the call_id from the note"}},
-                "required": ["call_id"], "additionalProperties": False}}}
+                "call_id": {"type": "string", "description": "the id its note shows"}},
+                "required": ["call_id"]}}}
     return {"type": "function", "function": {
         "name": name,
-        "description": "Search this conversation's full history, including turns and tool "
-                       "results no longer shown, and return the best-matching snippets with "
-                       "their turn index and call ids.",
-        "parameters": {"type": "object", "properties": {
-            "query": {"type": "string", "description": "words to look for"}},
-            "required": ["query"], "additionalProperties": False}}}
+        "description": "Search this conversation's whole history, also what is no longer "
+                       "shown; returns snippets with their turn and ids.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                       "required": ["query"]}}}
+
+
+def definitions_tokens(counter: TokenCounter, enc: tiktoken.Encoding) -> int:
+    """What the proxy's tools add to a prompt that already has tools (counted once per
+    encoding, then cached)."""
+    alone = counter.tools(enc, ProxyTools.for_request(None).definitions())
+    return alone - counter.text(enc, render_tools([])) - TOOLS_OVERHEAD
 
 
 @dataclass(frozen=True)
@@ -154,32 +161,44 @@ class ToolRunner:
         return _tool_message(call, content)
 
     async def recall(self, ref: str) -> tuple[Any, str]:
-        call_id, _, short = ref.partition("#")
-        if not call_id:
+        """A result by the short ref its note shows, or by the tool call's id; with
+        ``args:<call id>``, the call's own arguments (cut in the window when long)."""
+        ref = ref.strip()
+        if not ref:
             return "error: call_id is required", "bad_arguments"
-        found = [(k, m) for m, k in zip(self.messages, self.keys, strict=True)
-                 if m.get("role") == "tool" and m.get("tool_call_id") == call_id]
+        if ref.startswith("args:"):
+            return self._arguments(ref[5:])
+        refs = result_refs(self.messages, self.keys)
+        for m, r in zip(self.messages, refs, strict=True):
+            if r and r == ref:
+                return m.get("content"), "hit"
+        found = [(r, m) for m, r in zip(self.messages, refs, strict=True)
+                 if m.get("role") == "tool" and m.get("tool_call_id") == ref]
         if not found and self.store is not None:
             try:
-                stored = await self.store.tool_results(self.tenant, self.session_id, call_id)
+                stored = await self.store.tool_results(self.tenant, self.session_id, ref)
             except StoreError:
-                return (f"error: the history store is unavailable; call {call_id} cannot be "
+                return (f"error: the history store is unavailable; {ref} cannot be "
                         f"recalled right now"), "store_error"
-            found = [(message_hash(m), m) for m in stored]
-        if short:
-            found = [(k, m) for k, m in found if k.startswith(short)]
+            found = [("", m) for m in stored]  # other branches: no ref in this conversation
         if not found:
-            return f"error: no tool result with call_id {ref!r} in this conversation", \
-                "not_found"
-        # A plain id names its first result; later results of a reused id carry "#hash".
+            return f"error: no tool result with id {ref!r} in this conversation", "not_found"
         content = found[0][1].get("content")
-        if len(found) > 1 and not short:
-            others = ", ".join(f"{call_id}#{k[:8]}" for k, _ in found[1:])
-            note = f"\n[runloop-proxy] call_id {call_id} was used more than once; this is the " \
-                   f"first result. Later ones: {others}"
+        if len(found) > 1:
+            # a reused call id: its first result, and the refs of the others
+            others = ", ".join(r for r, _ in found[1:] if r) or "search_history finds them"
+            note = f"\n[runloop-proxy] call id {ref} was used more than once; this is the " \
+                   f"first result. The others: {others}"
             content = (content if isinstance(content, str) else message_text(found[0][1])) \
                 + note
         return content, "hit"
+
+    def _arguments(self, call_id: str) -> tuple[str, str]:
+        for m in self.messages:
+            for call in tool_calls_of(m) if m.get("role") == "assistant" else ():
+                if call.get("id") == call_id:
+                    return str((call.get("function") or {}).get("arguments", "")), "hit"
+        return f"error: no tool call with id {call_id!r} in this conversation", "not_found"
 
     async def search(self, query: str) -> tuple[str, str]:
         terms = [t.lower() for t in _WORD.findall(query) if t.strip() and len(t) > 1]
@@ -194,6 +213,8 @@ class ToolRunner:
             known = set(self.keys)
             corpus += [(k, m) for k, m in stored if k not in known]
         loop_of = _loop_index(self.messages, self.keys)
+        ref_of = {k: r for k, r in zip(self.keys, result_refs(self.messages, self.keys),
+                                        strict=True) if r}
         hits = rank(terms, corpus, self.max_results)
         if not hits:
             return f"no match for {query!r} in this conversation's history", "miss"
@@ -202,7 +223,7 @@ class ToolRunner:
             where = f"turn {loop_of[key]}" if key in loop_of else "another branch"
             ids = ""
             if m.get("role") == "tool":
-                ids = f" call_id={m.get('tool_call_id')}"
+                ids = f" id={ref_of.get(key) or m.get('tool_call_id')}"
             elif m.get("tool_calls"):
                 ids = " calls=" + ",".join(str(c.get("id")) for c in m["tool_calls"])
             lines.append(f"- [{where}, {m.get('role')}{ids}, score {score:.2f}] "

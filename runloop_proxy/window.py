@@ -18,7 +18,7 @@ import bisect
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .config import Policy, ReducePastLoops
+from .config import Policy, ProxyToolsMode, ReducePastLoops
 from .forms import TAG, Budget, Conversation, Memo, TokenOps
 from .messages import Message, tool_calls_of
 from .runloops import segment
@@ -63,9 +63,11 @@ class Window:
     omitted_loops: int = 0
     events: tuple[Event, ...] = ()
 
-    @property
-    def needs_tools(self) -> bool:
-        return self.changed
+    def offers_tools(self, policy: Policy, client_tools: bool) -> bool:
+        """Whether the request goes out with the proxy's tools: when something was left out,
+        or (``proxy_tools = "always"``) on every request of an agent that sends tools."""
+        return self.changed or (client_tools and policy.enabled
+                                and policy.proxy_tools is ProxyToolsMode.ALWAYS)
 
 
 @dataclass
@@ -125,18 +127,19 @@ class _Replay:
         plan.drop_from = plan.drop_upto = 0  # what was dropped is now in a reduced loop
         return True
 
-    def reduction_saving(self, current: int) -> int:
-        """Tokens saved by reducing the closed loops still shown whole, before ``current``."""
+    def reduction_pays(self, current: int) -> bool:
+        """Whether reducing the closed loops still shown whole, before ``current``, clears
+        ``reduce_at_least`` tokens (a prefix change that saves less is not worth making)."""
         c, plan = self.c, self.plan
         if current <= plan.reduced_upto:
-            return 0
+            return False
         fs, cs = self.full_start(), c.loops[current].start
         full = c.prefix[cs] - c.prefix[fs]
         e = min(plan.elide_upto, cs)
         if e > fs:
             full -= c.sav_prefix[e] - c.sav_prefix[fs]
         reduced = sum(c.reduced(j)[1] for j in range(plan.reduced_upto, current))
-        return full - reduced
+        return full - reduced >= c.policy.reduce_at_least
 
     def omit_to(self, loop: int) -> bool:
         plan = self.plan
@@ -150,7 +153,7 @@ class _Replay:
 
     def batch_omission(self) -> int:
         m = self.c.policy.max_run_loops
-        b = max(1, m // 2)
+        b = self.c.policy.omission_batch
         past = self.plan.reduced_upto
         if past <= m:
             return 0
@@ -174,9 +177,8 @@ class _Replay:
         current = c.loop_of[p - 1] if p > c.pre else 0
         before = self.tokens(p)
         if pol.reduce_past_loops is ReducePastLoops.ALWAYS \
-                and self.reduction_saving(current) >= pol.clear_at_least \
+                and self.reduction_pays(current) \
                 and self.reduce_to(current):
-            # batched like elision: one prefix change clears at least clear_at_least tokens
             self._event(record, CompactionKind.PAST_LOOPS, before, p, "past run loops")
         before = self.tokens(p)
         if self.omit_to(max(self.batch_omission(), self.time_omission())):
@@ -198,7 +200,7 @@ class _Replay:
                 self._event(record, CompactionKind.DROP, before, p, "elision not enough")
         if self.tokens(p) > pol.threshold * working:
             before = self.tokens(p)
-            b = max(1, pol.max_run_loops // 2)
+            b = pol.omission_batch
             moved = False
             while self.tokens(p) > target and plan.omit_upto < plan.reduced_upto:
                 moved |= self.omit_to(plan.omit_upto + b)

@@ -226,3 +226,25 @@ def test_tenant_may_forward_the_client_key(tmp_path: Path, make_proxy: Any,
     c = openai.OpenAI(base_url=proxy.url, api_key="byok-proxy-key-0123456789", max_retries=0)
     c.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
     assert upstream.headers[-1]["authorization"] == "Bearer byok-proxy-key-0123456789"
+
+
+def test_proxy_tools_always_keeps_the_tool_list_stable_for_agents(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    root = write_config(tmp_path, upstream.url, acme_policy='proxy_tools = "always"')
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string"}}}}}]
+    short = [{"role": "user", "content": "hi"}]
+    acme = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0)
+    globex = openai.OpenAI(base_url=proxy.url, api_key=GLOBEX_KEY, max_retries=0)
+    # nothing to compress, but an agent with tools: the proxy's tools ride along from the start
+    acme.chat.completions.create(model="m", messages=short, tools=tools)  # type: ignore[arg-type]
+    names = [t["function"]["name"] for t in upstream.requests[-1]["tools"]]
+    assert names == ["lookup", "recall_tool_call", "search_history"]
+    assert upstream.requests[-1]["messages"] == short
+    # no tools: nothing added, the body goes out as sent
+    acme.chat.completions.create(model="m", messages=short)  # type: ignore[arg-type]
+    assert "tools" not in upstream.requests[-1]
+    # the default (when_needed): an uncompressed agent request is passed through untouched
+    globex.chat.completions.create(model="m", messages=short, tools=tools)  # type: ignore[arg-type]
+    assert [t["function"]["name"] for t in upstream.requests[-1]["tools"]] == ["lookup"]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from runloop_proxy.tokens import FALLBACK_ENCODING, TokenCounter
+import orjson
+
+from runloop_proxy.tokens import FALLBACK_ENCODING, TokenCounter, render_tools
 
 
 def test_encoding_loads_offline_and_falls_back() -> None:
@@ -50,3 +52,32 @@ def test_calibration_moves_towards_reported_usage() -> None:
     tc.calibrate("m", 0, 5)  # nonsense is ignored
     tc.calibrate("m", 1000, 100_000)  # and extremes are clamped
     assert tc.factor("m") <= 2.0
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city.",
+    "parameters": {"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "description": "The city"},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+        "days": {"type": "array", "items": {"type": "object", "properties": {
+            "date": {"type": "string"}, "hourly": {"type": "boolean"}}}},
+        "limit": {"type": ["integer", "null"]}}}}}
+
+
+def test_tool_schemas_render_as_the_model_reads_them() -> None:
+    text = render_tools([WEATHER, {"type": "function", "function": {"name": "ping"}}])
+    assert "// Weather for a city." in text
+    assert "type get_weather = (_: {" in text and "type ping = () => any;" in text
+    assert "city: string," in text  # required: no question mark
+    assert 'unit?: "c" | "f",' in text
+    assert "date?: string," in text and "hourly?: boolean," in text and "}[]," in text
+    assert "limit?: number | null," in text
+
+
+def test_tool_schemas_cost_less_than_their_json_and_are_cached() -> None:
+    tc = TokenCounter()
+    enc, _ = tc.encoding("gpt-4")
+    n = tc.tools(enc, [WEATHER])
+    assert 0 < n < len(enc.encode(orjson.dumps([WEATHER]).decode()))
+    assert tc.tools(enc, [dict(WEATHER)]) == n and tc.tools(enc, None) == 0
+    assert tc.tools(enc, [WEATHER, WEATHER]) > n

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import httpx
@@ -10,8 +11,9 @@ import openai
 import orjson
 import pytest
 
+from runloop_proxy.messages import message_hash, result_refs
 from runloop_proxy.scripted import ScriptedUpstream
-from runloop_proxy.tools import ProxyTools, rank
+from runloop_proxy.tools import ProxyTools, ToolRunner, rank
 
 from .conftest import ProxyServer
 
@@ -39,6 +41,15 @@ def recall_name(body: dict[str, Any], kind: str = "recall_tool_call") -> str | N
     return None
 
 
+def elided_ref(messages: list[dict[str, Any]], call_id: str) -> str | None:
+    """The id the placeholder of ``call_id``'s result tells the model to recall it with."""
+    for m in messages:
+        if m.get("role") == "tool" and m.get("tool_call_id") == call_id:
+            found = re.search(r'recall_tool_call\(call_id="([^"]+)"\)', str(m.get("content")))
+            return found.group(1) if found else None
+    return None
+
+
 def recalling_responder(target: str = "call_0") -> Any:
     """A fake model: recalls ``target`` when it sees it elided, then answers with it."""
     def respond(body: dict[str, Any]) -> dict[str, Any]:
@@ -47,10 +58,10 @@ def recalling_responder(target: str = "call_0") -> Any:
             return {"content": "recalled: " + str(last["content"])[:12],
                     "prompt_tokens": 100}
         name = recall_name(body)
-        if name and any(f'call_id="{target}"' in str(m.get("content"))
-                        for m in body["messages"]):
+        ref = elided_ref(body["messages"], target)
+        if name and ref:
             return {"content": "Let me look.", "tool_calls": [
-                {"id": "rc_1", "name": name, "arguments": {"call_id": target}}],
+                {"id": "rc_1", "name": name, "arguments": {"call_id": ref}}],
                 "prompt_tokens": 100}
         return {"content": "no recall needed", "prompt_tokens": 100}
     return respond
@@ -171,7 +182,60 @@ def test_search_history_returns_ranked_snippets(proxy: ProxyServer,
     r = c.chat.completions.create(model="gpt-4o-mini", messages=long_session(),
                                   tools=CLIENT_TOOLS)
     answer = r.choices[0].message.content or ""
-    assert "best match" in answer and "call_id=call_3" in answer
+    msgs = long_session()
+    refs = result_refs(msgs, [message_hash(m) for m in msgs])
+    ref = next(r for m, r in zip(msgs, refs, strict=True) if m.get("tool_call_id") == "call_3")
+    assert "best match" in answer and f"id={ref}" in answer
+
+
+def recall(messages: list[dict[str, Any]], ref: str) -> tuple[Any, str]:
+    runner = ToolRunner(ProxyTools.for_request(None), messages,  # type: ignore[arg-type]
+                        [message_hash(m) for m in messages], None, "t", "s", 5)  # type: ignore[arg-type]
+    return asyncio.run(runner.recall(ref))
+
+
+RECALL_CASES = [
+    # (what the model passes, expected content or None, expected outcome)
+    ("REF:c1", "first out", "hit"),
+    ("REF:c1#2", "second out", "hit"),
+    ("c2", "other out", "hit"),  # a plain call id works too
+    ("args:c2", '{"cmd":"ls -la /very/long/path"}', "hit"),
+    ("args:nope", None, "not_found"),
+    ("ffffff", None, "not_found"),
+    ("", None, "bad_arguments"),
+]
+
+
+@pytest.mark.parametrize(("ref", "want", "outcome"), RECALL_CASES)
+def test_recall_resolves_refs_call_ids_and_arguments(ref: str, want: Any, outcome: str) -> None:
+    msgs: list[dict[str, Any]] = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "bash", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "first out"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "bash", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "second out"},
+        {"role": "assistant", "tool_calls": [{"id": "c2", "type": "function", "function": {
+            "name": "bash", "arguments": '{"cmd":"ls -la /very/long/path"}'}}]},
+        {"role": "tool", "tool_call_id": "c2", "content": "other out"},
+    ]
+    refs = [r for r in result_refs(msgs, [message_hash(m) for m in msgs])  # type: ignore[arg-type]
+            if r]
+    ref = {"REF:c1": refs[0], "REF:c1#2": refs[1]}.get(ref, ref)
+    content, got = recall(msgs, ref)
+    assert got == outcome
+    if want is not None:
+        assert content == want
+
+
+def test_recall_of_a_reused_call_id_names_the_other_results() -> None:
+    msgs: list[dict[str, Any]] = [
+        {"role": "tool", "tool_call_id": "dup", "content": "one"},
+        {"role": "tool", "tool_call_id": "dup", "content": "two"}]
+    refs = result_refs(msgs, [message_hash(m) for m in msgs])  # type: ignore[arg-type]
+    content, outcome = recall(msgs, "dup")
+    assert outcome == "hit" and content.startswith("one") and refs[1] in content
 
 
 def test_client_tool_with_the_same_name_wins(proxy: ProxyServer,

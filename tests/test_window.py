@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 from typing import Any
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 
 from runloop_proxy.config import Policy, ReducePastLoops
 from runloop_proxy.forms import Budget
-from runloop_proxy.messages import Message, message_hash, tool_calls_of
+from runloop_proxy.messages import Message, message_hash, result_refs, tool_calls_of
+from runloop_proxy.tools import ProxyTools, ToolRunner
 from runloop_proxy.window import CompactionKind, Window, build_window, request_points
 
 
@@ -63,6 +65,13 @@ def T(cid: str, n: int = 20) -> Message:
 S: Message = {"role": "system", "content": words(10, "sys")}
 
 
+def ref_of(messages: list[Message], call_id: str, nth: int = 0) -> str:
+    """The recall ref of the ``nth`` result of ``call_id``."""
+    refs = result_refs(messages, [message_hash(m) for m in messages])
+    return [r for m, r in zip(messages, refs, strict=True)
+            if m.get("tool_call_id") == call_id][nth]
+
+
 def build(messages: list[Message], policy: Policy | None = None, hard: int = 100_000,
           working: int = 1_000) -> Window:
     keys = [message_hash(m) for m in messages]
@@ -106,31 +115,43 @@ def test_short_conversation_is_passed_unchanged() -> None:
 
 def test_past_loops_without_tools_stay_identical() -> None:
     msgs = [S, U(), F(), U(), F(), U()]
-    w = build(msgs, Policy(clear_at_least=0))
+    w = build(msgs, Policy(reduce_at_least=0))
     assert not w.changed
 
 
 def test_past_loop_reduced_to_question_answer_and_ledger() -> None:
     msgs = [S, U(tag="q"), A("c1"), T("c1", 300), A("c2"), T("c2", 300), F(tag="ans"), U()]
-    w = build(msgs, Policy(clear_at_least=0))
+    w = build(msgs, Policy(reduce_at_least=0))
     assert w.changed
     roles = [m["role"] for m in w.messages]
     assert roles == ["system", "user", "assistant", "user"]
     assert w.messages[1] is msgs[1]  # the question is untouched (its cached prefix holds)
     final = w.messages[2]["content"]
     assert final.startswith(msgs[6]["content"])
-    assert "c1 bash(" in final and "c2 bash(" in final and "recall_tool_call" in final
+    # the ledger: ref, tool, arguments as key=value, result size
+    assert f"{ref_of(msgs, 'c1')} bash(cmd=a0 a1) 303t" in final
+    assert f"{ref_of(msgs, 'c2')} bash(cmd=a0 a1) 303t" in final and "recall_tool_call" in final
     assert [e.kind for e in w.events] == [CompactionKind.PAST_LOOPS]
 
 
-def test_past_loop_reduction_waits_for_clear_at_least() -> None:
+def test_past_loop_reduction_waits_for_reduce_at_least() -> None:
     msgs = [S, U(), A("c1"), T("c1", 30), F(), U()]
-    assert not build(msgs, Policy(clear_at_least=2000)).changed
-    assert build(msgs, Policy(clear_at_least=10)).changed
+    assert not build(msgs, Policy(reduce_at_least=2000)).changed
+    assert build(msgs, Policy(reduce_at_least=10)).changed
+
+
+def test_ledger_shows_a_tiny_result_inline_and_long_arguments_cut() -> None:
+    msgs = [S, U(), A("c1", args=40), T("c1", 300), A("c2"), T("c2", 2), F(), U()]
+    w = build(msgs, Policy(reduce_at_least=0, ledger_arg_chars=20))
+    final = w.messages[2]["content"]
+    assert "bash(cmd=a0 a1) → out0 out1" in final  # shown, no ref needed
+    assert ref_of(msgs, "c2") not in final
+    assert f"{ref_of(msgs, 'c1')} bash(cmd=a0 a1 a2 a3 a4 …) 303t" in final
 
 
 def test_over_threshold_mode_keeps_past_loops_until_pressure() -> None:
-    policy = Policy(reduce_past_loops=ReducePastLoops.OVER_THRESHOLD, clear_at_least=0)
+    policy = Policy(reduce_past_loops=ReducePastLoops.OVER_THRESHOLD, clear_at_least=0,
+                    reduce_at_least=0)
     msgs = [S, U(), A("c1"), T("c1", 50), F(), U()]
     assert not build(msgs, policy, working=1000).changed
     assert build(msgs, policy, working=80).changed
@@ -145,8 +166,8 @@ def test_in_loop_elision_keeps_recent_results_and_names_the_ref() -> None:
     tools = [m for m in w.messages if m["role"] == "tool"]
     assert tools[-1]["content"] == msgs[-1]["content"]
     assert tools[-2]["content"] == msgs[-3]["content"]
-    assert 'recall_tool_call(call_id="c0")' in tools[0]["content"]
-    assert {e.ref for e in w.elided} >= {"c0"}
+    assert f'recall_tool_call(call_id="{ref_of(msgs, "c0")}")' in tools[0]["content"]
+    assert {e.ref for e in w.elided} >= {ref_of(msgs, "c0")}
     assert w.tokens_out <= 0.8 * 1000
     assert_valid(w.messages)
 
@@ -169,7 +190,18 @@ def test_reused_call_id_gets_a_distinct_ref() -> None:
     msgs += [A("z"), T("z", 5), A("y"), T("y", 5), A("x"), T("x", 5)]
     w = build(msgs, Policy(keep_recent_tool_results=1, clear_at_least=0), working=300)
     refs = [e.ref for e in w.elided if e.call_id == "dup"]
-    assert refs[0] == "dup" and re.fullmatch(r"dup#[0-9a-f]{8}", refs[1])
+    assert len(refs) == 2 and refs[0] != refs[1]
+    assert all(re.fullmatch(r"[0-9a-f]{6}", r) for r in refs)
+
+
+def test_refs_are_short_unique_and_stable_under_append() -> None:
+    msgs = [{"role": "tool", "tool_call_id": f"c{k}", "content": str(k)} for k in range(5)]
+    # keys forced to share a prefix: a later result's ref grows until it is unique
+    keys = ["abcdef01" + "0" * 24, "abcdef02" + "0" * 24, "abcdef01" + "0" * 24,
+            "123456ff" + "0" * 24, "abcdef0201" + "0" * 22]
+    refs = result_refs(msgs, keys)  # type: ignore[arg-type]
+    assert refs == ["abcdef", "abcdef02", "abcdef", "123456", "abcdef0201"]
+    assert result_refs(msgs[:3], keys[:3]) == refs[:3]  # type: ignore[arg-type]
 
 
 def test_old_loops_omitted_in_batches_with_a_marker() -> None:
@@ -177,7 +209,7 @@ def test_old_loops_omitted_in_batches_with_a_marker() -> None:
     for k in range(13):
         msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
     msgs.append(U())
-    w = build(msgs, Policy(max_run_loops=4, clear_at_least=0))
+    w = build(msgs, Policy(max_run_loops=4, reduce_at_least=0))
     assert w.messages[1]["role"] == "system" and "earlier turn" in w.messages[1]["content"]
     assert w.omitted_loops >= 2 and w.reduced_loops <= 4
     assert "search_history" in w.messages[1]["content"]
@@ -196,7 +228,7 @@ def test_loops_older_than_max_time_range_are_omitted() -> None:
     stamps.append(12 * day)
     keys = [message_hash(m) for m in msgs]
     counts = [OPS.count(m) for m in msgs]
-    w = build_window(msgs, keys, counts, Policy(clear_at_least=0, max_time_range_s=7 * 86_400),
+    w = build_window(msgs, keys, counts, Policy(reduce_at_least=0, max_time_range_s=7 * 86_400),
                      Budget(100_000, 1_000), OPS, timestamps=stamps, now_ms=12 * day)
     assert w.omitted_loops == 2  # loops started 12 and 9 days ago; 6 and 3 days ago stay
     assert "2 earlier turn(s)" in w.messages[1]["content"]
@@ -208,7 +240,8 @@ def test_huge_single_result_is_capped_and_recallable() -> None:
     w = build(msgs, Policy(max_tool_result_share=0.25), working=1000)
     assert w.changed
     capped = w.messages[-1]["content"]
-    assert len(capped.split()) < 400 and 'recall_tool_call(call_id="big")' in capped
+    assert len(capped.split()) < 400
+    assert f'recall_tool_call(call_id="{ref_of(msgs, "big")}")' in capped
 
 
 def test_hard_limit_drops_oldest_exchanges_then_fits() -> None:
@@ -287,7 +320,8 @@ policies = st.builds(
     Policy, max_run_loops=st.integers(1, 6), keep_recent_tool_results=st.integers(0, 4),
     clear_at_least=st.sampled_from([0, 100, 500]), max_message_length=st.integers(16, 80),
     reduce_past_loops=st.sampled_from(list(ReducePastLoops)),
-    reasoning_keep_tokens=st.integers(16, 40))
+    reasoning_keep_tokens=st.integers(16, 40), reduce_at_least=st.sampled_from([0, 64, 300]),
+    omit_batch=st.one_of(st.none(), st.integers(1, 4)), ledger_arg_chars=st.integers(0, 40))
 
 PROPS = settings(max_examples=int(os.environ.get("WINDOW_EXAMPLES", "120")), deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -336,11 +370,11 @@ def test_append_only_between_compaction_events(msgs: list[Message], policy: Poli
 
 
 def resolve(ref: str, msgs: list[Message]) -> Any:
-    """What recall_tool_call answers for ``ref`` (the rule tools.ToolRunner.recall applies)."""
-    cid, _, short = ref.partition("#")
-    found = [m for m in msgs if m["role"] == "tool" and m["tool_call_id"] == cid
-             and message_hash(m).startswith(short)]
-    return found[0]["content"] if found else None
+    """What the proxy's recall_tool_call answers for ``ref`` (no store: the request alone)."""
+    runner = ToolRunner(ProxyTools.for_request(None), msgs, [message_hash(m) for m in msgs],
+                        None, "t", "s", 5)
+    content, outcome = asyncio.run(runner.recall(ref))
+    return content if outcome == "hit" else None
 
 
 @PROPS
@@ -350,22 +384,17 @@ def test_every_elided_item_is_recallable(msgs: list[Message], policy: Policy,
     w = build(msgs, policy, hard=working * 10, working=working)
     text = orjson.dumps(w.messages).decode()
     shown = {orjson.dumps(m) for m in w.messages}
-    first: set[str] = set()
-    for m in msgs:
-        if m["role"] != "tool":
-            continue
-        cid = m["tool_call_id"]
-        ref = cid if cid not in first else f"{cid}#{message_hash(m)[:8]}"
-        first.add(cid)
-        if orjson.dumps(m) in shown:
+    refs = result_refs(msgs, [message_hash(m) for m in msgs])
+    for m, ref in zip(msgs, refs, strict=True):
+        if m["role"] != "tool" or orjson.dumps(m) in shown:
             continue
         # not shown as sent: its ref resolves to it byte for byte ...
         assert resolve(ref, msgs) == m["content"]
-        # ... and the model is told: the ref is in a note or ledger, or a marker points at
-        # search_history for what is not shown at all
-        # in a note (call_id=\"ref\" inside JSON-escaped content) or a ledger entry ("ref tool(")
+        # ... and the model is told: the ref is in a note or a ledger entry, a tiny result is
+        # in the ledger itself, or a marker points at search_history for what is not shown
         named = f'call_id=\\"{ref}\\"' in text or f"{ref} " in text
-        assert named or "search_history" in text
+        inline = f"→ {' '.join(m['content'].split())}" in text
+        assert named or inline or "search_history" in text
     for e in w.elided:
         assert resolve(e.ref, msgs) == msgs[e.position]["content"]
 
@@ -373,6 +402,20 @@ def test_every_elided_item_is_recallable(msgs: list[Message], policy: Policy,
 @PROPS
 @given(conversations())
 def test_nothing_to_reduce_means_identical(msgs: list[Message]) -> None:
-    w = build(msgs, Policy(clear_at_least=10**9, max_run_loops=50), working=10**6,
-              hard=10**7)
+    w = build(msgs, Policy(clear_at_least=10**9, reduce_at_least=10**9, max_run_loops=50),
+              working=10**6, hard=10**7)
     assert not w.changed and w.messages is msgs
+
+
+def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
+    shown = []
+    for n in range(4, 11):
+        msgs: list[Message] = [S]
+        for k in range(n):
+            msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
+        msgs.append(U())
+        w = build(msgs, Policy(max_run_loops=3, omit_batch=3, reduce_at_least=0))
+        shown.append(w.reduced_loops)
+        assert_valid(w.messages)
+    # past loops shown run 1, 2, 3 then drop back to 1: one prefix change per three turns
+    assert shown == [1, 2, 3, 1, 2, 3, 1]
