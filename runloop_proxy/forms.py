@@ -11,17 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
 from .config import Policy
-from .messages import Message, message_text, result_refs, text_of, tool_calls_of
+from .messages import Message, content_hash, message_text, result_refs, text_of, tool_calls_of
 from .runloops import RunLoop, preamble_end, segment
 
 TAG = "[runloop-proxy]"
 MEMO_SIZE = 50_000
-Memo = MutableMapping[tuple[str, ...], tuple["Message | None", int]]
+Memo = MutableMapping[tuple[str, ...], Any]
 LEDGER_MAX_LINES = 24
 LEDGER_INLINE_TOKENS = 16  # a result this small is shown in the ledger itself
 
@@ -151,13 +151,18 @@ class Conversation:
                  ) -> tuple[Message | None, int]:
         """A derived form of a message and its count, memoised across requests: the same
         message yields the same form, so a long session re-derives only its new messages."""
+        def form() -> tuple[Message | None, int]:
+            msg = make()
+            return msg, self.ops.count(msg) if msg is not None else 0
+        return self._memoised(key, form)  # type: ignore[no-any-return]
+
+    def _memoised(self, key: tuple[str, ...], make: Callable[[], Any]) -> Any:
         memo = self.memo
         if memo is not None:
             hit = memo.get(key)
             if hit is not None:
                 return hit
-        msg = make()
-        out = (msg, self.ops.count(msg) if msg is not None else 0)
+        out = make()
         if memo is not None:
             if len(memo) >= MEMO_SIZE:
                 memo.clear()
@@ -204,10 +209,20 @@ class Conversation:
     # -- past loops in question + answer form -----------------------------------------------
 
     def reduced(self, j: int) -> tuple[list[Message], int, bool]:
-        """Loop ``j`` as its user messages and final reply, capped, with a tool ledger."""
-        if j in self._reduced:
-            return self._reduced[j]
-        lp = self.loops[j]
+        """Loop ``j`` as its user messages and final reply, capped, with a tool ledger
+        (memoised across requests: a closed loop's messages, refs and counts fix its form)."""
+        if j not in self._reduced:
+            lp = self.loops[j]
+            pos = range(lp.start, lp.end)
+            ident = content_hash("".join(f"{self.keys[i]}{self.refs[i]}{self.counts[i]},"
+                                         for i in pos).encode())
+            pol = self.policy
+            self._reduced[j] = self._memoised(
+                ("loop", ident, str(pol.max_message_length), str(pol.ledger_arg_chars)),
+                partial(self._reduce, lp))
+        return self._reduced[j]
+
+    def _reduce(self, lp: RunLoop) -> tuple[list[Message], int, bool]:
         limit = self.policy.max_message_length
         out: list[Message] = []
         changed = len(lp.user_positions) + (lp.final_position is not None) != lp.end - lp.start
@@ -239,8 +254,7 @@ class Conversation:
         tokens = sum(self.counts[i] if i is not None and m is self.messages[i]
                      else self.ops.count(m)
                      for m, i in zip(out, [*users, final_pos], strict=False))
-        self._reduced[j] = (out, tokens, changed)
-        return self._reduced[j]
+        return out, tokens, changed
 
     def _ledger(self, lp: RunLoop) -> str:
         """One line for the loop's tool calls: ref, tool, short arguments and the result's
@@ -250,8 +264,10 @@ class Conversation:
             if self.messages[i].get("role") != "tool":
                 continue
             call = f"{self.tool_names[i]}({self._short_args(i)})"
-            text = " ".join(message_text(self.messages[i]).split())
-            if self.counts[i] <= LEDGER_INLINE_TOKENS and len(text) <= 4 * LEDGER_INLINE_TOKENS:
+            text = message_text(self.messages[i]) \
+                if self.counts[i] <= LEDGER_INLINE_TOKENS else None
+            if text is not None and len(text) <= 4 * LEDGER_INLINE_TOKENS:
+                text = " ".join(text.split())
                 entries.append(f"{call} → {text}" if text else call)
             else:
                 entries.append(f"{self.refs[i]} {call} {self.counts[i]}t")

@@ -26,6 +26,7 @@ from .config import Policy, Settings, TenantSpec, load_config, passthrough_tenan
 from .errors import ConfigError
 from .forms import Budget
 from .messages import Message, message_hash
+from .runloops import preamble_end, segment
 from .tokens import REPLY_PRIMING, TokenCounter
 from .tools import definitions_tokens
 from .window import build_window
@@ -43,6 +44,8 @@ class Tally:
     client_cost: float = 0.0
     forwarded_cost: float = 0.0
     forwarded_cost_strict: float = 0.0
+    bound: int = 0  # keeping only the system prompt, the tools and the current loop
+    bound_cost: float = 0.0
     over_client: int = 0
     over_forwarded: int = 0
     rejected: int = 0
@@ -60,6 +63,9 @@ class Tally:
                 "cache_aware_saving": round(self.saving(self.client_cost,
                                                         self.forwarded_cost), 4),
                 "forwarded_cost_strict": round(self.forwarded_cost_strict),
+                "bound_raw_saving": round(self.saving(self.client, self.bound), 4),
+                "bound_cache_aware_saving": round(self.saving(self.client_cost,
+                                                              self.bound_cost), 4),
                 "cache_aware_saving_strict": round(self.saving(
                     self.client_cost, self.forwarded_cost_strict), 4),
                 "over_context_passthrough": self.over_client,
@@ -107,6 +113,7 @@ class Replayer:
         counts = [self.counter.message(self.enc, m, k) for m, k in zip(messages, keys,
                                                                        strict=True)]
         prev_client: list[str] | None = None
+        prev_bound: list[str] | None = None
         prev_fwd: list[str] | None = None
         prev_fwd_tools = False
         for i in range(1, len(messages)):
@@ -141,6 +148,16 @@ class Replayer:
             tally.forwarded_cost_strict += cached_cost(
                 fwd_total, fwd_tools + msg_prefix if same_tools else 0)
             tally.forwarded += fwd_total
+            # the bound no window reaches: the system prompt, the tools and the current loop
+            keep = [*range(preamble_end(req)), *segment(req)[-1].positions] \
+                if i > preamble_end(req) else list(range(i))
+            bkeys = [keys[k] for k in keep]
+            bound = sum(counts[k] for k in keep) + tools_tokens + REPLY_PRIMING
+            tally.bound += bound
+            tally.bound_cost += cached_cost(bound, (0 if first else tools_tokens) +
+                                            common_prefix_tokens(prev_bound, bkeys,
+                                                                 [counts[k] for k in keep]))
+            prev_bound = bkeys
             tally.over_client += client_total > self.context
             if not window.fits:
                 tally.rejected += 1
@@ -265,6 +282,8 @@ def run_replay(args: argparse.Namespace) -> int:
           f"{tally.forwarded_cost:>12,.0f}  saving {out['cache_aware_saving']:.1%}")
     print(f"  (strict: a tool-schema change voids the cache: forwarded "
           f"{tally.forwarded_cost_strict:,.0f}, saving {out['cache_aware_saving_strict']:.1%})")
+    print(f"  bound (system prompt, tools and the current run loop only, nothing else): "
+          f"raw {out['bound_raw_saving']:.1%}, cache-aware {out['bound_cache_aware_saving']:.1%}")
     print(f"  over {replayer.context} tokens: pass-through {tally.over_client} "
           f"({tally.over_client / max(tally.requests, 1):.0%}), through the proxy "
           f"{tally.over_forwarded} (rejected {tally.rejected})")
