@@ -59,7 +59,7 @@ class Conversation:
                  memo: Memo | None):
         self.messages, self.keys, self.counts = messages, keys, counts
         self.policy, self.budget, self.ops = policy, budget, ops
-        self.memo = memo
+        self.memo, self.protected = memo, protected
         self.n = len(messages)
         self.pre = preamble_end(messages)
         self.loops = segment(messages)

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from .config import Policy, ProxyToolsMode, ReducePastLoops
-from .forms import TAG, Budget, Conversation, Memo, TokenOps
-from .messages import Message, tool_calls_of
+from .forms import MEMO_SIZE, TAG, Budget, Conversation, Memo, TokenOps
+from .messages import Message, content_hash, tool_calls_of
 from .runloops import segment
 
 
@@ -171,6 +171,15 @@ class _Replay:
             k = lp.index + 1
         return k
 
+    def time_omission_possible(self) -> bool:
+        """Whether some loop is already older than ``max_time_range`` (then the replay's
+        result depends on the clock, not only on the messages)."""
+        if self.timestamps is None or self.now_ms is None:
+            return False
+        horizon = self.now_ms - int(self.c.policy.max_time_range_s * 1000)
+        return any((ts := self.timestamps[lp.start]) is not None and ts < horizon
+                   for lp in self.c.loops)
+
     def step(self, p: int, record: bool) -> None:
         """Apply the rules at request point ``p`` (the request held messages[:p])."""
         c, plan, pol = self.c, self.plan, self.c.policy
@@ -295,6 +304,50 @@ class _Replay:
         return out, elided, changed
 
 
+class _Checkpoints:
+    """The replay's state after a request point, memoised, so the next request of a growing
+    conversation replays only its own point instead of every earlier one.
+
+    The state at point p depends only on messages[:p] (their keys and counts), the policy, the
+    budget, the protected results and the summary; the key holds all of them. Omission by age
+    depends on the clock as well: while any loop is older than ``max_time_range`` the replay
+    runs whole.
+    """
+
+    def __init__(self, conv: Conversation, replay: _Replay, summary: str | None):
+        self.conv, self.replay = conv, replay
+        self.memo: Memo = conv.memo  # type: ignore[assignment]
+        self.parts = [f"{k}:{n}," for k, n in zip(conv.keys, conv.counts, strict=True)]
+        b = conv.budget
+        self.context = content_hash(
+            f"{conv.policy.model_dump_json()}|{b.hard}|{b.working}|{summary or ''}|"
+            f"{','.join(sorted(conv.protected))}".encode())
+        self.usable = not replay.time_omission_possible()
+
+    def _key(self, p: int) -> tuple[str, ...]:
+        return ("plan", self.context, content_hash("".join(self.parts[:p]).encode()))
+
+    def restore(self, p: int) -> bool:
+        if not self.usable:
+            return False
+        hit = self.memo.get(self._key(p))
+        if hit is None:
+            return False
+        r = self.replay
+        (r.plan.reduced_upto, r.plan.omit_upto, r.plan.elide_upto, r.plan.drop_from,
+         r.plan.drop_upto, r.red_sum) = hit
+        return True
+
+    def save(self, p: int) -> None:
+        if not self.usable:
+            return
+        r = self.replay
+        if len(self.memo) >= MEMO_SIZE:
+            self.memo.clear()
+        self.memo[self._key(p)] = (r.plan.reduced_upto, r.plan.omit_upto, r.plan.elide_upto,
+                                   r.plan.drop_from, r.plan.drop_upto, r.red_sum)
+
+
 def request_points(messages: list[Message], pre: int) -> list[int]:
     """Positions p where a client asked for the next assistant message (messages[:p])."""
     n = len(messages)
@@ -315,8 +368,14 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
     conv = Conversation(messages, keys, counts, policy, budget, ops, protected, memo)
     replay = _Replay(conv, timestamps, now_ms, summary)
     points = request_points(messages, conv.pre)
-    for p in points:
+    start = 0
+    checkpoints = _Checkpoints(conv, replay, summary) if memo is not None else None
+    if checkpoints is not None and len(points) > 1 and checkpoints.restore(points[-2]):
+        start = len(points) - 1  # the previous request's replay, resumed
+    for p in points[start:]:
         replay.step(p, record=p == conv.n)
+    if checkpoints is not None:
+        checkpoints.save(conv.n)
     out, elided, changed = replay.render()
     tokens_out = replay.tokens(conv.n)
     events = list(replay.plan.events)

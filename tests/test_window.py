@@ -11,6 +11,7 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from runloop_proxy import window as window_mod
 from runloop_proxy.config import Policy, ReducePastLoops
 from runloop_proxy.forms import Budget
 from runloop_proxy.messages import Message, message_hash, result_refs, tool_calls_of
@@ -233,6 +234,15 @@ def test_loops_older_than_max_time_range_are_omitted() -> None:
     assert w.omitted_loops == 2  # loops started 12 and 9 days ago; 6 and 3 days ago stay
     assert "2 earlier turn(s)" in w.messages[1]["content"]
     assert_valid(w.messages)
+    # a checkpoint saved while no loop was old yet is not resumed once the clock moved on
+    memo: dict[Any, Any] = {}
+    policy = Policy(reduce_at_least=0, max_time_range_s=7 * 86_400)
+    prev = len(msgs) - 2
+    build_window(msgs[:prev], keys[:prev], counts[:prev], policy, Budget(100_000, 1_000), OPS,
+                 timestamps=stamps[:prev], now_ms=6 * day, memo=memo)
+    resumed = build_window(msgs, keys, counts, policy, Budget(100_000, 1_000), OPS,
+                           timestamps=stamps, now_ms=12 * day, memo=memo)
+    assert orjson.dumps(resumed.messages) == orjson.dumps(w.messages)
 
 
 def test_huge_single_result_is_capped_and_recallable() -> None:
@@ -357,6 +367,24 @@ def test_window_is_deterministic(msgs: list[Message], policy: Policy) -> None:
 
 
 @PROPS
+@given(conversations(), policies, st.integers(300, 3000))
+def test_a_growing_session_with_the_memo_gets_the_same_windows(
+        msgs: list[Message], policy: Policy, working: int) -> None:
+    """Request by request, as the proxy sees a session: resuming the replay from the memo's
+    checkpoint (and its memoised forms) yields exactly the window a fresh build yields."""
+    memo: dict[Any, Any] = {}
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    budget = Budget(working + 300, working)
+    for p in request_points(msgs, 0):
+        fresh = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS)
+        resumed = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS, memo=memo)
+        assert orjson.dumps(resumed.messages) == orjson.dumps(fresh.messages), p
+        assert (resumed.events, resumed.elided, resumed.fits, resumed.tokens_out) == \
+            (fresh.events, fresh.elided, fresh.fits, fresh.tokens_out)
+
+
+@PROPS
 @given(conversations(), policies, st.integers(400, 3000))
 def test_append_only_between_compaction_events(msgs: list[Message], policy: Policy,
                                                working: int) -> None:
@@ -419,3 +447,29 @@ def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
         assert_valid(w.messages)
     # past loops shown run 1, 2, 3 then drop back to 1: one prefix change per three turns
     assert shown == [1, 2, 3, 1, 2, 3, 1]
+
+
+def test_the_next_request_replays_only_its_own_point(monkeypatch: Any) -> None:
+    msgs: list[Message] = [S]
+    for k in range(30):
+        msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 80), F(tag=f"a{k}")]
+    msgs.append(U())
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    memo: dict[Any, Any] = {}
+    budget = Budget(100_000, 2_000)
+    prev = len(msgs) - 2  # the previous request: up to the last final reply
+    build_window(msgs[:prev], keys[:prev], counts[:prev], Policy(), budget, OPS, memo=memo)
+    steps: list[int] = []
+    real = window_mod._Replay.step
+
+    def counting(self: Any, p: int, record: bool) -> None:
+        steps.append(p)
+        real(self, p, record)
+
+    monkeypatch.setattr(window_mod._Replay, "step", counting)
+    build_window(msgs, keys, counts, Policy(), budget, OPS, memo=memo)
+    assert steps == [len(msgs)]
+    steps.clear()
+    build_window(msgs, keys, counts, Policy(), budget, OPS)  # no memo: every point again
+    assert len(steps) == len(request_points(msgs, 0))
