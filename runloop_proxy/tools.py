@@ -49,9 +49,16 @@ def _definition(name: str, kind: str) -> dict[str, Any]:
 
 def definitions_tokens(counter: TokenCounter, enc: tiktoken.Encoding) -> int:
     """What the proxy's tools add to a prompt that already has tools (counted once per
-    encoding, then cached)."""
-    alone = counter.tools(enc, ProxyTools.for_request(None).definitions())
-    return alone - counter.text(enc, render_tools([])) - TOOLS_OVERHEAD
+    encoding)."""
+    n = _DEFINITIONS_TOKENS.get(enc.name)
+    if n is None:
+        alone = counter.tools(enc, ProxyTools.for_request(None).definitions())
+        n = _DEFINITIONS_TOKENS[enc.name] = \
+            alone - counter.text(enc, render_tools([])) - TOOLS_OVERHEAD
+    return n
+
+
+_DEFINITIONS_TOKENS: dict[str, int] = {}
 
 
 @dataclass(frozen=True)
