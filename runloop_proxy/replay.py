@@ -282,8 +282,10 @@ def run_replay(args: argparse.Namespace) -> int:
           f"{tally.forwarded_cost:>12,.0f}  saving {out['cache_aware_saving']:.1%}")
     print(f"  (strict: a tool-schema change voids the cache: forwarded "
           f"{tally.forwarded_cost_strict:,.0f}, saving {out['cache_aware_saving_strict']:.1%})")
-    print(f"  bound (system prompt, tools and the current run loop only, nothing else): "
-          f"raw {out['bound_raw_saving']:.1%}, cache-aware {out['bound_cache_aware_saving']:.1%}")
+    if tally.bound < tally.client:  # else every request was a single run loop: no bound
+        print(f"  bound (system prompt, tools and the current run loop only, nothing else): "
+              f"raw {out['bound_raw_saving']:.1%}, cache-aware "
+              f"{out['bound_cache_aware_saving']:.1%}")
     print(f"  over {replayer.context} tokens: pass-through {tally.over_client} "
           f"({tally.over_client / max(tally.requests, 1):.0%}), through the proxy "
           f"{tally.over_forwarded} (rejected {tally.rejected})")

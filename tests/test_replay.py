@@ -64,3 +64,24 @@ def test_replay_through_a_running_proxy(tmp_path: Path, proxy: object) -> None:
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["requests"] == 31 and data["forwarded_tokens"] < data["client_tokens"]
+
+
+def test_replay_prints_the_bound_for_multi_turn_conversations(tmp_path: Path) -> None:
+    msgs: list[dict[str, object]] = [{"role": "system", "content": "rules " * 300}]
+    for k in range(6):
+        msgs += [{"role": "user", "content": f"question {k}"},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": f"c{k}", "type": "function",
+                      "function": {"name": "look", "arguments": '{"q": "x"}'}}]},
+                 {"role": "tool", "tool_call_id": f"c{k}", "content": "fact " * 200},
+                 {"role": "assistant", "content": f"answer {k}"}]
+    f = tmp_path / "turns.jsonl"
+    f.write_text(json.dumps({"messages": msgs}) + "\n")
+    data = json.loads(run(f, "--json").stdout)
+    # the bound keeps nothing but the system prompt and the current loop: no window beats it
+    assert data["raw_saving"] < data["bound_raw_saving"] < 1
+    assert data["cache_aware_saving"] < data["bound_cache_aware_saving"]
+    assert "bound (system prompt" in run(f).stdout
+    single = tmp_path / "single.jsonl"
+    single.write_text(json.dumps(conversation(3)) + "\n")
+    assert "bound" not in run(single).stdout  # one run loop: nothing to bound
