@@ -135,8 +135,9 @@ class Replayer:
             tally.client += client_total
             # The cached prefix: the client's tool schemas (unchanged), the proxy's once they
             # were already there, plus the leading messages shared with the previous request.
-            # Strict: any change of the tool schemas (the proxy adding its own) also voids the
-            # message prefix, as with providers that render tools before the messages.
+            # Strict: providers that render the tools first (tools, system, messages) keep only
+            # the client's tools cached when the proxy appends its own: the system prompt and
+            # the messages after them are read again.
             first = prev_client is None
             tally.client_cost += cached_cost(client_total, (0 if first else tools_tokens)
                                              + common_prefix_tokens(prev_client, rkeys, rcounts))
@@ -146,7 +147,7 @@ class Replayer:
                                                            and with_tools else 0)
             tally.forwarded_cost += cached_cost(fwd_total, tools_prefix + msg_prefix)
             tally.forwarded_cost_strict += cached_cost(
-                fwd_total, fwd_tools + msg_prefix if same_tools else 0)
+                fwd_total, fwd_tools + msg_prefix if same_tools else tools_prefix)
             tally.forwarded += fwd_total
             # the bound no window reaches: the system prompt, the tools and the current loop
             keep = [*range(preamble_end(req)), *segment(req)[-1].positions] \
@@ -280,7 +281,8 @@ def run_replay(args: argparse.Namespace) -> int:
           f"saving {out['raw_saving']:.1%}")
     print(f"  cache-aware     client {tally.client_cost:>12,.0f}  forwarded "
           f"{tally.forwarded_cost:>12,.0f}  saving {out['cache_aware_saving']:.1%}")
-    print(f"  (strict: a tool-schema change voids the cache: forwarded "
+    print(f"  (strict, tools rendered first: the proxy adding its tools mid-session voids the "
+          f"cached system prompt and messages: forwarded "
           f"{tally.forwarded_cost_strict:,.0f}, saving {out['cache_aware_saving_strict']:.1%})")
     if tally.bound < tally.client:  # else every request was a single run loop: no bound
         print(f"  bound (system prompt, tools and the current run loop only, nothing else): "
