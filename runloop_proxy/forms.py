@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from functools import partial
+from itertools import accumulate
 from typing import Any, Protocol
 
 import orjson
@@ -67,19 +68,27 @@ class Conversation:
         for lp in self.loops:
             for i in lp.positions:
                 self.loop_of[i] = lp.index
-        self.tool_names, self.tool_args = self._tool_names()
         self.refs = result_refs(messages, keys)
         cap = max(64, int(policy.max_tool_result_share * budget.working))
+        n_msgs = self.n
+        self.tool_names, self.tool_args = [""] * n_msgs, [""] * n_msgs
         self.full: list[Message] = list(messages)  # as shown when not elided (huge ones capped)
         self.full_counts = list(counts)
-        self.short: list[Message | None] = [None] * self.n  # elided / trimmed form
-        self.saving = [0] * self.n
+        self.short: list[Message | None] = [None] * n_msgs  # elided / trimmed form
+        self.saving = [0] * n_msgs
         self.tool_positions: list[int] = []
+        # tool exchanges: an assistant message with calls and the results that follow it
+        self.group_end: dict[int, int] = {}
+        pending: dict[str, tuple[str, str]] = {}  # call id -> (tool, arguments)
+        group = -1
         for i, m in enumerate(messages):
             role = m.get("role")
             if role == "tool":
-                if self.tool_names[i] in policy.exclude_tools or \
-                        m.get("tool_call_id") in protected:
+                cid = m.get("tool_call_id")
+                self.tool_names[i], self.tool_args[i] = pending.get(str(cid), ("tool", ""))
+                if group >= 0:
+                    self.group_end[group] = i + 1
+                if self.tool_names[i] in policy.exclude_tools or cid in protected:
                     continue  # kept whole: only the hard limit may touch them
                 if counts[i] > cap:
                     capped, n = self._derived(("cap", keys[i], str(cap), self.refs[i]),
@@ -90,45 +99,26 @@ class Conversation:
                                       partial(self._placeholder, i))
                 if self.full_counts[i] - n > 0:
                     self.short[i], self.saving[i] = ph, self.full_counts[i] - n
-            elif role == "assistant" and m.get("tool_calls"):
+                continue
+            group = -1
+            if role != "assistant":
+                continue
+            for c in tool_calls_of(m):
+                fn = c.get("function") or {}
+                pending[c.get("id", "")] = (str(fn.get("name", "")), str(fn.get("arguments", "")))
+            if m.get("tool_calls"):
+                group = i
+                self.group_end[i] = i + 1
                 trimmed, n = self._derived(("trim", keys[i], str(policy.reasoning_keep_tokens)),
                                            partial(self._trimmed_call, i))
                 if trimmed is not None and counts[i] - n > 0:
                     self.short[i], self.saving[i] = trimmed, counts[i] - n
-        self.prefix = [0] * (self.n + 1)
-        self.sav_prefix = [0] * (self.n + 1)
-        for i in range(self.n):
-            self.prefix[i + 1] = self.prefix[i] + self.full_counts[i]
-            self.sav_prefix[i + 1] = self.sav_prefix[i] + self.saving[i]
+        self.prefix = list(accumulate(self.full_counts, initial=0))
+        self.sav_prefix = list(accumulate(self.saving, initial=0))
         self.pre_tokens = self.prefix[self.pre]
         self._reduced: dict[int, tuple[list[Message], int, bool]] = {}
-        # tool exchanges: an assistant message with calls and the results that follow it
-        self.group_end: dict[int, int] = {}
-        i = 0
-        while i < self.n:
-            if messages[i].get("role") == "assistant" and messages[i].get("tool_calls"):
-                j = i + 1
-                while j < self.n and messages[j].get("role") == "tool":
-                    j += 1
-                self.group_end[i] = j
-                i = j
-            else:
-                i += 1
         self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
         self._elidable = frozenset(self.tool_positions)
-
-    def _tool_names(self) -> tuple[list[str], list[str]]:
-        names, args = [""] * self.n, [""] * self.n
-        pending: dict[str, tuple[str, str]] = {}
-        for i, m in enumerate(self.messages):
-            if m.get("role") == "assistant":
-                for c in tool_calls_of(m):
-                    fn = c.get("function") or {}
-                    pending[c.get("id", "")] = (str(fn.get("name", "")),
-                                                str(fn.get("arguments", "")))
-            elif m.get("role") == "tool":
-                names[i], args[i] = pending.get(str(m.get("tool_call_id", "")), ("tool", ""))
-        return names, args
 
     def _short_args(self, i: int) -> str:
         """A call's arguments for the ledger: ``key=value`` pairs when they are a flat JSON
