@@ -241,18 +241,23 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _resolve_env(value: Any, where: str, file: str) -> Any:
+def _resolve_env(value: Any, where: str, file: str, secrets: bool = True) -> Any:
+    """``${NAME}`` from the environment; without ``secrets`` (tools that only read the
+    policies, like ``replay``) an unset one becomes a placeholder unique to its place."""
     if isinstance(value, str):
         def sub(m: re.Match[str]) -> str:
             name = m.group(1)
             if name not in os.environ:
+                if not secrets:
+                    return f"unset-{name}-{hash_key(file + where)[:16]}"
                 raise ConfigError(file, where, f"environment variable {name} is not set")
             return os.environ[name]
         return _ENV_REF.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _resolve_env(v, f"{where}.{k}" if where else k, file) for k, v in value.items()}
+        return {k: _resolve_env(v, f"{where}.{k}" if where else k, file, secrets)
+                for k, v in value.items()}
     if isinstance(value, list):
-        return [_resolve_env(v, f"{where}[{i}]", file) for i, v in enumerate(value)]
+        return [_resolve_env(v, f"{where}[{i}]", file, secrets) for i, v in enumerate(value)]
     return value
 
 
@@ -307,8 +312,9 @@ def passthrough_tenant(settings: Settings, defaults: dict[str, Any] | None = Non
     return TenantSpec.model_validate(data)
 
 
-def load_config(settings: Settings) -> ProxyConfig:
-    """Build the effective config from the files (if any) and the settings; raise ConfigError."""
+def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
+    """Build the effective config from the files (if any) and the settings; raise ConfigError.
+    ``secrets=False``: unset ``${ENV}`` references are placeholders (policy-only readers)."""
     raw: dict[str, Any] = {}
     sources: list[Path] = []
     tenant_files: list[Path] = []
@@ -318,7 +324,7 @@ def load_config(settings: Settings) -> ProxyConfig:
             raise ConfigError(str(root), "", "config directory does not exist")
         gpath = root / GLOBAL_FILE
         if gpath.exists():
-            raw = _resolve_env(_read_toml(gpath), "", str(gpath))
+            raw = _resolve_env(_read_toml(gpath), "", str(gpath), secrets)
             sources.append(gpath)
         tdir = root / TENANTS_DIR
         if tdir.is_dir():
@@ -340,7 +346,7 @@ def load_config(settings: Settings) -> ProxyConfig:
     tenants: dict[str, TenantSpec] = {}
     key_index: dict[str, str] = {}
     for path in tenant_files:
-        data = _resolve_env(_read_toml(path), "", str(path))
+        data = _resolve_env(_read_toml(path), "", str(path), secrets)
         data.setdefault("name", path.stem)
         tenant: TenantSpec = _validate(TenantSpec, _deep_merge(defaults, data), str(path))
         if tenant.name in tenants:

@@ -213,7 +213,8 @@ def _tenant(args: argparse.Namespace) -> TenantSpec:
     if not args.config:
         tenant = passthrough_tenant(Settings(context_window=args.context))
     else:
-        config = load_config(Settings(config_dir=args.config, upstream="http://unused"))
+        config = load_config(Settings(config_dir=args.config, upstream="http://unused"),
+                             secrets=False)  # the replay reads policies, never keys
         tenant = config.tenants[args.tenant] if args.tenant else \
             config.passthrough or next(iter(config.tenants.values()))
     overrides: dict[str, Any] = {}

@@ -85,3 +85,18 @@ def test_replay_prints_the_bound_for_multi_turn_conversations(tmp_path: Path) ->
     single = tmp_path / "single.jsonl"
     single.write_text(json.dumps(conversation(3)) + "\n")
     assert "bound" not in run(single).stdout  # one run loop: nothing to bound
+
+
+def test_replay_reads_a_tenant_policy_without_its_secrets(tmp_path: Path) -> None:
+    (tmp_path / "tenants").mkdir()
+    (tmp_path / "runloop.toml").write_text(
+        '[upstreams.main]\nurl = "http://upstream.invalid"\napi_key = "${RUNLOOP_TEST_UNSET_A}"\n'
+        '[defaults]\nupstream = "main"\n')
+    (tmp_path / "tenants" / "t.toml").write_text(
+        'keys = ["${RUNLOOP_TEST_UNSET_B}"]\n[policy]\nsoft_budget_tokens = 4000\n')
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps(conversation(40)) + "\n")
+    tight = run(f, "--json", "--config", str(tmp_path), "--tenant", "t")
+    assert tight.returncode == 0, tight.stderr
+    loose = json.loads(run(f, "--json").stdout)
+    assert json.loads(tight.stdout)["forwarded_tokens"] < loose["forwarded_tokens"]
