@@ -143,7 +143,8 @@ async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
 
     keys = [p.hash for p in prepared]
     spliced, spliced_keys, protected = splice_internal(messages, keys, internal)
-    window = compute_window(ex, spliced, spliced_keys, protected)
+    tools = ProxyTools.for_request(ex.body.get("tools"))
+    window = compute_window(ex, spliced, spliced_keys, protected, tools.window_names)
     ex.window = window
     tl, ml = ex.labels()
     for event in window.events:
@@ -165,7 +166,7 @@ async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
     body: dict[str, Any] = {**ex.body, "messages": window.messages}
     n_choices = body.get("n") or 1
     if offer and n_choices == 1:
-        ex.tools = ProxyTools.for_request(body.get("tools"))
+        ex.tools = tools
         body["tools"] = [*(body.get("tools") or []), *ex.tools.definitions()]
         if ex.stream:
             # the rewritten stream sums every round's usage; the client gets it if it asked
@@ -176,7 +177,7 @@ async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
 
 
 def compute_window(ex: Exchange, messages: list[Message], keys: list[str],
-                   protected: frozenset[str]) -> Window:
+                   protected: frozenset[str], tool_names: tuple[str, str]) -> Window:
     state = ex.state
     enc, exact = state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
     factor = 1.0 if exact else state.tokens.factor(ex.model)
@@ -191,7 +192,7 @@ def compute_window(ex: Exchange, messages: list[Message], keys: list[str],
     return build_window(messages, keys, counts, ex.tenant.policy, budget,
                         WindowTokens(state, enc), protected=protected,
                         timestamps=first_seen(state.first_seen, keys, now), now_ms=now,
-                        memo=state.window_memo)
+                        memo=state.window_memo, tool_names=tool_names)
 
 
 def first_seen(seen: OrderedDict[str, int], keys: list[str], now: int) -> list[int | None]:

@@ -23,6 +23,8 @@ from .runloops import RunLoop, preamble_end, segment
 TAG = "[runloop-proxy]"
 MEMO_SIZE = 50_000
 Memo = MutableMapping[tuple[str, ...], Any]
+ToolNames = tuple[str, str]  # (recall, search) as the model sees them
+DEFAULT_NAMES: ToolNames = ("recall_tool_call", "search_history")
 LEDGER_MAX_LINES = 24
 LEDGER_INLINE_TOKENS = 16  # a result this small is shown in the ledger itself
 
@@ -57,8 +59,10 @@ class Conversation:
 
     def __init__(self, messages: list[Message], keys: list[str], counts: list[int],
                  policy: Policy, budget: Budget, ops: TokenOps, protected: frozenset[str],
-                 memo: Memo | None):
+                 memo: Memo | None, names: ToolNames = DEFAULT_NAMES):
         self.messages, self.keys, self.counts = messages, keys, counts
+        self.names = names  # the proxy's tools as this request calls them (renamed on a clash)
+        self.recall, self.search = names
         self.policy, self.budget, self.ops = policy, budget, ops
         self.memo, self.protected = memo, protected
         self.n = len(messages)
@@ -91,11 +95,11 @@ class Conversation:
                 if self.tool_names[i] in policy.exclude_tools or cid in protected:
                     continue  # kept whole: only the hard limit may touch them
                 if counts[i] > cap:
-                    capped, n = self._derived(("cap", keys[i], str(cap), self.refs[i]),
+                    capped, n = self._derived(("cap", keys[i], str(cap), self.refs[i], *names),
                                               partial(self._capped, i, cap))
                     self.full[i], self.full_counts[i] = capped, n  # type: ignore[assignment]
                 self.tool_positions.append(i)
-                ph, n = self._derived(("ph", keys[i], self.refs[i], str(counts[i])),
+                ph, n = self._derived(("ph", keys[i], self.refs[i], str(counts[i]), *names),
                                       partial(self._placeholder, i))
                 if self.full_counts[i] - n > 0:
                     self.short[i], self.saving[i] = ph, self.full_counts[i] - n
@@ -109,7 +113,8 @@ class Conversation:
             if m.get("tool_calls"):
                 group = i
                 self.group_end[i] = i + 1
-                trimmed, n = self._derived(("trim", keys[i], str(policy.reasoning_keep_tokens)),
+                trimmed, n = self._derived(("trim", keys[i], str(policy.reasoning_keep_tokens),
+                                            *names),
                                            partial(self._trimmed_call, i))
                 if trimmed is not None and counts[i] - n > 0:
                     self.short[i], self.saving[i] = trimmed, counts[i] - n
@@ -176,7 +181,7 @@ class Conversation:
             fn = call.get("function") or {}
             args = fn.get("arguments")
             if isinstance(args, str) and len(args) > keep:
-                short = _trim_arguments(args, keep, call.get("id", ""), self.ops)
+                short = _trim_arguments(args, keep, call.get("id", ""), self.ops, self.recall)
                 if short != args:
                     call = {**call, "function": {**fn, "arguments": short}}
                     changed = True
@@ -186,14 +191,14 @@ class Conversation:
 
     def _placeholder(self, i: int) -> Message:
         text = (f'{TAG} {self.counts[i]}-token result elided; '
-                f'recall_tool_call(call_id="{self.refs[i]}") returns it.')
+                f'{self.recall}(call_id="{self.refs[i]}") returns it.')
         return {"role": "tool", "tool_call_id": self.messages[i]["tool_call_id"], "content": text}
 
     def _capped(self, i: int, cap: int) -> Message:
         m = self.messages[i]
         text = self.ops.truncate(text_of(m.get("content")), cap)
         note = (f"\n{TAG} Result truncated from {self.counts[i]} tokens; "
-                f'recall_tool_call(call_id="{self.refs[i]}") returns it in full.')
+                f'{self.recall}(call_id="{self.refs[i]}") returns it in full.')
         return {**m, "content": text + note}
 
     # -- past loops in question + answer form -----------------------------------------------
@@ -208,7 +213,8 @@ class Conversation:
                                          for i in pos).encode())
             pol = self.policy
             self._reduced[j] = self._memoised(
-                ("loop", ident, str(pol.max_message_length), str(pol.ledger_arg_chars)),
+                ("loop", ident, str(pol.max_message_length), str(pol.ledger_arg_chars),
+                 *self.names),
                 partial(self._reduce, lp))
         return self._reduced[j]
 
@@ -268,7 +274,7 @@ class Conversation:
             tail = LEDGER_MAX_LINES - head
             entries = [*entries[:head], f"…{len(entries) - LEDGER_MAX_LINES} more…",
                        *entries[-tail:]]
-        return f"{TAG} tools used (recall_tool_call takes the id): " + "; ".join(entries)
+        return f"{TAG} tools used ({self.recall} takes the id): " + "; ".join(entries)
 
     def keeps(self, group: int) -> bool:
         """Whether a tool exchange holds a result that is never elided (excluded, or a
@@ -292,7 +298,7 @@ class Conversation:
             last = tool_calls_of(self.messages[steps[-1]])[-1].get("id", "")
             note = (f"\n\n{TAG} The first {len(steps)} tool exchange(s) after this message "
                     f"(calls {first} … {last}) are not shown to save context; "
-                    f"search_history(query) searches them and recall_tool_call(call_id) "
+                    f"{self.search}(query) searches them and {self.recall}(call_id) "
                     f"returns any result.")
             content = m.get("content")
             if isinstance(content, list):
@@ -305,20 +311,20 @@ class Conversation:
 
     def marker(self, omitted: int, summary: str | None) -> Message:
         text = (f"{TAG} {omitted} earlier turn(s) of this conversation are not shown to save "
-                f"context. search_history(query) searches them; recall_tool_call(call_id) "
+                f"context. {self.search}(query) searches them; {self.recall}(call_id) "
                 f"returns any earlier tool result.")
         if summary:
             text += f"\nSummary of those turns:\n{summary}"
         return {"role": "system", "content": text}
 
 
-def _trim_arguments(args: str, keep: int, call_id: str, ops: TokenOps) -> str:
+def _trim_arguments(args: str, keep: int, call_id: str, ops: TokenOps, recall: str) -> str:
     """Cut long string values inside JSON arguments; the result still parses as JSON."""
     try:
         parsed = orjson.loads(args)
     except orjson.JSONDecodeError:
         return args
-    note = (f" [runloop-proxy: arguments cut; recall_tool_call(call_id=\"args:{call_id}\") "
+    note = (f" [runloop-proxy: arguments cut; {recall}(call_id=\"args:{call_id}\") "
             f"returns them whole] ")
 
     def cut(v: object) -> object:

@@ -28,7 +28,7 @@ from .forms import Budget
 from .messages import Message, message_hash
 from .runloops import preamble_end, segment
 from .tokens import REPLY_PRIMING, TokenCounter
-from .tools import definitions_tokens
+from .tools import ProxyTools, definitions_tokens
 from .window import build_window
 
 CACHE_MIN = 1024
@@ -109,6 +109,7 @@ class Replayer:
         tools = conv.get("tools") or None
         tools_tokens = self.counter.tools(self.enc, tools)
         budget = self.budget(tools_tokens)
+        names = ProxyTools.for_request(tools).window_names
         keys = [message_hash(m) for m in messages]
         counts = [self.counter.message(self.enc, m, k) for m, k in zip(messages, keys,
                                                                        strict=True)]
@@ -120,7 +121,8 @@ class Replayer:
             if messages[i].get("role") != "assistant":
                 continue
             req, rkeys, rcounts = messages[:i], keys[:i], counts[:i]
-            window = build_window(req, rkeys, rcounts, self.tenant.policy, budget, self.ops)
+            window = build_window(req, rkeys, rcounts, self.tenant.policy, budget, self.ops,
+                                  tool_names=names)
             client_total = sum(rcounts) + tools_tokens + REPLY_PRIMING
             with_tools = window.offers_tools(self.tenant.policy, bool(tools))
             fwd_tools = tools_tokens + (self.proxy_tools if with_tools else 0)

@@ -81,6 +81,14 @@ class ProxyTools:
             names[name] = kind
         return cls(names)
 
+    def name_of(self, kind: str) -> str:
+        return next(name for name, k in self.names.items() if k == kind)
+
+    @property
+    def window_names(self) -> tuple[str, str]:
+        """(recall, search) as the window's notes must name them."""
+        return self.name_of(RECALL), self.name_of(SEARCH)
+
     def definitions(self) -> list[dict[str, Any]]:
         return [_definition(name, kind) for name, kind in self.names.items()]
 

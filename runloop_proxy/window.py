@@ -19,7 +19,16 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from .config import Policy, ProxyToolsMode, ReducePastLoops
-from .forms import MEMO_SIZE, TAG, Budget, Conversation, Memo, TokenOps
+from .forms import (
+    DEFAULT_NAMES,
+    MEMO_SIZE,
+    TAG,
+    Budget,
+    Conversation,
+    Memo,
+    TokenOps,
+    ToolNames,
+)
 from .messages import Message, content_hash, tool_calls_of
 from .runloops import segment
 
@@ -321,6 +330,7 @@ class _Checkpoints:
         b = conv.budget
         self.context = content_hash(
             f"{conv.policy.model_dump_json()}|{b.hard}|{b.working}|{summary or ''}|"
+            f"{'|'.join(conv.names)}|"
             f"{','.join(sorted(conv.protected))}".encode())
         self.usable = not replay.time_omission_possible()
 
@@ -359,13 +369,15 @@ def request_points(messages: list[Message], pre: int) -> list[int]:
 def build_window(messages: list[Message], keys: list[str], counts: list[int], policy: Policy,
                  budget: Budget, ops: TokenOps, *, timestamps: list[int | None] | None = None,
                  now_ms: int | None = None, summary: str | None = None,
-                 protected: frozenset[str] = frozenset(), memo: Memo | None = None) -> Window:
+                 protected: frozenset[str] = frozenset(), memo: Memo | None = None,
+                 tool_names: ToolNames = DEFAULT_NAMES) -> Window:
     """The window for a request carrying ``messages`` (pure; ``counts`` per message;
     ``memo`` only caches derived forms, it never changes the result)."""
     tokens_in = sum(counts)
     if not policy.enabled or _nothing_to_do(messages, counts, policy, budget, tokens_in):
         return Window(messages, False, tokens_in <= budget.hard, tokens_in, tokens_in)
-    conv = Conversation(messages, keys, counts, policy, budget, ops, protected, memo)
+    conv = Conversation(messages, keys, counts, policy, budget, ops, protected, memo,
+                        tool_names)
     replay = _Replay(conv, timestamps, now_ms, summary)
     points = request_points(messages, conv.pre)
     start = 0
@@ -452,7 +464,7 @@ def _drop_oldest_exchanges(conv: Conversation, out: list[Message], tokens: int
                and isinstance(m.get("content"), str)), None)
     if at is not None:
         note = (f"\n\n{TAG} {dropped} older tool exchange(s) were dropped to fit the context; "
-                f"search_history(query) finds them.")
+                f"{conv.search}(query) finds them.")
         old = kept[at]
         kept[at] = {**old, "content": old["content"] + note}
         tokens += conv.ops.count(kept[at]) - conv.ops.count(old)

@@ -246,6 +246,10 @@ def test_client_tool_with_the_same_name_wins(proxy: ProxyServer,
     c.chat.completions.create(model="gpt-4o-mini", messages=long_session(), tools=tools)
     names = [t["function"]["name"] for t in upstream.requests[-1]["tools"]]
     assert names == ["bash", "recall_tool_call", "runloop_recall_tool_call", "search_history"]
+    # the window's notes name the proxy's tool as renamed, never the client's
+    sent = orjson.dumps(upstream.requests[-1]["messages"]).decode()
+    assert 'runloop_recall_tool_call(call_id=\\"' in sent
+    assert sent.count("recall_tool_call(") == sent.count("runloop_recall_tool_call(")
     assert ProxyTools.for_request(tools).names == {"runloop_recall_tool_call": "recall_tool_call",
                                                   "search_history": "search_history"}
 
