@@ -186,13 +186,20 @@ def compute_window(ex: Exchange, messages: list[Message], keys: list[str],
     budget = Budget.for_request(
         ex.tenant.policy, ex.tenant.context_window(ex.model),
         b.get("max_completion_tokens") or b.get("max_tokens"),
-        state.tokens.tools(enc, b.get("tools")) + definitions_tokens(state.tokens, enc), factor,
+        state.tokens.tools(enc, b.get("tools")) + _proxy_tools_tokens(state, enc), factor,
         REPLY_PRIMING)
     now = int(time.time() * 1000)
     return build_window(messages, keys, counts, ex.tenant.policy, budget,
                         WindowTokens(state, enc), protected=protected,
                         timestamps=first_seen(state.first_seen, keys, now), now_ms=now,
                         memo=state.window_memo, tool_names=tool_names)
+
+
+def _proxy_tools_tokens(state: AppState, enc: tiktoken.Encoding) -> int:
+    n = state.window_memo.get(("proxy-tools", enc.name))
+    if n is None:
+        n = state.window_memo[("proxy-tools", enc.name)] = definitions_tokens(state.tokens, enc)
+    return n
 
 
 def first_seen(seen: OrderedDict[str, int], keys: list[str], now: int) -> list[int | None]:

@@ -136,8 +136,14 @@ class TokenCounter:
 
     def tools(self, enc: tiktoken.Encoding, tools: list[dict[str, Any]] | None) -> int:
         """Tokens the tool schemas add to the prompt (cached by their content)."""
-        if not tools:
-            return 0
+        return self._rendered(enc, tools) if tools else 0
+
+    def tools_frame(self, enc: tiktoken.Encoding) -> int:
+        """What a tools section costs with nothing in it: what tools added to a prompt that
+        already has some do not pay again."""
+        return self._rendered(enc, [])
+
+    def _rendered(self, enc: tiktoken.Encoding, tools: list[dict[str, Any]]) -> int:
         ck = (enc.name, "tools:" + content_hash(orjson.dumps(tools)))
         with self._lock:
             hit = self._cache.get(ck)

@@ -21,7 +21,7 @@ from .errors import StoreError
 from .messages import Message, ToolCall, message_hash, message_text, result_refs, tool_calls_of
 from .runloops import segment
 from .store import RedisStore
-from .tokens import TOOLS_OVERHEAD, TokenCounter, render_tools
+from .tokens import TokenCounter
 
 RECALL = "recall_tool_call"
 SEARCH = "search_history"
@@ -48,17 +48,9 @@ def _definition(name: str, kind: str) -> dict[str, Any]:
 
 
 def definitions_tokens(counter: TokenCounter, enc: tiktoken.Encoding) -> int:
-    """What the proxy's tools add to a prompt that already has tools (counted once per
-    encoding)."""
-    n = _DEFINITIONS_TOKENS.get(enc.name)
-    if n is None:
-        alone = counter.tools(enc, ProxyTools.for_request(None).definitions())
-        n = _DEFINITIONS_TOKENS[enc.name] = \
-            alone - counter.text(enc, render_tools([])) - TOOLS_OVERHEAD
-    return n
-
-
-_DEFINITIONS_TOKENS: dict[str, int] = {}
+    """What the proxy's tools add to a prompt that already has tools (both counts cached)."""
+    return counter.tools(enc, ProxyTools.for_request(None).definitions()) \
+        - counter.tools_frame(enc)
 
 
 @dataclass(frozen=True)
