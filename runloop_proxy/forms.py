@@ -310,9 +310,12 @@ class Conversation:
         return self._noted[key]
 
     def marker(self, omitted: int, summary: str | None) -> Message:
-        text = (f"{TAG} {omitted} earlier turn(s) of this conversation are not shown to save "
-                f"context. {self.search}(query) searches them; {self.recall}(call_id) "
-                f"returns any earlier tool result.")
+        # The same text whatever ``omitted`` is: the marker sits right after the system prompt,
+        # and a text that changed with each omission would make the provider re-read it and
+        # everything after it (the turns still shown) at full price every time.
+        text = (f"{TAG} Earlier turns of this conversation are not shown to save context. "
+                f"{self.search}(query) searches them; {self.recall}(call_id) returns any "
+                f"earlier tool result.")
         if summary:
             text += f"\nSummary of those turns:\n{summary}"
         return {"role": "system", "content": text}

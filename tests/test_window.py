@@ -211,7 +211,7 @@ def test_old_loops_omitted_in_batches_with_a_marker() -> None:
         msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
     msgs.append(U())
     w = build(msgs, Policy(max_run_loops=4, reduce_at_least=0))
-    assert w.messages[1]["role"] == "system" and "earlier turn" in w.messages[1]["content"]
+    assert w.messages[1]["role"] == "system" and "Earlier turns" in w.messages[1]["content"]
     assert w.omitted_loops >= 2 and w.reduced_loops <= 4
     assert "search_history" in w.messages[1]["content"]
     assert_valid(w.messages)
@@ -232,7 +232,8 @@ def test_loops_older_than_max_time_range_are_omitted() -> None:
     w = build_window(msgs, keys, counts, Policy(reduce_at_least=0, max_time_range_s=7 * 86_400),
                      Budget(100_000, 1_000), OPS, timestamps=stamps, now_ms=12 * day)
     assert w.omitted_loops == 2  # loops started 12 and 9 days ago; 6 and 3 days ago stay
-    assert "2 earlier turn(s)" in w.messages[1]["content"]
+    assert "Earlier turns" in w.messages[1]["content"]
+    assert [m["content"] for m in w.messages if m["role"] == "user"][0] == words(5, "q2")
     assert_valid(w.messages)
     # a checkpoint saved while no loop was old yet is not resumed once the clock moved on
     memo: dict[Any, Any] = {}
@@ -447,6 +448,17 @@ def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
         assert_valid(w.messages)
     # past loops shown run 1, 2, 3 then drop back to 1: one prefix change per three turns
     assert shown == [1, 2, 3, 1, 2, 3, 1]
+    # the marker reads the same whatever was omitted: an omission event changes the prefix
+    # after it, never the marker itself
+    markers = set()
+    for n in (4, 7, 10):
+        msgs = [S]
+        for k in range(n):
+            msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
+        msgs.append(U())
+        markers.add(build(msgs, Policy(max_run_loops=3, omit_batch=3,
+                                       reduce_at_least=0)).messages[1]["content"])
+    assert len(markers) == 1
 
 
 def test_the_next_request_replays_only_its_own_point(monkeypatch: Any) -> None:
