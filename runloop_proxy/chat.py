@@ -144,7 +144,15 @@ async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
     keys = [p.hash for p in prepared]
     spliced, spliced_keys, protected = splice_internal(messages, keys, internal)
     tools = ProxyTools.for_request(ex.body.get("tools"))
-    window = compute_window(ex, spliced, spliced_keys, protected, tools.window_names)
+    try:
+        window = compute_window(ex, spliced, spliced_keys, protected, tools.window_names)
+    except Exception:  # noqa: BLE001 - a window bug must not cost the user this call
+        log.exception("window failed: passing the request through uncompressed",
+                      extra={"tenant": ex.tenant.name, "session": ex.session_id})
+        ex.degraded = "window"
+        state.metrics.degraded.labels(ex.tenant_label, "window").inc()
+        return await forward(ex, dict(ex.body) if ex.server_history else ex.raw, messages,
+                             prepared)
     ex.window = window
     tl, ml = ex.labels()
     for event in window.events:

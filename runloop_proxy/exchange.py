@@ -132,7 +132,7 @@ def record_raw(ex: Exchange, raw: bytes, prepared: list[Prepared]) -> dict[str, 
 def record(ex: Exchange, prepared: list[Prepared], reply: Message | None) -> None:
     """Add what the client sent, and the reply it received, to the session's full history."""
     store = ex.state.store
-    if store is None or ex.degraded:
+    if store is None or ex.degraded == "store":
         return
     if ex.server_history:
         if reply is not None:

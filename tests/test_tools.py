@@ -308,3 +308,23 @@ def test_compressed_stream_without_proxy_tools_adds_no_usage_chunk(
     assert b'"choices":[]' not in raw and raw.count(b"[DONE]") == 1
     sent = upstream.requests[-1]
     assert "stream_options" not in sent and "tools" not in sent  # n>1: no proxy tools
+
+
+def test_a_failing_window_passes_the_request_through(proxy: ProxyServer,
+                                                     upstream: ScriptedUpstream,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected window bug")
+
+    monkeypatch.setattr("runloop_proxy.chat.build_window", broken)
+    msgs = long_session()
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    r = c.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=msgs,
+                                                    tools=CLIENT_TOOLS)
+    assert r.parse().choices[0].message.content  # the user's call still succeeded
+    assert r.headers["x-runloop-degraded"] == "window"
+    assert upstream.requests[-1]["messages"] == msgs  # sent as it came
+    metrics = httpx.get(proxy.base + "/metrics").text
+    degraded = [line for line in metrics.splitlines()
+                if line.startswith("runloop_degraded_requests_total{")]
+    assert any('reason="window"' in line and line.endswith(" 1.0") for line in degraded)
