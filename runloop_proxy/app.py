@@ -23,7 +23,7 @@ from .errors import ConfigError, error_bytes
 from .metrics import Metrics
 from .routes import CHAT_PATH, ClientGone, chat_completions, routes
 from .store import RedisStore
-from .tokens import TokenCounter
+from .tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
 from .upstream import UpstreamClient
 
 log = logs.get("app")
@@ -65,6 +65,12 @@ class AppState:
             # In-flight requests still hold the old clients: close them once those are done.
             self.spawn(_close_later(stale))
 
+    async def warm_encodings(self, config: ProxyConfig) -> None:
+        """Load the encodings the config's models use now, bounded in time, never on a
+        request (tiktoken fetches what is not shipped offline)."""
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.tokens.warm, [*WARM_ENCODINGS, *_configured_encodings(config)])
+
     async def reload(self, reason: str) -> bool:
         try:
             config = load_config(self.settings)
@@ -73,6 +79,7 @@ class AppState:
             log.error("config reload failed; keeping the last good config",
                       extra={"reason": reason, "error": str(exc)})
             return False
+        await self.warm_encodings(config)
         self.config = config
         await self.sync_upstreams()
         self.metrics.config_reloads.labels("ok").inc()
@@ -84,6 +91,13 @@ async def _close_later(clients: list[UpstreamClient], delay: float = 60.0) -> No
     await asyncio.sleep(delay)
     for c in clients:
         await c.close()
+
+
+def _configured_encodings(config: ProxyConfig) -> list[str]:
+    tenants = [*config.tenants.values(), *([config.passthrough] if config.passthrough else [])]
+    names = (spec.encoding or encoding_name_for(model)
+             for t in tenants for model, spec in t.models.items())
+    return sorted({n for n in names if n})
 
 
 async def _watch_config(state: AppState) -> None:
@@ -106,7 +120,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
         state = AppState(settings=settings, config=config, metrics=metrics or Metrics(),
                          tokens=TokenCounter())
         app.state.runloop = state
-        state.tokens.encoding("gpt-4o")  # load the offline encoding now, not on a request
+        await state.warm_encodings(config)
         await state.sync_upstreams()
         redis_url = config.store.redis_url
         if not redis_url:

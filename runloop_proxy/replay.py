@@ -27,7 +27,7 @@ from .errors import ConfigError
 from .forms import Budget
 from .messages import Message, message_hash
 from .runloops import preamble_end, segment
-from .tokens import REPLY_PRIMING, TokenCounter
+from .tokens import REPLY_PRIMING, TokenCounter, encoding_name_for
 from .tools import ProxyTools, definitions_tokens
 from .window import build_window
 
@@ -95,6 +95,7 @@ class Replayer:
         self.model = model
         self.context = context or tenant.context_window(model)
         self.counter = TokenCounter()
+        self.counter.warm([tenant.encoding_for(model) or encoding_name_for(model) or ""])
         self.enc, _ = self.counter.encoding(model, tenant.encoding_for(model))
         self.proxy_tools = definitions_tokens(self.counter, self.enc)
         self.ops = WindowTokens(SimpleNamespace(tokens=self.counter,  # type: ignore[arg-type]

