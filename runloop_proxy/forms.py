@@ -29,6 +29,13 @@ LEDGER_MAX_LINES = 24
 LEDGER_INLINE_TOKENS = 16  # a result this small is shown in the ledger itself
 
 
+def remember(memo: Memo, key: tuple[str, ...], value: Any) -> None:
+    """Store in the cross-request memo, emptied whole when full (it only ever caches)."""
+    if len(memo) >= MEMO_SIZE:
+        memo.clear()
+    memo[key] = value
+
+
 @dataclass(frozen=True)
 class Budget:
     hard: int  # what must fit: window - reserved output - tool schemas - margin
@@ -159,9 +166,7 @@ class Conversation:
                 return hit
         out = make()
         if memo is not None:
-            if len(memo) >= MEMO_SIZE:
-                memo.clear()
-            memo[key] = out
+            remember(memo, key, out)
         return out
 
     def _trimmed_call(self, i: int) -> Message | None:

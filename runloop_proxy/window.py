@@ -21,13 +21,13 @@ from enum import StrEnum
 from .config import Policy, ProxyToolsMode, ReducePastLoops
 from .forms import (
     DEFAULT_NAMES,
-    MEMO_SIZE,
     TAG,
     Budget,
     Conversation,
     Memo,
     TokenOps,
     ToolNames,
+    remember,
 )
 from .messages import Message, content_hash, tool_calls_of
 from .runloops import segment
@@ -179,6 +179,18 @@ class _Replay:
                 break
             k = lp.index + 1
         return k
+
+    def snapshot(self) -> tuple[int, ...]:
+        """The plan and the running sum it implies, without the events (those are recorded
+        at the request's own point only)."""
+        plan = self.plan
+        return (plan.reduced_upto, plan.omit_upto, plan.elide_upto, plan.drop_from,
+                plan.drop_upto, self.red_sum)
+
+    def resume(self, state: tuple[int, ...]) -> None:
+        plan = self.plan
+        (plan.reduced_upto, plan.omit_upto, plan.elide_upto, plan.drop_from, plan.drop_upto,
+         self.red_sum) = state
 
     def time_omission_possible(self) -> bool:
         """Whether some loop is already older than ``max_time_range`` (then the replay's
@@ -343,19 +355,13 @@ class _Checkpoints:
         hit = self.memo.get(self._key(p))
         if hit is None:
             return False
-        r = self.replay
-        (r.plan.reduced_upto, r.plan.omit_upto, r.plan.elide_upto, r.plan.drop_from,
-         r.plan.drop_upto, r.red_sum) = hit
+        self.replay.resume(hit)
         return True
 
     def save(self, p: int) -> None:
         if not self.usable:
             return
-        r = self.replay
-        if len(self.memo) >= MEMO_SIZE:
-            self.memo.clear()
-        self.memo[self._key(p)] = (r.plan.reduced_upto, r.plan.omit_upto, r.plan.elide_upto,
-                                   r.plan.drop_from, r.plan.drop_upto, r.red_sum)
+        remember(self.memo, self._key(p), self.replay.snapshot())
 
 
 def request_points(messages: list[Message], pre: int) -> list[int]:
