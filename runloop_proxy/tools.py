@@ -193,7 +193,8 @@ class ToolRunner:
         content = found[0][1].get("content")
         if len(found) > 1:
             # a reused call id: its first result, and the refs of the others
-            others = ", ".join(r for r, _ in found[1:] if r) or "search_history finds them"
+            others = ", ".join(r for r, _ in found[1:] if r) or \
+                f"{self.tools.name_of(SEARCH)} finds them"
             note = f"\n[runloop-proxy] call id {ref} was used more than once; this is the " \
                    f"first result. The others: {others}"
             content = (content if isinstance(content, str) else message_text(found[0][1])) \
