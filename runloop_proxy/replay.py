@@ -114,6 +114,13 @@ class Replayer:
         keys = [message_hash(m) for m in messages]
         counts = [self.counter.message(self.enc, m, k) for m, k in zip(messages, keys,
                                                                        strict=True)]
+        # a loop's start depends only on the messages before it: segment the whole
+        # conversation once, not each request's prefix
+        pre = preamble_end(messages)
+        loop_start = [0] * len(messages)
+        for lp in segment(messages):
+            for k in lp.positions:
+                loop_start[k] = lp.start
         prev_client: list[str] | None = None
         prev_bound: list[str] | None = None
         prev_fwd: list[str] | None = None
@@ -153,8 +160,7 @@ class Replayer:
                 fwd_total, fwd_tools + msg_prefix if same_tools else tools_prefix)
             tally.forwarded += fwd_total
             # the bound no window reaches: the system prompt, the tools and the current loop
-            keep = [*range(preamble_end(req)), *segment(req)[-1].positions] \
-                if i > preamble_end(req) else list(range(i))
+            keep = [*range(pre), *range(loop_start[i - 1], i)] if i > pre else list(range(i))
             bkeys = [keys[k] for k in keep]
             bound = sum(counts[k] for k in keep) + tools_tokens + REPLY_PRIMING
             tally.bound += bound
