@@ -110,8 +110,8 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
          "description": "1 when Redis answered the last operation; 0 while degraded.",
          "targets": [("min(runloop_store_up)", "store up")]},
         {"title": "Store errors and degraded requests", "unit": "short",
-         "description": "Redis failures by operation; requests passed through uncompressed "
-                        "because of them.",
+         "description": "Redis failures by operation; requests passed through uncompressed, "
+                        "by reason (store: Redis unreachable; window: building it failed).",
          "targets": [('sum by (op) (rate(runloop_store_errors_total[' + R + '])) or vector(0)',
                       "error {{op}}"),
                      (rate("runloop_degraded_requests_total", by="reason") + " or vector(0)",
