@@ -129,6 +129,7 @@ class Conversation:
         self.sav_prefix = list(accumulate(self.saving, initial=0))
         self.pre_tokens = self.prefix[self.pre]
         self._reduced: dict[int, tuple[list[Message], int, bool]] = {}
+        self._answers: dict[int, tuple[Message | None, int]] = {}
         self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
         self._elidable = frozenset(self.tool_positions)
 
@@ -222,6 +223,22 @@ class Conversation:
                  *self.names),
                 partial(self._reduce, lp))
         return self._reduced[j]
+
+    def answer(self, j: int) -> tuple[Message | None, int]:
+        """Loop ``j``'s final reply, capped like a reduced loop's but without the ledger (the
+        marker before it points to search_history), and its tokens; None without a reply."""
+        if j not in self._answers:
+            i = self.loops[j].final_position
+            self._answers[j] = (None, 0)
+            if i is not None:
+                text = message_text(self.messages[i])
+                capped = self.ops.truncate(text, self.policy.max_message_length)
+                if capped == text:
+                    self._answers[j] = (self.messages[i], self.counts[i])
+                else:
+                    msg: Message = {"role": "assistant", "content": capped}
+                    self._answers[j] = (msg, self.ops.count(msg))
+        return self._answers[j]
 
     def _reduce(self, lp: RunLoop) -> tuple[list[Message], int, bool]:
         limit = self.policy.max_message_length
@@ -318,9 +335,8 @@ class Conversation:
         # The same text whatever ``omitted`` is: the marker sits right after the system prompt,
         # and a text that changed with each omission would make the provider re-read it and
         # everything after it (the turns still shown) at full price every time.
-        text = (f"{TAG} Earlier turns of this conversation are not shown to save context. "
-                f"{self.search}(query) searches them; {self.recall}(call_id) returns any "
-                f"earlier tool result.")
+        text = (f"{TAG} Earlier turns are not shown: {self.search}(query) searches them "
+                f"and {self.recall}(call_id) returns their tool results.")
         if summary:
             text += f"\nSummary of those turns:\n{summary}"
         return {"role": "system", "content": text}

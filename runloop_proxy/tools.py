@@ -34,15 +34,12 @@ def _definition(name: str, kind: str) -> dict[str, Any]:
     if kind == RECALL:
         return {"type": "function", "function": {
             "name": name,
-            "description": "Return verbatim an earlier tool result left out of the "
-                           "conversation to save context.",
-            "parameters": {"type": "object", "properties": {
-                "call_id": {"type": "string", "description": "the id its note shows"}},
-                "required": ["call_id"]}}}
+            "description": "Return an earlier tool result verbatim, by the id a note shows.",
+            "parameters": {"type": "object", "properties": {"call_id": {"type": "string"}},
+                           "required": ["call_id"]}}}
     return {"type": "function", "function": {
         "name": name,
-        "description": "Search this conversation's whole history, also what is no longer "
-                       "shown; returns snippets with their turn and ids.",
+        "description": "Search this conversation's full history, also turns not shown.",
         "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
                        "required": ["query"]}}}
 

@@ -86,6 +86,7 @@ class _Plan:
     elide_upto: int = 0  # tool results / reasoning below this position are elided
     drop_from: int = 0  # whole tool exchanges in [drop_from, drop_upto) are not shown
     drop_upto: int = 0
+    answer_of: int = -1  # an omitted loop whose final reply stays shown after the marker
     events: list[Event] = field(default_factory=list)
 
 
@@ -114,6 +115,8 @@ class _Replay:
             total -= c.sav_prefix[e] - c.sav_prefix[fs]
         if plan.omit_upto:
             total += self.marker_tokens(plan.omit_upto)
+        if plan.answer_of >= 0:
+            total += c.answer(plan.answer_of)[1]
         if plan.drop_upto > plan.drop_from and plan.drop_upto <= p:
             total -= c.shown(plan.drop_from, plan.drop_upto)
             total += c.noted(plan.drop_from - 1, plan.drop_upto)[1]
@@ -150,30 +153,41 @@ class _Replay:
         reduced = sum(c.reduced(j)[1] for j in range(plan.reduced_upto, current))
         return full - reduced >= c.policy.reduce_at_least
 
-    def omit_to(self, loop: int) -> bool:
+    def omit_to(self, loop: int, current: int) -> bool:
+        """Stop showing the closed loops below ``loop`` (``current`` is the open one),
+        reduced or still whole (when reducing them did not pay).
+
+        An omission that leaves no past loop in view keeps the last one's final reply after
+        the marker, so the model still sees what the user is answering. On the turn that
+        omits it that costs no extra re-read: the window differs from the last request's right
+        after the marker either way, and the reply was new to the provider then anyway."""
         plan = self.plan
-        loop = min(loop, plan.reduced_upto)
+        loop = min(loop, current)
         if loop <= plan.omit_upto:
             return False
+        self.reduce_to(loop)
         for j in range(plan.omit_upto, loop):
             self.red_sum -= self.c.reduced(j)[1]
         plan.omit_upto = loop
+        kept = loop == current and self.c.answer(loop - 1)[0] is not None
+        plan.answer_of = loop - 1 if kept else -1
         return True
 
-    def batch_omission(self) -> int:
+    def batch_omission(self, past: int) -> int:
+        """Loops to omit when ``past`` closed loops precede the open one: beyond
+        ``max_run_loops``, a batch at a time."""
         m = self.c.policy.max_run_loops
         b = self.c.policy.omission_batch
-        past = self.plan.reduced_upto
         if past <= m:
             return 0
         return ((past - m - 1) // b + 1) * b
 
-    def time_omission(self) -> int:
+    def time_omission(self, past: int) -> int:
         if self.timestamps is None or self.now_ms is None:
             return 0
         horizon = self.now_ms - int(self.c.policy.max_time_range_s * 1000)
         k = 0
-        for lp in self.c.loops[: self.plan.reduced_upto]:
+        for lp in self.c.loops[:past]:
             ts = self.timestamps[lp.start]
             if ts is None or ts >= horizon:
                 break
@@ -185,12 +199,12 @@ class _Replay:
         at the request's own point only)."""
         plan = self.plan
         return (plan.reduced_upto, plan.omit_upto, plan.elide_upto, plan.drop_from,
-                plan.drop_upto, self.red_sum)
+                plan.drop_upto, plan.answer_of, self.red_sum)
 
     def resume(self, state: tuple[int, ...]) -> None:
         plan = self.plan
         (plan.reduced_upto, plan.omit_upto, plan.elide_upto, plan.drop_from, plan.drop_upto,
-         self.red_sum) = state
+         plan.answer_of, self.red_sum) = state
 
     def time_omission_possible(self) -> bool:
         """Whether some loop is already older than ``max_time_range`` (then the replay's
@@ -211,7 +225,8 @@ class _Replay:
                 and self.reduce_to(current):
             self._event(record, CompactionKind.PAST_LOOPS, before, p, "past run loops")
         before = self.tokens(p)
-        if self.omit_to(max(self.batch_omission(), self.time_omission())):
+        if self.omit_to(max(self.batch_omission(current), self.time_omission(current)),
+                        current):
             self._event(record, CompactionKind.OMISSION, before, p, "max_run_loops/max_time_range")
         working = c.budget.working
         if self.tokens(p) <= pol.threshold * working:
@@ -233,7 +248,7 @@ class _Replay:
             b = pol.omission_batch
             moved = False
             while self.tokens(p) > target and plan.omit_upto < plan.reduced_upto:
-                moved |= self.omit_to(plan.omit_upto + b)
+                moved |= self.omit_to(plan.omit_upto + b, plan.reduced_upto)
             if moved:
                 self._event(record, CompactionKind.OMISSION, before, p, "over threshold")
 
@@ -299,6 +314,8 @@ class _Replay:
         if plan.omit_upto:
             out.append(c.marker(plan.omit_upto, self.summary))
             changed = True
+        if plan.answer_of >= 0:
+            out.append(c.answer(plan.answer_of)[0])  # type: ignore[arg-type]
         for j in range(plan.omit_upto, plan.reduced_upto):
             msgs, _, loop_changed = c.reduced(j)
             out.extend(msgs)
@@ -427,7 +444,8 @@ def _hard_limit(conv: Conversation, replay: _Replay, events: list[Event]
     before = replay.tokens(conv.n)
     plan = replay.plan
     replay.reduce_to(conv.loop_of[conv.n - 1] if conv.n > conv.pre else 0)
-    replay.omit_to(plan.reduced_upto)
+    replay.omit_to(plan.reduced_upto, plan.reduced_upto)
+    plan.answer_of = -1  # the last resort keeps no past reply either
     plan.elide_upto = conv.n
     out, elided, _ = replay.render()
     tokens = replay.tokens(conv.n)

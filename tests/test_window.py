@@ -461,6 +461,61 @@ def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
     assert len(markers) == 1
 
 
+def loops_of(n: int, result: int = 50) -> list[Message]:
+    msgs: list[Message] = [S]
+    for k in range(n):
+        msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", result), F(tag=f"a{k}")]
+    return [*msgs, U(tag="now")]
+
+
+def test_an_omission_that_leaves_no_past_loop_keeps_the_last_reply() -> None:
+    # omit_batch above max_run_loops: the past shown runs 1, 2, then none ... but the model
+    # always keeps the final reply the user is answering, right after the marker
+    policy = Policy(max_run_loops=2, omit_batch=3, reduce_at_least=0, max_message_length=16)
+    shown = []
+    for n in range(2, 9):
+        w = build(loops_of(n), policy)
+        assert_valid(w.messages)
+        shown.append(w.reduced_loops)
+        if w.reduced_loops == 0:
+            assert [m["role"] for m in w.messages] == ["system", "system", "assistant", "user"]
+            # the reply as a reduced loop shows it, capped, without the ledger (the marker
+            # points at search_history for the omitted loops' tools)
+            assert w.messages[2]["content"] == words(5, f"a{n - 1}")
+    assert shown == [2, 0, 1, 2, 0, 1, 2]
+    # a long reply is capped like a reduced loop's
+    msgs = loops_of(3)
+    msgs[-2] = F(40, tag="long")
+    w = build(msgs, policy)
+    assert w.reduced_loops == 0 and "elided" in w.messages[2]["content"]
+    assert len(w.messages[2]["content"].split()) < 30
+
+
+def test_the_kept_reply_stays_until_the_next_omission() -> None:
+    # inside the turn that omitted everything, and the turn after it, the window only grows
+    policy = Policy(max_run_loops=2, omit_batch=3, reduce_at_least=0)
+    msgs = loops_of(3)
+    first = build(msgs, policy).messages
+    later = build([*msgs, A("c-now"), T("c-now"), F(tag="done"), U(tag="next")], policy)
+    assert later.messages[: len(first)] == first
+    assert later.reduced_loops == 1
+    assert [e.kind for e in later.events] == [CompactionKind.PAST_LOOPS]
+
+
+def test_loops_beyond_max_run_loops_go_even_when_reducing_them_did_not_pay() -> None:
+    # question-and-answer turns with no tools: reducing them saves nothing, yet only
+    # max_run_loops of them stay in view
+    msgs: list[Message] = [S]
+    for k in range(6):
+        msgs += [U(tag=f"q{k}"), F(tag=f"a{k}")]
+    msgs.append(U(tag="now"))
+    w = build(msgs, Policy(max_run_loops=2, omit_batch=2))
+    users = [m["content"] for m in w.messages if m["role"] == "user"]
+    assert w.omitted_loops == 4 and "Earlier turns" in w.messages[1]["content"]
+    assert users == [words(5, "q4"), words(5, "q5"), words(5, "now")]
+    assert_valid(w.messages)
+
+
 def test_the_next_request_replays_only_its_own_point(monkeypatch: Any) -> None:
     msgs: list[Message] = [S]
     for k in range(30):
