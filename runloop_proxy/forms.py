@@ -106,7 +106,8 @@ class Conversation:
                                               partial(self._capped, i, cap))
                     self.full[i], self.full_counts[i] = capped, n  # type: ignore[assignment]
                 self.tool_positions.append(i)
-                ph, n = self._derived(("ph", keys[i], self.refs[i], str(counts[i]), *names),
+                ph, n = self._derived(("ph", keys[i], self.refs[i], str(counts[i]),
+                                       self.tool_names[i], *names),
                                       partial(self._placeholder, i))
                 if self.full_counts[i] - n > 0:
                     self.short[i], self.saving[i] = ph, self.full_counts[i] - n
@@ -196,7 +197,7 @@ class Conversation:
         return out if changed else None  # type: ignore[return-value]
 
     def _placeholder(self, i: int) -> Message:
-        text = (f'{TAG} {self.counts[i]}-token result elided; '
+        text = (f'{TAG} {self.tool_names[i]} result elided ({self.counts[i]} tokens); '
                 f'{self.recall}(call_id="{self.refs[i]}") returns it.')
         return {"role": "tool", "tool_call_id": self.messages[i]["tool_call_id"], "content": text}
 

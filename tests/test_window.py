@@ -167,7 +167,10 @@ def test_in_loop_elision_keeps_recent_results_and_names_the_ref() -> None:
     tools = [m for m in w.messages if m["role"] == "tool"]
     assert tools[-1]["content"] == msgs[-1]["content"]
     assert tools[-2]["content"] == msgs[-3]["content"]
-    assert f'recall_tool_call(call_id="{ref_of(msgs, "c0")}")' in tools[0]["content"]
+    # the placeholder names the tool, the result's size and how to get it back
+    assert tools[0]["content"] == (f'[runloop-proxy] bash result elided ({OPS.count(msgs[3])} '
+                                   f'tokens); recall_tool_call(call_id="{ref_of(msgs, "c0")}")'
+                                   f' returns it.')
     assert {e.ref for e in w.elided} >= {ref_of(msgs, "c0")}
     assert w.tokens_out <= 0.8 * 1000
     assert_valid(w.messages)
