@@ -169,11 +169,12 @@ async def handle_chat(ex: Exchange) -> Response | LiveStreamResponse:
         state.metrics.truncations.labels(tl, ml).inc()
     offer = window.offers_tools(ex.tenant.policy, bool(ex.body.get("tools"))) \
         or spliced is not messages
+    with_tools = offer and (ex.body.get("n") or 1) == 1
+    ex.prompt_tokens = prompt_tokens(ex, window, with_tools)
     if not (window.changed or offer or ex.server_history):
         return await forward(ex, ex.raw, messages, prepared)
     body: dict[str, Any] = {**ex.body, "messages": window.messages}
-    n_choices = body.get("n") or 1
-    if offer and n_choices == 1:
+    if with_tools:
         ex.tools = tools
         body["tools"] = [*(body.get("tools") or []), *ex.tools.definitions()]
         if ex.stream:
@@ -201,6 +202,15 @@ def compute_window(ex: Exchange, messages: list[Message], keys: list[str],
                         WindowTokens(state, enc), protected=protected,
                         timestamps=first_seen(state.first_seen, keys, now), now_ms=now,
                         memo=state.window_memo, tool_names=tool_names)
+
+
+def prompt_tokens(ex: Exchange, window: Window, with_proxy_tools: bool) -> tuple[int, int]:
+    """The whole prompt as the proxy counts it, as the client sent it and as it goes
+    upstream: messages, tool schemas (the proxy's own when it adds them), reply priming."""
+    enc, _ = ex.state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
+    fixed = ex.state.tokens.tools(enc, ex.body.get("tools")) + REPLY_PRIMING
+    extra = _proxy_tools_tokens(ex.state, enc) if with_proxy_tools else 0
+    return window.tokens_in + fixed, window.tokens_out + fixed + extra
 
 
 def _proxy_tools_tokens(state: AppState, enc: tiktoken.Encoding) -> int:
@@ -273,8 +283,8 @@ def _response_headers(ex: Exchange, resp: UpstreamResponse) -> dict[str, str]:
     headers["X-Session-Id"] = ex.session_id
     if ex.degraded:
         headers["X-Runloop-Degraded"] = ex.degraded
-    if ex.window is not None and ex.window.changed:
-        headers["X-Runloop-Tokens"] = f"{ex.window.tokens_in};{ex.window.tokens_out}"
+    if ex.prompt_tokens is not None:
+        headers["X-Runloop-Tokens"] = "{};{}".format(*ex.prompt_tokens)
     return headers
 
 

@@ -15,7 +15,6 @@ from .errors import StoreError
 from .messages import ChatRequest, Message
 from .metrics import BoundMetrics
 from .store import Prepared, prepare
-from .tokens import REPLY_PRIMING
 from .tools import ProxyTools
 from .upstream import UpstreamClient, UpstreamResponse, json_headers, upstream_headers
 from .window import Window
@@ -48,6 +47,9 @@ class Exchange:
     upstream_called_at: float | None = None
     degraded: str | None = None
     window: Window | None = None
+    # whole prompts as the proxy counts them (messages, tool schemas, reply priming): the
+    # client's, and what went upstream (the proxy's tools included when it added them)
+    prompt_tokens: tuple[int, int] | None = None
     tools: ProxyTools | None = None
     response_headers: dict[str, str] = field(default_factory=dict)
 
@@ -159,12 +161,10 @@ def note_usage(ex: Exchange, usage: dict[str, Any] | None) -> None:
     b.usage_completion.inc(int(usage.get("completion_tokens") or 0))
     details = usage.get("prompt_tokens_details") or {}
     b.usage_cached.inc(int(details.get("cached_tokens") or 0))
-    if ex.window is not None and ex.tools is None:
+    if ex.prompt_tokens is not None and ex.tools is None:
         enc, exact = ex.state.tokens.encoding(ex.model, ex.tenant.encoding_for(ex.model))
         if not exact:
-            tools = ex.state.tokens.tools(enc, ex.body.get("tools"))
-            ex.state.tokens.calibrate(ex.model, ex.window.tokens_out + tools + REPLY_PRIMING,
-                                      prompt)
+            ex.state.tokens.calibrate(ex.model, ex.prompt_tokens[1], prompt)
 
 
 def finish(ex: Exchange, status: int, error: str | None) -> None:
@@ -180,16 +180,16 @@ def finish(ex: Exchange, status: int, error: str | None) -> None:
     b.request(status, ex.stream)
     b.upstream_latency.observe(ex.upstream_seconds)
     b.overhead.observe(overhead)
-    w = ex.window
-    if w is not None:
-        b.client_tokens.inc(w.tokens_in)
-        b.forwarded_tokens.inc(w.tokens_out)
-        b.saved_tokens.inc(max(0, w.tokens_in - w.tokens_out))
+    if ex.prompt_tokens is not None:
+        client, forwarded = ex.prompt_tokens
+        b.client_tokens.inc(client)
+        b.forwarded_tokens.inc(forwarded)
+        b.saved_tokens.inc(max(0, client - forwarded))
     log.info("request", extra={
         "tenant": ex.tenant.name, "model": ex.model, "session": ex.session_id,
         "status": status, "stream": ex.stream,
-        "tokens_client": w.tokens_in if w else None,
-        "tokens_forwarded": w.tokens_out if w else None,
+        "tokens_client": ex.prompt_tokens[0] if ex.prompt_tokens else None,
+        "tokens_forwarded": ex.prompt_tokens[1] if ex.prompt_tokens else None,
         "latency_ms": round(elapsed * 1000, 2),
         "upstream_ms": round(ex.upstream_seconds * 1000, 2),
         "proxy_ms": round(overhead * 1000, 3),

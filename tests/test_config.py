@@ -18,6 +18,7 @@ import pytest
 from runloop_proxy.config import Settings, load_config
 from runloop_proxy.errors import ConfigError
 from runloop_proxy.scripted import ScriptedUpstream
+from runloop_proxy.tools import definitions_tokens
 
 from .conftest import ProxyServer
 
@@ -238,13 +239,21 @@ def test_proxy_tools_always_keeps_the_tool_list_stable_for_agents(
     acme = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0)
     globex = openai.OpenAI(base_url=proxy.url, api_key=GLOBEX_KEY, max_retries=0)
     # nothing to compress, but an agent with tools: the proxy's tools ride along from the start
-    acme.chat.completions.create(model="m", messages=short, tools=tools)  # type: ignore[arg-type]
+    r = acme.chat.completions.with_raw_response.create(
+        model="m", messages=short, tools=tools)  # type: ignore[arg-type]
     names = [t["function"]["name"] for t in upstream.requests[-1]["tools"]]
     assert names == ["lookup", "recall_tool_call", "search_history"]
     assert upstream.requests[-1]["messages"] == short
+    # the prompt as the proxy counts it: the forwarded one pays for the proxy's tools
+    client, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
+    assert forwarded - client == definitions_tokens(
+        proxy.state.tokens, proxy.state.tokens.encoding("m")[0])
     # no tools: nothing added, the body goes out as sent
     acme.chat.completions.create(model="m", messages=short)  # type: ignore[arg-type]
     assert "tools" not in upstream.requests[-1]
     # the default (when_needed): an uncompressed agent request is passed through untouched
-    globex.chat.completions.create(model="m", messages=short, tools=tools)  # type: ignore[arg-type]
+    r = globex.chat.completions.with_raw_response.create(
+        model="m", messages=short, tools=tools)  # type: ignore[arg-type]
     assert [t["function"]["name"] for t in upstream.requests[-1]["tools"]] == ["lookup"]
+    client, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
+    assert client == forwarded > 0
