@@ -197,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tenant", default=None)
     r.add_argument("--proxy", default=None, metavar="URL",
                    help="send every request through a running proxy instead of building offline")
+    r.add_argument("--api-key", default=os.environ.get("RUNLOOP_REPLAY_KEY"),
+                   help="with --proxy: the tenant's proxy key (default: $RUNLOOP_REPLAY_KEY)")
+    r.add_argument("--direct-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="with --direct: the upstream's key (default: $OPENAI_API_KEY)")
+    r.add_argument("--direct", default=None, metavar="URL",
+                   help="with --proxy: send every request straight to this upstream as well, "
+                        "and measure both sides by the upstream's usage (cached tokens too)")
     r.add_argument("--limit", type=int, default=None, help="only the first N conversations")
     r.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="override a policy field for this run (repeatable)")

@@ -4,7 +4,8 @@ For every assistant turn i of every conversation it builds the window the proxy 
 ``messages[:i]`` (offline, exactly as the proxy does, minus the proxy's own tool exchanges, which
 a recording does not have) and tallies prompt tokens client vs forwarded, a prefix-cache-aware
 cost, and requests over ``--context``. ``--proxy URL`` sends each request through a running
-proxy instead and reads the forwarded size from its ``X-Runloop-Tokens`` header.
+proxy instead (see ``HttpReplay``), and ``--direct URL`` straight to the upstream as well, to
+price both sides by the upstream's own cached tokens.
 """
 
 from __future__ import annotations
@@ -179,30 +180,87 @@ class Replayer:
             prev_client, prev_fwd, prev_fwd_tools = rkeys, wkeys, with_tools
 
 
-def _through_proxy(url: str, conv: dict[str, Any], idx: int, model: str, tally: Tally,
-                   counter: TokenCounter) -> None:
-    import httpx
+class HttpReplay:
+    """Every request point sent through a running proxy, in one proxy session per conversation.
 
-    enc, _ = counter.encoding(model)
-    messages = conv["messages"]
-    with httpx.Client(base_url=url.rstrip("/"), timeout=120) as http:
+    Raw sizes come from the proxy's ``X-Runloop-Tokens`` header (the whole prompt as sent and as
+    forwarded, counted as the offline replay counts). With ``direct`` each request also goes
+    straight to the upstream, and both sides are measured by the upstream's own usage: prompt
+    tokens and the cached tokens its prefix cache served (the cache-aware cost). The scripted
+    upstream keeps the two sides' caches apart (``X-Scripted-Cache-Scope``, which real
+    upstreams ignore); a real provider caches per organization, so there the side sent second
+    may be served prefixes the first one cached (the system prompt and tools mostly).
+    """
+
+    def __init__(self, args: argparse.Namespace, context: int):
+        import httpx
+
+        self.model, self.context = args.model, context
+        self.run = f"replay-{time.time_ns()}"
+        self.proxy = httpx.Client(base_url=args.proxy.rstrip("/"), timeout=120,
+                                  headers=_bearer(args.api_key))
+        self.direct = httpx.Client(base_url=args.direct.rstrip("/"), timeout=120,
+                                   headers=_bearer(args.direct_key)) if args.direct else None
+        self.cached = 0  # upstream-reported cached tokens, both sides
+
+    def close(self) -> None:
+        self.proxy.close()
+        if self.direct is not None:
+            self.direct.close()
+
+    def conversation(self, conv: dict[str, Any], idx: int, tally: Tally) -> None:
+        messages = conv["messages"]
         for i in range(1, len(messages)):
             if messages[i].get("role") != "assistant":
                 continue
-            body: dict[str, Any] = {"model": model, "messages": messages[:i], "max_tokens": 1}
+            body: dict[str, Any] = {"model": self.model, "messages": messages[:i],
+                                    "max_tokens": 1}
             if conv.get("tools"):
                 body["tools"] = conv["tools"]
-            r = http.post("/v1/chat/completions", content=orjson.dumps(body),
-                          headers={"X-Session-Id": f"replay-{idx}-{time.time_ns()}",
-                                   "Content-Type": "application/json"})
-            client = sum(counter.message(enc, m) for m in messages[:i])
+            payload = orjson.dumps(body)
+            r = self.proxy.post("/v1/chat/completions", content=payload, headers={
+                "X-Session-Id": f"{self.run}-{idx}", "Content-Type": "application/json",
+                "X-Scripted-Cache-Scope": f"{self.run}-proxy"})
             tally.requests += 1
-            tally.client += client
             header = r.headers.get("x-runloop-tokens")
-            fwd = int(header.split(";")[1]) if header else client
-            tally.forwarded += fwd
             if r.status_code == 400 and "context_length_exceeded" in r.text:
                 tally.rejected += 1
+            elif r.status_code != 200 or not header:
+                raise ReplayError(f"conversation {idx}, request {tally.requests}: the proxy "
+                                  f"answered {r.status_code} {r.text[:200]}")
+            client, forwarded = map(int, header.split(";")) if header else (0, 0)
+            tally.client += client
+            tally.forwarded += forwarded if header else client
+            tally.over_client += client > self.context
+            tally.over_forwarded += forwarded > self.context or not header
+            if self.direct is None or not header:
+                continue
+            d = self.direct.post("/chat/completions", content=payload, headers={
+                "Content-Type": "application/json", "X-Scripted-Cache-Scope": f"{self.run}-direct"})
+            if d.status_code != 200:
+                raise ReplayError(f"conversation {idx}: the upstream answered "
+                                  f"{d.status_code} {d.text[:200]}")
+            tally.client_cost += self._cost(d.json().get("usage"), client)
+            tally.forwarded_cost += self._cost(r.json().get("usage"), forwarded)
+
+    def _cost(self, usage: dict[str, Any] | None, tokens: int) -> float:
+        """``tokens`` priced with the share of the prompt the upstream served from its cache
+        (the upstream may count with another tokenizer: its share carries over, not its
+        numbers)."""
+        usage = usage or {}
+        prompt = int(usage.get("prompt_tokens") or 0)
+        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        self.cached += cached
+        share = cached / prompt if prompt else 0.0
+        return tokens * (1 - share) + CACHED_PRICE * tokens * share
+
+
+class ReplayError(Exception):
+    pass
+
+
+def _bearer(key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def _progress(done: int, total: int, started: float, enabled: bool) -> None:
@@ -269,17 +327,37 @@ def run_replay(args: argparse.Namespace) -> int:
     except (ConfigError, KeyError) as exc:
         print(f"config: {exc}", file=sys.stderr)
         return 2
+    if args.direct and not args.proxy:
+        print("--direct compares against a proxy: give --proxy as well", file=sys.stderr)
+        return 2
     tally = Tally()
     replayer = Replayer(tenant, args.model, args.context)
+    http = HttpReplay(args, replayer.context) if args.proxy else None
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     started = time.monotonic()
-    for k, conv in enumerate(convs):
-        if args.proxy:
-            _through_proxy(args.proxy, conv, k, args.model, tally, replayer.counter)
-        else:
-            replayer.conversation(conv, tally)
-        _progress(k + 1, len(convs), started, show)
+    try:
+        for k, conv in enumerate(convs):
+            if http is not None:
+                http.conversation(conv, k, tally)
+            else:
+                replayer.conversation(conv, tally)
+            _progress(k + 1, len(convs), started, show)
+    except (ReplayError, OSError) as exc:
+        print(f"replay stopped: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if http is not None:
+            http.close()
+    # through a proxy, a cache-aware cost needs the upstream's word on both sides
+    cache_measured = http is None or (http.direct is not None and http.cached > 0)
     out = tally.as_dict()
+    if http is not None:
+        for key in ("forwarded_cost_strict", "cache_aware_saving_strict", "bound_raw_saving",
+                    "bound_cache_aware_saving"):
+            out.pop(key)
+        if not cache_measured:
+            for key in ("client_cost", "forwarded_cost", "cache_aware_saving"):
+                out[key] = None
     out.update({"file": str(path), "conversations": len(convs), "model": args.model,
                 "context": replayer.context, "seconds": round(time.monotonic() - started, 2)})
     if args.json:
@@ -289,12 +367,19 @@ def run_replay(args: argparse.Namespace) -> int:
           f"model {args.model}, context {replayer.context}")
     print(f"  prompt tokens   client {tally.client:>12,}  forwarded {tally.forwarded:>12,}  "
           f"saving {out['raw_saving']:.1%}")
-    print(f"  cache-aware     client {tally.client_cost:>12,.0f}  forwarded "
-          f"{tally.forwarded_cost:>12,.0f}  saving {out['cache_aware_saving']:.1%}")
-    print(f"  (strict, tools rendered first: the proxy adding its tools mid-session voids the "
-          f"cached system prompt and messages: forwarded "
-          f"{tally.forwarded_cost_strict:,.0f}, saving {out['cache_aware_saving_strict']:.1%})")
-    if tally.bound < tally.client:  # else every request was a single run loop: no bound
+    if not cache_measured:
+        print("  cache-aware     not measured: through a proxy it takes --direct UPSTREAM_URL "
+              "and an upstream that reports cached tokens")
+    else:
+        print(f"  cache-aware     client {tally.client_cost:>12,.0f}  forwarded "
+              f"{tally.forwarded_cost:>12,.0f}  saving {out['cache_aware_saving']:.1%}"
+              + ("  (the upstream's cached tokens)" if http is not None else ""))
+    if http is None:
+        print(f"  (strict, tools rendered first: the proxy adding its tools mid-session voids "
+              f"the cached system prompt and messages: forwarded "
+              f"{tally.forwarded_cost_strict:,.0f}, saving "
+              f"{out['cache_aware_saving_strict']:.1%})")
+    if http is None and tally.bound < tally.client:  # else a single run loop each: no bound
         print(f"  bound (system prompt, tools and the current run loop only, nothing else): "
               f"raw {out['bound_raw_saving']:.1%}, cache-aware "
               f"{out['bound_cache_aware_saving']:.1%}")

@@ -12,18 +12,23 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import hashlib
 import itertools
 import threading
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 import orjson
+import tiktoken
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+
+from .tokens import FALLBACK_ENCODING, render_tools
 
 Reply = dict[str, Any]
 _ids = itertools.count(1)
@@ -39,8 +44,69 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
     return max(1, len(orjson.dumps(body.get("messages", []))) // 4)
 
 
+class PromptCache:
+    """OpenAI's prompt caching, simulated: when a prompt begins with tokens an earlier prompt
+    began with, that shared start — in 128-token blocks, from 1,024 tokens on — is served from
+    the cache, and ``usage.prompt_tokens_details.cached_tokens`` says how much. Prompts are
+    tokenised as rendered for the model: system messages, the tool schemas, the rest."""
+
+    MIN, BLOCK = 1024, 128
+
+    def __init__(self, capacity: int = 1_000_000):
+        self.enc = tiktoken.get_encoding(FALLBACK_ENCODING)
+        self.capacity = capacity
+        self._blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._parts: collections.OrderedDict[bytes, list[int]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def _encode(self, text: str) -> list[int]:
+        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        hit = self._parts.get(key)
+        if hit is None:
+            hit = self._parts[key] = self.enc.encode_ordinary(text)
+            if len(self._parts) > 50_000:
+                self._parts.popitem(last=False)
+        return hit
+
+    def tokens(self, body: dict[str, Any]) -> list[int]:
+        msgs = body.get("messages") or []
+        pre = 0
+        while pre < len(msgs) and msgs[pre].get("role") in ("system", "developer"):
+            pre += 1
+        parts = [orjson.dumps(m).decode() for m in msgs[:pre]]
+        if body.get("tools"):
+            parts.append(render_tools(body["tools"]))
+        parts += [orjson.dumps(m).decode() for m in msgs[pre:]]
+        out: list[int] = []
+        for part in parts:
+            out += self._encode(part)
+        return out
+
+    def usage(self, body: dict[str, Any], org: str = "") -> tuple[int, int]:
+        """(prompt tokens, of which cached); the prompt's blocks are cached from now on, for
+        its organization only, as a provider's cache is (``OpenAI-Organization``, or the
+        ``X-Scripted-Cache-Scope`` a measurement sets to keep its two sides apart)."""
+        tokens = self.tokens(body)
+        data = array("I", tokens).tobytes()
+        h = hashlib.blake2b(key=org.encode()[:64], digest_size=16)
+        keys = []
+        for end in range(self.BLOCK, len(tokens) + 1, self.BLOCK):
+            h.update(data[(end - self.BLOCK) * 4: end * 4])
+            if end >= self.MIN:
+                keys.append((end, h.digest()))  # the digest covers the whole prefix
+        with self._lock:
+            cached = max((end for end, k in keys if k in self._blocks), default=0)
+            for _, k in keys:
+                self._blocks[k] = None
+                self._blocks.move_to_end(k)
+            while len(self._blocks) > self.capacity:
+                self._blocks.popitem(last=False)
+        return len(tokens), cached
+
+
 class ScriptedUpstream:
-    def __init__(self) -> None:
+    def __init__(self, prompt_cache: bool = False) -> None:
+        self.prompt_cache = PromptCache() if prompt_cache else None
         self.script: collections.deque[Reply] = collections.deque()
         self.responder: Callable[[dict[str, Any]], Reply] | None = None
         self.requests: list[dict[str, Any]] = []
@@ -100,6 +166,8 @@ class ScriptedUpstream:
                 self.raw_bodies.append(raw)
                 self.headers.append(dict(request.headers))
             reply = self.next_reply(body)
+            org = request.headers.get("x-scripted-cache-scope") or \
+                request.headers.get("openai-organization", "")
             header = request.headers.get("x-scripted-delay-ms")
             delay = reply.get("delay", float(header) / 1000 if header else self.delay)
             if delay:
@@ -112,9 +180,9 @@ class ScriptedUpstream:
                     "code": None}}), reply["status"], media_type="application/json",
                     headers=reply.get("headers"))
             if body.get("stream"):
-                return StreamingResponse(self._stream(body, reply),
+                return StreamingResponse(self._stream(body, reply, org),
                                          media_type="text/event-stream")
-            return Response(orjson.dumps(self._completion(body, reply)),
+            return Response(orjson.dumps(self._completion(body, reply, org)),
                             media_type="application/json")
 
         async def models(request: Request) -> Response:
@@ -138,14 +206,19 @@ class ScriptedUpstream:
                                                                     embeddings,
                                                                     methods=["POST"])])
 
-    def _usage(self, body: dict[str, Any], reply: Reply) -> dict[str, Any]:
-        prompt = reply.get("prompt_tokens") or estimate_prompt_tokens(body)
+    def _usage(self, body: dict[str, Any], reply: Reply, org: str) -> dict[str, Any]:
+        prompt, cached = estimate_prompt_tokens(body), 0
+        if self.prompt_cache is not None:
+            prompt, cached = self.prompt_cache.usage(body, org)
+        prompt = reply.get("prompt_tokens") or prompt
+        cached = reply.get("cached_tokens", cached)
         completion = max(1, len(reply.get("content") or "") // 4)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": reply.get("cached_tokens", 0)}}
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def _completion(self, body: dict[str, Any], reply: Reply) -> dict[str, Any]:
+    def _completion(self, body: dict[str, Any], reply: Reply, org: str
+                    ) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": reply.get("content"),
                                    "refusal": None, "annotations": []}
         if reply.get("tool_calls"):
@@ -157,9 +230,10 @@ class ScriptedUpstream:
                 "system_fingerprint": "fp_scripted",
                 "choices": [{"index": i, "message": message, "logprobs": None,
                              "finish_reason": finish} for i in range(n)],
-                "usage": self._usage(body, reply)}
+                "usage": self._usage(body, reply, org)}
 
-    async def _stream(self, body: dict[str, Any], reply: Reply) -> AsyncIterator[bytes]:
+    async def _stream(self, body: dict[str, Any], reply: Reply, org: str
+                      ) -> AsyncIterator[bytes]:
         self.streams_started += 1
         done = False
         try:
@@ -202,7 +276,7 @@ class ScriptedUpstream:
             yield chunk({}, "tool_calls" if reply.get("tool_calls") else "stop")
             if (body.get("stream_options") or {}).get("include_usage"):
                 yield b"data: " + orjson.dumps({**base, "choices": [],
-                                                "usage": self._usage(body, reply)}) + b"\n\n"
+                                                "usage": self._usage(body, reply, org)}) + b"\n\n"
             yield b"data: [DONE]\n\n"
             done = True
         finally:
@@ -247,8 +321,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="think time before every answer (an LLM is never instant)")
+    parser.add_argument("--prompt-cache", action="store_true",
+                        help="count prompt tokens with tiktoken and report cached_tokens the "
+                             "way OpenAI's prefix cache would")
     args = parser.parse_args()
-    up = ScriptedUpstream()
+    up = ScriptedUpstream(prompt_cache=args.prompt_cache)
     up.keep_requests = False
     up.delay = args.delay_ms / 1000
     uvicorn.run(up.app(), host="127.0.0.1", port=args.port, log_level="warning",

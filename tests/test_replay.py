@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from runloop_proxy.replay import cached_cost
+from runloop_proxy.scripted import PromptCache, ScriptedUpstream
 
 
 def conversation(steps: int) -> dict[str, object]:
@@ -57,13 +58,68 @@ def test_cached_cost_rules() -> None:
     assert cached_cost(2000, 1100) == 2000 - 1024 + 102.4  # 128-token blocks
 
 
-def test_replay_through_a_running_proxy(tmp_path: Path, proxy: object) -> None:
+def test_replay_through_a_running_proxy(tmp_path: Path, proxy: object,
+                                        upstream: ScriptedUpstream) -> None:
     f = tmp_path / "c.jsonl"
     f.write_text(json.dumps(conversation(30)) + "\n")
-    out = run(f, "--json", "--proxy", proxy.url.removesuffix("/v1"))  # type: ignore[attr-defined]
+    # gpt-4-turbo's encoding ships offline: the proxy counts exactly, with no calibration from
+    # the scripted upstream's rough usage to move its budget
+    out = run(f, "--json", "--model", "gpt-4-turbo",
+              "--proxy", proxy.base)  # type: ignore[attr-defined]
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["requests"] == 31 and data["forwarded_tokens"] < data["client_tokens"]
+    offline = json.loads(run(f, "--json", "--model", "gpt-4-turbo").stdout)
+    assert data["requests"] == offline["requests"] == 31
+    # the proxy counts and builds windows exactly as the offline replay does
+    assert (data["client_tokens"], data["forwarded_tokens"]) == \
+        (offline["client_tokens"], offline["forwarded_tokens"])
+    assert data["forwarded_tokens"] < data["client_tokens"]
+    # one proxy session per conversation
+    assert len({h["x-session-id"] for h in upstream.headers}) == 1
+    # a cache-aware cost through a proxy needs the upstream's word on both sides
+    assert data["cache_aware_saving"] is None and "bound_raw_saving" not in data
+    assert "not measured" in run(f, "--proxy", proxy.base).stdout  # type: ignore[attr-defined]
+
+
+def test_replay_against_the_upstream_direct_measures_its_cached_tokens(
+        tmp_path: Path, proxy: object, upstream: ScriptedUpstream) -> None:
+    upstream.prompt_cache = PromptCache()
+    try:
+        f = tmp_path / "c.jsonl"
+        f.write_text(json.dumps(conversation(30)) + "\n")
+        out = run(f, "--json", "--proxy", proxy.base,  # type: ignore[attr-defined]
+                  "--direct", upstream.url)
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        # both sides were served from the upstream's prefix cache, the proxy's windows less
+        # in all (the offline model predicts the same direction)
+        assert 0 < data["client_cost"] < data["client_tokens"]
+        assert 0 < data["forwarded_cost"] < data["forwarded_tokens"]
+        assert data["cache_aware_saving"] > 0
+        assert json.loads(run(f, "--json").stdout)["cache_aware_saving"] > 0
+        # each request went both ways, the two sides in their own cache scopes
+        scopes = {h["x-scripted-cache-scope"] for h in upstream.headers}
+        assert len(upstream.requests) == 2 * 31 and len(scopes) == 2
+    finally:
+        upstream.prompt_cache = None
+    assert run(f, "--direct", upstream.url).returncode == 2  # --direct needs --proxy
+
+
+def test_prompt_cache_serves_shared_prefixes_in_blocks() -> None:
+    cache = PromptCache()
+
+    def body(*texts: str) -> dict[str, object]:
+        return {"messages": [{"role": "user", "content": t} for t in texts]}
+
+    long = " ".join(f"w{i}" for i in range(1500))
+    assert cache.usage(body("short"))[1] == 0
+    total, cached = cache.usage(body(long))
+    assert cached == 0 and total > 1024  # nothing cached yet
+    again, cached = cache.usage(body(long, "next"))
+    assert cached == (total // 128) * 128 and again > total  # whole blocks of the prefix
+    assert cache.usage(body(long, "next"), org="other")[1] == 0  # another organization
+    assert cache.usage(body("changed " + long))[1] == 0  # a different start: no hit
+    assert cache.usage(body("x " * 600))[1] == 0  # under 1,024 tokens: never cached
 
 
 def test_replay_prints_the_bound_for_multi_turn_conversations(tmp_path: Path) -> None:
