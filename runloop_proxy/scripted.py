@@ -18,6 +18,7 @@ import threading
 import time
 from array import array
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any, Literal
 
 import orjson
@@ -28,7 +29,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from .tokens import FALLBACK_ENCODING, render_tools
+from .messages import Message, message_hash
+from .tokens import (
+    FALLBACK_ENCODING,
+    FRAME,
+    REPLY_PRIMING,
+    TOOLS_OVERHEAD,
+    billed_tokens,
+    render_tools,
+)
 
 Reply = dict[str, Any]
 _ids = itertools.count(1)
@@ -47,8 +56,10 @@ def estimate_prompt_tokens(body: dict[str, Any]) -> int:
 class PromptCache:
     """OpenAI's prompt caching, simulated: when a prompt begins with tokens an earlier prompt
     began with, that shared start — in 128-token blocks, from 1,024 tokens on — is served from
-    the cache, and ``usage.prompt_tokens_details.cached_tokens`` says how much. Prompts are
-    tokenised as rendered for the model: system messages, the tool schemas, the rest."""
+    the cache, and ``usage.prompt_tokens_details.cached_tokens`` says how much. The prompt is
+    tokenised as the API bills it (``tokens.billed_tokens``, cl100k): the system messages, the
+    tool schemas, the other messages, the reply priming — so its ``prompt_tokens`` are what the
+    proxy counts, and a proxy calibrating against it keeps a factor of 1."""
 
     MIN, BLOCK = 1024, 128
 
@@ -59,11 +70,10 @@ class PromptCache:
         self._parts: collections.OrderedDict[bytes, list[int]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def _encode(self, text: str) -> list[int]:
-        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    def _part(self, key: bytes, make: Callable[[], list[int]]) -> list[int]:
         hit = self._parts.get(key)
         if hit is None:
-            hit = self._parts[key] = self.enc.encode_ordinary(text)
+            hit = self._parts[key] = make()
             if len(self._parts) > 50_000:
                 self._parts.popitem(last=False)
         return hit
@@ -73,14 +83,19 @@ class PromptCache:
         pre = 0
         while pre < len(msgs) and msgs[pre].get("role") in ("system", "developer"):
             pre += 1
-        parts = [orjson.dumps(m).decode() for m in msgs[:pre]]
-        if body.get("tools"):
-            parts.append(render_tools(body["tools"]))
-        parts += [orjson.dumps(m).decode() for m in msgs[pre:]]
         out: list[int] = []
-        for part in parts:
-            out += self._encode(part)
-        return out
+        for m in msgs[:pre]:
+            out += self._message(m)
+        if body.get("tools"):
+            text = render_tools(body["tools"])
+            out += self._part(hashlib.blake2b(text.encode(), digest_size=16).digest(),
+                              lambda: [FRAME] * TOOLS_OVERHEAD + self.enc.encode_ordinary(text))
+        for m in msgs[pre:]:
+            out += self._message(m)
+        return out + [FRAME] * REPLY_PRIMING
+
+    def _message(self, m: Message) -> list[int]:
+        return self._part(message_hash(m).encode(), partial(billed_tokens, self.enc, m))
 
     def usage(self, body: dict[str, Any], org: str = "") -> tuple[int, int]:
         """(prompt tokens, of which cached); the prompt's blocks are cached from now on, for

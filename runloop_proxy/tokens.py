@@ -31,6 +31,8 @@ PER_NAME = 1
 REPLY_PRIMING = 3
 PER_TOOL_CALL = 4
 IMAGE_PART_TOKENS = 765
+MEDIA_PARTS = ("image_url", "input_image", "input_audio")
+FRAME = 100_264  # stands for the chat format's framing tokens (cl100k's <|im_start|>)
 TOOLS_OVERHEAD = 6  # the system turn the tools section rides in
 CACHE_SIZE = 200_000
 CALIBRATION_WEIGHT = 0.2
@@ -143,30 +145,7 @@ class TokenCounter:
                 self._cache.popitem(last=False)
 
     def _count(self, enc: tiktoken.Encoding, msg: Message) -> int:
-        n = PER_MESSAGE + self.text(enc, str(msg.get("role", "")))
-        content = msg.get("content")
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and part.get("type") in ("image_url", "input_image"):
-                    n += IMAGE_PART_TOKENS
-                elif isinstance(part, dict) and part.get("type") == "input_audio":
-                    n += IMAGE_PART_TOKENS
-            n += self.text(enc, text_of(content))
-        else:
-            n += self.text(enc, text_of(content))
-        if msg.get("name"):
-            n += PER_NAME + self.text(enc, str(msg["name"]))
-        for call in msg.get("tool_calls") or []:
-            fn = call.get("function") or {}
-            n += PER_TOOL_CALL + self.text(enc, str(fn.get("name", ""))) \
-                + self.text(enc, str(fn.get("arguments", "")))
-        if msg.get("function_call"):
-            fc = msg["function_call"]
-            n += PER_TOOL_CALL + self.text(enc, str(fc.get("name", ""))) \
-                + self.text(enc, str(fc.get("arguments", "")))
-        if msg.get("refusal"):
-            n += self.text(enc, str(msg["refusal"]))
-        return n
+        return len(billed_tokens(enc, msg))
 
     def tools(self, enc: tiktoken.Encoding, tools: list[dict[str, Any]] | None) -> int:
         """Tokens the tool schemas add to the prompt (cached by their content)."""
@@ -214,6 +193,32 @@ def encoding_name_for(model: str) -> str | None:
         return tiktoken.encoding_name_for_model(model)
     except KeyError:
         return None
+
+
+def billed_tokens(enc: tiktoken.Encoding, msg: Message) -> list[int]:
+    """A message as the API bills it: a few framing tokens (here ``FRAME``), the role, the
+    content (a fixed price per image or audio part), the name, each tool call's name and
+    arguments. Counting takes its length; the scripted upstream's prompt cache its tokens."""
+    def text(value: object) -> list[int]:
+        return enc.encode_ordinary(str(value)) if value else []
+
+    out = [FRAME] * PER_MESSAGE + text(msg.get("role", ""))
+    content = msg.get("content")
+    if isinstance(content, list):
+        for part in content:
+            if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+                out += [FRAME] * IMAGE_PART_TOKENS
+    out += text(text_of(content))
+    if msg.get("name"):
+        out += [FRAME] * PER_NAME + text(msg["name"])
+    calls = [c.get("function") or {} for c in msg.get("tool_calls") or []]
+    if msg.get("function_call"):
+        calls.append(msg["function_call"])
+    for fn in calls:
+        out += [FRAME] * PER_TOOL_CALL + text(fn.get("name", "")) + text(fn.get("arguments", ""))
+    if msg.get("refusal"):
+        out += text(msg["refusal"])
+    return out
 
 
 def render_tools(tools: list[dict[str, Any]]) -> str:

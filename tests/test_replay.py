@@ -96,7 +96,12 @@ def test_replay_against_the_upstream_direct_measures_its_cached_tokens(
         assert 0 < data["client_cost"] < data["client_tokens"]
         assert 0 < data["forwarded_cost"] < data["forwarded_tokens"]
         assert data["cache_aware_saving"] > 0
-        assert json.loads(run(f, "--json").stdout)["cache_aware_saving"] > 0
+        offline = json.loads(run(f, "--json").stdout)
+        assert offline["cache_aware_saving"] > 0
+        # the upstream bills as the proxy counts: calibrating against it changes nothing, and
+        # the proxy's windows are the offline ones
+        assert abs(proxy.state.tokens.factor("gpt-4o") - 1) < 0.01  # type: ignore[attr-defined]
+        assert data["forwarded_tokens"] == offline["forwarded_tokens"]
         # each request went both ways, the two sides in their own cache scopes
         scopes = {h["x-scripted-cache-scope"] for h in upstream.headers}
         assert len(upstream.requests) == 2 * 31 and len(scopes) == 2
