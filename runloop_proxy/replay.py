@@ -106,6 +106,12 @@ class Replayer:
         return Budget.for_request(self.tenant.policy, self.context, None,
                                   tools_tokens + self.proxy_tools, 1.0, REPLY_PRIMING)
 
+    def client_prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None
+                      ) -> int:
+        """The whole prompt as the client sends it (messages, tool schemas, priming)."""
+        return sum(self.counter.message(self.enc, m) for m in messages) \
+            + self.counter.tools(self.enc, tools) + REPLY_PRIMING
+
     def conversation(self, conv: dict[str, Any], tally: Tally) -> None:
         messages: list[Message] = conv["messages"]
         tools = conv.get("tools") or None
@@ -192,10 +198,11 @@ class HttpReplay:
     may be served prefixes the first one cached (the system prompt and tools mostly).
     """
 
-    def __init__(self, args: argparse.Namespace, context: int):
+    def __init__(self, args: argparse.Namespace, replayer: Replayer):
         import httpx
 
-        self.model, self.context = args.model, context
+        self.model, self.context = args.model, replayer.context
+        self.replayer = replayer  # counts what a rejected request held
         self.run = f"replay-{time.time_ns()}"
         self.proxy = httpx.Client(base_url=args.proxy.rstrip("/"), timeout=120,
                                   headers=_bearer(args.api_key))
@@ -224,16 +231,23 @@ class HttpReplay:
             tally.requests += 1
             header = r.headers.get("x-runloop-tokens")
             if r.status_code == 400 and "context_length_exceeded" in r.text:
+                # refused, nothing forwarded: counted as sent, over the limit on both sides
+                client = self.replayer.client_prompt(messages[:i], conv.get("tools"))
                 tally.rejected += 1
-            elif r.status_code != 200 or not header:
+                tally.client += client
+                tally.forwarded += client
+                tally.over_client += 1
+                tally.over_forwarded += 1
+                continue
+            if r.status_code != 200 or not header:
                 raise ReplayError(f"conversation {idx}, request {tally.requests}: the proxy "
                                   f"answered {r.status_code} {r.text[:200]}")
-            client, forwarded = map(int, header.split(";")) if header else (0, 0)
+            client, forwarded = map(int, header.split(";"))
             tally.client += client
-            tally.forwarded += forwarded if header else client
+            tally.forwarded += forwarded
             tally.over_client += client > self.context
-            tally.over_forwarded += forwarded > self.context or not header
-            if self.direct is None or not header:
+            tally.over_forwarded += forwarded > self.context
+            if self.direct is None:
                 continue
             d = self.direct.post("/chat/completions", content=payload, headers={
                 "Content-Type": "application/json", "X-Scripted-Cache-Scope": f"{self.run}-direct"})
@@ -332,7 +346,7 @@ def run_replay(args: argparse.Namespace) -> int:
         return 2
     tally = Tally()
     replayer = Replayer(tenant, args.model, args.context)
-    http = HttpReplay(args, replayer.context) if args.proxy else None
+    http = HttpReplay(args, replayer) if args.proxy else None
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     started = time.monotonic()
     try:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from runloop_proxy.replay import cached_cost
 from runloop_proxy.scripted import PromptCache, ScriptedUpstream
@@ -161,3 +162,18 @@ def test_replay_reads_a_tenant_policy_without_its_secrets(tmp_path: Path) -> Non
     assert tight.returncode == 0, tight.stderr
     loose = json.loads(run(f, "--json").stdout)
     assert json.loads(tight.stdout)["forwarded_tokens"] < loose["forwarded_tokens"]
+
+
+def test_replay_through_a_proxy_counts_refused_requests(tmp_path: Path, make_proxy: Any) -> None:
+    proxy = make_proxy(context_window=4096)
+    huge = {"messages": [{"role": "system", "content": "agent"},
+                         {"role": "user", "content": "word " * 6000},
+                         {"role": "assistant", "content": "too long to answer"}]}
+    f = tmp_path / "huge.jsonl"
+    f.write_text(json.dumps(huge) + "\n" + json.dumps(conversation(2)) + "\n")
+    # a model listed nowhere: the proxy's default context window (4,096) applies
+    out = run(f, "--json", "--model", "house-model", "--proxy", proxy.base)
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["rejected"] == 1 and data["over_context_proxy"] == 1
+    assert data["client_tokens"] > 6000  # the refused request is counted as sent
