@@ -136,7 +136,8 @@ class _Replay:
                 self.red_sum += self.c.reduced(j)[1]
         plan.reduced_upto = loop
         plan.elide_upto = max(plan.elide_upto, self.full_start())
-        plan.drop_from = plan.drop_upto = 0  # what was dropped is now in a reduced loop
+        if plan.drop_from < self.full_start():
+            plan.drop_from = plan.drop_upto = 0  # what was dropped is now in a reduced loop
         return True
 
     def reduction_pays(self, current: int) -> bool:

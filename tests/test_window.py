@@ -401,6 +401,39 @@ def test_append_only_between_compaction_events(msgs: list[Message], policy: Poli
         previous = list(w.messages)
 
 
+@PROPS
+@given(conversations(), policies, st.integers(300, 3000), st.data())
+def test_windows_with_aged_loops_stay_valid_and_within_budget(
+        msgs: list[Message], policy: Policy, working: int, data: Any) -> None:
+    """Loops older than ``max_time_range`` go by the clock, at any request point, also while
+    the open loop has elided or dropped exchanges: the window stays valid, within budget,
+    append-only between events, and the same with or without the memo."""
+    day = 86_400_000
+    stamps: list[int | None] = []
+    age = data.draw(st.integers(0, 12))
+    for m in msgs:
+        if m["role"] == "user" and stamps:
+            age = data.draw(st.integers(0, age))  # later loops are younger
+        stamps.append((20 - age) * day)
+    policy = policy.model_copy(update={"max_time_range_s": 7 * 86_400.0})
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    budget = Budget(working + 200, working)
+    memo: dict[Any, Any] = {}
+    previous: list[Message] | None = None
+    for p in request_points(msgs, 0):
+        args = (msgs[:p], keys[:p], counts[:p], policy, budget, OPS)
+        w = build_window(*args, timestamps=stamps[:p], now_ms=20 * day)
+        assert_valid(w.messages)
+        if w.fits:
+            assert sum(OPS.count(m) for m in w.messages) == w.tokens_out <= budget.hard
+        again = build_window(*args, timestamps=stamps[:p], now_ms=20 * day, memo=memo)
+        assert orjson.dumps(again.messages) == orjson.dumps(w.messages)
+        if previous is not None and not w.events:
+            assert w.messages[: len(previous)] == previous, f"prefix changed at {p}"
+        previous = list(w.messages) if w.fits else None
+
+
 def resolve(ref: str, msgs: list[Message]) -> Any:
     """What the proxy's recall_tool_call answers for ``ref`` (no store: the request alone)."""
     runner = ToolRunner(ProxyTools.for_request(None), msgs, [message_hash(m) for m in msgs],
