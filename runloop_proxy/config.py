@@ -96,6 +96,10 @@ class Policy(_Strict):
         description="when_needed: only once something is elided; always: from a session's "
                     "first request that carries tools, so the tool list (part of every "
                     "provider's cached prefix) never changes mid-session")
+    strict_roles: bool = Field(
+        False, description="one system message, first, and a user turn after it: the marker "
+                           "joins the client's system prompt (chat templates such as Qwen3's or "
+                           "Mistral's reject a second system message or an assistant turn first)")
     max_tool_rounds: int = Field(4, ge=0, le=16)
     search_results: int = Field(5, ge=1, le=50)
 

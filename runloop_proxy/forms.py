@@ -131,6 +131,7 @@ class Conversation:
         self.pre_tokens = self.prefix[self.pre]
         self._reduced: dict[int, tuple[list[Message], int, bool]] = {}
         self._answers: dict[int, tuple[Message | None, int]] = {}
+        self._marked: tuple[list[Message], int] | None = None
         self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
         self._elidable = frozenset(self.tool_positions)
 
@@ -332,15 +333,44 @@ class Conversation:
             self._noted[key] = (new, self.ops.count(new) - self.counts[at])
         return self._noted[key]
 
-    def marker(self, omitted: int, summary: str | None) -> Message:
-        # The same text whatever ``omitted`` is: the marker sits right after the system prompt,
-        # and a text that changed with each omission would make the provider re-read it and
-        # everything after it (the turns still shown) at full price every time.
-        text = (f"{TAG} Earlier turns are not shown: {self.search}(query) searches them "
-                f"and {self.recall}(call_id) returns their tool results.")
-        if summary:
-            text += f"\nSummary of those turns:\n{summary}"
-        return {"role": "system", "content": text}
+    def marked_preamble(self, summary: str | None) -> tuple[list[Message], int]:
+        """The system prompt with the omission marker after it, and the tokens the marker
+        adds: a system message of its own, or (``strict_roles``) its text appended to the
+        client's last system message, for chat templates that allow one system message.
+
+        The marker reads the same whatever was omitted: it sits right after the system prompt,
+        and a text that changed with each omission would make the provider re-read it and
+        everything after it (the turns still shown) at full price every time."""
+        if self._marked is None:
+            text = (f"{TAG} Earlier turns are not shown: {self.search}(query) searches them "
+                    f"and {self.recall}(call_id) returns their tool results.")
+            if summary:
+                text += f"\nSummary of those turns:\n{summary}"
+            pre = self.messages[: self.pre]
+            if not self.policy.strict_roles or not pre:
+                marker: Message = {"role": "system", "content": text}
+                self._marked = ([*pre, marker], self.ops.count(marker))
+            else:
+                last = pre[-1]
+                content = last.get("content")
+                merged: Message = {**last, "content": [*content, {"type": "text", "text": text}]
+                                   if isinstance(content, list)
+                                   else f"{text_of(content)}\n\n{text}"}
+                self._marked = ([*pre[:-1], merged],
+                                self.ops.count(merged) - self.counts[self.pre - 1])
+        return self._marked
+
+    def bridge(self, j: int) -> tuple[list[Message], int]:
+        """What shows omitted loop ``j``'s final reply after the marker, and its tokens: the
+        reply; with ``strict_roles`` after a user message standing for the turns not shown,
+        so the conversation still opens with a user turn and roles alternate."""
+        msg, n = self.answer(j)
+        if msg is None:
+            return [], 0
+        if not self.policy.strict_roles:
+            return [msg], n
+        stub: Message = {"role": "user", "content": f"{TAG} (earlier turns not shown)"}
+        return [stub, msg], n + self.ops.count(stub)
 
 
 def _trim_arguments(args: str, keep: int, call_id: str, ops: TokenOps, recall: str) -> str:

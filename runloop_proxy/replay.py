@@ -26,7 +26,7 @@ from .chat import WindowTokens
 from .config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
 from .errors import ConfigError
 from .forms import Budget
-from .messages import Message, message_hash
+from .messages import Message, message_hash, text_of
 from .runloops import preamble_end, segment
 from .tokens import REPLY_PRIMING, TokenCounter, encoding_name_for
 from .tools import ProxyTools, definitions_tokens
@@ -80,14 +80,27 @@ def cached_cost(total: int, prefix: int) -> float:
     return (total - cached) + CACHED_PRICE * cached
 
 
-def common_prefix_tokens(prev: list[str] | None, cur: list[str], counts: list[int]) -> int:
-    """Tokens of the leading messages ``cur`` shares with ``prev``."""
+def common_prefix_tokens(prev: list[str] | None, cur: list[str], counts: list[int],
+                         prev_msgs: list[Message] | None = None,
+                         cur_msgs: list[Message] | None = None,
+                         prev_counts: list[int] | None = None) -> int:
+    """Tokens of the leading messages ``cur`` shares with ``prev``. Given the messages, the
+    first one that differs still counts when one's text extends the other's (text appended
+    to a system prompt): a provider's cache matches tokens, not messages."""
     if prev is None:
         return 0
     k = 0
     while k < len(prev) and k < len(cur) and prev[k] == cur[k]:
         k += 1
-    return sum(counts[:k])
+    shared = sum(counts[:k])
+    if prev_msgs is None or cur_msgs is None or prev_counts is None \
+            or k >= len(prev) or k >= len(cur):
+        return shared
+    a, b = prev_msgs[k], cur_msgs[k]
+    ta, tb = text_of(a.get("content")), text_of(b.get("content"))
+    if a.get("role") == b.get("role") and ta and tb and (tb.startswith(ta) or ta.startswith(tb)):
+        shared += min(prev_counts[k], counts[k]) - 1  # its last token may merge with the rest
+    return shared
 
 
 class Replayer:
@@ -131,6 +144,8 @@ class Replayer:
         prev_client: list[str] | None = None
         prev_bound: list[str] | None = None
         prev_fwd: list[str] | None = None
+        prev_fwd_msgs: list[Message] | None = None
+        prev_fwd_counts: list[int] | None = None
         prev_fwd_tools = False
         for i in range(1, len(messages)):
             if messages[i].get("role") != "assistant":
@@ -159,7 +174,8 @@ class Replayer:
             tally.client_cost += cached_cost(client_total, (0 if first else tools_tokens)
                                              + common_prefix_tokens(prev_client, rkeys, rcounts))
             same_tools = prev_fwd is not None and prev_fwd_tools == with_tools
-            msg_prefix = common_prefix_tokens(prev_fwd, wkeys, wcounts)
+            msg_prefix = common_prefix_tokens(prev_fwd, wkeys, wcounts, prev_fwd_msgs,
+                                              window.messages, prev_fwd_counts)
             tools_prefix = 0 if first else tools_tokens + (self.proxy_tools if same_tools
                                                            and with_tools else 0)
             tally.forwarded_cost += cached_cost(fwd_total, tools_prefix + msg_prefix)
@@ -184,6 +200,7 @@ class Replayer:
             for e in window.events:
                 tally.events[e.kind.value] = tally.events.get(e.kind.value, 0) + 1
             prev_client, prev_fwd, prev_fwd_tools = rkeys, wkeys, with_tools
+            prev_fwd_msgs, prev_fwd_counts = window.messages, wcounts
 
 
 class HttpReplay:

@@ -99,7 +99,6 @@ class _Replay:
         self.timestamps = timestamps
         self.now_ms = now_ms
         self.summary = summary
-        self._marker_tokens: dict[int, int] = {}
 
     def full_start(self) -> int:
         c = self.c
@@ -114,18 +113,13 @@ class _Replay:
         if e > fs:
             total -= c.sav_prefix[e] - c.sav_prefix[fs]
         if plan.omit_upto:
-            total += self.marker_tokens(plan.omit_upto)
+            total += c.marked_preamble(self.summary)[1]
         if plan.answer_of >= 0:
-            total += c.answer(plan.answer_of)[1]
+            total += c.bridge(plan.answer_of)[1]
         if plan.drop_upto > plan.drop_from and plan.drop_upto <= p:
             total -= c.shown(plan.drop_from, plan.drop_upto)
             total += c.noted(plan.drop_from - 1, plan.drop_upto)[1]
         return total
-
-    def marker_tokens(self, k: int) -> int:
-        if k not in self._marker_tokens:
-            self._marker_tokens[k] = self.c.ops.count(self.c.marker(k, self.summary))
-        return self._marker_tokens[k]
 
     def reduce_to(self, loop: int) -> bool:
         plan = self.plan
@@ -313,10 +307,10 @@ class _Replay:
         out: list[Message] = list(c.messages[: c.pre])
         changed = False
         if plan.omit_upto:
-            out.append(c.marker(plan.omit_upto, self.summary))
+            out = list(c.marked_preamble(self.summary)[0])
             changed = True
         if plan.answer_of >= 0:
-            out.append(c.answer(plan.answer_of)[0])  # type: ignore[arg-type]
+            out.extend(c.bridge(plan.answer_of)[0])
         for j in range(plan.omit_upto, plan.reduced_upto):
             msgs, _, loop_changed = c.reduced(j)
             out.extend(msgs)

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runloop_proxy.replay import cached_cost
+from runloop_proxy.replay import cached_cost, common_prefix_tokens
 from runloop_proxy.scripted import PromptCache, ScriptedUpstream
 
 
@@ -52,6 +52,19 @@ def test_replay_rejects_bad_input(tmp_path: Path) -> None:
     good = tmp_path / "g.jsonl"
     good.write_text(json.dumps(conversation(2)))
     assert run(good, "--set", "threshold=7").returncode == 2
+
+
+def test_a_prompt_extended_in_place_still_shares_its_tokens() -> None:
+    sys_a = {"role": "system", "content": "rules " * 100}
+    sys_b = {"role": "system", "content": "rules " * 100 + "\n\nmarker"}
+    user = {"role": "user", "content": "hi"}
+    prev, cur = [sys_a, user], [sys_b, user]
+    pk, ck = ["a", "u"], ["b", "u"]
+    # by message only nothing is shared; by text the old prompt's tokens are
+    assert common_prefix_tokens(pk, ck, [105, 4]) == 0
+    assert common_prefix_tokens(pk, ck, [105, 4], prev, cur, [103, 4]) == 102
+    other = [{"role": "system", "content": "other rules"}, user]
+    assert common_prefix_tokens(pk, ["c", "u"], [5, 4], prev, other, [103, 4]) == 0
 
 
 def test_cached_cost_rules() -> None:

@@ -335,7 +335,8 @@ policies = st.builds(
     clear_at_least=st.sampled_from([0, 100, 500]), max_message_length=st.integers(16, 80),
     reduce_past_loops=st.sampled_from(list(ReducePastLoops)),
     reasoning_keep_tokens=st.integers(16, 40), reduce_at_least=st.sampled_from([0, 64, 300]),
-    omit_batch=st.one_of(st.none(), st.integers(1, 4)), ledger_arg_chars=st.integers(0, 40))
+    omit_batch=st.one_of(st.none(), st.integers(1, 4)), ledger_arg_chars=st.integers(0, 40),
+    strict_roles=st.booleans())
 
 PROPS = settings(max_examples=int(os.environ.get("WINDOW_EXAMPLES", "120")), deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -434,6 +435,22 @@ def test_windows_with_aged_loops_stay_valid_and_within_budget(
         previous = list(w.messages) if w.fits else None
 
 
+@PROPS
+@given(conversations(), policies, st.integers(300, 3000))
+def test_strict_roles_keep_one_system_message_and_a_user_turn_first(
+        msgs: list[Message], policy: Policy, working: int) -> None:
+    """What chat templates like Qwen3's or Mistral's demand: the system prompt alone first,
+    then a user turn — whatever the window omitted or kept."""
+    policy = policy.model_copy(update={"strict_roles": True})
+    w = build(msgs, policy, hard=working * 10, working=working)
+    systems = [k for k, m in enumerate(w.messages) if m["role"] == "system"]
+    assert systems == ([0] if msgs[0]["role"] == "system" or w.omitted_loops else [])
+    rest = [m["role"] for m in w.messages if m["role"] != "system"]
+    assert rest[0] == "user"
+    if w.omitted_loops and msgs[0]["role"] == "system":
+        assert w.messages[0]["content"].startswith(msgs[0]["content"])  # the prompt, then
+
+
 def resolve(ref: str, msgs: list[Message]) -> Any:
     """What the proxy's recall_tool_call answers for ``ref`` (no store: the request alone)."""
     runner = ToolRunner(ProxyTools.for_request(None), msgs, [message_hash(m) for m in msgs],
@@ -525,6 +542,21 @@ def test_an_omission_that_leaves_no_past_loop_keeps_the_last_reply() -> None:
     w = build(msgs, policy)
     assert w.reduced_loops == 0 and "elided" in w.messages[2]["content"]
     assert len(w.messages[2]["content"].split()) < 30
+
+
+def test_strict_roles_put_the_marker_in_the_system_prompt() -> None:
+    policy = Policy(max_run_loops=2, omit_batch=3, reduce_at_least=0, strict_roles=True)
+    w = build(loops_of(3), policy)  # everything past omitted: the last reply is kept
+    assert [m["role"] for m in w.messages] == ["system", "user", "assistant", "user"]
+    assert w.messages[0]["content"].startswith(S["content"] + "\n\n[runloop-proxy] Earlier")
+    assert w.messages[2]["content"] == words(5, "a2")
+    assert sum(OPS.count(m) for m in w.messages) == w.tokens_out
+    # the same for a system prompt in parts, and for none at all
+    parts = [{"role": "system", "content": [{"type": "text", "text": "rules"}]}, *loops_of(3)[1:]]
+    w = build(parts, policy)
+    assert w.messages[0]["content"][-1]["text"].startswith("[runloop-proxy] Earlier")
+    w = build(loops_of(3)[1:], policy)
+    assert w.messages[0]["role"] == "system" and w.messages[1]["role"] == "user"
 
 
 def test_the_kept_reply_stays_until_the_next_omission() -> None:
