@@ -320,16 +320,11 @@ class Conversation:
             steps = [g for g in self.group_end if at < g < upto]
             first = tool_calls_of(self.messages[steps[0]])[0].get("id", "")
             last = tool_calls_of(self.messages[steps[-1]])[-1].get("id", "")
-            note = (f"\n\n{TAG} The first {len(steps)} tool exchange(s) after this message "
+            note = (f"{TAG} The first {len(steps)} tool exchange(s) after this message "
                     f"(calls {first} … {last}) are not shown to save context; "
                     f"{self.search}(query) searches them and {self.recall}(call_id) "
                     f"returns any result.")
-            content = m.get("content")
-            if isinstance(content, list):
-                new: Message = {**m, "content": [*content, {"type": "text",
-                                                            "text": note.strip()}]}
-            else:
-                new = {**m, "content": text_of(content) + note}
+            new = _appended(m, note)
             self._noted[key] = (new, self.ops.count(new) - self.counts[at])
         return self._noted[key]
 
@@ -351,11 +346,7 @@ class Conversation:
                 marker: Message = {"role": "system", "content": text}
                 self._marked = ([*pre, marker], self.ops.count(marker))
             else:
-                last = pre[-1]
-                content = last.get("content")
-                merged: Message = {**last, "content": [*content, {"type": "text", "text": text}]
-                                   if isinstance(content, list)
-                                   else f"{text_of(content)}\n\n{text}"}
+                merged = _appended(pre[-1], text)
                 self._marked = ([*pre[:-1], merged],
                                 self.ops.count(merged) - self.counts[self.pre - 1])
         return self._marked
@@ -371,6 +362,15 @@ class Conversation:
             return [msg], n
         stub: Message = {"role": "user", "content": f"{TAG} (earlier turns not shown)"}
         return [stub, msg], n + self.ops.count(stub)
+
+
+def _appended(m: Message, text: str) -> Message:
+    """``m`` with a paragraph of proxy text at the end of its content (a text part when the
+    content is a list of parts): the message's own text stays a prefix of the new one."""
+    content = m.get("content")
+    if isinstance(content, list):
+        return {**m, "content": [*content, {"type": "text", "text": text}]}
+    return {**m, "content": f"{text_of(content)}\n\n{text}"}
 
 
 def _trim_arguments(args: str, keep: int, call_id: str, ops: TokenOps, recall: str) -> str:
