@@ -131,7 +131,7 @@ class Conversation:
         self.pre_tokens = self.prefix[self.pre]
         self._reduced: dict[int, tuple[list[Message], int, bool]] = {}
         self._answers: dict[int, tuple[Message | None, int]] = {}
-        self._marked: tuple[list[Message], int] | None = None
+        self._marked: dict[str | None, tuple[list[Message], int]] = {}
         self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
         self._elidable = frozenset(self.tool_positions)
 
@@ -324,7 +324,7 @@ class Conversation:
                     f"(calls {first} … {last}) are not shown to save context; "
                     f"{self.search}(query) searches them and {self.recall}(call_id) "
                     f"returns any result.")
-            new = _appended(m, note)
+            new = appended(m, note)
             self._noted[key] = (new, self.ops.count(new) - self.counts[at])
         return self._noted[key]
 
@@ -336,7 +336,7 @@ class Conversation:
         The marker reads the same whatever was omitted: it sits right after the system prompt,
         and a text that changed with each omission would make the provider re-read it and
         everything after it (the turns still shown) at full price every time."""
-        if self._marked is None:
+        if summary not in self._marked:
             text = (f"{TAG} Earlier turns are not shown: {self.search}(query) searches them "
                     f"and {self.recall}(call_id) returns their tool results.")
             if summary:
@@ -344,12 +344,12 @@ class Conversation:
             pre = self.messages[: self.pre]
             if not self.policy.strict_roles or not pre:
                 marker: Message = {"role": "system", "content": text}
-                self._marked = ([*pre, marker], self.ops.count(marker))
+                self._marked[summary] = ([*pre, marker], self.ops.count(marker))
             else:
-                merged = _appended(pre[-1], text)
-                self._marked = ([*pre[:-1], merged],
+                merged = appended(pre[-1], text)
+                self._marked[summary] = ([*pre[:-1], merged],
                                 self.ops.count(merged) - self.counts[self.pre - 1])
-        return self._marked
+        return self._marked[summary]
 
     def bridge(self, j: int) -> tuple[list[Message], int]:
         """What shows omitted loop ``j``'s final reply after the marker, and its tokens: the
@@ -364,7 +364,7 @@ class Conversation:
         return [stub, msg], n + self.ops.count(stub)
 
 
-def _appended(m: Message, text: str) -> Message:
+def appended(m: Message, text: str) -> Message:
     """``m`` with a paragraph of proxy text at the end of its content (a text part when the
     content is a list of parts): the message's own text stays a prefix of the new one."""
     content = m.get("content")

@@ -27,6 +27,7 @@ from .forms import (
     Memo,
     TokenOps,
     ToolNames,
+    appended,
     remember,
 )
 from .messages import Message, content_hash, tool_calls_of
@@ -482,10 +483,10 @@ def _drop_oldest_exchanges(conv: Conversation, out: list[Message], tokens: int
     at = next((k for k, m in enumerate(kept) if m.get("role") == "user"
                and isinstance(m.get("content"), str)), None)
     if at is not None:
-        note = (f"\n\n{TAG} {dropped} older tool exchange(s) were dropped to fit the context; "
+        note = (f"{TAG} {dropped} older tool exchange(s) were dropped to fit the context; "
                 f"{conv.search}(query) finds them.")
         old = kept[at]
-        kept[at] = {**old, "content": old["content"] + note}
+        kept[at] = appended(old, note)
         tokens += conv.ops.count(kept[at]) - conv.ops.count(old)
     return kept, tokens
 
