@@ -17,17 +17,15 @@ import argparse
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import orjson
 
-from runloop_proxy.chat import WindowTokens
-from runloop_proxy.messages import Message, message_hash
-from runloop_proxy.replay import cached_cost, common_prefix_tokens
-from runloop_proxy.runloops import RunLoop, preamble_end, segment
-from runloop_proxy.tokens import REPLY_PRIMING, TokenCounter
-from runloop_proxy.tools import definitions_tokens
+from runloop_proxy.conversation.messages import Message, message_hash
+from runloop_proxy.conversation.runloops import RunLoop, preamble_end, segment
+from runloop_proxy.ops.replay import cached_cost, common_prefix_tokens
+from runloop_proxy.pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens
+from runloop_proxy.pipeline.tools import definitions_tokens
 
 Shape = Callable[[list[Message], list[RunLoop]], list[Message]]
 
@@ -41,8 +39,7 @@ def main() -> int:
     convs = [orjson.loads(line) for line in open(args.file, "rb") if line.strip()]
     counter = TokenCounter()
     enc, _ = counter.encoding(args.model)
-    ops = WindowTokens(SimpleNamespace(tokens=counter, truncations=OrderedDict()),  # type: ignore[arg-type]
-                       enc)
+    ops = WindowTokens(counter, enc, OrderedDict())
 
     def capped(m: Message) -> Message:
         return {**m, "content": ops.truncate(str(m.get("content") or ""), args.cap)}

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from synthetic import agent_session  # noqa: E402
 
 from runloop_proxy.config import StoreSection  # noqa: E402
-from runloop_proxy.embedded import EmbeddedRedis  # noqa: E402
-from runloop_proxy.metrics import Metrics  # noqa: E402
-from runloop_proxy.store import RedisStore, prepare  # noqa: E402
+from runloop_proxy.history.embedded import EmbeddedRedis  # noqa: E402
+from runloop_proxy.history.store import RedisStore, prepare  # noqa: E402
+from runloop_proxy.ops.metrics import Metrics  # noqa: E402
 
 
 async def measure(url: str, n: int, requests: int) -> dict[str, float]:

@@ -14,18 +14,16 @@ import sys
 import time
 from collections import OrderedDict
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from synthetic import agent_session  # noqa: E402
 
-from runloop_proxy.chat import WindowTokens  # noqa: E402
 from runloop_proxy.config import Policy  # noqa: E402
-from runloop_proxy.forms import Budget  # noqa: E402
-from runloop_proxy.messages import message_hash  # noqa: E402
-from runloop_proxy.tokens import TokenCounter  # noqa: E402
-from runloop_proxy.window import build_window  # noqa: E402
+from runloop_proxy.conversation.messages import message_hash  # noqa: E402
+from runloop_proxy.pipeline.tokens import TokenCounter, WindowTokens  # noqa: E402
+from runloop_proxy.window.builder import build_window  # noqa: E402
+from runloop_proxy.window.forms import Budget  # noqa: E402
 
 
 def main() -> int:
@@ -36,8 +34,7 @@ def main() -> int:
     msgs = agent_session(args.messages)
     counter = TokenCounter()
     enc, _ = counter.encoding("gpt-4o-mini")
-    state = SimpleNamespace(tokens=counter, truncations=OrderedDict())
-    ops = WindowTokens(state, enc)  # type: ignore[arg-type]
+    ops = WindowTokens(counter, enc, OrderedDict())
     policy = Policy()
     budget = Budget(hard=120_000, working=24_000)
     memo: dict = {}  # type: ignore[type-arg]

@@ -1,14 +1,12 @@
-"""App factory and lifespan: clients, store and config are created once and shared via state."""
+"""App factory and lifespan: clients, store and config are created once and shared through the
+app state (state.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import signal
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -16,102 +14,22 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from . import logs
-from .config import ProxyConfig, Settings, config_mtimes, load_config
-from .embedded import EmbeddedRedis
-from .errors import ConfigError, error_bytes
-from .metrics import Metrics
-from .routes import CHAT_PATH, ClientGone, chat_completions, routes
-from .store import RedisStore
-from .tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
-from .upstream import UpstreamClient
+from .api.http import ClientGone
+from .api.routes import CONVERSATIONS, routes
+from .config import ProxyConfig, Settings, load_config
+from .errors import error_bytes
+from .history.embedded import EmbeddedRedis
+from .history.store import RedisStore
+from .ops import logs
+from .ops.metrics import Metrics
+from .pipeline.tokens import TokenCounter
+from .state import AppState
 
 log = logs.get("app")
-RELOAD_POLL_S = 2.0
-
-
-@dataclass
-class AppState:
-    settings: Settings
-    config: ProxyConfig
-    metrics: Metrics
-    tokens: TokenCounter
-    upstreams: dict[str, UpstreamClient] = field(default_factory=dict)
-    store: RedisStore | None = None
-    embedded: EmbeddedRedis | None = None
-    background: set[asyncio.Task[object]] = field(default_factory=set)
-    truncations: OrderedDict[tuple[str, int], str] = field(default_factory=OrderedDict)
-    first_seen: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    window_memo: dict[tuple[str, ...], Any] = field(default_factory=dict)
-
-    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
-        """Run work off the request path; keep a reference so it is not collected mid-flight."""
-        task = asyncio.ensure_future(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-
-    async def sync_upstreams(self) -> None:
-        old = self.upstreams
-        new: dict[str, UpstreamClient] = {}
-        for name, spec in self.config.upstreams.items():
-            client = old.get(name)
-            if client is None or client.spec != spec:
-                client = UpstreamClient(name, spec)
-                await client.start()
-            new[name] = client
-        self.upstreams = new
-        stale = [c for n, c in old.items() if new.get(n) is not c]
-        if stale:
-            # In-flight requests still hold the old clients: close them once those are done.
-            self.spawn(_close_later(stale))
-
-    async def warm_encodings(self, config: ProxyConfig) -> None:
-        """Load the encodings the config's models use now, bounded in time, never on a
-        request (tiktoken fetches what is not shipped offline)."""
-        await asyncio.get_running_loop().run_in_executor(
-            None, self.tokens.warm, [*WARM_ENCODINGS, *_configured_encodings(config)])
-
-    async def reload(self, reason: str) -> bool:
-        try:
-            config = load_config(self.settings)
-        except ConfigError as exc:
-            self.metrics.config_reloads.labels("error").inc()
-            log.error("config reload failed; keeping the last good config",
-                      extra={"reason": reason, "error": str(exc)})
-            return False
-        await self.warm_encodings(config)
-        self.config = config
-        await self.sync_upstreams()
-        self.metrics.config_reloads.labels("ok").inc()
-        log.info("config reloaded", extra={"reason": reason, "tenants": len(config.tenants)})
-        return True
-
-
-async def _close_later(clients: list[UpstreamClient], delay: float = 60.0) -> None:
-    await asyncio.sleep(delay)
-    for c in clients:
-        await c.close()
-
-
-def _configured_encodings(config: ProxyConfig) -> list[str]:
-    tenants = [*config.tenants.values(), *([config.passthrough] if config.passthrough else [])]
-    names = (spec.encoding or encoding_name_for(model)
-             for t in tenants for model, spec in t.models.items())
-    return sorted({n for n in names if n})
-
-
-async def _watch_config(state: AppState) -> None:
-    seen = config_mtimes(state.settings.config_dir)
-    while True:
-        await asyncio.sleep(RELOAD_POLL_S)
-        now = config_mtimes(state.settings.config_dir)
-        if now != seen:
-            seen = now
-            await state.reload("file change")
 
 
 def create_app(settings: Settings, config: ProxyConfig | None = None,
-               metrics: Metrics | None = None) -> FastChatPath:
+               metrics: Metrics | None = None) -> FastPath:
     """Build the ASGI app. ``config`` is loaded from ``settings`` when not given."""
     config = config or load_config(settings)
 
@@ -134,7 +52,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP,
                                     lambda: state.spawn(state.reload("SIGHUP")))
-        watcher = asyncio.create_task(_watch_config(state)) if settings.config_dir else None
+        watcher = asyncio.create_task(state.watch_config()) if settings.config_dir else None
         log.info("runloop-proxy ready", extra={
             "tenants": len(config.tenants), "passthrough": config.passthrough is not None})
         try:
@@ -159,33 +77,42 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
                            "not_found" if exc.status_code == 404 else None)
         return Response(body, exc.status_code, media_type="application/json")
 
-    return FastChatPath(Starlette(routes=routes(), lifespan=lifespan,
-                                  exception_handlers={HTTPException: http_error}))
+    return FastPath(Starlette(routes=routes(), lifespan=lifespan,
+                              exception_handlers={HTTPException: http_error}))
 
 
-class FastChatPath:
-    """ASGI front: chat completions go straight to their handler, everything else (and the
-    lifespan) through Starlette. Starlette's middleware stack costs a measurable share of a
-    pass-through request; this route handles its own errors (routes.openai_errors)."""
+class FastPath:
+    """ASGI front. The conversation endpoints go straight to their handler (each answers its
+    own errors), everything else (and the lifespan) through Starlette, whose routing and
+    middleware cost a measurable share of a pass-through request. Every HTTP request counts
+    as in flight until its response — a stream included — is over."""
 
     def __init__(self, app: Starlette):
         self.app = app
         self.state = app.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] == CHAT_PATH \
-                and scope["method"] == "POST":
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        in_flight = self.state.runloop.metrics.in_flight
+        in_flight.inc()
+        try:
+            handler = CONVERSATIONS.get(scope["path"]) if scope["method"] == "POST" else None
+            if handler is None:
+                await self.app(scope, receive, send)
+                return
             scope["app"] = self.app
             try:
-                response = await chat_completions(Request(scope, receive))
+                response = await handler(Request(scope, receive))
             except ClientGone:
-                return  # the upstream call was cancelled with the client; nothing to send
+                return  # the upstream call was cancelled with the client; nobody to answer
             await response(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
+        finally:
+            in_flight.dec()
 
 
-def app_from_env() -> FastChatPath:
+def app_from_env() -> FastPath:
     """Factory for uvicorn worker processes (``serve --workers N``)."""
     from .cli import settings_from_env
 

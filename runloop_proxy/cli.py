@@ -9,22 +9,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import orjson
 
+from . import __version__
 from .config import Settings, describe, load_config
 from .errors import ConfigError
 
 ENV_PREFIX = "RUNLOOP_"
-
-
-def _version() -> str:
-    try:
-        return version("runloop-proxy")
-    except PackageNotFoundError:
-        return "0.0.0+local"
 
 
 def _env(name: str, default: Any = None) -> Any:
@@ -69,9 +62,9 @@ def _serve_parser(sub: Any) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from . import logs
     from .app import create_app
-    from .embedded import EmbeddedRedis
+    from .history.embedded import EmbeddedRedis
+    from .ops import logs
 
     logs.configure(args.log_level, args.log_format)
     settings = Settings(host=args.host, port=args.port, upstream=args.upstream,
@@ -169,14 +162,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .replay import run_replay
+    from .ops.replay import run_replay
 
     return run_replay(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="runloop-proxy", description=__doc__.split("\n")[0])
-    parser.add_argument("--version", action="version", version=f"runloop-proxy {_version()}")
+    parser.add_argument("--version", action="version", version=f"runloop-proxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
     c = sub.add_parser("check-config", help="validate a config dir and print the effective config")

@@ -9,6 +9,7 @@
     │   └── PayloadTooLarge         413
     ├── UpstreamError               the upstream is at fault (5xx or its own status)
     │   ├── UpstreamUnreachable     502
+    │   ├── UpstreamBadReply        502 an answer of the wrong shape, or one cut short
     │   └── UpstreamTimeout         504
     ├── StoreError                  Redis failed: the proxy degrades, the client never sees it
     │   └── StoreLimitExceeded      a session outgrew its configured bounds
@@ -56,7 +57,6 @@ class AuthenticationFailed(ClientError):
     code = "invalid_api_key"
 
 
-
 class NotFound(ClientError):
     status = 404
     code = "not_found"
@@ -72,6 +72,11 @@ class UpstreamError(ProxyError):
     error_type = "upstream_error"
     code = "upstream_error"
 
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
     def body(self) -> dict[str, Any]:
         return error_body(str(self), self.error_type, None, self.code)
 
@@ -79,6 +84,11 @@ class UpstreamError(ProxyError):
 class UpstreamUnreachable(UpstreamError):
     status = 502
     code = "upstream_unreachable"
+
+
+class UpstreamBadReply(UpstreamError):
+    status = 502
+    code = "upstream_bad_response"
 
 
 class UpstreamTimeout(UpstreamError):

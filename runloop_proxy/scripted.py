@@ -29,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from .messages import Message, message_hash
-from .tokens import (
+from .conversation.messages import Message, message_hash
+from .pipeline.tokens import (
     FALLBACK_ENCODING,
     FRAME,
     REPLY_PRIMING,

@@ -18,8 +18,8 @@ import pytest
 
 from runloop_proxy.app import create_app
 from runloop_proxy.config import ProxyConfig, Settings, load_config
-from runloop_proxy.embedded import find_redis_server
-from runloop_proxy.metrics import Metrics
+from runloop_proxy.history.embedded import find_redis_server
+from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream, ThreadedServer
 
 

@@ -17,8 +17,8 @@ import pytest
 
 from runloop_proxy.config import Settings, load_config
 from runloop_proxy.errors import ConfigError
+from runloop_proxy.pipeline.tools import definitions_tokens
 from runloop_proxy.scripted import ScriptedUpstream
-from runloop_proxy.tools import definitions_tokens
 
 from .conftest import ProxyServer
 

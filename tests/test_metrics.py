@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from runloop_proxy.metrics import Metrics
+from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, free_port

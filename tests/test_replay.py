@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runloop_proxy.replay import cached_cost, common_prefix_tokens
+from runloop_proxy.ops.replay import cached_cost, common_prefix_tokens
 from runloop_proxy.scripted import PromptCache, ScriptedUpstream
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runloop_proxy.runloops import LoopStatus, preamble_end, segment
+from runloop_proxy.conversation.runloops import LoopStatus, preamble_end, segment
 
 S = {"role": "system", "content": "sys"}
 U = {"role": "user", "content": "q"}

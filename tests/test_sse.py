@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runloop_proxy.sse import SSEDecoder, SSEEvent, encode_event, encode_json
+from runloop_proxy.pipeline.sse import SSEDecoder, SSEEvent, encode_event, encode_json
 
 STREAM = (b": comment\n\ndata: one\n\nevent: ping\ndata: two\ndata: lines\n\n"
           b"id: 7\ndata: three\n\ndata: [DONE]\n\n")

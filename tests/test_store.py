@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from runloop_proxy.config import Settings, StoreSection
-from runloop_proxy.messages import canonical_json
-from runloop_proxy.metrics import Metrics
+from runloop_proxy.conversation.messages import canonical_json
+from runloop_proxy.history.store import RedisStore, prepare
+from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream
-from runloop_proxy.store import RedisStore, prepare
 
 from .conftest import ProxyServer, RedisServer, free_cluster_port
 
@@ -342,20 +342,24 @@ def test_cluster_three_masters(upstream: ScriptedUpstream, make_proxy: Any,
 
 
 def test_resolve_session_order() -> None:
-    from runloop_proxy.chat import resolve_session
+    from runloop_proxy.conversation.identity import identify
+
+    def resolve(header: str | None, body: dict[str, Any], ns: str) -> str:
+        headers = [("X-Session-Id", header)] if header else []
+        return identify(headers, body, body["messages"], ns, "X-Session-Id").id
 
     base: dict[str, Any] = {"model": "m", "messages": [
         {"role": "system", "content": "changes every time"}, {"role": "user", "content": "hi"}]}
-    assert resolve_session("hdr", base, "t") == "hdr"  # type: ignore[arg-type]
-    assert resolve_session(None, {**base, "prompt_cache_key": "pck", "user": "u"}, "t") == "pck"  # type: ignore[arg-type]
-    assert resolve_session(None, {**base, "metadata": {"session_id": "md"}, "user": "u"},
-                           "t") == "md"  # type: ignore[arg-type]
-    assert resolve_session(None, {**base, "user": "u"}, "t") == "u"  # type: ignore[arg-type]
-    fp = resolve_session(None, base, "t")  # type: ignore[arg-type]
+    assert resolve("hdr", base, "t") == "hdr"
+    assert resolve(None, {**base, "prompt_cache_key": "pck", "user": "u"}, "t") == "pck"
+    assert resolve(None, {**base, "metadata": {"session_id": "md"}, "user": "u"}, "t") == "md"
+    assert resolve(None, {**base, "user": "u"}, "t") == "u"
+    fp = resolve(None, base, "t")
     other_system = {**base, "messages": [{"role": "system", "content": "different"},
                                          *base["messages"][1:]]}
-    assert fp.startswith("fp-") and fp == resolve_session(None, other_system, "t")  # type: ignore[arg-type]
-    assert fp != resolve_session(None, base, "another-tenant")  # type: ignore[arg-type]
+    assert fp.startswith("fp-") and fp == resolve(None, other_system, "t")
+    assert fp != resolve(None, base, "another-tenant")
+
 
 
 def test_inspect_prints_a_session(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:

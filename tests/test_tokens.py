@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from runloop_proxy.tokens import FALLBACK_ENCODING, TokenCounter, render_tools
+from runloop_proxy.pipeline.tokens import FALLBACK_ENCODING, TokenCounter, render_tools
 
 
 def test_encoding_loads_offline_and_falls_back() -> None:
@@ -99,7 +99,7 @@ def test_a_black_holed_network_costs_a_bounded_wait_never_a_hang(tmp_path: Path)
     port = hole.getsockname()[1]
     script = (
         "import time\n"
-        "from runloop_proxy.tokens import TokenCounter\n"
+        "from runloop_proxy.pipeline.tokens import TokenCounter\n"
         "tc = TokenCounter()\n"
         "t0 = time.monotonic()\n"
         "tc.warm(['o200k_base'], timeout=1.0)\n"

@@ -11,9 +11,9 @@ import openai
 import orjson
 import pytest
 
-from runloop_proxy.messages import message_hash, result_refs
+from runloop_proxy.conversation.messages import message_hash, result_refs
+from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner, rank
 from runloop_proxy.scripted import ScriptedUpstream
-from runloop_proxy.tools import ProxyTools, ToolRunner, rank
 
 from .conftest import ProxyServer
 
@@ -317,7 +317,7 @@ def test_a_failing_window_passes_the_request_through(proxy: ProxyServer,
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected window bug")
 
-    monkeypatch.setattr("runloop_proxy.chat.build_window", broken)
+    monkeypatch.setattr("runloop_proxy.pipeline.turn.build_window", broken)
     msgs = long_session()
     c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
     r = c.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=msgs,

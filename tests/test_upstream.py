@@ -8,7 +8,7 @@ import time
 import pytest
 
 from runloop_proxy.config import UpstreamSpec
-from runloop_proxy.upstream import UpstreamClient, parse_retry_after, upstream_headers
+from runloop_proxy.pipeline.upstream import UpstreamClient, parse_retry_after, upstream_headers
 
 
 @pytest.mark.parametrize("value,expected", [("3", 3.0), (" 0.5 ", 0.5), ("-2", 0.0),

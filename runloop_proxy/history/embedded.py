@@ -14,7 +14,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from . import logs
+from ..ops import logs
 
 log = logs.get("embedded")
 START_TIMEOUT_S = 15.0

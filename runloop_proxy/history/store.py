@@ -37,11 +37,11 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
-from . import logs
-from .config import StoreSection
-from .errors import StoreError, StoreLimitExceeded
-from .messages import Message, canonical_json, content_hash
-from .metrics import Metrics
+from ..config import StoreSection
+from ..conversation.messages import Message, canonical_json, content_hash
+from ..errors import StoreError, StoreLimitExceeded
+from ..ops import logs
+from ..ops.metrics import Metrics
 from .scripts import APPEND_LUA, SYNC_LUA
 
 log = logs.get("store")

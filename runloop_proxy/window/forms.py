@@ -16,9 +16,16 @@ from typing import Any, Protocol
 
 import orjson
 
-from .config import Policy
-from .messages import Message, content_hash, message_text, result_refs, text_of, tool_calls_of
-from .runloops import RunLoop, preamble_end, segment
+from ..config import Policy
+from ..conversation.messages import (
+    Message,
+    content_hash,
+    message_text,
+    result_refs,
+    text_of,
+    tool_calls_of,
+)
+from ..conversation.runloops import RunLoop, preamble_end, segment
 
 TAG = "[runloop-proxy]"
 MEMO_SIZE = 50_000

@@ -4,6 +4,7 @@ session ids or prompt text. Several uvicorn workers: set PROMETHEUS_MULTIPROC_DI
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -27,8 +28,8 @@ class Metrics:
         self._bound: dict[tuple[str, str], BoundMetrics] = {}
         r = self.registry
         tm = ("tenant", "model")
-        self.requests = Counter("runloop_requests_total", "Chat requests by outcome",
-                                [*tm, "status", "stream"], registry=r)
+        self.requests = Counter("runloop_requests_total", "Conversation requests by outcome",
+                                [*tm, "status", "stream", "api"], registry=r)
         self.passthrough_requests = Counter("runloop_passthrough_requests_total",
                                             "Other /v1 requests passed through",
                                             ["tenant", "status"], registry=r)
@@ -114,14 +115,14 @@ class BoundMetrics:
         self.usage_prompt = m.usage_tokens.labels(*tm, "prompt")
         self.usage_completion = m.usage_tokens.labels(*tm, "completion")
         self.usage_cached = m.usage_tokens.labels(*tm, "cached_prompt")
-        self.requests = {(status, stream): m.requests.labels(*tm, str(status), stream)
-                         for status in (200,) for stream in ("true", "false")}
+        self.requests: dict[tuple[int, str, str], Any] = {}
         self._requests = m.requests
         self._tm = tm
 
-    def request(self, status: int, stream: bool) -> None:
-        key = (status, "true" if stream else "false")
+    def request(self, status: int, stream: bool, api: str) -> None:
+        key = (status, "true" if stream else "false", api)
         child = self.requests.get(key)
         if child is None:
-            child = self.requests[key] = self._requests.labels(*self._tm, str(status), key[1])
+            child = self.requests[key] = self._requests.labels(*self._tm, str(status), key[1],
+                                                               api)
         child.inc()

@@ -17,10 +17,17 @@ from typing import Any
 import orjson
 import tiktoken
 
-from .errors import StoreError
-from .messages import Message, ToolCall, message_hash, message_text, result_refs, tool_calls_of
-from .runloops import segment
-from .store import RedisStore
+from ..conversation.messages import (
+    Message,
+    ToolCall,
+    message_hash,
+    message_text,
+    result_refs,
+    tool_calls_of,
+)
+from ..conversation.runloops import segment
+from ..errors import StoreError
+from ..history.store import RedisStore
 from .tokens import TokenCounter
 
 RECALL = "recall_tool_call"
@@ -29,19 +36,17 @@ _WORD = re.compile(r"[A-Za-z0-9_]{2,}|[^\sA-Za-z0-9_]", re.UNICODE)
 SNIPPET_CHARS = 240
 
 
-def _definition(name: str, kind: str) -> dict[str, Any]:
+def _function(name: str, kind: str) -> dict[str, Any]:
     # Short on purpose: these ride along in every request of a compressed session.
     if kind == RECALL:
-        return {"type": "function", "function": {
-            "name": name,
-            "description": "Return an earlier tool result verbatim, by the id a note shows.",
-            "parameters": {"type": "object", "properties": {"call_id": {"type": "string"}},
-                           "required": ["call_id"]}}}
-    return {"type": "function", "function": {
-        "name": name,
-        "description": "Search this conversation's full history, also turns not shown.",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
-                       "required": ["query"]}}}
+        return {"name": name,
+                "description": "Return an earlier tool result verbatim, by the id a note shows.",
+                "parameters": {"type": "object", "properties": {"call_id": {"type": "string"}},
+                               "required": ["call_id"]}}
+    return {"name": name,
+            "description": "Search this conversation's full history, also turns not shown.",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
+                           "required": ["query"]}}
 
 
 def definitions_tokens(counter: TokenCounter, enc: tiktoken.Encoding) -> int:
@@ -78,8 +83,13 @@ class ProxyTools:
         """(recall, search) as the window's notes must name them."""
         return self.name_of(RECALL), self.name_of(SEARCH)
 
+    def functions(self) -> list[dict[str, Any]]:
+        """Name, description and parameters of each tool (an adapter wraps them its way)."""
+        return [_function(name, kind) for name, kind in self.names.items()]
+
     def definitions(self) -> list[dict[str, Any]]:
-        return [_definition(name, kind) for name, kind in self.names.items()]
+        """The tools in chat-completions form (how they are counted, whatever the API)."""
+        return [{"type": "function", "function": f} for f in self.functions()]
 
     def owns(self, call: ToolCall) -> bool:
         return (call.get("function") or {}).get("name") in self.names

@@ -18,7 +18,9 @@ import bisect
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from .config import Policy, ProxyToolsMode, ReducePastLoops
+from ..config import Policy, ProxyToolsMode, ReducePastLoops
+from ..conversation.messages import Message, content_hash, tool_calls_of
+from ..conversation.runloops import segment
 from .forms import (
     DEFAULT_NAMES,
     TAG,
@@ -30,8 +32,6 @@ from .forms import (
     appended,
     remember,
 )
-from .messages import Message, content_hash, tool_calls_of
-from .runloops import segment
 
 
 class CompactionKind(StrEnum):

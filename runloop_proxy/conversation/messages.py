@@ -7,12 +7,10 @@ echo an assistant reply back (null-valued fields, ``refusal: null``, ``annotatio
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, Literal, TypedDict
 
 import orjson
 import xxhash
-
-from .errors import InvalidRequest
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
@@ -37,13 +35,6 @@ class Message(TypedDict, total=False):
     tool_call_id: str
     function_call: FunctionCall
     refusal: str | None
-
-
-class ChatRequest(TypedDict):
-    model: str
-    messages: list[Message]
-    stream: NotRequired[bool]
-    tools: NotRequired[list[dict[str, Any]]]
 
 
 _EMPTY_DROPPABLE = ("annotations", "tool_calls")
@@ -80,6 +71,11 @@ def _canonical_call(call: Any) -> Any:
     if isinstance(fn, dict):
         out["function"] = {k: v for k, v in fn.items() if v is not None}
     return out
+
+
+def clean(msg: Message) -> Message:
+    """The message without its null-valued fields (what an SDK leaves out when it echoes it)."""
+    return {k: v for k, v in msg.items() if v is not None}  # type: ignore[return-value]
 
 
 def canonical_json(msg: Message) -> bytes:
@@ -152,66 +148,3 @@ def tool_calls_of(msg: Message) -> list[ToolCall]:
         fc = msg["function_call"]
         return [{"id": f"function:{fc.get('name', '')}", "type": "function", "function": fc}]
     return calls
-
-
-def validate_chat_request(body: Any) -> ChatRequest:
-    """Check the shape of a chat-completions request; InvalidRequest names the bad field."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("the request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required and must be a non-empty string",
-                             param="model")
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' is required and must be a non-empty array",
-                             param="messages")
-    for i, m in enumerate(messages):
-        _validate_message(m, i)
-    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
-        raise InvalidRequest("'stream' must be a boolean", param="stream")
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise InvalidRequest("'tools' must be an array", param="tools")
-        for i, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise InvalidRequest("each tool needs function.name",
-                                     param=f"tools[{i}].function.name")
-    for field in ("max_tokens", "max_completion_tokens", "n"):
-        v = body.get(field)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise InvalidRequest(f"'{field}' must be a non-negative integer", param=field)
-    return body  # type: ignore[return-value]
-
-
-def _validate_message(m: Any, i: int) -> None:
-    where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise InvalidRequest(f"{where} must be an object", param=where)
-    role = m.get("role")
-    if role not in ROLES:
-        raise InvalidRequest(f"{where}.role must be one of {', '.join(sorted(ROLES))}",
-                             param=f"{where}.role")
-    content = m.get("content")
-    if content is not None and not isinstance(content, (str, list)):
-        raise InvalidRequest(f"{where}.content must be a string, an array of parts or null",
-                             param=f"{where}.content")
-    if content is None and role in ("user", "system", "developer", "tool"):
-        raise InvalidRequest(f"{where}.content is required for role {role!r}",
-                             param=f"{where}.content")
-    if role == "tool" and not isinstance(m.get("tool_call_id"), str):
-        raise InvalidRequest(f"{where}.tool_call_id is required for role 'tool'",
-                             param=f"{where}.tool_call_id")
-    calls = m.get("tool_calls")
-    if calls is not None:
-        if role != "assistant" or not isinstance(calls, list):
-            raise InvalidRequest(f"{where}.tool_calls must be an array on an assistant message",
-                                 param=f"{where}.tool_calls")
-        for j, c in enumerate(calls):
-            fn = c.get("function") if isinstance(c, dict) else None
-            if not isinstance(c, dict) or not isinstance(c.get("id"), str) \
-                    or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise InvalidRequest(f"{where}.tool_calls[{j}] needs id and function.name",
-                                     param=f"{where}.tool_calls[{j}]")

@@ -16,21 +16,19 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import orjson
 from pydantic import ValidationError
 
-from .chat import WindowTokens
-from .config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
-from .errors import ConfigError
-from .forms import Budget
-from .messages import Message, message_hash, text_of
-from .runloops import preamble_end, segment
-from .tokens import REPLY_PRIMING, TokenCounter, encoding_name_for
-from .tools import ProxyTools, definitions_tokens
-from .window import build_window
+from ..config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
+from ..conversation.messages import Message, message_hash, text_of
+from ..conversation.runloops import preamble_end, segment
+from ..errors import ConfigError
+from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
+from ..pipeline.tools import ProxyTools, definitions_tokens
+from ..window.builder import build_window
+from ..window.forms import Budget
 
 CACHE_MIN = 1024
 CACHE_BLOCK = 128
@@ -112,8 +110,7 @@ class Replayer:
         self.counter.warm([tenant.encoding_for(model) or encoding_name_for(model) or ""])
         self.enc, _ = self.counter.encoding(model, tenant.encoding_for(model))
         self.proxy_tools = definitions_tokens(self.counter, self.enc)
-        self.ops = WindowTokens(SimpleNamespace(tokens=self.counter,  # type: ignore[arg-type]
-                                                truncations=OrderedDict()), self.enc)
+        self.ops = WindowTokens(self.counter, self.enc, OrderedDict())
 
     def budget(self, tools_tokens: int) -> Budget:
         return Budget.for_request(self.tenant.policy, self.context, None,

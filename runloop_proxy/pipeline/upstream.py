@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 import aiohttp
 from multidict import CIMultiDict
 
-from .config import UpstreamSpec
-from .errors import UpstreamTimeout, UpstreamUnreachable
+from ..config import UpstreamSpec
+from ..errors import UpstreamTimeout, UpstreamUnreachable
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 HOP_BY_HOP = frozenset({

@@ -1,0 +1,7 @@
+"""``python -m runloop_proxy``: the command line (cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

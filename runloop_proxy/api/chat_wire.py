@@ -1,0 +1,355 @@
+"""Chat completions on the wire (pure): a window as an upstream body, an answer as a Reply, and
+a streamed answer rewritten for the client — the proxy's tool calls dropped, the client's
+renumbered from 0, one stream id across rounds, usage summed into one final chunk."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import orjson
+
+from ..conversation.messages import Message, ToolCall, clean
+from ..errors import UpstreamBadReply, UpstreamError
+from ..pipeline.sse import DONE, SSEEvent, encode_json
+from ..pipeline.tools import ProxyTools
+from ..pipeline.wire import Decision, Reply, Step, bad_reply
+
+TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+
+
+class ChatWire:
+    api = "chat"
+    upstream_path = "/chat/completions"
+
+    def outgoing(self, body: dict[str, Any], messages: list[Message],
+                 extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
+        out = {**body, "messages": messages}
+        if extra_tools:
+            out["tools"] = [*(body.get("tools") or []), *extra_tools]
+            if body.get("stream"):
+                # the rewritten stream sums every round's usage; the client gets it if it asked
+                out["stream_options"] = {**(body.get("stream_options") or {}),
+                                         "include_usage": True}
+        return out
+
+    def next_round(self, sent: dict[str, Any], messages: list[Message],
+                   withdraw: frozenset[str]) -> dict[str, Any]:
+        out = {**sent, "messages": messages}
+        if withdraw:
+            kept = [t for t in sent.get("tools") or []
+                    if (t.get("function") or {}).get("name") not in withdraw]
+            if kept:
+                out["tools"] = kept
+            else:
+                for k in TOOL_KEYS:
+                    out.pop(k, None)
+        return out
+
+    def tool_definitions(self, tools: ProxyTools) -> list[dict[str, Any]]:
+        return [{"type": "function", "function": d} for d in tools.functions()]
+
+    def parse(self, data: Any) -> Reply:
+        problem = completion_problem(data)
+        if problem:
+            raise bad_reply(f"a chat completion: {problem}", data)
+        usage = data.get("usage")
+        return Reply(clean(data["choices"][0]["message"]),
+                     usage if isinstance(usage, dict) else None)
+
+    def client_json(self, data: dict[str, Any], decision: Decision,
+                    usage: dict[str, Any]) -> dict[str, Any]:
+        choice = data["choices"][0]
+        msg = choice["message"]
+        if decision.step is Step.MIXED:
+            msg["tool_calls"] = list(decision.theirs)
+        elif decision.step is Step.WITHDRAWN:
+            msg.pop("tool_calls", None)
+            msg["content"] = msg.get("content") or ""
+            choice["finish_reason"] = "stop"
+        if usage:
+            data["usage"] = usage
+        return data
+
+    def relay(self, request: dict[str, Any]) -> ChatRelay:
+        return ChatRelay(request)
+
+    def observer(self) -> ChatObserver:
+        return ChatObserver()
+
+
+def completion_problem(data: Any) -> str | None:
+    """Why ``data`` is not a chat completion whose first choice carries a message, or None."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return "no choices"
+    first = choices[0]
+    msg = first.get("message") if isinstance(first, dict) else None
+    if not isinstance(msg, dict):
+        return "choices[0] has no message"
+    if msg.get("content") is not None and not isinstance(msg.get("content"), (str, list)):
+        return "message.content is neither text nor parts"
+    calls = msg.get("tool_calls")
+    if calls is not None and (not isinstance(calls, list) or not all(map(_is_call, calls))):
+        return "message.tool_calls is malformed"
+    return None
+
+
+def _is_call(c: Any) -> bool:
+    fn = c.get("function") if isinstance(c, dict) else None
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) \
+        and isinstance(c.get("id"), str) and isinstance(fn.get("arguments", ""), str)
+
+
+def chunk_problem(chunk: Any) -> str | None:
+    """Why ``chunk`` is not a chat-completion chunk this proxy can read, or None."""
+    if not isinstance(chunk, dict):
+        return "not a JSON object"
+    choices = chunk.get("choices")
+    if choices is None:
+        return None
+    if not isinstance(choices, list):
+        return "choices is not an array"
+    for choice in choices:
+        if not isinstance(choice, dict) or not isinstance(choice.get("index", 0), int):
+            return "a choice is not an object with an integer index"
+        delta = choice.get("delta")
+        if delta is None:
+            continue
+        if not isinstance(delta, dict):
+            return "a delta is not an object"
+        for key in ("content", "refusal"):
+            if delta.get(key) is not None and not isinstance(delta[key], str):
+                return f"delta.{key} is not text"
+        calls = delta.get("tool_calls")
+        if calls is None:
+            continue
+        if not isinstance(calls, list):
+            return "delta.tool_calls is not an array"
+        for tc in calls:
+            fn = tc.get("function") if isinstance(tc, dict) else None
+            if not isinstance(tc, dict) or not isinstance(tc.get("index", 0), int) \
+                    or isinstance(tc.get("index"), bool) \
+                    or (fn is not None and not isinstance(fn, dict)) \
+                    or any(not isinstance((fn or {}).get(k) or "", str)
+                           for k in ("name", "arguments")):
+                return "a streamed tool call is malformed"
+    return None
+
+
+class Accumulator:
+    """Builds choice 0's assistant message, the finish reason and usage from chunks (which
+    ``chunk_problem`` accepted)."""
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.model: str | None = None
+        self.created: int | None = None
+        self.content: list[str] = []
+        self.refusal: list[str] = []
+        self.calls: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        self.id = self.id or chunk.get("id")
+        self.model = self.model or chunk.get("model")
+        self.created = self.created or chunk.get("created")
+        if isinstance(chunk.get("usage"), dict):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                self.content.append(delta["content"])
+            if delta.get("refusal"):
+                self.refusal.append(delta["refusal"])
+            for tc in delta.get("tool_calls") or []:
+                slot = self.calls.setdefault(tc.get("index", 0), {
+                    "id": "", "type": "function", "function": {"name": "", "arguments": ""}})
+                if tc.get("id"):
+                    slot["id"] = tc["id"]
+                fn = tc.get("function") or {}
+                slot["function"]["name"] += fn.get("name") or ""
+                slot["function"]["arguments"] += fn.get("arguments") or ""
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+
+    def tool_calls(self) -> list[ToolCall]:
+        return [self.calls[i] for i in sorted(self.calls)]  # type: ignore[misc]
+
+    def message(self) -> Message:
+        msg: Message = {"role": "assistant", "content": "".join(self.content) or None}
+        if self.refusal:
+            msg["refusal"] = "".join(self.refusal)
+        calls = self.tool_calls()
+        if calls:
+            msg["tool_calls"] = calls
+        return clean(msg)
+
+
+def _decode(event: SSEEvent) -> dict[str, Any] | None:
+    """A data event's chunk; an error event from the upstream raises."""
+    if event.is_done or not event.data:
+        return None
+    try:
+        chunk = orjson.loads(event.data)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamBadReply("the upstream streamed an event that is not JSON") from exc
+    if isinstance(chunk, dict) and chunk.get("error"):
+        err = chunk["error"]
+        raise UpstreamError(str(err.get("message", "upstream error")) if isinstance(err, dict)
+                            else str(err))
+    problem = chunk_problem(chunk)
+    if problem:
+        raise bad_reply(f"a chat-completion chunk: {problem}", chunk)
+    return chunk  # type: ignore[no-any-return]
+
+
+class ChatObserver:
+    """Reads a stream relayed unchanged, to record its answer; what it cannot read it skips
+    (the client got the bytes as they came)."""
+
+    def __init__(self) -> None:
+        self.acc = Accumulator()
+
+    def feed(self, event: SSEEvent) -> None:
+        try:
+            chunk = _decode(event)
+        except UpstreamError:
+            return
+        if chunk is not None:
+            self.acc.add(chunk)
+
+    def reply(self) -> Reply | None:
+        if self.acc.id is None and not self.acc.content and not self.acc.calls:
+            return None
+        return Reply(self.acc.message(), self.acc.usage)
+
+
+class ChatRelay:
+    """A streamed chat answer across the proxy's tool rounds."""
+
+    def __init__(self, request: dict[str, Any]):
+        options = request.get("stream_options")
+        self.want_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        self.model = str(request.get("model", ""))
+        self.stream_id: str | None = None
+        self.next_index = 0
+        self.template: dict[str, Any] = {}
+        self.content: list[str] = []
+
+    def round(self, tools: ProxyTools) -> ChatRound:
+        return ChatRound(self, tools)
+
+    def shown(self, message: Message) -> Message:
+        """The message as the client saw it: the text of every round, then its calls."""
+        text = "".join(self.content)
+        out = {k: v for k, v in message.items() if k != "content"}
+        return clean({"role": "assistant", "content": text or None, **out})  # type: ignore[typeddict-item]
+
+    def end(self, usage: dict[str, Any]) -> list[bytes]:
+        out = []
+        if self.want_usage:
+            t = self.template
+            out.append(encode_json({"id": self.stream_id, "object": "chat.completion.chunk",
+                                    "created": t.get("created", int(time.time())),
+                                    "model": t.get("model", self.model), "choices": [],
+                                    "usage": usage}))
+        out.append(DONE)
+        return out
+
+    def error(self, exc: Exception) -> bytes:
+        body = exc.body() if isinstance(exc, UpstreamError) else {"error": {
+            "message": "internal error in runloop-proxy", "type": "server_error",
+            "param": None, "code": "internal_error"}}
+        return encode_json(body)
+
+
+class ChatRound:
+    """One upstream stream: the client's deltas pass (its calls renumbered), the proxy's calls
+    and the usage chunk are absorbed, the finish chunk is held until the round's fate is known."""
+
+    def __init__(self, relay: ChatRelay, tools: ProxyTools):
+        self.relay = relay
+        self.tools = tools
+        self.acc = Accumulator()
+        self.owner: dict[int, bool] = {}  # upstream index -> the proxy's call?
+        self.client_index: dict[int, int] = {}
+        self.held: dict[str, Any] | None = None
+        self.done = False
+
+    @property
+    def complete(self) -> bool:
+        return self.done or self.acc.finish_reason is not None
+
+    def feed(self, event: SSEEvent) -> list[bytes]:
+        if event.is_done:
+            self.done = True
+            return []
+        chunk = _decode(event)
+        if chunk is None:
+            return []
+        self.acc.add(chunk)
+        out = self._rewrite(chunk)
+        if out is None:
+            return []
+        self.relay.template = out
+        return [encode_json(out)]
+
+    def reply(self) -> Reply:
+        self.relay.content += self.acc.content
+        return Reply(self.acc.message(), self.acc.usage)
+
+    def close(self, decision: Decision) -> list[bytes]:
+        if self.held is None:
+            return []
+        if decision.step is Step.WITHDRAWN:
+            self.held["choices"][0]["finish_reason"] = "stop"
+        return [encode_json(self.held)]
+
+    def _rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
+        relay = self.relay
+        if relay.stream_id is None:
+            relay.stream_id = chunk.get("id")
+        elif "id" in chunk:
+            chunk["id"] = relay.stream_id
+        choices = chunk.get("choices")
+        if not choices:
+            return None if chunk.get("usage") is not None else chunk
+        chunk.pop("usage", None)
+        for choice in choices:
+            delta = choice.get("delta") or {}
+            calls = delta.get("tool_calls")
+            if calls:
+                kept = []
+                for tc in calls:
+                    idx = tc.get("index", 0)
+                    if idx not in self.owner:
+                        name = (tc.get("function") or {}).get("name")
+                        self.owner[idx] = name in self.tools.names
+                        if not self.owner[idx]:
+                            self.client_index[idx] = relay.next_index
+                            relay.next_index += 1
+                    if not self.owner[idx]:
+                        kept.append({**tc, "index": self.client_index[idx]})
+                if kept:
+                    delta["tool_calls"] = kept
+                else:
+                    delta.pop("tool_calls")
+            if choice.get("finish_reason"):
+                self.held = {**chunk, "choices": [{**choice, "delta": {}}]}
+                choice["finish_reason"] = None
+                if not _has_payload(delta):
+                    return None
+        if not any(_has_payload(c.get("delta") or {}) for c in choices) \
+                and all(not c.get("finish_reason") and not c.get("logprobs") for c in choices):
+            return None
+        return chunk
+
+
+def _has_payload(delta: dict[str, Any]) -> bool:
+    return any(v not in (None, "", [], {}) for v in delta.values())

@@ -1,0 +1,210 @@
+"""HTTP plumbing the endpoints share: who is calling, reading a body, OpenAI-shaped errors, a
+client that goes away, and a streaming response that notices that at once.
+
+Starlette's StreamingResponse, under ASGI spec 2.4, learns of a disconnect only when its next
+``send`` fails — which, while the model is thinking, can be minutes. ``LiveStreamResponse`` has a
+listener wait on ``receive`` beside the pump and cancel it on ``http.disconnect``, so the
+upstream request is closed (the generator's ``finally``) the moment the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, TypeAlias
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from ..errors import (
+    AuthenticationFailed,
+    ClientError,
+    InvalidRequest,
+    PayloadTooLarge,
+    UpstreamError,
+    error_body,
+)
+from ..ops import logs
+from ..pipeline.accounting import CLIENT_CLOSED, RequestLog
+from ..pipeline.turn import Answer, Caller, Turn, serve
+from ..state import AppState, state_of
+
+log = logs.get("http")
+Handler = Callable[[Request], Awaitable[Any]]
+ASGIResponse: TypeAlias = "Response | LiveStreamResponse"
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer: there is nobody to answer."""
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(obj), status, headers=headers, media_type="application/json")
+
+
+def openai_errors(handler: Handler) -> Handler:
+    """Turn the proxy's errors into OpenAI-shaped bodies with the right status."""
+    @functools.wraps(handler)
+    async def wrapped(request: Request) -> Any:
+        try:
+            return await handler(request)
+        except ClientError as exc:
+            return json_response(exc.body(), exc.status)
+        except UpstreamError as exc:
+            log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
+            return json_response(exc.body(), exc.status)
+    return wrapped
+
+
+def internal_error() -> Response:
+    return json_response(error_body("internal error in runloop-proxy", "server_error", None,
+                                    "internal_error"), 500)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+def bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization")
+    if auth and auth[:7].lower() == "bearer ":
+        return auth[7:].strip() or None
+    return request.headers.get("api-key")
+
+
+def authenticate(state: AppState, request: Request) -> Caller:
+    cfg = state.config
+    key = bearer(request)
+    if cfg.passthrough is not None:
+        # Single-tenant pass-through: the client's own key goes upstream; its hash keeps
+        # each key's sessions apart.
+        ns = "pt-" + (hashlib.sha256(key.encode()).hexdigest()[:16] if key else "anonymous")
+        return Caller(cfg.passthrough, "passthrough", ns, request.headers.get("authorization"))
+    if key is None:
+        raise AuthenticationFailed("Missing API key: send it as 'Authorization: Bearer <key>'.")
+    tenant = cfg.tenant_for_key(key)
+    if tenant is None:
+        raise AuthenticationFailed("Incorrect API key provided.")
+    if tenant.forward_client_key:
+        upstream_auth = request.headers.get("authorization")
+    else:
+        secret = tenant.upstream_key or cfg.upstreams[tenant.upstream].api_key
+        upstream_auth = f"Bearer {secret}" if secret else None
+    return Caller(tenant, tenant.name, tenant.name, upstream_auth)
+
+
+async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:
+    """Run ``work``; a client that disconnects before it is done cancels it (the upstream call
+    with it) and raises ClientGone. Once the body is read, the next thing a client can send
+    is a disconnect; a stream has its own listener (LiveStreamResponse)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            raise ClientGone()
+        return task.result()
+    finally:
+        watcher.cancel()
+
+
+TurnMaker = Callable[[AppState, Request, RequestLog], Awaitable[Turn]]
+
+
+async def answer_turn(request: Request, api: str, make_turn: TurnMaker) -> ASGIResponse:
+    """The frame every API adapter runs in: the adapter reads and checks the request into a
+    Turn, the pipeline serves it; errors come back in OpenAI's shape, a client that goes away
+    cancels the work, and the request is counted once whatever happens."""
+    state = state_of(request)
+    rlog = RequestLog(state.metrics, api)
+    try:
+        turn = await make_turn(state, request, rlog)
+        answer = await until_disconnect(request, serve(state, turn, rlog))
+    except ClientGone:
+        rlog.finish(CLIENT_CLOSED, "client disconnected")
+        raise
+    except ClientError as exc:
+        rlog.finish(exc.status, str(exc))
+        return json_response(exc.body(), exc.status)
+    except UpstreamError as exc:
+        log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
+        rlog.finish(exc.status, str(exc))
+        return json_response(exc.body(), exc.status)
+    except Exception:
+        log.exception("unexpected error")
+        rlog.finish(500, "internal error")
+        return internal_error()
+    if answer.stream is not None:
+        return LiveStreamResponse(answer.stream, answer.status, answer.headers)
+    return Response(answer.body, answer.status, headers=answer.headers)
+
+
+class LiveStreamResponse:
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], status_code: int = 200,
+                 headers: Mapping[str, str] | None = None):
+        self.body = body
+        self.status_code = status_code
+        raw = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+               for k, v in (headers or {}).items() if k.lower() != "content-length"]
+        if not any(k == b"content-type" for k, _ in raw):
+            raw.append((b"content-type", b"text/event-stream; charset=utf-8"))
+        raw.append((b"cache-control", b"no-cache"))
+        raw.append((b"x-accel-buffering", b"no"))
+        self.raw_headers = raw
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.ensure_future(self._pump(send))
+        listener = asyncio.ensure_future(self._listen(receive))
+        try:
+            await asyncio.wait({pump, listener}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, listener):
+                if not task.done():
+                    task.cancel()
+            for task in (pump, listener):
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await task
+            aclose = getattr(self.body, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for chunk in self.body:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    @staticmethod
+    async def _listen(receive: Receive) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return

@@ -1,0 +1,85 @@
+"""The route table, and the endpoints that are not a conversation: health, readiness, metrics,
+and every other ``/v1`` endpoint passed through untouched."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from ..ops.admin import admin_routes
+from ..pipeline.upstream import upstream_headers
+from ..state import state_of
+from .chat import PATH as CHAT_PATH
+from .chat import chat_completions
+from .http import (
+    ASGIResponse,
+    LiveStreamResponse,
+    authenticate,
+    json_response,
+    openai_errors,
+    read_body,
+)
+
+ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+@openai_errors
+async def passthrough(request: Request) -> ASGIResponse:
+    """Any other /v1 endpoint (models, embeddings, files, …) goes through untouched."""
+    state = state_of(request)
+    caller = authenticate(state, request)
+    raw = await read_body(request, state.config.server.max_body_bytes)
+    path = "/" + request.path_params["path"]
+    headers = upstream_headers(request.headers.items(), caller.upstream_auth)
+    client = state.upstream(caller.tenant.upstream)
+    resp = await client.request(request.method, path, headers, raw or None,
+                                query=request.url.query)
+    state.metrics.passthrough_requests.labels(caller.label, str(resp.status)).inc()
+    fwd = dict(resp.forward_headers())
+    if resp.headers.get("content-type", "").startswith("text/event-stream"):
+        async def relay() -> Any:
+            try:
+                async for chunk in resp.iter_chunks():
+                    yield chunk
+            finally:
+                resp.close()
+        return LiveStreamResponse(relay(), resp.status, fwd)
+    return Response(await resp.read(), resp.status, headers=fwd)
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    state = state_of(request)
+    checks: dict[str, Any] = {"config": bool(state.upstreams)}
+    if state.store is not None:
+        checks["store"] = await state.store.ping()
+    ok = all(checks.values())
+    return json_response({"status": "ready" if ok else "not ready", "checks": checks},
+                         200 if ok else 503)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    body, content_type = state_of(request).metrics.render()
+    return Response(body, headers={"Content-Type": content_type})
+
+
+# the conversation endpoints: served straight from the ASGI front (app.FastPath), past
+# Starlette's routing and middleware, which cost a measurable share of a pass-through request
+CONVERSATIONS = {CHAT_PATH: chat_completions}
+
+
+def routes() -> list[BaseRoute]:
+    return [
+        Route(CHAT_PATH, chat_completions, methods=["POST"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        Route("/readyz", readyz, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        *admin_routes(),
+        Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
+    ]

@@ -1,0 +1,1 @@
+"""The history store: every session's full history in Redis (embedded or external)."""

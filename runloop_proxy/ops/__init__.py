@@ -1,0 +1,1 @@
+"""Operating the proxy: metrics, logs, the admin API, the replay benchmark."""

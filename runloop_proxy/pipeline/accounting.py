@@ -1,0 +1,114 @@
+"""One request's bookkeeping: its timings, tokens and outcome, counted and logged exactly once,
+whatever path the request took (answered, streamed, refused, failed, or abandoned by the client)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..ops import logs
+from ..ops.metrics import BoundMetrics, Metrics
+
+log = logs.get("request")
+CLIENT_CLOSED = 499  # nginx's "client closed request", for logs and metrics
+
+
+class RequestLog:
+    """Created when a request arrives; the stages fill it in; ``finish`` counts it once."""
+
+    def __init__(self, metrics: Metrics, api: str):
+        self.metrics = metrics
+        self.api = api
+        self.started = time.perf_counter()
+        self.tenant = ""
+        self.label = ""
+        self.model = ""
+        self.stream = False
+        self.session: str | None = None
+        self.degraded: str | None = None
+        # whole prompts as the proxy counts them (messages, tool schemas, reply priming): the
+        # client's, and what went upstream (the proxy's tools included when it added them)
+        self.prompt_tokens: tuple[int, int] | None = None
+        self.upstream_seconds = 0.0
+        self.upstream_called_at: float | None = None
+        self.first_byte_seen = False
+        self.status: int | None = None
+        self._bound: BoundMetrics | None = None
+
+    def identify(self, tenant: str, label: str, model: str, stream: bool) -> None:
+        self.tenant, self.label, self.stream = tenant, label, stream
+        self.model = model
+        self._bound = self.metrics.bound(label, self.metrics.model_label(model))
+
+    @property
+    def identified(self) -> bool:
+        return self._bound is not None
+
+    @property
+    def bound(self) -> BoundMetrics:
+        assert self._bound is not None, "identify() first"
+        return self._bound
+
+    def upstream_started(self) -> float:
+        now = time.perf_counter()
+        if self.upstream_called_at is None:
+            self.upstream_called_at = now
+        return now
+
+    def upstream_took(self, since: float) -> None:
+        self.upstream_seconds += time.perf_counter() - since
+
+    def first_byte(self) -> None:
+        if not self.first_byte_seen:
+            self.first_byte_seen = True
+            self.bound.ttft.observe(time.perf_counter() - self.started)
+
+    def usage(self, usage: dict[str, Any] | None) -> None:
+        """Upstream-reported usage (every round of the request summed by the caller)."""
+        if not usage or not self.identified:
+            return
+        b = self.bound
+        b.usage_prompt.inc(_int(usage.get("prompt_tokens", usage.get("input_tokens"))))
+        b.usage_completion.inc(_int(usage.get("completion_tokens",
+                                              usage.get("output_tokens"))))
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        if isinstance(details, dict):
+            b.usage_cached.inc(_int(details.get("cached_tokens")))
+
+    def finish(self, status: int, error: str | None = None) -> None:
+        """Count and log the request; later calls do nothing (the first outcome stands)."""
+        if self.status is not None:
+            return
+        self.status = status
+        if not self.identified:
+            return  # refused before its tenant was known (a bad key): nothing to label it by
+        b = self.bound
+        elapsed = time.perf_counter() - self.started
+        if self.stream and self.upstream_called_at is not None:
+            # a stream's body time is the upstream's: the proxy's share is what came before it
+            overhead = self.upstream_called_at - self.started
+            self.upstream_seconds = elapsed - overhead
+        else:
+            overhead = max(0.0, elapsed - self.upstream_seconds)
+        b.request(status, self.stream, self.api)
+        if self.upstream_called_at is not None:
+            b.upstream_latency.observe(self.upstream_seconds)
+        b.overhead.observe(overhead)
+        if self.prompt_tokens is not None:
+            client, forwarded = self.prompt_tokens
+            b.client_tokens.inc(client)
+            b.forwarded_tokens.inc(forwarded)
+            b.saved_tokens.inc(max(0, client - forwarded))
+        log.info("request", extra={
+            "api": self.api, "tenant": self.tenant, "model": self.model,
+            "session": self.session, "status": status, "stream": self.stream,
+            "tokens_client": self.prompt_tokens[0] if self.prompt_tokens else None,
+            "tokens_forwarded": self.prompt_tokens[1] if self.prompt_tokens else None,
+            "latency_ms": round(elapsed * 1000, 2),
+            "upstream_ms": round(self.upstream_seconds * 1000, 2),
+            "proxy_ms": round(overhead * 1000, 3),
+            "degraded": self.degraded, "error": error})
+
+
+def _int(v: Any) -> int:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0

@@ -1,0 +1,145 @@
+"""The proxy's tool rounds: when the model calls recall_tool_call or search_history, answer and
+ask the upstream again — for a JSON answer and for a stream alike (the stream stays live and
+free of the proxy's calls). Which calls are whose, and what happens next, is ``wire.decide``'s."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..conversation.messages import Message
+from ..errors import UpstreamBadReply, UpstreamError
+from .sse import SSEDecoder
+from .tools import ProxyTools, ToolRunner
+from .upstream import UpstreamResponse
+from .wire import Decision, Reply, Step, Wire, add_usage, client_message, decide
+
+Send = Callable[[dict[str, Any]], Awaitable[UpstreamResponse]]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How the turn ended: the answer as the client got it, the proxy's part of the turn to
+    splice back on the next request (``{"before", "replace", "after"}``), and usage summed."""
+
+    shown: Message
+    kept: dict[str, Any] | None
+    usage: dict[str, Any]
+
+
+@dataclass
+class Rounds:
+    """What the tool rounds of one request need."""
+
+    wire: Wire
+    tools: ProxyTools
+    sent: dict[str, Any]  # the first upstream body
+    window: list[Message]  # the messages it carried
+    runner: ToolRunner
+    max_rounds: int
+    send: Send  # one upstream call, timed
+
+    async def again(self, convo: list[Message], rounds: int) -> UpstreamResponse:
+        """The next round; on the last one allowed the proxy's tools are withdrawn, so the
+        model has to answer."""
+        withdraw = frozenset(self.tools.names) if rounds >= self.max_rounds else frozenset()
+        resp = await self.send(self.wire.next_round(self.sent, convo, withdraw))
+        if resp.status >= 400:
+            body = await resp.read()
+            raise UpstreamError(f"the upstream answered {resp.status} to a proxy tool round: "
+                                f"{body[:300].decode(errors='replace')}",
+                                status=resp.status if resp.status >= 500 else 502)
+        return resp
+
+
+def _kept(before: list[Message], decision: Decision, full: Message,
+          after: list[Message]) -> dict[str, Any] | None:
+    mixed = decision.step is Step.MIXED
+    if not before and not mixed:
+        return None
+    return {"before": before, "replace": full if mixed else None, "after": after}
+
+
+async def _finish(r: Rounds, reply: Reply, decision: Decision, before: list[Message],
+                  shown: Message, usage: dict[str, Any]) -> Outcome:
+    # Mixed with the client's calls, the proxy's are answered now and spliced back after the
+    # client's results; withdrawn ones are never run.
+    after = [await r.runner.run(c) for c in decision.mine] if decision.step is Step.MIXED \
+        else []
+    return Outcome(shown, _kept(before, decision, reply.message, after), usage)
+
+
+def parse_json(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamBadReply("the upstream's answer is not JSON") from exc
+
+
+async def answer_json(r: Rounds, raw: bytes) -> tuple[dict[str, Any], Outcome]:
+    """A JSON answer, with the proxy's rounds run until the model answers the client."""
+    data = parse_json(raw)
+    usage: dict[str, Any] = {}
+    convo = list(r.window)
+    before: list[Message] = []
+    rounds = 0
+    while True:
+        reply = r.wire.parse(data)
+        add_usage(usage, reply.usage)
+        decision = decide(reply.calls, r.tools, rounds, r.max_rounds)
+        if decision.step is not Step.ANSWER:
+            break
+        results = [await r.runner.run(c) for c in decision.mine]
+        before += [reply.message, *results]
+        convo += [reply.message, *results]
+        rounds += 1
+        data = parse_json(await (await r.again(convo, rounds)).read())
+    out = r.wire.client_json(data, decision, usage)
+    return out, await _finish(r, reply, decision, before, client_message(reply, decision), usage)
+
+
+async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, Any],
+                        done: Callable[[Outcome], None]) -> AsyncIterator[bytes]:
+    """A streamed answer rewritten for the client, the proxy's rounds run inline; ``done``
+    gets the outcome once the client has the whole answer. A stream that stops before its
+    answer ends raises (the caller sends the client an error event, never a made-up end)."""
+    relay = r.wire.relay(request)
+    usage: dict[str, Any] = {}
+    convo = list(r.window)
+    before: list[Message] = []
+    rounds = 0
+    while True:
+        rnd = relay.round(r.tools)
+        decoder = SSEDecoder()
+        try:
+            async for raw in resp.iter_chunks():
+                for ev in decoder.feed(raw):
+                    for out in rnd.feed(ev):
+                        yield out
+            for ev in decoder.flush():
+                for out in rnd.feed(ev):
+                    yield out
+        finally:
+            resp.close()
+        if not rnd.complete:
+            raise UpstreamBadReply("the upstream's stream ended before its answer did")
+        reply = rnd.reply()
+        add_usage(usage, reply.usage)
+        decision = decide(reply.calls, r.tools, rounds, r.max_rounds)
+        if decision.step is Step.ANSWER:
+            results = [await r.runner.run(c) for c in decision.mine]
+            before += [reply.message, *results]
+            convo += [reply.message, *results]
+            rounds += 1
+            resp = await r.again(convo, rounds)
+            continue
+        for out in rnd.close(decision):
+            yield out
+        break
+    for out in relay.end(usage):
+        yield out
+    shown = relay.shown(client_message(reply, decision))
+    done(await _finish(r, reply, decision, before, shown, usage))

@@ -1,0 +1,161 @@
+"""What the request path needs from an API's wire format, and the one place that decides, per
+upstream reply, which tool calls are the proxy's and which the client's.
+
+An adapter (``api/chat.py``, ``api/responses.py``) turns its requests into the conversation
+model (chat-shaped messages) and implements ``Wire``: how a window becomes an upstream body, how
+an upstream answer becomes a ``Reply``, and how an answer — JSON or a stream of events — is shown
+to the client without the proxy's own calls. The tool rounds (toolloop.py) are written once
+against this protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Protocol
+
+from ..conversation.messages import Message, ToolCall
+from ..errors import UpstreamBadReply
+from .sse import SSEEvent
+from .tools import ProxyTools
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An upstream answer in the conversation model: the assistant message with every call the
+    model made (the proxy's included) and the usage the upstream reported."""
+
+    message: Message
+    usage: dict[str, Any] | None = None
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return list(self.message.get("tool_calls") or [])
+
+
+class Step(StrEnum):
+    FINAL = "final"  # no call of the proxy's: the answer goes to the client as it is
+    ANSWER = "answer"  # only the proxy's calls: answer them and ask the upstream again
+    MIXED = "mixed"  # both: the client gets its calls, the proxy keeps its part to splice back
+    WITHDRAWN = "withdrawn"  # the proxy's calls past max_tool_rounds: dropped, the turn ends
+
+
+@dataclass(frozen=True)
+class Decision:
+    step: Step
+    mine: tuple[ToolCall, ...]
+    theirs: tuple[ToolCall, ...]
+
+
+def decide(calls: Iterable[ToolCall], tools: ProxyTools, rounds: int, max_rounds: int
+           ) -> Decision:
+    """What to do with an upstream reply's calls, for JSON and streams alike."""
+    mine = tuple(c for c in calls if tools.owns(c))
+    theirs = tuple(c for c in calls if not tools.owns(c))
+    if not mine:
+        step = Step.FINAL
+    elif theirs:
+        step = Step.MIXED
+    elif rounds >= max_rounds:
+        step = Step.WITHDRAWN
+    else:
+        step = Step.ANSWER
+    return Decision(step, mine, theirs)
+
+
+def client_message(reply: Reply, decision: Decision) -> Message:
+    """The assistant message as the client sees it (and as its next request echoes it)."""
+    if decision.step in (Step.FINAL, Step.ANSWER):
+        return reply.message
+    out: dict[str, Any] = {k: v for k, v in reply.message.items() if k != "tool_calls"}
+    if decision.theirs:
+        out["tool_calls"] = list(decision.theirs)
+    return out  # type: ignore[return-value]
+
+
+class StreamRound(Protocol):
+    """One upstream stream, rewritten for the client event by event."""
+
+    def feed(self, event: SSEEvent) -> list[bytes]:
+        """What to send to the client for this upstream event (the proxy's calls dropped)."""
+
+    @property
+    def complete(self) -> bool:
+        """Whether the upstream finished its answer (a stream that just stops did not)."""
+
+    def reply(self) -> Reply:
+        """The round's answer, assembled from its events."""
+
+    def close(self, decision: Decision) -> list[bytes]:
+        """The events that end the round for the client (held back until ``decision``)."""
+
+
+class StreamRelay(Protocol):
+    """A whole streamed answer across the proxy's tool rounds: one id, one numbering of the
+    client's calls and items, usage summed."""
+
+    def round(self, tools: ProxyTools) -> StreamRound: ...
+
+    def shown(self, message: Message) -> Message:
+        """The answer as the client saw it across every round (what it will echo back)."""
+
+    def end(self, usage: dict[str, Any]) -> list[bytes]:
+        """The events after the last round (the summed usage, the terminator)."""
+
+    def error(self, exc: Exception) -> bytes:
+        """An error event, the way this API's streams report one."""
+
+
+class StreamObserver(Protocol):
+    """Reads a stream relayed unchanged, to record its answer."""
+
+    def feed(self, event: SSEEvent) -> None: ...
+
+    def reply(self) -> Reply | None: ...
+
+
+class Wire(Protocol):
+    api: str  # "chat" | "responses": a metric label
+    upstream_path: str
+
+    def outgoing(self, body: dict[str, Any], messages: list[Message],
+                 extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
+        """The upstream body for this window (``extra_tools``: the proxy's, when offered)."""
+
+    def next_round(self, sent: dict[str, Any], messages: list[Message],
+                   withdraw: frozenset[str]) -> dict[str, Any]:
+        """The body of the next tool round (the tools named in ``withdraw`` taken out)."""
+
+    def tool_definitions(self, tools: ProxyTools) -> list[dict[str, Any]]:
+        """The proxy's tools in this API's form."""
+
+    def parse(self, data: Any) -> Reply:
+        """A JSON answer as a Reply; UpstreamBadReply when it is not one."""
+
+    def client_json(self, data: dict[str, Any], decision: Decision,
+                    usage: dict[str, Any]) -> dict[str, Any]:
+        """The JSON answer the client gets: the proxy's calls removed, usage of every round."""
+
+    def relay(self, request: dict[str, Any]) -> StreamRelay: ...
+
+    def observer(self) -> StreamObserver: ...
+
+
+def add_usage(total: dict[str, Any], usage: dict[str, Any] | None) -> None:
+    """Sum ``usage`` into ``total``, nested *_details included."""
+    if not usage:
+        return
+    for k, v in usage.items():
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, (int, float)):
+            total[k] = total.get(k, 0) + v
+        elif isinstance(v, dict):
+            add_usage(total.setdefault(k, {}), v)
+
+
+def bad_reply(what: str, data: Any) -> UpstreamBadReply:
+    shown = repr(data)
+    return UpstreamBadReply(f"the upstream's answer is not {what} "
+                            f"({shown[:120]}{'…' if len(shown) > 120 else ''})")

@@ -1,0 +1,114 @@
+"""The state every request shares: config, clients, store and caches, created once in the
+lifespan (app.py) and reached through ``state_of(request)``. Nothing here is imported back from
+the modules that use it: this module sits below them all."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from .config import ProxyConfig, Settings, config_mtimes, load_config
+from .errors import ConfigError
+from .history.embedded import EmbeddedRedis
+from .history.store import RedisStore
+from .ops import logs
+from .ops.metrics import Metrics
+from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
+from .pipeline.upstream import UpstreamClient
+
+log = logs.get("state")
+RELOAD_POLL_S = 2.0
+CLOSE_STALE_AFTER_S = 60.0
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    config: ProxyConfig
+    metrics: Metrics
+    tokens: TokenCounter
+    upstreams: dict[str, UpstreamClient] = field(default_factory=dict)
+    store: RedisStore | None = None
+    embedded: EmbeddedRedis | None = None
+    background: set[asyncio.Task[object]] = field(default_factory=set)
+    truncations: OrderedDict[tuple[str, int], Any] = field(default_factory=OrderedDict)
+    first_seen: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    window_memo: dict[tuple[str, ...], Any] = field(default_factory=dict)
+
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        """Run work off the request path; keep a reference so it is not collected mid-flight."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
+    def upstream(self, name: str) -> UpstreamClient:
+        return self.upstreams[name]
+
+    async def sync_upstreams(self) -> None:
+        old = self.upstreams
+        new: dict[str, UpstreamClient] = {}
+        for name, spec in self.config.upstreams.items():
+            client = old.get(name)
+            if client is None or client.spec != spec:
+                client = UpstreamClient(name, spec)
+                await client.start()
+            new[name] = client
+        self.upstreams = new
+        stale = [c for n, c in old.items() if new.get(n) is not c]
+        if stale:
+            # In-flight requests still hold the old clients: close them once those are done.
+            self.spawn(_close_later(stale))
+
+    async def warm_encodings(self, config: ProxyConfig) -> None:
+        """Load the encodings the config's models use now, bounded in time, never on a
+        request (tiktoken fetches what is not shipped offline)."""
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.tokens.warm, [*WARM_ENCODINGS, *_configured_encodings(config)])
+
+    async def reload(self, reason: str) -> bool:
+        try:
+            config = load_config(self.settings)
+        except ConfigError as exc:
+            self.metrics.config_reloads.labels("error").inc()
+            log.error("config reload failed; keeping the last good config",
+                      extra={"reason": reason, "error": str(exc)})
+            return False
+        await self.warm_encodings(config)
+        self.config = config
+        await self.sync_upstreams()
+        self.metrics.config_reloads.labels("ok").inc()
+        log.info("config reloaded", extra={"reason": reason, "tenants": len(config.tenants)})
+        return True
+
+    async def watch_config(self) -> None:
+        """Reload when a config file changes (polled: no inotify in every container)."""
+        seen = config_mtimes(self.settings.config_dir)
+        while True:
+            await asyncio.sleep(RELOAD_POLL_S)
+            now = config_mtimes(self.settings.config_dir)
+            if now != seen:
+                seen = now
+                await self.reload("file change")
+
+
+def state_of(request: Request) -> AppState:
+    state: AppState = request.app.state.runloop
+    return state
+
+
+async def _close_later(clients: list[UpstreamClient], delay: float = CLOSE_STALE_AFTER_S) -> None:
+    await asyncio.sleep(delay)
+    for c in clients:
+        await c.close()
+
+
+def _configured_encodings(config: ProxyConfig) -> list[str]:
+    tenants = [*config.tenants.values(), *([config.passthrough] if config.passthrough else [])]
+    names = (spec.encoding or encoding_name_for(model)
+             for t in tenants for model, spec in t.models.items())
+    return sorted({n for n in names if n})

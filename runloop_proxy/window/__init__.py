@@ -1,0 +1,1 @@
+"""The window: what part of a conversation goes to the LLM, under the token budget (pure)."""
