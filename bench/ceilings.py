@@ -42,7 +42,9 @@ def main() -> int:
     ops = WindowTokens(counter, enc, OrderedDict())
 
     def capped(m: Message) -> Message:
-        return {**m, "content": ops.truncate(str(m.get("content") or ""), args.cap)}
+        text = str(m.get("content") or "")
+        cut = ops.cut(text, args.cap)
+        return {**m, "content": text if cut is None else f"{cut.head}…{cut.tail}"}
 
     def current(req: list[Message], loops: list[RunLoop]) -> list[Message]:
         return [*req[: preamble_end(req)], *(req[i] for i in loops[-1].positions)]

@@ -36,7 +36,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         state = AppState(settings=settings, config=config, metrics=metrics or Metrics(),
-                         tokens=TokenCounter())
+                         tokens=TokenCounter(), loop=asyncio.get_running_loop())
         app.state.runloop = state
         await state.warm_encodings(config)
         await state.sync_upstreams()

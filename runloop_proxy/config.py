@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .conversation.identity import DEFAULT_SOURCES, check_source
 from .errors import ConfigError
 
 GLOBAL_FILE = "runloop.toml"
@@ -157,6 +158,8 @@ class StoreSection(_Strict):
     max_branches: int = Field(256, ge=1)
     timeout_s: float = Field(0.5, gt=0)
     retry_after_s: float = Field(2.0, ge=0)
+    write_retry_s: float = Field(
+        120.0, ge=0, description="how long a history write waits for Redis before it is lost")
 
 
 class TenantSpec(_Strict):
@@ -168,7 +171,15 @@ class TenantSpec(_Strict):
     models: dict[str, ModelSpec] = {}
     default_context_window: int = Field(DEFAULT_CONTEXT_WINDOW, gt=0)
     retention_days: float | None = Field(None, gt=0)
+    session_sources: tuple[str, ...] = Field(
+        DEFAULT_SOURCES, description="where a request names its session, in order: header "
+        "(the server's session_header), header:<name>, metadata.<key>, prompt_cache_key, user")
     policy: Policy = Policy()
+
+    @field_validator("session_sources")
+    @classmethod
+    def _sources(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(check_source(s) for s in v)
 
     @field_validator("name")
     @classmethod

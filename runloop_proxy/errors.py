@@ -11,6 +11,8 @@
     │   ├── UpstreamUnreachable     502
     │   ├── UpstreamBadReply        502 an answer of the wrong shape, or one cut short
     │   └── UpstreamTimeout         504
+    ├── Unavailable                 503: this request cannot be served now (Retry-After)
+    │   └── StoreUnavailable        server-history mode while the store is away
     ├── StoreError                  Redis failed: the proxy degrades, the client never sees it
     │   └── StoreLimitExceeded      a session outgrew its configured bounds
     └── ConfigError                 a config file is invalid (file, field, why)
@@ -94,6 +96,23 @@ class UpstreamBadReply(UpstreamError):
 class UpstreamTimeout(UpstreamError):
     status = 504
     code = "upstream_timeout"
+
+
+class Unavailable(ProxyError):
+    status = 503
+    error_type = "service_unavailable"
+    code = "service_unavailable"
+
+    def __init__(self, message: str, retry_after: float = 1.0):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+    def body(self) -> dict[str, Any]:
+        return error_body(str(self), self.error_type, None, self.code)
+
+
+class StoreUnavailable(Unavailable):
+    code = "store_unavailable"
 
 
 class StoreError(ProxyError):

@@ -39,6 +39,7 @@ class AppState:
     truncations: OrderedDict[tuple[str, int], Any] = field(default_factory=OrderedDict)
     first_seen: OrderedDict[str, int] = field(default_factory=OrderedDict)
     window_memo: dict[tuple[str, ...], Any] = field(default_factory=dict)
+    loop: asyncio.AbstractEventLoop | None = None  # the one the app runs on (set at startup)
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run work off the request path; keep a reference so it is not collected mid-flight."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import shutil
@@ -135,6 +136,15 @@ class ProxyServer:
     @property
     def state(self) -> Any:
         return self.app.state.runloop
+
+    def run(self, coro: Any, timeout: float = 10) -> Any:
+        """Run a coroutine on the proxy's own event loop (its store lives there)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.state.loop).result(timeout=timeout)
+
+    def settle(self, timeout: float = 10) -> None:
+        """Wait until the write-behind queue has reached Redis; fail if it does not."""
+        assert self.run(self.state.store.drain(timeout), timeout + 5), \
+            "the write-behind queue did not drain"
 
     def start(self) -> ProxyServer:
         self.server = ThreadedServer(self.app)

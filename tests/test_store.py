@@ -40,14 +40,7 @@ def admin(proxy: ProxyServer, path: str, **params: str) -> httpx.Response:
 
 
 def settle(proxy: ProxyServer) -> None:
-    """Wait for the write-behind queue to reach Redis."""
-    asyncio.run_coroutine_threadsafe(proxy.state.store.drain(),
-                                     _loop_of(proxy)).result(timeout=10)
-
-
-def _loop_of(proxy: ProxyServer) -> asyncio.AbstractEventLoop:
-    assert proxy.state.store._flusher is not None
-    return proxy.state.store._flusher.get_loop()  # type: ignore[no-any-return]
+    proxy.settle()
 
 
 def run_tool_conversation(c: openai.OpenAI, upstream: ScriptedUpstream, turns: int
@@ -339,26 +332,6 @@ def test_cluster_three_masters(upstream: ScriptedUpstream, make_proxy: Any,
     finally:
         for n in nodes:
             n.cleanup()
-
-
-def test_resolve_session_order() -> None:
-    from runloop_proxy.conversation.identity import identify
-
-    def resolve(header: str | None, body: dict[str, Any], ns: str) -> str:
-        headers = [("X-Session-Id", header)] if header else []
-        return identify(headers, body, body["messages"], ns, "X-Session-Id").id
-
-    base: dict[str, Any] = {"model": "m", "messages": [
-        {"role": "system", "content": "changes every time"}, {"role": "user", "content": "hi"}]}
-    assert resolve("hdr", base, "t") == "hdr"
-    assert resolve(None, {**base, "prompt_cache_key": "pck", "user": "u"}, "t") == "pck"
-    assert resolve(None, {**base, "metadata": {"session_id": "md"}, "user": "u"}, "t") == "md"
-    assert resolve(None, {**base, "user": "u"}, "t") == "u"
-    fp = resolve(None, base, "t")
-    other_system = {**base, "messages": [{"role": "system", "content": "different"},
-                                         *base["messages"][1:]]}
-    assert fp.startswith("fp-") and fp == resolve(None, other_system, "t")
-    assert fp != resolve(None, base, "another-tenant")
 
 
 

@@ -11,7 +11,7 @@ import openai
 import orjson
 import pytest
 
-from runloop_proxy.conversation.messages import message_hash, result_refs
+from runloop_proxy.conversation.messages import message_hash, message_refs
 from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner, rank
 from runloop_proxy.scripted import ScriptedUpstream
 
@@ -183,14 +183,14 @@ def test_search_history_returns_ranked_snippets(proxy: ProxyServer,
                                   tools=CLIENT_TOOLS)
     answer = r.choices[0].message.content or ""
     msgs = long_session()
-    refs = result_refs(msgs, [message_hash(m) for m in msgs])
+    refs = message_refs([message_hash(m) for m in msgs])
     ref = next(r for m, r in zip(msgs, refs, strict=True) if m.get("tool_call_id") == "call_3")
     assert "best match" in answer and f"id={ref}" in answer
 
 
 def recall(messages: list[dict[str, Any]], ref: str) -> tuple[Any, str]:
     runner = ToolRunner(ProxyTools.for_request(None), messages,  # type: ignore[arg-type]
-                        [message_hash(m) for m in messages], None, "t", "s", 5)  # type: ignore[arg-type]
+                        [message_hash(m) for m in messages], 5)  # type: ignore[arg-type]
     return asyncio.run(runner.recall(ref))
 
 
@@ -220,8 +220,8 @@ def test_recall_resolves_refs_call_ids_and_arguments(ref: str, want: Any, outcom
             "name": "bash", "arguments": '{"cmd":"ls -la /very/long/path"}'}}]},
         {"role": "tool", "tool_call_id": "c2", "content": "other out"},
     ]
-    refs = [r for r in result_refs(msgs, [message_hash(m) for m in msgs])  # type: ignore[arg-type]
-            if r]
+    refs = [r for m, r in zip(msgs, message_refs([message_hash(m) for m in msgs]),  # type: ignore[arg-type]
+                              strict=True) if m["role"] == "tool"]
     ref = {"REF:c1": refs[0], "REF:c1#2": refs[1]}.get(ref, ref)
     content, got = recall(msgs, ref)
     assert got == outcome
@@ -233,7 +233,7 @@ def test_recall_of_a_reused_call_id_names_the_other_results() -> None:
     msgs: list[dict[str, Any]] = [
         {"role": "tool", "tool_call_id": "dup", "content": "one"},
         {"role": "tool", "tool_call_id": "dup", "content": "two"}]
-    refs = result_refs(msgs, [message_hash(m) for m in msgs])  # type: ignore[arg-type]
+    refs = message_refs([message_hash(m) for m in msgs])  # type: ignore[arg-type]
     content, outcome = recall(msgs, "dup")
     assert outcome == "hit" and content.startswith("one") and refs[1] in content
 
@@ -317,7 +317,7 @@ def test_a_failing_window_passes_the_request_through(proxy: ProxyServer,
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected window bug")
 
-    monkeypatch.setattr("runloop_proxy.pipeline.turn.build_window", broken)
+    monkeypatch.setattr("runloop_proxy.pipeline.shaping.build_window", broken)
     msgs = long_session()
     c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
     r = c.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=msgs,

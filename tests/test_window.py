@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runloop_proxy.config import Policy, ReducePastLoops
-from runloop_proxy.conversation.messages import Message, message_hash, result_refs, tool_calls_of
+from runloop_proxy.conversation.messages import Message, message_hash, message_refs, tool_calls_of
 from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner
 from runloop_proxy.window import builder as window_mod
 from runloop_proxy.window.builder import CompactionKind, Window, build_window, request_points
-from runloop_proxy.window.forms import Budget
+from runloop_proxy.window.forms import Budget, Cut
 
 
 class WordOps:
@@ -28,14 +28,13 @@ class WordOps:
             n += 4 + len(c["function"]["arguments"].split()) + 1
         return n
 
-    def truncate(self, text: str, max_tokens: int) -> str:
+    def cut(self, text: str, max_tokens: int) -> Cut | None:
         words = text.split()
         if len(words) <= max_tokens:
-            return text
+            return None
         head = max_tokens * 2 // 3
         tail = max_tokens - head
-        return " ".join(words[:head]) + f" …[{len(words) - max_tokens} elided]… " + \
-            " ".join(words[-tail:])
+        return Cut(" ".join(words[:head]), " ".join(words[-tail:]), len(words) - max_tokens)
 
 
 OPS = WordOps()
@@ -68,7 +67,7 @@ S: Message = {"role": "system", "content": words(10, "sys")}
 
 def ref_of(messages: list[Message], call_id: str, nth: int = 0) -> str:
     """The recall ref of the ``nth`` result of ``call_id``."""
-    refs = result_refs(messages, [message_hash(m) for m in messages])
+    refs = message_refs([message_hash(m) for m in messages])
     return [r for m, r in zip(messages, refs, strict=True)
             if m.get("tool_call_id") == call_id][nth]
 
@@ -199,13 +198,12 @@ def test_reused_call_id_gets_a_distinct_ref() -> None:
 
 
 def test_refs_are_short_unique_and_stable_under_append() -> None:
-    msgs = [{"role": "tool", "tool_call_id": f"c{k}", "content": str(k)} for k in range(5)]
-    # keys forced to share a prefix: a later result's ref grows until it is unique
+    # keys forced to share a prefix: a later message's ref grows until it is unique
     keys = ["abcdef01" + "0" * 24, "abcdef02" + "0" * 24, "abcdef01" + "0" * 24,
             "123456ff" + "0" * 24, "abcdef0201" + "0" * 22]
-    refs = result_refs(msgs, keys)  # type: ignore[arg-type]
+    refs = message_refs(keys)
     assert refs == ["abcdef", "abcdef02", "abcdef", "123456", "abcdef0201"]
-    assert result_refs(msgs[:3], keys[:3]) == refs[:3]  # type: ignore[arg-type]
+    assert message_refs(keys[:3]) == refs[:3]
 
 
 def test_old_loops_omitted_in_batches_with_a_marker() -> None:
@@ -453,8 +451,7 @@ def test_strict_roles_keep_one_system_message_and_a_user_turn_first(
 
 def resolve(ref: str, msgs: list[Message]) -> Any:
     """What the proxy's recall_tool_call answers for ``ref`` (no store: the request alone)."""
-    runner = ToolRunner(ProxyTools.for_request(None), msgs, [message_hash(m) for m in msgs],
-                        None, "t", "s", 5)
+    runner = ToolRunner(ProxyTools.for_request(None), msgs, [message_hash(m) for m in msgs], 5)
     content, outcome = asyncio.run(runner.recall(ref))
     return content if outcome == "hit" else None
 
@@ -466,7 +463,7 @@ def test_every_elided_item_is_recallable(msgs: list[Message], policy: Policy,
     w = build(msgs, policy, hard=working * 10, working=working)
     text = orjson.dumps(w.messages).decode()
     shown = {orjson.dumps(m) for m in w.messages}
-    refs = result_refs(msgs, [message_hash(m) for m in msgs])
+    refs = message_refs([message_hash(m) for m in msgs])
     for m, ref in zip(msgs, refs, strict=True):
         if m["role"] != "tool" or orjson.dumps(m) in shown:
             continue
@@ -540,7 +537,8 @@ def test_an_omission_that_leaves_no_past_loop_keeps_the_last_reply() -> None:
     msgs = loops_of(3)
     msgs[-2] = F(40, tag="long")
     w = build(msgs, policy)
-    assert w.reduced_loops == 0 and "elided" in w.messages[2]["content"]
+    assert w.reduced_loops == 0
+    assert "tokens cut; recall_tool_call(call_id=" in w.messages[2]["content"]
     assert len(w.messages[2]["content"].split()) < 30
 
 

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from ..conversation.messages import ROLES
 from ..errors import InvalidRequest
 from ..pipeline.accounting import RequestLog
-from ..pipeline.turn import Turn
+from ..pipeline.values import Turn
 from ..state import AppState
 from .chat_wire import ChatWire
 from .http import ASGIResponse, answer_turn, authenticate, parse_json, read_body

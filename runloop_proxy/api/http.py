@@ -26,12 +26,14 @@ from ..errors import (
     ClientError,
     InvalidRequest,
     PayloadTooLarge,
+    Unavailable,
     UpstreamError,
     error_body,
 )
 from ..ops import logs
 from ..pipeline.accounting import CLIENT_CLOSED, RequestLog
-from ..pipeline.turn import Answer, Caller, Turn, serve
+from ..pipeline.turn import serve
+from ..pipeline.values import Answer, Caller, Turn
 from ..state import AppState, state_of
 
 log = logs.get("http")
@@ -99,8 +101,8 @@ def authenticate(state: AppState, request: Request) -> Caller:
     key = bearer(request)
     if cfg.passthrough is not None:
         # Single-tenant pass-through: the client's own key goes upstream; its hash keeps
-        # each key's sessions apart.
-        ns = "pt-" + (hashlib.sha256(key.encode()).hexdigest()[:16] if key else "anonymous")
+        # each key's sessions apart, and without a key nothing is kept.
+        ns = "pt-" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
         return Caller(cfg.passthrough, "passthrough", ns, request.headers.get("authorization"))
     if key is None:
         raise AuthenticationFailed("Missing API key: send it as 'Authorization: Bearer <key>'.")
@@ -155,6 +157,11 @@ async def answer_turn(request: Request, api: str, make_turn: TurnMaker) -> ASGIR
         log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
         rlog.finish(exc.status, str(exc))
         return json_response(exc.body(), exc.status)
+    except Unavailable as exc:
+        log.warning("request refused: unavailable", extra={"error": str(exc)})
+        rlog.finish(exc.status, str(exc))
+        return json_response(exc.body(), exc.status,
+                             {"Retry-After": str(max(1, round(exc.retry_after)))})
     except Exception:
         log.exception("unexpected error")
         rlog.finish(500, "internal error")

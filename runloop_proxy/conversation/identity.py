@@ -1,20 +1,38 @@
 """Which requests form one conversation (pure).
 
-A session id given by the client is trusted as given; without one, a fingerprint of the
-conversation's opening names the session.
+A session id the client gives is trusted as given: the tenant lists where to look for one
+(``session_sources``; by default the session header, the ``session_id`` and ``conversation_id``
+headers Codex sends, and ``metadata.session_id``). Without one, the session is a *fingerprint*
+of the conversation's opening: the namespace (tenant, or the caller's key in pass-through mode),
+the end user and cache group the request names (``user``, ``prompt_cache_key``: they scope the
+fingerprint, they do not name a conversation — unless the tenant lists them as sources), the
+system prompt and the first user message.
+
+A fingerprint can join strangers who open alike (one app, one system prompt, "Hello"): their
+conversations become branches of one session, and in such a session the proxy's tools reach
+only the lineage of the request they serve (pipeline/tools.py), never a sibling branch.
 """
 
 from __future__ import annotations
 
 import hashlib
+import unicodedata
 import urllib.parse
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from .messages import Message, message_hash
+from ..errors import InvalidRequest
+from .messages import Message, content_hash, match_hash, message_hash, message_text, tool_calls_of
+from .runloops import preamble_end
 
 MAX_ID_CHARS = 256
+ANCHOR_TEXT_CHARS = 300  # a reply this long (or with tool calls) is one no stranger gets
+ANCHORS_TRIED = 3
+DEFAULT_SOURCES = ("header", "header:session_id", "header:conversation_id",
+                   "metadata.session_id")
+SCOPE_FIELDS = ("user", "prompt_cache_key")
 
 
 class SessionKind(StrEnum):
@@ -26,7 +44,8 @@ class SessionKind(StrEnum):
 class Session:
     id: str
     kind: SessionKind
-    source: str  # where the id came from: "header", "metadata.session_id", "fingerprint", …
+    source: str  # where the id came from: "header:x-session-id", "metadata.session_id", …
+    scope: tuple[str, ...] = ()  # what scopes a fingerprint: the end user, the cache group
 
     @property
     def header_value(self) -> str:
@@ -35,23 +54,111 @@ class Session:
             return self.id
         return urllib.parse.quote(self.id, safe="")
 
+    @property
+    def explicit(self) -> bool:
+        return self.kind is SessionKind.EXPLICIT
 
-def identify(headers: list[tuple[str, str]], body: dict[str, Any], messages: list[Message],
-             namespace: str, session_header: str) -> Session:
-    """Header, then prompt_cache_key, metadata.session_id, user; else a fingerprint of the
-    namespace and the conversation's first non-system message."""
-    name = session_header.lower()
-    for k, v in headers:
-        if k.lower() == name and v:
-            return Session(v[:MAX_ID_CHARS], SessionKind.EXPLICIT, "header")
-    meta = body.get("metadata")
-    for source, candidate in (("prompt_cache_key", body.get("prompt_cache_key")),
-                              ("metadata.session_id",
-                               meta.get("session_id") if isinstance(meta, dict) else None),
-                              ("user", body.get("user"))):
-        if isinstance(candidate, str) and candidate:
-            return Session(candidate[:MAX_ID_CHARS], SessionKind.EXPLICIT, source)
-    first = next((m for m in messages if m.get("role") not in ("system", "developer")),
-                 messages[0])
-    digest = hashlib.sha256(f"{namespace}\0{message_hash(first)}".encode()).hexdigest()
-    return Session("fp-" + digest[:32], SessionKind.FINGERPRINT, "fingerprint")
+
+def check_source(source: str) -> str:
+    """A ``session_sources`` entry, or ValueError saying what the valid ones are."""
+    if source in ("header", "prompt_cache_key", "user") \
+            or (source.startswith("header:") and len(source) > 7) \
+            or (source.startswith("metadata.") and len(source) > 9):
+        return source
+    raise ValueError(f"{source!r} is not a session source: use header, header:<name>, "
+                     f"metadata.<key>, prompt_cache_key or user")
+
+
+def identify(headers: Iterable[tuple[str, str]], body: dict[str, Any],
+             messages: list[Message], namespace: str, session_header: str,
+             sources: Iterable[str] = DEFAULT_SOURCES) -> Session:
+    """The request's session: the first explicit id ``sources`` find, else the fingerprint."""
+    sources = tuple(sources)
+    lowered = {k.lower(): v for k, v in headers}
+    for source in sources:
+        value, where = _lookup(source, lowered, body, session_header)
+        if isinstance(value, str) and value:
+            return Session(_checked(value, where), SessionKind.EXPLICIT, where)
+    scope = tuple(f"{f}={body.get(f)}" for f in SCOPE_FIELDS
+                  if f not in sources and isinstance(body.get(f), str))
+    return Session(fingerprint(namespace, scope, messages), SessionKind.FINGERPRINT,
+                   "fingerprint", scope)
+
+
+def fingerprint(namespace: str, scope: tuple[str, ...], messages: list[Message]) -> str:
+    """The namespace, the scope, the system prompt and the first user message, hashed."""
+    pre = preamble_end(messages)
+    opening = next((m for m in messages[pre:] if m.get("role") == "user"),
+                   messages[pre] if pre < len(messages) else None)
+    parts = [namespace, *scope, *(message_hash(m) for m in messages[:pre]),
+             "|", message_hash(opening) if opening is not None else ""]
+    return "fp-" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def anchor(message: Message, scope: tuple[str, ...]) -> str | None:
+    """What finds the session a recorded reply belongs to, for a client that trimmed its
+    history: only replies no stranger gets too (with tool calls — their ids are the
+    provider's, unique — or long), within the same end user and cache group."""
+    if not tool_calls_of(message) and len(message_text(message)) < ANCHOR_TEXT_CHARS:
+        return None
+    return content_hash("\0".join([*scope, match_hash(message)]).encode())
+
+
+def anchors(messages: list[Message], scope: tuple[str, ...]) -> list[str]:
+    """The anchors of a request's assistant messages, newest first (a few)."""
+    out = []
+    for m in reversed(messages):
+        if m.get("role") == "assistant" and (a := anchor(m, scope)) is not None:
+            out.append(a)
+            if len(out) == ANCHORS_TRIED:
+                break
+    return out
+
+
+def continued(stored: list[Message], request: list[Message]) -> int | None:
+    """Where a request whose client trimmed its history picks up a stored conversation: the
+    position in ``stored`` of the request's first message after its system prompt, or None
+    when the request does not continue it. It continues it when its messages, from the first
+    after the system prompt up to one of its anchoring replies, are a run of ``stored``
+    ending at that reply: the reply alone when it carries tool calls (their ids are the
+    provider's), else with what precedes it."""
+    pre = preamble_end(request)
+    body = [match_hash(m) for m in request[pre:]]
+    at = {h: i for i, h in enumerate(match_hash(m) for m in stored)}
+    start = preamble_end(stored)
+    for r in range(len(body) - 1, -1, -1):
+        m = request[pre + r]
+        if m.get("role") != "assistant" or anchor(m, ()) is None or body[r] not in at \
+                or (r == 0 and not tool_calls_of(m)):
+            continue
+        j = at[body[r]] - r
+        if j >= start and all(match_hash(stored[j + k]) == body[k] for k in range(r)):
+            return j
+    return None
+
+
+def _lookup(source: str, headers: dict[str, str], body: dict[str, Any],
+            session_header: str) -> tuple[Any, str]:
+    if source == "header":
+        return headers.get(session_header.lower()), f"header:{session_header.lower()}"
+    if source.startswith("header:"):
+        name = source[7:].lower()
+        return headers.get(name), f"header:{name}"
+    if source.startswith("metadata."):
+        meta = body.get("metadata")
+        return (meta.get(source[9:]) if isinstance(meta, dict) else None), source
+    return body.get(source), source
+
+
+def _checked(value: str, where: str) -> str:
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidRequest(f"the session id in {where} is longer than {MAX_ID_CHARS} "
+                             f"characters", param=_param(where))
+    if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in value):
+        raise InvalidRequest(f"the session id in {where} contains control characters",
+                             param=_param(where))
+    return value
+
+
+def _param(where: str) -> str | None:
+    return None if where.startswith("header:") else where

@@ -1,8 +1,12 @@
-"""Chat messages: wire types, validation of a chat-completions request, canonical form, hashing.
+"""Messages of the conversation model (chat-completions shaped): wire types, canonical form,
+hashing, refs.
 
-The canonical form is what reconciliation compares: it ignores what SDKs add or drop when they
-echo an assistant reply back (null-valued fields, ``refusal: null``, ``annotations: []``, the
-``index`` of streamed tool calls, key order), so a resent reply matches the one stored.
+A message has two identities. Its *content hash* (of the canonical form, which drops what SDKs
+add or drop when they echo a reply: null-valued fields, ``annotations: []``, the ``index`` of
+streamed tool calls, key order) addresses it in the store and in every cache. Its *match hash*
+is what reconciliation compares: for an assistant message only its role, text and tool calls,
+so a reply a client echoes back with fields of its own (LiteLLM's ``provider_specific_fields``)
+or without some of ours is still the same turn.
 """
 
 from __future__ import annotations
@@ -90,6 +94,16 @@ def message_hash(msg: Message) -> str:
     return content_hash(canonical_json(msg))
 
 
+def match_hash(msg: Message, content_key: str | None = None) -> str:
+    """The identity reconciliation compares (see the module docstring); ``content_key``, the
+    content hash when known, serves every message but an assistant's."""
+    if msg.get("role") != "assistant":
+        return content_key or message_hash(msg)
+    calls = [[c.get("id"), (c.get("function") or {}).get("name"),
+              (c.get("function") or {}).get("arguments")] for c in tool_calls_of(msg)]
+    return content_hash(orjson.dumps(["assistant", message_text(msg), calls]))
+
+
 def text_of(content: Any) -> str:
     """The text a message carries, whatever its content shape (string, parts, null)."""
     if content is None:
@@ -119,20 +133,17 @@ def message_text(msg: Message) -> str:
 REF_CHARS = 6
 
 
-def result_refs(messages: list[Message], keys: list[str]) -> list[str]:
-    """A short id per tool result (``""`` for other messages), what recall_tool_call takes.
+def message_refs(keys: list[str]) -> list[str]:
+    """A short id per message, what recall_tool_call takes for whatever the window cut.
 
-    The leading hex digits of the result's content hash: a few tokens where provider call ids
+    The leading hex digits of the message's content hash: a few tokens where provider call ids
     take twenty, and unique where call ids are reused. A ref that would name an earlier,
-    different result grows two digits until it is unique; refs depend only on the messages
+    different message grows two digits until it is unique; refs depend only on the messages
     before them, so appending never changes an earlier one.
     """
     taken: dict[str, str] = {}  # ref -> key
-    refs = [""] * len(messages)
-    for i, m in enumerate(messages):
-        if m.get("role") != "tool":
-            continue
-        key = keys[i]
+    refs = [""] * len(keys)
+    for i, key in enumerate(keys):
         n = REF_CHARS
         while taken.get(key[:n], key) != key and n < len(key):
             n += 2

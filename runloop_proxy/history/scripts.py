@@ -2,12 +2,19 @@
 
 SYNC makes a session's head branch hold the conversation a client sent — append what is new,
 keep the branch when the client sent a prefix of it, or fork at the first difference (the old
-branch stays). The client side sends chain hashes and bodies from the length it last saw; when
-that hint is stale the script answers "need" with the stored length. APPEND adds messages to the
-head whatever it holds (server-history mode) and returns the whole head.
+branch stays). Messages are compared by their match hashes (chained), stored by their content
+hashes. A client that restates the reply the proxy recorded in its own format (smolagents
+turns tool calls into text) replaces that reply in place instead of forking on every request.
+Past ``max_branches`` the least recently used branch is pruned, and a record says so. The client
+side sends chain hashes and bodies from the length it last saw; when that hint is stale the
+script answers "need" with the stored length. APPEND adds messages to the head whatever it holds
+(server-history mode).
+
+Per message the client side sends a kind: ``c`` a client's message, ``a`` an assistant message
+the client sent, ``r`` a reply the proxy recorded from the upstream.
 """
 
-STORE_MESSAGE = r"""
+COMMON = r"""
 local function store_message(p, h, body, tool_id, tokens, now)
   redis.call('HSETNX', p .. ':msg', h, body)
   redis.call('HSETNX', p .. ':ts', h, now)
@@ -20,14 +27,57 @@ local function store_message(p, h, body, tool_id, tokens, now)
   end
   if tokens ~= '' then redis.call('HSETNX', p .. ':tok', h, tokens) end
 end
+
+local function record(p, rec)
+  redis.call('RPUSH', p .. ':rec', cjson.encode(rec))
+  redis.call('LTRIM', p .. ':rec', -1000, -1)
+end
+
+-- the least recently used branch but keep, gone (its messages stay content-addressed)
+local function prune_lru(p, keep, now)
+  local oldest = redis.call('ZRANGE', p .. ':bused', 0, 1)
+  local victim = oldest[1]
+  if victim == keep then victim = oldest[2] end
+  if not victim then return '' end
+  local info = redis.call('HGET', p .. ':branches', victim)
+  local rec = {kind = 'branch_pruned', branch = tonumber(victim), ts = tonumber(now),
+               length = redis.call('LLEN', p .. ':b:' .. victim), reason = 'max_branches'}
+  if info then
+    local b = cjson.decode(info)
+    rec.parent = b.parent; rec.fork_at = b.fork_at
+  end
+  record(p, rec)
+  redis.call('DEL', p .. ':b:' .. victim, p .. ':c:' .. victim)
+  redis.call('ZREM', p .. ':bused', victim)
+  redis.call('HDEL', p .. ':branches', victim)
+  return victim
+end
+
+local function touch(p, head, now, ttl)
+  redis.call('ZADD', p .. ':bused', now, head)
+  local meta = p .. ':meta'
+  local xat = tonumber(redis.call('HGET', meta, 'xat') or '0')
+  if tonumber(now) - xat > ttl / 20 then
+    redis.call('HSET', meta, 'xat', now)
+    for _, k in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec',
+                        'bused'}) do
+      redis.call('PEXPIRE', p .. ':' .. k, ttl)
+    end
+    for _, b in ipairs(redis.call('ZRANGE', p .. ':bused', 0, -1)) do
+      redis.call('PEXPIRE', p .. ':b:' .. b, ttl)
+      redis.call('PEXPIRE', p .. ':c:' .. b, ttl)
+    end
+  end
+end
 """
 
-SYNC_LUA = STORE_MESSAGE + r"""
+SYNC_LUA = COMMON + r"""
 local p = ARGV[1]
 local hint = tonumber(ARGV[2]); local n = tonumber(ARGV[3])
 local chains = ARGV[4]; local hashes = ARGV[5]
 local now = ARGV[6]; local ttl = tonumber(ARGV[7])
 local maxm = tonumber(ARGV[8]); local maxb = tonumber(ARGV[9]); local sid = ARGV[10]
+local basechain = ARGV[11]; local kinds = ARGV[12]
 local meta = p .. ':meta'
 if n > maxm then return {'limit', 'messages'} end
 local head = redis.call('HGET', meta, 'head') or '0'
@@ -42,9 +92,9 @@ local function hash_at(i)
   local off = (i - hint - 1) * 32
   return string.sub(hashes, off + 1, off + 32)
 end
+local function kind_at(i) return string.sub(kinds, i - hint, i - hint) end
 local bl = p .. ':b:' .. head
 local cl = p .. ':c:' .. head
-local basechain = ARGV[11]
 local common = -1
 if L == hint then
   if hint == 0 or basechain == tip then common = L end
@@ -56,6 +106,7 @@ elseif L >= n and n == hint and redis.call('LINDEX', cl, n - 1) == basechain the
   common = n
 end
 local forked = 0
+local pruned = ''
 if common < 0 then
   if hint ~= 0 then return {'need', tostring(L)} end
   -- diverged: the longest stored prefix that matches (chains match on a prefix only)
@@ -64,52 +115,49 @@ if common < 0 then
     local mid = math.floor((lo + hi + 1) / 2)
     if redis.call('LINDEX', cl, mid - 1) == chain_at(mid) then lo = mid else hi = mid - 1 end
   end
-  local nb = redis.call('HINCRBY', meta, 'nbranches', 1)
-  if nb > maxb then
-    redis.call('HINCRBY', meta, 'nbranches', -1)
-    return {'limit', 'branches'}
+  local tipk = redis.call('HGET', meta, 'tipk') or ''
+  if lo == L - 1 and n >= L and tipk == 'r' and kind_at(L) == 'a' then
+    -- the client restated the reply the proxy recorded, in its own format: it replaces it
+    redis.call('RPOP', bl); redis.call('RPOP', cl)
+    L = lo; common = lo
+    record(p, {kind = 'reply_restated', branch = tonumber(head), at = lo, ts = tonumber(now)})
+  else
+    if redis.call('ZCARD', p .. ':bused') == 0 then redis.call('ZADD', p .. ':bused', now, head) end
+    local nb = redis.call('HINCRBY', meta, 'nbranches', 1)
+    local nbl = p .. ':b:' .. nb
+    local ncl = p .. ':c:' .. nb
+    local step = 1000
+    for s = 0, lo - 1, step do
+      local e = math.min(s + step, lo) - 1
+      redis.call('RPUSH', nbl, unpack(redis.call('LRANGE', bl, s, e)))
+      redis.call('RPUSH', ncl, unpack(redis.call('LRANGE', cl, s, e)))
+    end
+    redis.call('HSET', p .. ':branches', tostring(nb),
+      cjson.encode({parent = tonumber(head), fork_at = lo, created = tonumber(now)}))
+    head = tostring(nb); bl = nbl; cl = ncl; L = lo; common = lo; forked = 1
+    redis.call('ZADD', p .. ':bused', now, head)
+    if redis.call('ZCARD', p .. ':bused') > maxb then pruned = prune_lru(p, head, now) end
   end
-  local nbl = p .. ':b:' .. nb
-  local ncl = p .. ':c:' .. nb
-  local step = 1000
-  for s = 0, lo - 1, step do
-    local e = math.min(s + step, lo) - 1
-    redis.call('RPUSH', nbl, unpack(redis.call('LRANGE', bl, s, e)))
-    redis.call('RPUSH', ncl, unpack(redis.call('LRANGE', cl, s, e)))
-  end
-  redis.call('HSET', p .. ':branches', tostring(nb),
-    cjson.encode({parent = tonumber(head), fork_at = lo, created = tonumber(now)}))
-  head = tostring(nb); bl = nbl; cl = ncl; L = lo; common = lo; forked = 1
 end
-local base = 12
+local tipk = nil
 for i = common + 1, n do
   local h = hash_at(i)
-  local j = base + (i - hint - 1) * 3
+  local j = 13 + (i - hint - 1) * 3
   store_message(p, h, ARGV[j], ARGV[j + 1], ARGV[j + 2], now)
   redis.call('RPUSH', bl, h)
   redis.call('RPUSH', cl, chain_at(i))
-  L = i; tip = chain_at(i)
+  L = i; tip = chain_at(i); tipk = kind_at(i)
 end
 redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
+if tipk then redis.call('HSET', meta, 'tipk', tipk) end
 redis.call('HSETNX', meta, 'created', now)
-local xat = tonumber(redis.call('HGET', meta, 'xat') or '0')
-if tonumber(now) - xat > ttl / 20 then
-  redis.call('HSET', meta, 'xat', now)
-  for _, k in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec'}) do
-    redis.call('PEXPIRE', p .. ':' .. k, ttl)
-  end
-  local nb = tonumber(redis.call('HGET', meta, 'nbranches') or '0')
-  for b = 0, nb do
-    redis.call('PEXPIRE', p .. ':b:' .. b, ttl)
-    redis.call('PEXPIRE', p .. ':c:' .. b, ttl)
-  end
-end
+touch(p, head, now, ttl)
 local internal = {}
 if redis.call('EXISTS', p .. ':int') == 1 then internal = redis.call('HGETALL', p .. ':int') end
-return {'ok', tostring(L), head, tostring(forked), tostring(common), internal}
+return {'ok', tostring(L), head, tostring(forked), tostring(common), internal, pruned}
 """
 
-APPEND_LUA = STORE_MESSAGE + r"""
+APPEND_LUA = COMMON + r"""
 local p = ARGV[1]; local now = ARGV[2]
 local ttl = tonumber(ARGV[3]); local maxm = tonumber(ARGV[4])
 local sid = ARGV[5]; local nsys = tonumber(ARGV[6])
@@ -117,29 +165,26 @@ local meta = p .. ':meta'
 local head = redis.call('HGET', meta, 'head') or '0'
 local L = tonumber(redis.call('HGET', meta, 'len') or '0')
 local tip = redis.call('HGET', meta, 'tip') or ''
-local k = (#ARGV - 6) / 4
+local k = (#ARGV - 6) / 6
 local first = 0
 if L > 0 then first = nsys end  -- a system prompt is history only when it opens the session
 if L + k - first > maxm then return {'limit'} end
 local bl = p .. ':b:' .. head
 local cl = p .. ':c:' .. head
+local tipk = nil
 for i = first, k - 1 do
-  local j = 7 + i * 4
+  local j = 7 + i * 6
   local h = ARGV[j]
-  store_message(p, h, ARGV[j + 1], ARGV[j + 2], ARGV[j + 3], now)
-  tip = redis.sha1hex(tip .. h)
+  store_message(p, h, ARGV[j + 2], ARGV[j + 3], ARGV[j + 4], now)
+  tip = redis.sha1hex(tip .. ARGV[j + 1])
   redis.call('RPUSH', bl, h)
   redis.call('RPUSH', cl, tip)
-  L = L + 1
+  L = L + 1; tipk = ARGV[j + 5]
 end
 redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
+if tipk then redis.call('HSET', meta, 'tipk', tipk) end
 redis.call('HSETNX', meta, 'created', now)
-for _, key in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec'}) do
-  redis.call('PEXPIRE', p .. ':' .. key, ttl)
-end
-redis.call('PEXPIRE', bl, ttl); redis.call('PEXPIRE', cl, ttl)
-local hs = redis.call('LRANGE', bl, 0, -1)
-local bodies = {}
-if #hs > 0 then bodies = redis.call('HMGET', p .. ':msg', unpack(hs)) end
-return {tostring(L), bodies}
+redis.call('HSET', meta, 'xat', 0)  -- appends are rare: refresh every key's expiry now
+touch(p, head, now, ttl)
+return {'ok', tostring(L)}
 """

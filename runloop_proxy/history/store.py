@@ -1,102 +1,68 @@
 """The history store: every session's complete, never-compressed history, in Redis.
 
-Keys of one session share the hash tag ``{tenant:session}`` so they live in one Redis Cluster slot
-and every update is a single atomic Lua script::
+Keys of one session share the hash tag ``{namespace:session}`` so they live in one Redis Cluster
+slot and every update is a single atomic Lua script (scripts.py)::
 
-    P:{t:s}:meta      hash   head branch, its length and chain tip, timestamps
-    P:{t:s}:msg       hash   message hash -> canonical JSON (content-addressed)
-    P:{t:s}:ts        hash   message hash -> first seen (ms)
-    P:{t:s}:tok       hash   message hash -> token count
-    P:{t:s}:tool      hash   tool_call_id -> hashes of every tool result with that id (ids repeat)
-    P:{t:s}:b:N       list   branch N: message hashes in order
-    P:{t:s}:c:N       list   branch N: chain hashes (sha1 of previous chain + message hash)
-    P:{t:s}:branches  hash   N -> {parent, fork_at, created}
-    P:{t:s}:int       hash   anchor message hash -> proxy-owned tool exchange spliced before it
-    P:{t:s}:rec       list   compression records (seed 004 §3.4)
-    P:t:<tenant>:sessions  zset  session -> last use (for listing; a different slot)
+    P:{n:s}:meta      hash   head branch, its length and chain tip, the tip's kind, timestamps
+    P:{n:s}:msg       hash   content hash -> canonical JSON (content-addressed)
+    P:{n:s}:ts        hash   content hash -> first seen (ms)
+    P:{n:s}:tok       hash   content hash -> token count (tagged with its encoding)
+    P:{n:s}:tool      hash   tool_call_id -> hashes of every result with that id (ids repeat)
+    P:{n:s}:b:N       list   branch N: content hashes in order
+    P:{n:s}:c:N       list   branch N: chain hashes (sha1 of the previous chain + match hash)
+    P:{n:s}:branches  hash   N -> {parent, fork_at, created}
+    P:{n:s}:bused     zset   live branches by last use (the least recent is pruned first)
+    P:{n:s}:int       hash   chain hash at a client-visible message -> the proxy's tool
+                             exchange spliced around it (only that lineage finds it)
+    P:{n:s}:rec       list   compression records and branch events (seed 004 §3.4)
+    P:t:<n>:sessions  zset   session -> last use (for listing; a different slot)
+    P:a:<n>:<anchor>  string session id a recorded reply belongs to (trimmed histories)
 
-Reconciliation costs O(new messages): the proxy sends the chain hashes and bodies from the
-length it last saw (a hint); the script answers "need" when the hint was wrong.
+Nothing is written before the upstream has answered a request: a cold replica reads what it
+needs (``load``), and the turn is written behind, after the reply (writes.py). Reconciliation
+costs O(new messages): the proxy sends chain hashes and bodies from the length it last saw (a
+hint); the script answers "need" when the hint was wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..config import StoreSection
-from ..conversation.messages import Message, canonical_json, content_hash
+from ..conversation.messages import Message
 from ..errors import StoreError, StoreLimitExceeded
 from ..ops import logs
 from ..ops.metrics import Metrics
 from .scripts import APPEND_LUA, SYNC_LUA
+from .writes import Job, Prepared, WriteBehind, chain_hashes, lost_message, prepare
 
+__all__ = ["Prepared", "RedisStore", "prepare"]
 log = logs.get("store")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
-EMPTY_CHAIN = ""
 SESSION_CACHE_SIZE = 50_000
 CHAIN_CACHE_SIZE = 2_000
 MAX_RECORDS = 1_000
 INDEX_EVERY_S = 60.0
-BATCH = 256
-MAX_QUEUE = 100_000
-MAX_ATTEMPTS = 3
-
-
-
-
-def chain_next(prev: str, msg_hash: str) -> str:
-    return hashlib.sha1((prev + msg_hash).encode()).hexdigest()
-
-
-class Prepared(NamedTuple):
-    """A message ready for the store: its hash, stored body, tool id and token count."""
-
-    hash: str
-    body: bytes
-    tool_call_id: str
-    tokens: int | None
-    encoding: str = ""  # the tiktoken encoding the count was made with
-
-
-def prepare(msg: Message, tokens: int | None = None) -> Prepared:
-    body = canonical_json(msg)
-    tid = msg.get("tool_call_id") if msg.get("role") == "tool" else ""
-    return Prepared(content_hash(body), body, tid if isinstance(tid, str) else "", tokens)
-
-
-@dataclass
-class _Job:
-    tenant: str
-    session_id: str
-    items: list[Prepared]
-    chains: list[str]
-    retention_days: float | None
-    hint: int = 0
-    retry_hint: int | None = None
-    attempts: int = 0
-
-    @property
-    def key(self) -> tuple[str, str]:
-        return (self.tenant, self.session_id)
-
-    def extended_by(self, other: _Job) -> bool:
-        n = len(self.items)
-        return len(other.items) >= n and other.chains[n] == self.chains[n] \
-            and other.retention_days == self.retention_days
+PROBE_EVERY_S = 0.25
+_RECONNECT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, TimeoutError)
 
 
 @dataclass
@@ -111,7 +77,15 @@ class SyncResult:
     length: int
     branch: str
     forked: bool
-    internal: dict[str, list[Message]] = field(default_factory=dict)
+    internal: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """What a replica that has not seen a session reads before its first window."""
+
+    internal: dict[str, Any]
+    counts: dict[str, int]
 
 
 @dataclass
@@ -124,7 +98,7 @@ class SessionView:
     records: list[dict[str, Any]]
     created_ms: int
     updated_ms: int
-    internal: dict[str, list[Message]]
+    internal: dict[str, Any]
 
 
 def session_slug(session_id: str) -> str:
@@ -134,7 +108,7 @@ def session_slug(session_id: str) -> str:
 
 
 class RedisStore:
-    """Redis-backed HistoryStore. Every failure becomes StoreError; the caller fails open."""
+    """Redis-backed history. Every failure becomes StoreError; the caller fails open."""
 
     def __init__(self, url: str, cfg: StoreSection, metrics: Metrics):
         self.cfg = cfg
@@ -146,23 +120,21 @@ class RedisStore:
                 socket_connect_timeout=timeout)
         else:
             # A blocking pool: a burst waits for a connection instead of failing.
-            pool = aioredis.BlockingConnectionPool.from_url(
+            self._pool = aioredis.BlockingConnectionPool.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=64,
-                timeout=timeout)
-            # no retries inside redis-py: a failure marks the store down and requests fail open
-            self.client = aioredis.Redis(connection_pool=pool, retry=Retry(NoBackoff(), 0))
+                timeout=timeout, health_check_interval=30)
+            # retries are ours (_call): one on a fresh connection, then the store is down
+            self.client = aioredis.Redis(connection_pool=self._pool, retry=Retry(NoBackoff(), 0))
         self._sync = self.client.register_script(SYNC_LUA)
         self._append = self.client.register_script(APPEND_LUA)
         self._sessions: OrderedDict[tuple[str, str], _Cached] = OrderedDict()
         self._chains: OrderedDict[tuple[str, str], tuple[list[str], list[str]]] = OrderedDict()
         self._indexed: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._down_until = 0.0
-        self._queue: list[_Job] = []
-        self._queued: dict[tuple[str, str], _Job] = {}
-        self._in_flight = 0
-        self._wake = asyncio.Event()
-        self._flusher: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None
         self._scripts_loaded = False
+        self.writes = WriteBehind(self._pipeline, self._settle, self._available_in,
+                                  cfg.write_retry_s, self._lost)
 
     # -- health ---------------------------------------------------------------------------
 
@@ -170,49 +142,105 @@ class RedisStore:
     def available(self) -> bool:
         return time.monotonic() >= self._down_until
 
-    async def _call(self, op: str, coro: Any) -> Any:
+    def _available_in(self) -> float:
+        return self._down_until - time.monotonic()
+
+    async def _call(self, op: str, make: Callable[[], Awaitable[Any]]) -> Any:
+        """Run one store operation. A connection that fails is retried once on a fresh one
+        (pooled connections go stale when Redis restarts); a second failure marks the store
+        down, and a probe brings it back as soon as Redis answers again."""
         if not self.available:
-            coro.close()
-            raise StoreError(f"store marked down, retrying in "
-                             f"{self._down_until - time.monotonic():.1f}s")
+            raise StoreError(f"store marked down, retrying in {self._available_in():.1f}s")
         started = time.perf_counter()
-        try:
-            result = await coro
-        except (RedisError, OSError, TimeoutError) as exc:
-            self.metrics.store_errors.labels(op).inc()
-            self.metrics.store_up.set(0)
-            self._down_until = time.monotonic() + self.cfg.retry_after_s
-            raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
+        for attempt in (0, 1):
+            try:
+                result = await make()
+                break
+            except NoScriptError:
+                self._scripts_loaded = False
+                if attempt:
+                    raise self._down(op, "the store lost its scripts") from None
+            except _RECONNECT as exc:
+                await self._reset()
+                if attempt:
+                    raise self._down(op, f"{type(exc).__name__}: {exc}") from exc
+            except RedisError as exc:
+                self.metrics.store_errors.labels(op).inc()
+                raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
         self.metrics.store_latency.labels(op).observe(time.perf_counter() - started)
         self.metrics.store_up.set(1)
         return result
 
+    def _down(self, op: str, why: str) -> StoreError:
+        self.metrics.store_errors.labels(op).inc()
+        self.metrics.store_up.set(0)
+        self._down_until = time.monotonic() + self.cfg.retry_after_s
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_until_up())
+        return StoreError(f"redis {op} failed: {why}")
+
+    async def _reset(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            if isinstance(self.client, RedisCluster):
+                return
+            await self._pool.disconnect(inuse_connections=False)
+
+    async def _probe_until_up(self) -> None:
+        while not self.available:
+            await asyncio.sleep(PROBE_EVERY_S)
+            with contextlib.suppress(RedisError, OSError, TimeoutError):
+                await self.client.ping()
+                self._down_until = 0.0
+                self.metrics.store_up.set(1)
+                log.info("store reachable again")
+                return
+
     async def ping(self) -> bool:
+        if not self.available:
+            return False
         try:
-            await self._call("ping", self.client.ping())
+            await self._call("ping", self.client.ping)
         except StoreError as exc:
             log.warning("store unreachable", extra={"error": str(exc)})
             return False
         return True
 
+    async def start(self) -> None:
+        self.writes.start()
+
+    async def drain(self, timeout: float = 5.0) -> bool:
+        """Wait until queued writes are flushed (or given up); False on timeout."""
+        return await self.writes.drain(timeout)
+
     async def close(self) -> None:
         await self.drain()
-        if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+        await self.writes.stop()
+        if self._probe is not None:
+            self._probe.cancel()
         await self.client.aclose()
 
     # -- keys -----------------------------------------------------------------------------
 
-    def prefix(self, tenant: str, session_id: str) -> str:
-        return f"{self.cfg.key_prefix}:{{{tenant}:{session_slug(session_id)}}}"
+    def prefix(self, namespace: str, session_id: str) -> str:
+        return f"{self.cfg.key_prefix}:{{{namespace}:{session_slug(session_id)}}}"
 
-    def _index_key(self, tenant: str) -> str:
-        return f"{self.cfg.key_prefix}:t:{tenant}:sessions"
+    def _index_key(self, namespace: str) -> str:
+        return f"{self.cfg.key_prefix}:t:{namespace}:sessions"
+
+    def _anchor_key(self, namespace: str, anchor: str) -> str:
+        return f"{self.cfg.key_prefix}:a:{namespace}:{anchor}"
 
     def _ttl_ms(self, retention_days: float | None) -> int:
         return int((retention_days or self.cfg.retention_days) * 86_400_000)
+
+    def check_limits(self, items: list[Prepared]) -> None:
+        """StoreLimitExceeded when a conversation of these messages (and a reply) cannot be
+        kept: too many messages, or one too large."""
+        if len(items) + 1 > self.cfg.max_messages_per_session:
+            raise StoreLimitExceeded(
+                f"the conversation has more messages than the store keeps per session "
+                f"({self.cfg.max_messages_per_session})")
+        self._check_sizes(items)
 
     def _check_sizes(self, items: list[Prepared]) -> None:
         for it in items:
@@ -223,166 +251,128 @@ class RedisStore:
 
     # -- writes ---------------------------------------------------------------------------
 
-    async def sync(self, tenant: str, session_id: str, items: list[Prepared],
+    async def sync(self, namespace: str, session_id: str, items: list[Prepared],
                    retention_days: float | None = None) -> SyncResult:
         """Make the session's head branch hold ``items`` (append, keep, or fork), now."""
-        job = self._job(tenant, session_id, items, retention_days)
+        job = self._job(namespace, session_id, items, retention_days)
         for _ in range(3):
-            reply = await self._call("sync", self._run_one(job))
-            result = self._settle(job, reply)
-            if result is not None:
-                return result
+            reply = await self._call("sync", lambda: self._run_one(job))
+            if self._settle(job, reply):
+                cached = self._sessions[job.key]
+                return SyncResult(cached.length, _s(reply[2]), reply[3] in (b"1", "1"),
+                                  cached.internal)
         raise StoreError("sync did not converge")
 
-    def submit(self, tenant: str, session_id: str, items: list[Prepared],
+    def submit(self, namespace: str, session_id: str, items: list[Prepared],
                retention_days: float | None = None) -> None:
-        """Queue a sync off the request path (write-behind, pipelined, coalesced per session).
+        """Queue a sync off the request path (write-behind; see writes.py)."""
+        self.writes.submit(self._job(namespace, session_id, items, retention_days))
 
-        A later job of the same session that extends an earlier queued one replaces it: the
-        conversation it carries holds the earlier one whole.
-        """
-        job = self._job(tenant, session_id, items, retention_days)
-        key = (tenant, session_id)
-        queued = self._queued.get(key)
-        if queued is not None and queued.extended_by(job):
-            queued.items, queued.chains = job.items, job.chains
-        else:
-            self._queue.append(job)
-            self._queued[key] = job
-        if len(self._queue) > MAX_QUEUE:
-            dropped = self._queue.pop(0)
-            self._queued.pop(dropped.key, None)
-            self.metrics.store_errors.labels("queue_overflow").inc()
-        self._wake.set()
+    def submit_append(self, namespace: str, session_id: str, items: list[Prepared],
+                      retention_days: float | None = None, system: int = 0) -> None:
+        """Queue messages to append to the head whatever it holds (server-history mode); the
+        first ``system`` are the request's system prompt, stored only if they open it."""
+        self._check_sizes(items)
+        self._sessions.pop((namespace, session_id), None)
+        self.writes.submit(Job(namespace, session_id, items, retention_days, append=True,
+                               system=system))
 
-    def _job(self, tenant: str, session_id: str, items: list[Prepared],
-             retention_days: float | None) -> _Job:
-        key = (tenant, session_id)
-        chains = [EMPTY_CHAIN]
-        known = self._chains.get(key)
-        if known is not None:
-            # reuse the chain of the prefix this session sent last time (O(new) hashing)
-            hashes, cached = known
-            k = 0
-            limit = min(len(hashes), len(items))
-            while k < limit and hashes[k] == items[k].hash:
-                k += 1
-            chains = cached[:k + 1]
-        for it in items[len(chains) - 1:]:
-            chains.append(chain_next(chains[-1], it.hash))
-        self._chains[key] = ([it.hash for it in items], chains)
+    def chains(self, namespace: str, session_id: str, items: list[Prepared]) -> list[str]:
+        """The chain hash after each of ``items`` (a conversation from its start; index 0 is
+        the empty chain before them), reusing the prefix this session sent last time: a
+        growing conversation hashes only what is new. A chain names a position in one
+        lineage: the conversation up to there, and nothing else."""
+        key = (namespace, session_id)
+        chains = chain_hashes([it.match for it in items], self._chains.get(key))
+        self._chains[key] = ([it.match for it in items], chains)
         self._chains.move_to_end(key)
         if len(self._chains) > CHAIN_CACHE_SIZE:
             self._chains.popitem(last=False)
-        return _Job(tenant, session_id, items, chains, retention_days)
+        return chains
 
-    def _hint(self, job: _Job) -> int:
+    def _job(self, namespace: str, session_id: str, items: list[Prepared],
+             retention_days: float | None) -> Job:
+        job = Job(namespace, session_id, items, retention_days)
+        job.chains = self.chains(namespace, session_id, items)
+        return job
+
+    def _hint(self, job: Job) -> int:
         cached = self._sessions.get(job.key)
         if cached is None:
             return 0
         n = cached.length
         return n if n <= len(job.items) and job.chains[n] == cached.chain else 0
 
-    def _args(self, job: _Job) -> list[Any]:
-        """The SYNC script's arguments, from the re-send hint or the session cache's."""
+    def _args(self, job: Job) -> list[Any]:
+        """The script's arguments for a job."""
+        p = self.prefix(job.namespace, job.session_id)
+        if job.append:
+            args: list[Any] = [p, _now_ms(), self._ttl_ms(job.retention_days),
+                               self.cfg.max_messages_per_session, job.session_id, job.system]
+            for it in job.items:
+                args += [it.hash, it.match, it.body, it.tool_call_id, _tokens_field(it),
+                         it.kind]
+            return args
         hint = job.retry_hint if job.retry_hint is not None else self._hint(job)
         items, chains = job.items, job.chains
         self._check_sizes(items[hint:])
-        args: list[Any] = [self.prefix(job.tenant, job.session_id), hint, len(items),
-                           "".join(chains[hint + 1:]), "".join(it.hash for it in items[hint:]),
-                           _now_ms(), self._ttl_ms(job.retention_days),
-                           self.cfg.max_messages_per_session, self.cfg.max_branches,
-                           job.session_id, chains[hint]]
+        args = [p, hint, len(items), "".join(chains[hint + 1:]),
+                "".join(it.hash for it in items[hint:]), _now_ms(),
+                self._ttl_ms(job.retention_days), self.cfg.max_messages_per_session,
+                self.cfg.max_branches, job.session_id, chains[hint],
+                "".join(it.kind for it in items[hint:])]
         for it in items[hint:]:
             args += [it.body, it.tool_call_id, _tokens_field(it)]
         job.hint = hint
         return args
 
-    async def _run_one(self, job: _Job) -> Any:
+    async def _run_one(self, job: Job) -> Any:
+        script = self._append if job.append else self._sync
         args = self._args(job)
-        reply = await self._sync(keys=[args[0] + ":meta"], args=args)
-        await self._index(job.tenant, job.session_id)
+        reply = await script(keys=[args[0] + ":meta"], args=args)
+        await self._index(job.namespace, job.session_id)
         return reply
 
-    def _settle(self, job: _Job, reply: Any) -> SyncResult | None:
-        """Apply a script reply: cache the new head; None when the job must be re-sent."""
+    def _settle(self, job: Job, reply: Any) -> bool:
+        """Apply a script's reply; False when the job must be sent again (a stale hint)."""
         status = _s(reply[0])
+        if status == "limit":
+            raise StoreLimitExceeded(f"session {_s(reply[1]) if len(reply) > 1 else ''} "
+                                     f"limit reached")
+        if job.append:
+            self._sessions.pop(job.key, None)
+            return True
         if status == "ok":
             length = int(reply[1])
-            internal = _pairs(reply[5])
             chain = job.chains[length] if length <= len(job.items) else ""
-            self._remember(job.key, length, chain, internal)
-            return SyncResult(length, _s(reply[2]), reply[3] in (b"1", "1"), internal)
-        if status == "limit":
-            raise StoreLimitExceeded(f"session {_s(reply[1])} limit reached")
+            self._remember(job.key, length, chain, _pairs(reply[5]))
+            if len(reply) > 6 and reply[6]:
+                self.metrics.branches_pruned.inc()
+                log.info("least recently used branch pruned (max_branches)",
+                         extra={"tenant": job.namespace, "branch": _s(reply[6])})
+            return True
         stored = int(reply[1])
         job.retry_hint = stored if 0 < stored <= len(job.items) and stored != job.hint else 0
-        return None
+        return False
 
-    async def start(self) -> None:
-        self._flusher = asyncio.create_task(self._flush_forever())
+    def _lost(self, job: Job, why: str) -> None:
+        self.metrics.store_errors.labels("write_lost").inc()
+        log.warning("history not stored", extra={**lost_message(job), "error": why})
 
-    async def drain(self, timeout: float = 5.0) -> None:
-        """Wait until queued writes are flushed (or the store gives up)."""
-        deadline = time.monotonic() + timeout
-        while (self._queue or self._in_flight) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
-
-    async def _flush_forever(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queue:
-                if not self.available:
-                    await asyncio.sleep(max(0.05, self._down_until - time.monotonic()))
-                    continue
-                batch, self._queue = self._queue[:BATCH], self._queue[BATCH:]
-                for job in batch:
-                    if self._queued.get(job.key) is job:
-                        del self._queued[job.key]
-                self._in_flight = len(batch)
-                try:
-                    await self._flush(batch)
-                finally:
-                    self._in_flight = 0
-
-    async def _flush(self, batch: list[_Job]) -> None:
-        try:
-            replies = await self._call("sync", self._pipeline(batch))
-        except StoreError as exc:
-            # Keep the newest job per session for when Redis is back: the next request of a
-            # session carries the whole conversation anyway, so the history heals.
-            log.warning("write-behind flush failed; will retry",
-                        extra={"jobs": len(batch), "error": str(exc)})
-            for job in batch:
-                if job.key not in self._queued and job.attempts < MAX_ATTEMPTS:
-                    job.attempts += 1
-                    self._queue.append(job)
-                    self._queued[job.key] = job
-            return
-        for job, reply in zip(batch, replies, strict=True):
-            try:
-                if isinstance(reply, Exception):
-                    raise StoreError(str(reply))
-                if self._settle(job, reply) is None and job.attempts < MAX_ATTEMPTS:
-                    job.attempts += 1
-                    self._queue.append(job)
-            except StoreError as exc:
-                self.metrics.store_errors.labels("sync").inc()
-                log.warning("history not stored", extra={"tenant": job.tenant,
-                                                         "error": str(exc)})
-
-    async def _pipeline(self, batch: list[_Job]) -> list[Any]:
+    async def _pipeline(self, batch: list[Job]) -> list[Any]:
         if isinstance(self.client, RedisCluster):
-            return list(await asyncio.gather(*[self._run_one(j) for j in batch],
-                                             return_exceptions=True))
+            return await self._cluster_batch(batch)
+        return await self._call("sync", lambda: self._batch(batch))  # type: ignore[no-any-return]
+
+    async def _batch(self, batch: list[Job]) -> list[Any]:
         # EVALSHA straight into the pipeline: redis-py's script objects would ask
         # SCRIPT EXISTS on every flush, one more round trip each time.
         if not self._scripts_loaded:
             await self.client.script_load(SYNC_LUA)
+            await self.client.script_load(APPEND_LUA)
             self._scripts_loaded = True
         pipe = self.client.pipeline(transaction=False)
-        ok: list[_Job] = []
+        sent: list[Job] = []
         errors: dict[int, Exception] = {}
         for i, job in enumerate(batch):
             try:
@@ -390,34 +380,48 @@ class RedisStore:
             except StoreLimitExceeded as exc:
                 errors[i] = exc
                 continue
-            pipe.evalsha(self._sync.sha, 1, args[0] + ":meta", *args)
-            ok.append(job)
-        results = await pipe.execute(raise_on_error=False) if ok else []
+            sha = self._append.sha if job.append else self._sync.sha
+            pipe.evalsha(sha, 1, args[0] + ":meta", *args)
+            sent.append(job)
+        results = await pipe.execute(raise_on_error=False) if sent else []
         if any(isinstance(r, NoScriptError) for r in results):
-            self._scripts_loaded = False  # Redis lost its scripts (restart): reload, re-send
-            raise NoScriptError("scripts not loaded")
+            raise NoScriptError("scripts not loaded")  # _call reloads them and sends again
         it = iter(results)
         out = [errors[i] if i in errors else next(it) for i in range(len(batch))]
-        for job in ok:
-            await self._index(job.tenant, job.session_id)
+        for job in sent:
+            await self._index(job.namespace, job.session_id)
         return out
 
-    def cached_internal(self, tenant: str, session_id: str) -> dict[str, Any] | None:
-        """The proxy's tool exchanges of a session this replica has seen, None if cold."""
-        cached = self._sessions.get((tenant, session_id))
-        return None if cached is None else cached.internal
+    async def _cluster_batch(self, batch: list[Job]) -> list[Any]:
+        """A cluster has no cross-slot pipeline: sessions in parallel, each session's jobs in
+        order (appends must keep theirs)."""
+        by_session: dict[tuple[str, str], list[int]] = {}
+        for i, job in enumerate(batch):
+            by_session.setdefault(job.key, []).append(i)
+        out: list[Any] = [None] * len(batch)
 
-    async def _index(self, tenant: str, session_id: str) -> None:
-        """Keep the tenant's session list current, at most once a minute per session."""
+        async def one_session(indexes: list[int]) -> None:
+            for i in indexes:
+                try:
+                    out[i] = await self._call("sync", functools.partial(self._run_one,
+                                                                        batch[i]))
+                except (StoreError, StoreLimitExceeded) as exc:
+                    out[i] = exc
+
+        await asyncio.gather(*(one_session(ix) for ix in by_session.values()))
+        return out
+
+    async def _index(self, namespace: str, session_id: str) -> None:
+        """Keep the namespace's session list current, at most once a minute per session."""
         now = time.monotonic()
-        key = (tenant, session_id)
+        key = (namespace, session_id)
         if now - self._indexed.get(key, -INDEX_EVERY_S) < INDEX_EVERY_S:
             return
         self._indexed[key] = now
         self._indexed.move_to_end(key)
         if len(self._indexed) > SESSION_CACHE_SIZE:
             self._indexed.popitem(last=False)
-        await self.client.zadd(self._index_key(tenant), {session_id: _now_ms()})
+        await self.client.zadd(self._index_key(namespace), {session_id: _now_ms()})
 
     def _remember(self, key: tuple[str, str], length: int, chain: str,
                   internal: dict[str, Any]) -> None:
@@ -426,41 +430,19 @@ class RedisStore:
         if len(self._sessions) > SESSION_CACHE_SIZE:
             self._sessions.popitem(last=False)
 
-    async def append(self, tenant: str, session_id: str, items: list[Prepared],
-                     retention_days: float | None = None, system: int = 0) -> list[Message]:
-        """Append to the head branch whatever it holds (server-history mode); return it all.
-
-        The first ``system`` items are the request's system prompt: stored only when they open
-        the session."""
-        self._check_sizes(items)
-        p = self.prefix(tenant, session_id)
-        args: list[Any] = [p, _now_ms(), self._ttl_ms(retention_days),
-                           self.cfg.max_messages_per_session, session_id, system]
-        for it in items:
-            args += [it.hash, it.body, it.tool_call_id, _tokens_field(it)]
-
-        async def run() -> Any:
-            reply = await self._append(keys=[p + ":meta"], args=args)
-            await self._index(tenant, session_id)
-            return reply
-
-        reply = await self._call("append", run())
-        if _s(reply[0]) == "limit":
-            raise StoreLimitExceeded("session messages limit reached")
-        self._sessions.pop((tenant, session_id), None)
-        return [orjson.loads(b) for b in reply[1] if b is not None]
-
-    async def add_internal(self, tenant: str, session_id: str, anchor: str,
+    async def add_internal(self, namespace: str, session_id: str, anchor: str,
                            entry: dict[str, Any]) -> None:
-        """Keep a proxy-owned tool exchange, to splice around ``anchor`` in later windows."""
-        p = self.prefix(tenant, session_id)
-        await self._call("internal", self.client.hset(p + ":int", anchor, orjson.dumps(entry)))
-        cached = self._sessions.get((tenant, session_id))
+        """Keep a proxy-owned tool exchange, to splice around ``anchor`` (the chain hash at
+        the message the client saw: that message, in that lineage) in later windows."""
+        p = self.prefix(namespace, session_id)
+        await self._call("internal", lambda: self.client.hset(p + ":int", anchor,
+                                                              orjson.dumps(entry)))
+        cached = self._sessions.get((namespace, session_id))
         if cached is not None:
             cached.internal[anchor] = entry
 
-    async def add_record(self, tenant: str, session_id: str, record: dict[str, Any]) -> None:
-        key = self.prefix(tenant, session_id) + ":rec"
+    async def add_record(self, namespace: str, session_id: str, record: dict[str, Any]) -> None:
+        key = self.prefix(namespace, session_id) + ":rec"
 
         async def run() -> None:
             pipe = self.client.pipeline(transaction=False)
@@ -468,28 +450,83 @@ class RedisStore:
             pipe.ltrim(key, -MAX_RECORDS, -1)
             await pipe.execute()
 
-        await self._call("record", run())
+        await self._call("record", run)
+
+    async def set_anchor(self, namespace: str, anchor: str, session_id: str,
+                         retention_days: float | None) -> None:
+        """Remember which session a recorded reply belongs to (a client that trims its
+        history still sends its latest replies)."""
+        await self._call("anchor", lambda: self.client.set(
+            self._anchor_key(namespace, anchor), session_id,
+            px=self._ttl_ms(retention_days)))
 
     # -- reads ----------------------------------------------------------------------------
 
-    async def token_counts(self, tenant: str, session_id: str, hashes: list[str],
-                           encoding: str) -> dict[str, int]:
-        """Stored token counts of these messages, made with ``encoding`` (a cold replica
-        reads them instead of tokenizing the whole history again)."""
-        if not hashes:
-            return {}
-        raw = await self._call("read", self.client.hmget(
-            self.prefix(tenant, session_id) + ":tok", hashes))
-        out = {}
-        for h, v in zip(hashes, raw, strict=True):
+    def cached_internal(self, namespace: str, session_id: str) -> dict[str, Any] | None:
+        """The proxy's tool exchanges of a session this replica has seen, None if cold."""
+        cached = self._sessions.get((namespace, session_id))
+        return None if cached is None else cached.internal
+
+    async def load(self, namespace: str, session_id: str, hashes: list[str],
+                   encoding: str) -> Loaded:
+        """One round trip for a session this replica has not seen: the proxy's stored tool
+        exchanges, and the token counts of these messages made with ``encoding``."""
+        p = self.prefix(namespace, session_id)
+
+        async def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hgetall(p + ":int")
+            if hashes:
+                pipe.hmget(p + ":tok", hashes)
+            return list(await pipe.execute())
+
+        replies = await self._call("read", run)
+        counts: dict[str, int] = {}
+        for h, v in zip(hashes, replies[1] if hashes else [], strict=True):
             if v is not None:
                 enc, _, n = _s(v).rpartition(":")
                 if enc == encoding and n.isdigit():
-                    out[h] = int(n)
-        return out
+                    counts[h] = int(n)
+        return Loaded({_s(k): orjson.loads(v) for k, v in replies[0].items()}, counts)
 
-    async def tool_results(self, tenant: str, session_id: str, call_id: str) -> list[Message]:
-        p = self.prefix(tenant, session_id)
+    async def head(self, namespace: str, session_id: str) -> list[tuple[str, Message]]:
+        """The head branch: (content hash, message) in order."""
+        p = self.prefix(namespace, session_id)
+
+        async def run() -> list[tuple[str, Message]]:
+            head = await self.client.hget(p + ":meta", "head")
+            if head is None:
+                return []
+            hashes = await self.client.lrange(f"{p}:b:{_s(head)}", 0, -1)
+            bodies = await self.client.hmget(p + ":msg", hashes) if hashes else []
+            return [(_s(h), orjson.loads(b)) for h, b in zip(hashes, bodies, strict=True)
+                    if b is not None]
+
+        return await self._call("read", run)  # type: ignore[no-any-return]
+
+    async def continuation(self, namespace: str, session_id: str,
+                           anchors: list[str]) -> str | None:
+        """For a fingerprinted request its fingerprint did not find: the session one of its
+        replies (``anchors``, newest first) was recorded in, if the fingerprint's session does
+        not exist (it then is a new conversation, or one whose client trimmed its history)."""
+        p = self.prefix(namespace, session_id)
+
+        async def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.exists(p + ":meta")
+            for a in anchors:
+                pipe.get(self._anchor_key(namespace, a))
+            return list(await pipe.execute())
+
+        replies = await self._call("read", run)
+        if replies[0]:
+            return None
+        return next((_s(r) for r in replies[1:] if r), None)
+
+    async def tool_results(self, namespace: str, session_id: str,
+                           call_id: str) -> list[Message]:
+        """Every stored result of a call id, in every branch (explicit sessions only)."""
+        p = self.prefix(namespace, session_id)
 
         async def run() -> list[Message]:
             packed = await self.client.hget(p + ":tool", call_id)
@@ -500,20 +537,20 @@ class RedisStore:
             bodies = await self.client.hmget(p + ":msg", hashes)
             return [orjson.loads(b) for b in bodies if b is not None]
 
-        return await self._call("recall", run())  # type: ignore[no-any-return]
+        return await self._call("recall", run)  # type: ignore[no-any-return]
 
-    async def all_messages(self, tenant: str, session_id: str) -> list[tuple[str, Message]]:
-        """Every message of every branch of the session (for search_history)."""
-        p = self.prefix(tenant, session_id)
+    async def all_messages(self, namespace: str, session_id: str) -> list[tuple[str, Message]]:
+        """Every message of every branch of the session (explicit sessions only)."""
+        p = self.prefix(namespace, session_id)
 
         async def run() -> list[tuple[str, Message]]:
             raw = await self.client.hgetall(p + ":msg")
             return [(_s(h), orjson.loads(b)) for h, b in raw.items()]
 
-        return await self._call("search", run())  # type: ignore[no-any-return]
+        return await self._call("search", run)  # type: ignore[no-any-return]
 
-    async def session(self, tenant: str, session_id: str) -> SessionView | None:
-        p = self.prefix(tenant, session_id)
+    async def session(self, namespace: str, session_id: str) -> SessionView | None:
+        p = self.prefix(namespace, session_id)
 
         async def run() -> SessionView | None:
             meta = {_s(k): _s(v) for k, v in (await self.client.hgetall(p + ":meta")).items()}
@@ -522,36 +559,37 @@ class RedisStore:
             head = meta.get("head", "0")
             hashes = await self.client.lrange(f"{p}:b:{head}", 0, -1)
             bodies = await self.client.hmget(p + ":msg", hashes) if hashes else []
-            branches_raw = await self.client.hgetall(p + ":branches")
+            branches_raw = {_s(k): v for k, v in
+                            (await self.client.hgetall(p + ":branches")).items()}
+            live = [_s(b) for b in await self.client.zrange(p + ":bused", 0, -1)] or [head]
             records = await self.client.lrange(p + ":rec", 0, -1)
             internal = await self.client.hgetall(p + ":int")
-            nb = int(meta.get("nbranches", "0"))
             branches: dict[str, dict[str, Any]] = {}
-            for b in range(nb + 1):
-                info = orjson.loads(branches_raw[str(b).encode()]) \
-                    if str(b).encode() in branches_raw else {"parent": None, "fork_at": 0}
+            for b in sorted(live, key=int):
+                info = orjson.loads(branches_raw[b]) if b in branches_raw \
+                    else {"parent": None, "fork_at": 0}
                 info["length"] = await self.client.llen(f"{p}:b:{b}")
-                branches[str(b)] = info
+                branches[b] = info
             return SessionView(
-                session_id=meta.get("sid", session_id), tenant=tenant, head=head,
+                session_id=meta.get("sid", session_id), tenant=namespace, head=head,
                 messages=[orjson.loads(b) for b in bodies if b is not None],
                 branches=branches, records=[orjson.loads(r) for r in records],
                 created_ms=int(meta.get("created", "0")),
                 updated_ms=int(meta.get("updated", "0")),
                 internal={_s(k): orjson.loads(v) for k, v in internal.items()})
 
-        return await self._call("read", run())  # type: ignore[no-any-return]
+        return await self._call("read", run)  # type: ignore[no-any-return]
 
-    async def list_sessions(self, tenant: str, offset: int, limit: int
+    async def list_sessions(self, namespace: str, offset: int, limit: int
                             ) -> tuple[list[tuple[str, int]], int]:
-        key = self._index_key(tenant)
+        key = self._index_key(namespace)
 
         async def run() -> tuple[list[tuple[str, int]], int]:
             total = await self.client.zcard(key)
             rows = await self.client.zrevrange(key, offset, offset + limit - 1, withscores=True)
             return [(_s(sid), int(score)) for sid, score in rows], int(total)
 
-        return await self._call("list", run())  # type: ignore[no-any-return]
+        return await self._call("list", run)  # type: ignore[no-any-return]
 
 
 def _tokens_field(it: Prepared) -> str:
@@ -562,9 +600,10 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _pairs(flat: list[Any]) -> dict[str, list[Message]]:
+def _pairs(flat: list[Any]) -> dict[str, Any]:
     return {_s(flat[i]): orjson.loads(flat[i + 1]) for i in range(0, len(flat) - 1, 2)}
 
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+

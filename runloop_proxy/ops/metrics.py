@@ -72,6 +72,9 @@ class Metrics:
                                 registry=r)
         self.store_up = Gauge("runloop_store_up", "1 when the store answered last time",
                               registry=r, multiprocess_mode="max")
+        self.branches_pruned = Counter("runloop_branches_pruned_total",
+                                       "Least recently used branches pruned past max_branches",
+                                       registry=r)
         self.config_reloads = Counter("runloop_config_reloads_total", "Config reloads",
                                       ["outcome"], registry=r)
         self.store_latency = Histogram("runloop_store_latency_seconds",

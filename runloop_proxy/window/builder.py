@@ -468,23 +468,26 @@ def _drop_oldest_exchanges(conv: Conversation, out: list[Message], tokens: int
         else:
             i += 1
     drop: set[int] = set()
-    dropped = 0
-    note_reserve = 48  # the note added below
+    dropped: list[int] = []
+    note_reserve = 64  # the note added below
     for a, b in groups[:-1]:
         if tokens + note_reserve <= conv.budget.hard:
             break
         for k in range(a, b):
             drop.add(k)
             tokens -= conv.ops.count(out[k])
-        dropped += 1
+        dropped.append(a)
     if not drop:
         return out, tokens
+    first = tool_calls_of(out[dropped[0]])[0].get("id", "")
+    last = tool_calls_of(out[dropped[-1]])[-1].get("id", "")
     kept = [m for k, m in enumerate(out) if k not in drop]
     at = next((k for k, m in enumerate(kept) if m.get("role") == "user"
                and isinstance(m.get("content"), str)), None)
     if at is not None:
-        note = (f"{TAG} {dropped} older tool exchange(s) were dropped to fit the context; "
-                f"{conv.search}(query) finds them.")
+        note = (f"{TAG} {len(dropped)} older tool exchange(s) (calls {first} … {last}) were "
+                f"dropped to fit the context; {conv.search}(query) finds them and "
+                f"{conv.recall}(call_id) returns any result.")
         old = kept[at]
         kept[at] = appended(old, note)
         tokens += conv.ops.count(kept[at]) - conv.ops.count(old)

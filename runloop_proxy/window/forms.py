@@ -12,7 +12,7 @@ from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from functools import partial
 from itertools import accumulate
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
@@ -20,8 +20,8 @@ from ..config import Policy
 from ..conversation.messages import (
     Message,
     content_hash,
+    message_refs,
     message_text,
-    result_refs,
     text_of,
     tool_calls_of,
 )
@@ -62,10 +62,19 @@ class Budget:
         return cls(hard=max(hard, 0), working=max(working, 1))
 
 
+class Cut(NamedTuple):
+    """A text kept to a number of tokens: its head and tail, and the tokens between them."""
+
+    head: str
+    tail: str
+    elided: int
+
+
 class TokenOps(Protocol):
     def count(self, msg: Message) -> int: ...
 
-    def truncate(self, text: str, max_tokens: int) -> str: ...
+    def cut(self, text: str, max_tokens: int) -> Cut | None:
+        """``text`` kept to ``max_tokens`` tokens, head and tail; None when it fits."""
 
 
 class Conversation:
@@ -86,7 +95,7 @@ class Conversation:
         for lp in self.loops:
             for i in lp.positions:
                 self.loop_of[i] = lp.index
-        self.refs = result_refs(messages, keys)
+        self.refs = message_refs(keys)
         cap = max(64, int(policy.max_tool_result_share * budget.working))
         n_msgs = self.n
         self.tool_names, self.tool_args = [""] * n_msgs, [""] * n_msgs
@@ -128,8 +137,8 @@ class Conversation:
             if m.get("tool_calls"):
                 group = i
                 self.group_end[i] = i + 1
-                trimmed, n = self._derived(("trim", keys[i], str(policy.reasoning_keep_tokens),
-                                            *names),
+                trimmed, n = self._derived(("trim", keys[i], self.refs[i],
+                                            str(policy.reasoning_keep_tokens), *names),
                                            partial(self._trimmed_call, i))
                 if trimmed is not None and counts[i] - n > 0:
                     self.short[i], self.saving[i] = trimmed, counts[i] - n
@@ -187,7 +196,7 @@ class Conversation:
         out: dict[str, object] = dict(m)
         changed = False
         if isinstance(m.get("content"), str):
-            text = self.ops.truncate(m["content"], keep)
+            text = self.shortened(m["content"], keep, i)
             if text != m["content"]:
                 out["content"] = text
                 changed = True
@@ -196,7 +205,7 @@ class Conversation:
             fn = call.get("function") or {}
             args = fn.get("arguments")
             if isinstance(args, str) and len(args) > keep:
-                short = _trim_arguments(args, keep, call.get("id", ""), self.ops, self.recall)
+                short = self._trim_arguments(args, keep, call.get("id", ""))
                 if short != args:
                     call = {**call, "function": {**fn, "arguments": short}}
                     changed = True
@@ -211,10 +220,37 @@ class Conversation:
 
     def _capped(self, i: int, cap: int) -> Message:
         m = self.messages[i]
-        text = self.ops.truncate(text_of(m.get("content")), cap)
-        note = (f"\n{TAG} Result truncated from {self.counts[i]} tokens; "
-                f'{self.recall}(call_id="{self.refs[i]}") returns it in full.')
-        return {**m, "content": text + note}
+        return {**m, "content": self.shortened(text_of(m.get("content")), cap, i)}
+
+    def shortened(self, text: str, max_tokens: int, i: int) -> str:
+        """Message ``i``'s ``text`` kept to ``max_tokens`` tokens (head + tail), with a note in
+        the middle saying how much was cut and the ref that returns the whole message."""
+        cut = self.ops.cut(text, max_tokens)
+        if cut is None:
+            return text
+        return (f'{cut.head}\n…[{cut.elided} tokens cut; {self.recall}(call_id="{self.refs[i]}")]'
+                f"…\n{cut.tail}")
+
+    def _trim_arguments(self, args: str, keep: int, call_id: str) -> str:
+        """Cut long string values inside JSON arguments; the result still parses as JSON."""
+        try:
+            parsed = orjson.loads(args)
+        except orjson.JSONDecodeError:
+            return args
+        note = f'…{TAG} arguments cut; {self.recall}(call_id="args:{call_id}") returns them…'
+
+        def cut(v: object) -> object:
+            if isinstance(v, str) and len(v) > keep:
+                c = self.ops.cut(v, keep)
+                return v if c is None else f"{c.head} {note} {c.tail}"
+            if isinstance(v, dict):
+                return {k: cut(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [cut(x) for x in v]
+            return v
+
+        out = orjson.dumps(cut(parsed)).decode()
+        return out if len(out) < len(args) else args
 
     # -- past loops in question + answer form -----------------------------------------------
 
@@ -241,7 +277,7 @@ class Conversation:
             self._answers[j] = (None, 0)
             if i is not None:
                 text = message_text(self.messages[i])
-                capped = self.ops.truncate(text, self.policy.max_message_length)
+                capped = self.shortened(text, self.policy.max_message_length, i)
                 if capped == text:
                     self._answers[j] = (self.messages[i], self.counts[i])
                 else:
@@ -258,7 +294,7 @@ class Conversation:
         for i in users:
             m = self.messages[i]
             text = message_text(m)
-            capped = self.ops.truncate(text, limit)
+            capped = self.shortened(text, limit, i)
             if capped == text:
                 out.append(m)
             else:
@@ -270,7 +306,7 @@ class Conversation:
         if final_pos is not None or ledger:
             m = self.messages[final_pos] if final_pos is not None else {"role": "assistant"}
             text = message_text(m) if final_pos is not None else ""
-            capped = self.ops.truncate(text, limit)
+            capped = self.shortened(text, limit, final_pos) if final_pos is not None else ""
             if ledger:
                 capped = f"{capped}\n\n{ledger}" if capped else ledger
             if capped != text or final_pos is None:
@@ -378,26 +414,3 @@ def appended(m: Message, text: str) -> Message:
     if isinstance(content, list):
         return {**m, "content": [*content, {"type": "text", "text": text}]}
     return {**m, "content": f"{text_of(content)}\n\n{text}"}
-
-
-def _trim_arguments(args: str, keep: int, call_id: str, ops: TokenOps, recall: str) -> str:
-    """Cut long string values inside JSON arguments; the result still parses as JSON."""
-    try:
-        parsed = orjson.loads(args)
-    except orjson.JSONDecodeError:
-        return args
-    note = (f" [runloop-proxy: arguments cut; {recall}(call_id=\"args:{call_id}\") "
-            f"returns them whole] ")
-
-    def cut(v: object) -> object:
-        if isinstance(v, str) and len(v) > keep:
-            short = ops.truncate(v, keep)
-            return short.replace("\n…[", "\n…" + note + "[", 1) if short != v else v
-        if isinstance(v, dict):
-            return {k: cut(x) for k, x in v.items()}
-        if isinstance(v, list):
-            return [cut(x) for x in v]
-        return v
-
-    out = orjson.dumps(cut(parsed)).decode()
-    return out if len(out) < len(args) else args

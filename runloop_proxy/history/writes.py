@@ -1,0 +1,237 @@
+"""The store's write-behind queue: a conversation is reconciled with Redis after its reply, off
+the request path — pipelined, coalesced per session, and retried for a bounded time when Redis
+is away (``store.write_retry_s``), so an outage delays history instead of losing it.
+
+Two kinds of job. A *sync* makes a session's head hold the conversation a client sent (the SYNC
+script: append, keep or fork); a later sync of the same session that extends a queued one
+replaces it, since the conversation it carries holds the earlier one whole — but only when its
+chain says so: a regenerated reply does not extend the job it replaces the end of, and both are
+sent (the second forks). An *append* adds messages whatever the head holds (server-history
+mode); appends are never merged and keep their order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from ..conversation.messages import Message, canonical_json, content_hash, match_hash
+from ..errors import StoreError, StoreLimitExceeded
+from ..ops import logs
+
+log = logs.get("store")
+BATCH = 256
+MAX_QUEUE = 100_000
+EMPTY_CHAIN = ""
+
+
+class Kind:
+    CLIENT = "c"  # a message the client sent
+    ASSISTANT = "a"  # an assistant message the client sent (maybe restating a reply)
+    REPLY = "r"  # a reply the proxy recorded from the upstream
+
+
+class Prepared(NamedTuple):
+    """A message ready for the store: its content hash (its address), match hash (what
+    reconciliation compares), stored body, tool id, token count and kind."""
+
+    hash: str
+    match: str
+    body: bytes
+    tool_call_id: str
+    tokens: int | None = None
+    encoding: str = ""  # the tiktoken encoding the count was made with
+    kind: str = Kind.CLIENT
+
+
+def prepare(msg: Message, tokens: int | None = None, reply: bool = False) -> Prepared:
+    body = canonical_json(msg)
+    key = content_hash(body)
+    tid = msg.get("tool_call_id") if msg.get("role") == "tool" else ""
+    kind = Kind.REPLY if reply else Kind.ASSISTANT if msg.get("role") == "assistant" \
+        else Kind.CLIENT
+    return Prepared(key, match_hash(msg, key), body, tid if isinstance(tid, str) else "",
+                    tokens, "", kind)
+
+
+def chain_next(prev: str, match: str) -> str:
+    return hashlib.sha1((prev + match).encode()).hexdigest()
+
+
+@dataclass
+class Job:
+    namespace: str
+    session_id: str
+    items: list[Prepared]
+    retention_days: float | None
+    append: bool = False  # an append job (server-history mode), else a sync
+    system: int = 0  # append: leading system items, stored only when they open the session
+    chains: list[str] = field(default_factory=list)  # sync: chain after each item
+    hint: int = 0
+    retry_hint: int | None = None
+    attempts: int = 0
+    deadline: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.namespace, self.session_id)
+
+    def extended_by(self, other: Job) -> bool:
+        """Whether ``other`` carries this job's conversation whole (and then some)."""
+        n = len(self.items)
+        return not self.append and not other.append and len(other.items) >= n \
+            and other.chains[n] == self.chains[n] \
+            and other.retention_days == self.retention_days
+
+
+Runner = Callable[[list[Job]], Awaitable[list[Any]]]
+Settler = Callable[[Job, Any], bool]  # True: done; False: send again
+
+
+class WriteBehind:
+    """Queued jobs, flushed in batches by one task; ``run`` sends a batch (a pipeline),
+    ``settle`` applies a job's reply."""
+
+    def __init__(self, run: Runner, settle: Settler, available: Callable[[], float],
+                 retry_s: float, on_lost: Callable[[Job, str], None]):
+        self._run = run
+        self._settle = settle
+        self._available_in = available  # seconds until the store is tried again (0: now)
+        self.retry_s = retry_s
+        self._on_lost = on_lost
+        self._queue: list[Job] = []
+        self._queued: dict[tuple[str, str], Job] = {}  # the newest sync job per session
+        self._in_flight = 0
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._flush_forever())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + self._in_flight
+
+    def submit(self, job: Job) -> None:
+        job.deadline = time.monotonic() + self.retry_s
+        queued = None if job.append else self._queued.get(job.key)
+        if queued is not None and queued.extended_by(job):
+            queued.items, queued.chains = job.items, job.chains
+            queued.deadline = job.deadline
+        else:
+            self._queue.append(job)
+            if not job.append:
+                self._queued[job.key] = job
+        if len(self._queue) > MAX_QUEUE:
+            self._drop(self._queue.pop(0), "queue overflow")
+        self._wake.set()
+
+    async def drain(self, timeout: float = 5.0) -> bool:
+        """Wait until every queued job is written (or given up); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while self.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return not self.pending
+
+    def _drop(self, job: Job, why: str) -> None:
+        if self._queued.get(job.key) is job:
+            del self._queued[job.key]
+        self._on_lost(job, why)
+
+    def _requeue(self, job: Job, why: str) -> None:
+        job.attempts += 1
+        if time.monotonic() > job.deadline:
+            self._drop(job, why)
+            return
+        if not job.append and self._queued.get(job.key) not in (None, job):
+            return  # a newer sync of the session is queued: it carries this one
+        self._queue.append(job)
+        if not job.append:
+            self._queued[job.key] = job
+
+    async def _flush_forever(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                wait = self._available_in()
+                if wait > 0:
+                    await asyncio.sleep(min(max(0.05, wait), 1.0))
+                    self._expire()
+                    continue
+                batch, self._queue = self._queue[:BATCH], self._queue[BATCH:]
+                for job in batch:
+                    if self._queued.get(job.key) is job:
+                        del self._queued[job.key]
+                self._in_flight = len(batch)
+                try:
+                    await self._flush(batch)
+                finally:
+                    self._in_flight = 0
+
+    def _expire(self) -> None:
+        """While the store is away, jobs past their deadline are given up."""
+        now = time.monotonic()
+        keep = []
+        for job in self._queue:
+            if now > job.deadline:
+                self._drop(job, "store unavailable")
+            else:
+                keep.append(job)
+        self._queue = keep
+
+    async def _flush(self, batch: list[Job]) -> None:
+        try:
+            replies = await self._run(batch)
+        except StoreError as exc:
+            log.warning("write-behind flush failed; will retry",
+                        extra={"jobs": len(batch), "error": str(exc)})
+            for job in batch:
+                self._requeue(job, str(exc))
+            return
+        for job, reply in zip(batch, replies, strict=True):
+            if isinstance(reply, StoreLimitExceeded):
+                self._drop(job, str(reply))
+            elif isinstance(reply, Exception):
+                self._requeue(job, str(reply))
+            else:
+                try:
+                    done = self._settle(job, reply)
+                except StoreError as exc:
+                    self._drop(job, str(exc))
+                    continue
+                if not done:
+                    self._requeue(job, "stale hint")
+
+
+def chain_hashes(matches: list[str], known: tuple[list[str], list[str]] | None) -> list[str]:
+    """The chain after each match hash (``[""]`` first: before any), reusing ``known`` (the
+    matches and chains sent last time) for the prefix they share."""
+    chains = [EMPTY_CHAIN]
+    if known is not None:
+        old, cached = known
+        k = 0
+        limit = min(len(old), len(matches))
+        while k < limit and old[k] == matches[k]:
+            k += 1
+        chains = cached[:k + 1]
+    for m in matches[len(chains) - 1:]:
+        chains.append(chain_next(chains[-1], m))
+    return chains
+
+
+def lost_message(job: Job) -> dict[str, Any]:
+    return {"tenant": job.namespace, "messages": len(job.items),
+            "kind": "append" if job.append else "sync"}

@@ -1,0 +1,158 @@
+"""The history side of a turn: line the request up with what the store holds (reconcile), and
+write the turn once the upstream has answered it (record). Nothing is written before that: a
+request the upstream refuses leaves no trace. Everything here fails open — except server-history
+mode, where the client does not hold its conversation and a window without it would be wrong."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..conversation.identity import Session, SessionKind, anchor, anchors, continued
+from ..conversation.messages import Message
+from ..conversation.runloops import preamble_end
+from ..errors import InvalidRequest, StoreError, StoreUnavailable
+from ..history.store import Prepared, RedisStore, prepare
+from ..ops import logs
+from ..state import AppState
+from .values import History, Turn
+
+log = logs.get("reconcile")
+
+
+def counted(state: AppState, turn: Turn, messages: list[Message],
+            prepared: list[Prepared] | None = None, reply: bool = False) -> list[Prepared]:
+    """Messages hashed, canonicalised and counted (the counts are cached by hash, so the
+    window's own counting costs nothing more, and the store keeps them)."""
+    enc, _ = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
+    items = prepared if prepared is not None else [prepare(m, reply=reply) for m in messages]
+    return [p._replace(tokens=state.tokens.message(enc, m, p.hash), encoding=enc.name)
+            for m, p in zip(messages, items, strict=True)]
+
+
+async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Session, History]:
+    """The session the turn belongs to (a trimmed history continues the session it came
+    from) and what the store holds for it."""
+    messages = turn.messages
+    ns, store = turn.caller.namespace, state.store
+    if turn.server_history and ns is None:
+        raise InvalidRequest("server-history mode needs an API key: the history is kept per "
+                             "key, and a request without one has none")
+    hashed = [prepare(m) for m in messages]
+    if store is None or ns is None:
+        return session, History(messages, counted(state, turn, messages, hashed))
+    try:
+        if not store.available:
+            raise StoreError("store marked down")
+        if turn.server_history:
+            history = await _server_history(state, turn, session, store, ns, hashed)
+            store.check_limits(history.prepared)
+            return session, history
+        store.check_limits(hashed)
+        internal = store.cached_internal(ns, session.id)
+        earlier: list[Message] = []
+        if internal is None:
+            session, earlier = await _continuation(turn, session, store, ns)
+            enc, _ = state.tokens.encoding(turn.model,
+                                           turn.caller.tenant.encoding_for(turn.model))
+            loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name)
+            state.tokens.prime(enc, loaded.counts)
+            internal = loaded.internal
+        return session, History(messages, counted(state, turn, messages, hashed), internal,
+                                earlier=earlier, earlier_prepared=counted(state, turn, earlier),
+                                earlier_at=preamble_end(messages))
+    except StoreError as exc:
+        if turn.server_history:
+            raise StoreUnavailable(
+                "the history store is unavailable, and in server-history mode the "
+                "conversation lives there: retry shortly",
+                retry_after=state.config.store.retry_after_s) from exc
+        log.warning("store unavailable: passing through uncompressed",
+                    extra={"tenant": turn.caller.tenant.name, "error": str(exc)})
+        return session, History(messages, counted(state, turn, messages, hashed),
+                                degraded="store")
+
+
+async def _server_history(state: AppState, turn: Turn, session: Session, store: RedisStore,
+                          ns: str, hashed: list[Prepared]) -> History:
+    """The stored conversation with the new messages after it (a system prompt the request
+    sends stands in for the stored one this turn)."""
+    messages = turn.messages
+    stored = [m for _, m in await store.head(ns, session.id)]
+    system = preamble_end(messages)
+    full = [*messages[:system], *stored[preamble_end(stored):], *messages[system:]] \
+        if system else [*stored, *messages]
+    internal = store.cached_internal(ns, session.id)
+    if internal is None:
+        internal = (await store.load(ns, session.id, [], "")).internal
+    return History(full, counted(state, turn, full), internal,
+                   appended=(counted(state, turn, messages, hashed), system))
+
+
+async def _continuation(turn: Turn, session: Session, store: RedisStore,
+                        ns: str) -> tuple[Session, list[Message]]:
+    """A fingerprinted request its fingerprint does not know, carrying replies recorded in
+    another session of the namespace: a client that trimmed its history (or restarted it
+    under a new system prompt). It continues that session when its messages line up with it;
+    what it no longer sends is its ``earlier`` lineage."""
+    if session.kind is not SessionKind.FINGERPRINT:
+        return session, []
+    keys = anchors(turn.messages, session.scope)
+    if not keys:
+        return session, []
+    other = await store.continuation(ns, session.id, keys)
+    if other is None or other == session.id:
+        return session, []
+    stored = [m for _, m in await store.head(ns, other)]
+    at = continued(stored, turn.messages)
+    if at is None:
+        return session, []
+    log.info("trimmed history continues its session", extra={
+        "tenant": turn.caller.tenant.name, "session": other, "earlier": at})
+    return (Session(other, SessionKind.FINGERPRINT, "continuation", session.scope),
+            stored[preamble_end(stored):at])
+
+
+def record(state: AppState, turn: Turn, session: Session, history: History,
+           reply: Message | None, kept: dict[str, Any] | None) -> None:
+    """After a 2xx: add the client's side of the turn and the answer it got to the session's
+    history (written behind), the proxy's part of the turn to splice back next time, and for
+    a fingerprinted session an anchor that finds it again from its reply."""
+    store, ns = state.store, turn.caller.namespace
+    if store is None or ns is None or history.degraded == "store":
+        return
+    answer = counted(state, turn, [reply], reply=True) if reply is not None else []
+    conversation = [*history.conversation(), *answer]
+    if kept is not None and reply is not None:
+        at = store.chains(ns, session.id, conversation)[-1]  # the reply, in its lineage
+        state.spawn(_keep_internal(store, ns, session.id, at, kept))
+    retention = turn.caller.tenant.retention_days
+    try:
+        if history.appended is not None:
+            new, system = history.appended
+            store.submit_append(ns, session.id, [*new, *answer], retention, system)
+        else:
+            store.submit(ns, session.id, conversation, retention)
+    except StoreError as exc:
+        log.warning("history not stored", extra={"tenant": turn.caller.tenant.name,
+                                                 "error": str(exc)})
+        return
+    if reply is not None and session.kind is SessionKind.FINGERPRINT:
+        key = anchor(reply, session.scope)
+        if key is not None:
+            state.spawn(_anchor(store, ns, key, session.id, retention))
+
+
+async def _keep_internal(store: RedisStore, namespace: str, session_id: str, at: str,
+                         kept: dict[str, Any]) -> None:
+    try:
+        await store.add_internal(namespace, session_id, at, kept)
+    except StoreError as exc:
+        log.warning("proxy tool exchange not stored", extra={"error": str(exc)})
+
+
+async def _anchor(store: RedisStore, namespace: str, key: str, session_id: str,
+                  retention: float | None) -> None:
+    try:
+        await store.set_anchor(namespace, key, session_id, retention)
+    except StoreError as exc:
+        log.warning("session anchor not stored", extra={"error": str(exc)})

@@ -1,0 +1,172 @@
+"""Forward and relay: one upstream call, timed; the answer back to the client — as it came, or
+(when the proxy's tools went out with the request) with the proxy's rounds answered and hidden.
+Errors pass through with their status; a stream is counted once it ends, however it ends."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+
+from ..conversation.identity import Session, SessionKind
+from ..errors import UpstreamError
+from ..ops import logs
+from ..state import AppState
+from .accounting import CLIENT_CLOSED, RequestLog
+from .reconcile import record
+from .sse import SSEDecoder
+from .toolloop import Outcome, Rounds, answer_json, answer_stream
+from .tools import ToolRunner
+from .upstream import UpstreamResponse, json_headers, upstream_headers
+from .values import Answer, History, Outgoing, Turn
+from .wire import Reply, Wire
+
+log = logs.get("relay")
+
+
+async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
+                  rlog: RequestLog) -> UpstreamResponse:
+    """One upstream call, timed (the client's headers, less hop-by-hop and the proxy's own)."""
+    payload = body if isinstance(body, bytes) else orjson.dumps(body)
+    headers = json_headers(upstream_headers(turn.headers, turn.caller.upstream_auth))
+    started = rlog.upstream_started()
+    try:
+        return await state.upstream(turn.caller.tenant.upstream).request(
+            "POST", turn.wire.upstream_path, headers, payload)
+    finally:
+        rlog.upstream_took(started)
+
+
+async def read(resp: UpstreamResponse, rlog: RequestLog) -> bytes:
+    started = time.perf_counter()
+    try:
+        return await resp.read()
+    finally:
+        rlog.upstream_took(started)
+
+
+async def relay(state: AppState, turn: Turn, session: Session, history: History,
+                out: Outgoing, resp: UpstreamResponse,
+                rlog: RequestLog) -> Answer:
+    """The upstream's answer to the client: as it came, or (when the proxy's tools went out)
+    with the proxy's rounds answered and hidden. Errors pass through with their status."""
+    headers = response_headers(resp, session, rlog)
+    if resp.status >= 400:
+        raw = await read(resp, rlog)
+        rlog.finish(resp.status)
+        return Answer(resp.status, headers, raw)
+    if turn.stream:
+        return Answer(resp.status, headers,
+                      stream=_streamed(state, turn, session, history, out, resp, rlog))
+    raw = await read(resp, rlog)
+    if out.tools is None:
+        reply = _parsed_reply(turn.wire, raw)
+        _calibrate(state, turn, rlog, reply)
+        rlog.usage(reply.usage if reply else None)
+        record(state, turn, session, history, reply.message if reply else None, None)
+        rlog.finish(resp.status)
+        return Answer(resp.status, headers, raw)
+    data, outcome = await answer_json(_rounds(state, turn, session, history, out, rlog), raw)
+    rlog.usage(outcome.usage)
+    record(state, turn, session, history, outcome.shown, outcome.kept)
+    rlog.finish(200)
+    return Answer(200, headers, orjson.dumps(data))
+
+
+def response_headers(resp: UpstreamResponse, session: Session,
+                     rlog: RequestLog) -> dict[str, str]:
+    headers = dict(resp.forward_headers())
+    headers["X-Session-Id"] = session.header_value
+    if rlog.degraded:
+        headers["X-Runloop-Degraded"] = rlog.degraded
+    if rlog.prompt_tokens is not None:
+        headers["X-Runloop-Tokens"] = "{};{}".format(*rlog.prompt_tokens)
+    return headers
+
+
+def _rounds(state: AppState, turn: Turn, session: Session, history: History, out: Outgoing,
+            rlog: RequestLog) -> Rounds:
+    assert out.tools is not None and isinstance(out.body, dict)
+    store, ns = state.store, turn.caller.namespace
+    named = session.kind is SessionKind.EXPLICIT and store is not None and ns is not None \
+        and not history.degraded
+    runner = ToolRunner(
+        out.tools, out.conversation, out.keys, turn.policy.search_results,
+        earlier=history.earlier,
+        # the session's other branches: only where the client named the session itself
+        branches=(lambda: store.all_messages(ns, session.id)) if named else None,  # type: ignore[union-attr,arg-type]
+        branch_results=(lambda cid: store.tool_results(ns, session.id, cid))  # type: ignore[union-attr,arg-type]
+        if named else None)
+
+    async def send(body: dict[str, Any]) -> UpstreamResponse:
+        return await forward(state, turn, body, rlog)
+
+    return Rounds(turn.wire, out.tools, out.body,
+                  out.window.messages if out.window else out.conversation, runner,
+                  turn.policy.max_tool_rounds, send)
+
+
+def _parsed_reply(wire: Wire, raw: bytes) -> Reply | None:
+    """The answer relayed unchanged, read for the record (what cannot be read is not)."""
+    try:
+        return wire.parse(orjson.loads(raw))
+    except (orjson.JSONDecodeError, UpstreamError):
+        return None
+
+
+def _calibrate(state: AppState, turn: Turn, rlog: RequestLog, reply: Reply | None) -> None:
+    """Learn a model's token factor from its upstream's usage (when counted with a fallback
+    encoding, and the prompt was the one the proxy counted)."""
+    if reply is None or not reply.usage or rlog.prompt_tokens is None:
+        return
+    _, exact = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
+    reported = reply.usage.get("prompt_tokens", reply.usage.get("input_tokens"))
+    if not exact and isinstance(reported, int):
+        state.tokens.calibrate(turn.model, rlog.prompt_tokens[1], reported)
+
+
+async def _streamed(state: AppState, turn: Turn, session: Session, history: History,
+                    out: Outgoing, resp: UpstreamResponse,
+                    rlog: RequestLog) -> AsyncIterator[bytes]:
+    """The stream for the client; counted once it ends, however it ends."""
+    status = 200
+    outcomes: list[Outcome] = []
+    relay = turn.wire.relay(turn.body)
+    try:
+        if out.tools is None:
+            observer = turn.wire.observer()
+            decoder = SSEDecoder()
+            async for chunk in resp.iter_chunks():
+                rlog.first_byte()
+                yield chunk
+                for ev in decoder.feed(chunk):
+                    observer.feed(ev)
+            for ev in decoder.flush():
+                observer.feed(ev)
+            reply = observer.reply()
+            rlog.usage(reply.usage if reply else None)
+            record(state, turn, session, history, reply.message if reply else None, None)
+        else:
+            rounds = _rounds(state, turn, session, history, out, rlog)
+            async for piece in answer_stream(rounds, resp, turn.body, outcomes.append):
+                rlog.first_byte()
+                yield piece
+            rlog.usage(outcomes[0].usage)
+            record(state, turn, session, history, outcomes[0].shown, outcomes[0].kept)
+    except UpstreamError as exc:
+        status = exc.status
+        log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,
+                                                         "error": str(exc)})
+        yield relay.error(exc)
+    except GeneratorExit:
+        status = CLIENT_CLOSED  # the client went away: the relay was cancelled
+        raise
+    except Exception as exc:  # noqa: BLE001 - the client gets an error event, not a cut stream
+        status = 500
+        log.exception("stream failed", extra={"tenant": turn.caller.tenant.name})
+        yield relay.error(exc)
+    finally:
+        resp.close()
+        rlog.finish(status)

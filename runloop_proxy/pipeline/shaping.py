@@ -1,0 +1,156 @@
+"""The window stage: the body that goes upstream — the client's, byte for byte, unless a
+window changes it (window/ builds it; this stage feeds it counts, the budget, the proxy's
+stored exchanges, and turns what it built into the API's body)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..conversation.identity import Session
+from ..conversation.messages import Message
+from ..errors import ContextLengthExceeded, StoreError
+from ..ops import logs
+from ..state import AppState
+from ..window.builder import Window, build_window
+from ..window.forms import Budget
+from .accounting import RequestLog
+from .tokens import REPLY_PRIMING, WindowTokens
+from .tools import ProxyTools, definitions_tokens, splice_internal
+from .values import History, Outgoing, Turn
+
+log = logs.get("window")
+FIRST_SEEN_SIZE = 200_000
+
+
+def shape(state: AppState, turn: Turn, session: Session, history: History,
+          rlog: RequestLog) -> Outgoing:
+    """The body that goes upstream: the client's, byte for byte, unless a window changes it."""
+    as_sent = _as_sent(turn, history)
+    if history.degraded:
+        state.metrics.degraded.labels(turn.caller.label, history.degraded).inc()
+        return Outgoing(as_sent)
+    if not turn.policy.enabled:
+        return Outgoing(as_sent)
+    keys = [p.hash for p in history.prepared]
+    spliced, spliced_keys, protected = splice_internal(
+        history.messages, keys, _chains_at(state, turn, session, history), history.internal)
+    tools = ProxyTools.for_request(turn.body.get("tools"))
+    try:
+        window = compute_window(state, turn, spliced, spliced_keys, protected, tools)
+    except Exception:  # noqa: BLE001 - a window bug must not cost the user this call
+        log.exception("window failed: passing the request through uncompressed",
+                      extra={"tenant": turn.caller.tenant.name, "session": session.id})
+        rlog.degraded = "window"
+        state.metrics.degraded.labels(turn.caller.label, "window").inc()
+        return Outgoing(as_sent)
+    tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
+    for event in window.events:
+        state.metrics.compactions.labels(tl, ml, event.kind.value).inc()
+    if not window.fits:
+        state.metrics.rejections.labels(tl, ml).inc()
+        log_events(state, turn, session, window)
+        raise ContextLengthExceeded(
+            f"This conversation needs {window.tokens_out} prompt tokens after compression, "
+            f"more than the {turn.caller.tenant.context_window(turn.model)}-token context of "
+            f"{turn.model} allows with the requested output. Shorten the latest messages or "
+            f"tool results.", param="messages")
+    if any(e.kind.value == "hard_truncation" for e in window.events):
+        state.metrics.truncations.labels(tl, ml).inc()
+    offer = window.offers_tools(turn.policy, bool(turn.body.get("tools"))) \
+        or spliced is not history.messages
+    with_tools = offer and (turn.body.get("n") or 1) == 1
+    rlog.prompt_tokens = prompt_tokens(state, turn, window, with_tools)
+    if not (window.changed or offer or turn.server_history):
+        return Outgoing(as_sent)
+    extra = turn.wire.tool_definitions(tools) if with_tools else []
+    body = turn.wire.outgoing(turn.body, window.messages, extra)
+    log_events(state, turn, session, window)
+    return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys)
+
+
+def _chains_at(state: AppState, turn: Turn, session: Session, history: History) -> list[str]:
+    """The chain hash at each message (what the proxy's stored exchanges are keyed by: a
+    message in its lineage), computed only when there is something to splice."""
+    if not history.internal or state.store is None or turn.caller.namespace is None:
+        return [""] * len(history.messages)
+    chains = state.store.chains(turn.caller.namespace, session.id, history.conversation())
+    return [chains[history.whole_position(i) + 1] for i in range(len(history.messages))]
+
+
+def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
+    """The request as the client sent it; in server-history mode, with the stored history."""
+    if turn.server_history and not history.degraded:
+        return turn.wire.outgoing(turn.body, history.messages, [])
+    return turn.raw
+
+
+def compute_window(state: AppState, turn: Turn, messages: list[Message], keys: list[str],
+                   protected: frozenset[str], tools: ProxyTools) -> Window:
+    tenant = turn.caller.tenant
+    enc, exact = state.tokens.encoding(turn.model, tenant.encoding_for(turn.model))
+    factor = 1.0 if exact else state.tokens.factor(turn.model)
+    counts = [state.tokens.message(enc, m, k) for m, k in zip(messages, keys, strict=True)]
+    b = turn.body
+    budget = Budget.for_request(
+        turn.policy, tenant.context_window(turn.model),
+        b.get("max_completion_tokens") or b.get("max_tokens") or b.get("max_output_tokens"),
+        state.tokens.tools(enc, b.get("tools")) + _proxy_tools_tokens(state, enc), factor,
+        REPLY_PRIMING)
+    now = int(time.time() * 1000)
+    return build_window(messages, keys, counts, turn.policy, budget,
+                        WindowTokens(state.tokens, enc, state.truncations), protected=protected,
+                        timestamps=first_seen(state.first_seen, keys, now), now_ms=now,
+                        memo=state.window_memo, tool_names=tools.window_names)
+
+
+def prompt_tokens(state: AppState, turn: Turn, window: Window,
+                  with_proxy_tools: bool) -> tuple[int, int]:
+    """The whole prompt as the proxy counts it, as the client sent it and as it goes
+    upstream: messages, tool schemas (the proxy's own when it adds them), reply priming."""
+    enc, _ = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
+    fixed = state.tokens.tools(enc, turn.body.get("tools")) + REPLY_PRIMING
+    extra = _proxy_tools_tokens(state, enc) if with_proxy_tools else 0
+    return window.tokens_in + fixed, window.tokens_out + fixed + extra
+
+
+def _proxy_tools_tokens(state: AppState, enc: Any) -> int:
+    n = state.window_memo.get(("proxy-tools", enc.name))
+    if n is None:
+        n = state.window_memo[("proxy-tools", enc.name)] = definitions_tokens(state.tokens, enc)
+    return int(n)
+
+
+def first_seen(seen: dict[str, int], keys: list[str], now: int) -> list[int | None]:
+    """When this replica first saw each message (for max_time_range); new ones: now."""
+    out: list[int | None] = []
+    for k in keys:
+        t = seen.get(k)
+        if t is None:
+            t = seen[k] = now
+            if len(seen) > FIRST_SEEN_SIZE:
+                seen.pop(next(iter(seen)))
+        out.append(t)
+    return out
+
+
+def log_events(state: AppState, turn: Turn, session: Session, window: Window) -> None:
+    for event in window.events:
+        record = {"ts": int(time.time() * 1000), "kind": event.kind.value,
+                  "reason": event.reason, "tokens_before": event.tokens_before,
+                  "tokens_after": event.tokens_after, "messages_before": len(turn.messages),
+                  "messages_after": len(window.messages), "elided": len(window.elided),
+                  "reduced_loops": window.reduced_loops, "omitted_loops": window.omitted_loops}
+        log.info("compaction", extra={"tenant": turn.caller.tenant.name, "model": turn.model,
+                                      "session": session.id, **record})
+        if state.store is not None and turn.caller.namespace is not None:
+            state.spawn(_store_record(state, turn.caller.namespace, session.id, record))
+
+
+async def _store_record(state: AppState, namespace: str, session_id: str,
+                        record: dict[str, Any]) -> None:
+    assert state.store is not None
+    try:
+        await state.store.add_record(namespace, session_id, record)
+    except StoreError as exc:
+        log.warning("compression record not stored", extra={"error": str(exc)})

@@ -1,0 +1,101 @@
+"""The values a request's stages hand each other (turn.py tells the story)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Policy, TenantSpec
+from ..conversation.messages import Message
+from ..history.store import Prepared
+from ..window.builder import Window
+from .tools import ProxyTools
+from .wire import Wire
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is calling, as authentication found it."""
+
+    tenant: TenantSpec
+    label: str  # the metric label: the tenant's name, or "passthrough"
+    namespace: str | None  # where its history lives; None: none is kept (no key to scope it)
+    upstream_auth: str | None  # the Authorization header the upstream gets
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One client request in the conversation model, from an API adapter."""
+
+    caller: Caller
+    wire: Wire
+    body: dict[str, Any]
+    raw: bytes
+    messages: list[Message]
+    headers: list[tuple[str, str]]
+    server_history: bool = False
+
+    @property
+    def model(self) -> str:
+        return str(self.body["model"])
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def policy(self) -> Policy:
+        return self.caller.tenant.policy
+
+
+@dataclass(frozen=True)
+class History:
+    """What reconcile found.
+
+    ``messages`` is the conversation the window works on (what the client sent; in
+    server-history mode the stored conversation with the new messages after it), ``prepared``
+    the same hashed and counted. ``earlier`` is what the store holds of this conversation that
+    the client no longer sends (it trimmed its history): part of the lineage the proxy's tools
+    may show, and stored before ``prepared``. ``appended`` (server-history mode): what this turn
+    adds to the stored conversation, and how many of those are its system prompt.
+    """
+
+    messages: list[Message]
+    prepared: list[Prepared]
+    internal: dict[str, Any] = field(default_factory=dict)
+    degraded: str | None = None
+    earlier: list[Message] = field(default_factory=list)
+    earlier_prepared: list[Prepared] = field(default_factory=list)
+    earlier_at: int = 0  # where ``earlier`` goes in ``messages``: after the system prompt
+    appended: tuple[list[Prepared], int] | None = None
+
+    def conversation(self) -> list[Prepared]:
+        """The whole conversation, in order: what the client sent, with what it trimmed."""
+        at = self.earlier_at
+        return [*self.prepared[:at], *self.earlier_prepared, *self.prepared[at:]]
+
+    def whole_position(self, i: int) -> int:
+        """Where ``messages[i]`` stands in ``conversation()``."""
+        return i if i < self.earlier_at else i + len(self.earlier_prepared)
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """What goes upstream: the body, and when it is a window, the window and its parts."""
+
+    body: bytes | dict[str, Any]
+    tools: ProxyTools | None = None  # the proxy's tools, when they went out with it
+    window: Window | None = None
+    conversation: list[Message] = field(default_factory=list)  # what it was built from
+    keys: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What the client gets: a body, or a stream of bytes (counted once it ends)."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes = b""
+    stream: AsyncIterator[bytes] | None = None

@@ -1,0 +1,133 @@
+"""Which requests form one conversation (pure): explicit ids, fingerprints, their scope, and how
+a trimmed history finds the conversation it continues."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from runloop_proxy.conversation.identity import (
+    DEFAULT_SOURCES,
+    SessionKind,
+    anchor,
+    anchors,
+    check_source,
+    continued,
+    identify,
+)
+from runloop_proxy.conversation.messages import Message
+from runloop_proxy.errors import InvalidRequest
+
+SYS: Message = {"role": "system", "content": "You are a support agent."}
+HELLO: Message = {"role": "user", "content": "Hello"}
+BODY: dict[str, Any] = {"model": "m", "messages": [SYS, HELLO]}
+
+
+def ident(body: dict[str, Any] = BODY, headers: dict[str, str] | None = None, ns: str = "t",
+          sources: tuple[str, ...] = DEFAULT_SOURCES) -> Any:
+    return identify(list((headers or {}).items()), body, body["messages"], ns, "X-Session-Id",
+                    sources)
+
+
+@pytest.mark.parametrize(("headers", "extra", "sources", "expected", "source"), [
+    ({"X-Session-Id": "hdr"}, {}, DEFAULT_SOURCES, "hdr", "header:x-session-id"),
+    ({"session_id": "codex-1"}, {}, DEFAULT_SOURCES, "codex-1", "header:session_id"),
+    ({"conversation_id": "codex-0"}, {}, DEFAULT_SOURCES, "codex-0", "header:conversation_id"),
+    ({}, {"metadata": {"session_id": "md"}}, DEFAULT_SOURCES, "md", "metadata.session_id"),
+    ({"X-Session-Id": "hdr"}, {"metadata": {"session_id": "md"}}, DEFAULT_SOURCES, "hdr",
+     "header:x-session-id"),
+    # user and prompt_cache_key name an end user and a cache group, not a conversation ...
+    ({}, {"user": "u1", "prompt_cache_key": "pck"}, DEFAULT_SOURCES, None, "fingerprint"),
+    # ... unless the tenant lists them as sources
+    ({}, {"user": "u1"}, ("header", "user"), "u1", "user"),
+    ({}, {"prompt_cache_key": "conv-7"}, ("prompt_cache_key",), "conv-7", "prompt_cache_key"),
+    ({}, {"metadata": {"thread": "th"}}, ("metadata.thread",), "th", "metadata.thread"),
+    ({"X-Other": "x"}, {}, ("header:x-other",), "x", "header:x-other"),
+])
+def test_explicit_sources_in_order(headers: dict[str, str], extra: dict[str, Any],
+                                   sources: tuple[str, ...], expected: str | None,
+                                   source: str) -> None:
+    s = ident({**BODY, **extra}, headers, sources=sources)
+    assert s.source == source
+    if expected is None:
+        assert s.kind is SessionKind.FINGERPRINT and s.id.startswith("fp-")
+    else:
+        assert (s.id, s.kind) == (expected, SessionKind.EXPLICIT)
+
+
+def test_fingerprint_covers_namespace_scope_system_prompt_and_first_user_message() -> None:
+    base = ident()
+    pirate = {**BODY, "messages": [{"role": "system", "content": "You are a pirate."},
+                                   {"role": "user", "content": "Hello there"}]}
+    lawyer = {**BODY, "messages": [{"role": "system", "content": "You are a lawyer."},
+                                   {"role": "user", "content": "Hello there"}]}
+    assert ident(pirate).id != ident(lawyer).id
+    assert ident(ns="other").id != base.id
+    assert ident({**BODY, "user": "alice"}).id != ident({**BODY, "user": "bob"}).id
+    assert ident({**BODY, "user": "alice"}).id != base.id
+    assert ident({**BODY, "prompt_cache_key": "g1"}).id != \
+        ident({**BODY, "prompt_cache_key": "g2"}).id
+    # the same opening is the same conversation, however it goes on
+    later = {**BODY, "messages": [SYS, HELLO, {"role": "assistant", "content": "Hi!"},
+                                  {"role": "user", "content": "more"}]}
+    assert ident(later).id == base.id
+    # an assistant greeting before the first user message does not make everyone one session
+    greeted = [SYS, {"role": "assistant", "content": "How can I help?"}]
+    a = ident({**BODY, "messages": [*greeted, {"role": "user", "content": "refund"}]})
+    b = ident({**BODY, "messages": [*greeted, {"role": "user", "content": "rebook"}]})
+    assert a.id != b.id
+
+
+def test_ids_beyond_visible_ascii_are_kept_and_echoed_percent_encoded() -> None:
+    s = ident({**BODY, "user": "山田"}, sources=("user",))
+    assert s.id == "山田" and s.header_value == "%E5%B1%B1%E7%94%B0"
+    assert ident(headers={"X-Session-Id": "plain-1"}).header_value == "plain-1"
+
+
+@pytest.mark.parametrize("bad", ["a\x00b", "line\nbreak", "tab\tin", "x" * 257, "\u2028"])
+def test_unusable_ids_are_a_400_naming_the_field(bad: str) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        ident({**BODY, "metadata": {"session_id": bad}})
+    assert err.value.param == "metadata.session_id"
+
+
+def test_session_sources_are_checked() -> None:
+    for good in ("header", "header:session_id", "metadata.k", "user", "prompt_cache_key"):
+        assert check_source(good) == good
+    for bad in ("cookie", "header:", "metadata.", "User"):
+        with pytest.raises(ValueError):
+            check_source(bad)
+
+
+CALL: Message = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_Zx81", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}
+LONG: Message = {"role": "assistant", "content": "A detailed answer. " * 20}
+SHORT: Message = {"role": "assistant", "content": "Sure!"}
+
+
+def test_only_replies_no_stranger_gets_anchor_a_session() -> None:
+    assert anchor(SHORT, ()) is None
+    assert anchor(CALL, ()) is not None and anchor(LONG, ()) is not None
+    assert anchor(LONG, ("user=a",)) != anchor(LONG, ("user=b",))
+    # an echo with fields of the client's own is the same reply
+    echoed: Message = {**LONG, "refusal": None, "annotations": []}  # type: ignore[typeddict-unknown-key]
+    assert anchor(echoed, ()) == anchor(LONG, ())
+    msgs = [SYS, HELLO, CALL, {"role": "tool", "tool_call_id": "call_Zx81", "content": "r"},
+            LONG, {"role": "user", "content": "next"}, SHORT]
+    assert anchors(msgs, ()) == [anchor(LONG, ()), anchor(CALL, ())]
+
+
+def test_a_trimmed_history_continues_where_its_messages_line_up() -> None:
+    stored = [SYS, HELLO, CALL, {"role": "tool", "tool_call_id": "call_Zx81", "content": "r"},
+              LONG, {"role": "user", "content": "next"}, SHORT]
+    # the client keeps its system prompt and the last three messages
+    trimmed = [SYS, stored[3], LONG, {"role": "user", "content": "next"}]
+    assert continued(stored, trimmed) == 3
+    assert continued(stored, [SYS, LONG, {"role": "user", "content": "x"}]) is None  # one
+    # a reply with tool calls is evidence enough on its own (the ids are the provider's)
+    assert continued(stored, [SYS, CALL, stored[3], {"role": "user", "content": "x"}]) == 2
+    # a stranger whose reply matches but whose question differs does not continue it
+    stranger = [SYS, {"role": "tool", "tool_call_id": "call_Zx81", "content": "other"}, LONG]
+    assert continued(stored, stranger) is None
+    assert continued(stored, [SYS, HELLO, SHORT]) is None  # a short reply anchors nothing

@@ -1,0 +1,413 @@
+"""The session-identity matrix, through real servers: which requests form one conversation,
+which are branches of one, and what data each conversation can reach.
+
+Every case asserts sessions and branches as the admin API shows them; the privacy cases assert
+that no text of one end user's conversation appears in any body the upstream receives for
+another's."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer
+from .test_config import ACME_KEY, write_config
+from .test_tools import recall_name
+
+ADMIN = "admin-0123456789abcdef"
+KEY = "sk-identity-client"
+PT = "pt-" + hashlib.sha256(KEY.encode()).hexdigest()[:16]
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def sdk(proxy: ProxyServer, key: str = KEY, **headers: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url, api_key=key, max_retries=0,
+                         default_headers=headers or None)
+
+
+def sessions(proxy: ProxyServer, tenant: str = PT) -> dict[str, dict[str, Any]]:
+    """Every stored session of a tenant, as the admin API shows it (with its messages)."""
+    proxy.settle()
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    listing = httpx.get(proxy.base + "/admin/sessions", params={"tenant": tenant, "limit": 500},
+                        headers=auth).json()
+    out = {}
+    for row in listing["sessions"]:
+        view = httpx.get(f"{proxy.base}/admin/sessions/{row['session_id']}",
+                         params={"tenant": tenant, "messages": "1"}, headers=auth)
+        assert view.status_code == 200, view.text
+        out[row["session_id"]] = view.json()
+    return out
+
+
+def texts(view: dict[str, Any]) -> list[str]:
+    return [str(m.get("content")) for m in view["messages"]]
+
+
+@pytest.fixture
+def aproxy(make_proxy: Any) -> ProxyServer:
+    return make_proxy(admin_key=ADMIN)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def tenant_proxy(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
+                 monkeypatch: pytest.MonkeyPatch) -> ProxyServer:
+    """A tenant whose agents always get the proxy's tools (so the model can search)."""
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-up")
+    monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
+    root = write_config(tmp_path, upstream.url, acme_policy='proxy_tools = "always"')
+    return make_proxy(config_dir=str(root))  # type: ignore[no-any-return]
+
+
+def three_turns(c: openai.OpenAI, echo: Any, stream: bool = False,
+                system: str = "You help.") -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    for t in range(3):
+        msgs.append({"role": "user", "content": f"question {t}"})
+        if stream:
+            parts = list(c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
+                                                   stream=True))
+            reply = {"role": "assistant", "content": "".join(
+                p.choices[0].delta.content or "" for p in parts if p.choices)}
+        else:
+            reply = c.chat.completions.create(model="gpt-4o-mini", messages=msgs  # type: ignore[arg-type]
+                                              ).choices[0].message.model_dump()
+        msgs.append(echo(reply))
+    return msgs
+
+
+def litellm_echo(reply: dict[str, Any]) -> dict[str, Any]:
+    """How LiteLLM hands a reply back: fields of its own, some of ours dropped."""
+    return {"content": reply["content"], "role": "assistant", "tool_calls": reply.get("tool_calls"),
+            "function_call": None, "provider_specific_fields": {"refusal": None},
+            "reasoning_content": None}
+
+
+@pytest.mark.parametrize(("echo", "stream"), [
+    (lambda r: r, False),  # the openai SDK's model_dump(): refusal/audio None, annotations []
+    (lambda r: {k: v for k, v in r.items() if v is not None}, False),
+    (lambda r: r, True),
+    (litellm_echo, False),
+], ids=["openai-model-dump", "openai-exclude-none", "openai-stream", "litellm"])
+def test_an_echoed_reply_is_the_same_turn(aproxy: ProxyServer, upstream: ScriptedUpstream,
+                                          echo: Any, stream: bool) -> None:
+    three_turns(sdk(aproxy), echo, stream)
+    (view,) = sessions(aproxy).values()
+    assert len(view["branches"]) == 1
+    assert texts(view) == ["You help.", "question 0", "echo: question 0", "question 1",
+                           "echo: question 1", "question 2", "echo: question 2"]
+
+
+def test_langchain_history_is_one_branch(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=aproxy.url, api_key=KEY, model="gpt-4o-mini",  # type: ignore[arg-type]
+                     max_retries=0)
+    history: list[Any] = [SystemMessage("You help.")]
+    for t in range(3):
+        history.append(HumanMessage(f"question {t}"))
+        history.append(llm.invoke(history))
+    (view,) = sessions(aproxy).values()
+    assert len(view["branches"]) == 1 and view["message_count"] == 7
+
+
+def test_litellm_echo_of_mixed_calls_is_spliced_back(aproxy: ProxyServer,
+                                                     upstream: ScriptedUpstream) -> None:
+    """The proxy's part of a turn it mixed with the client's calls is found again under the
+    reply the client echoes with fields of its own: one upstream call per request."""
+    from .test_tools import CLIENT_TOOLS, long_session
+
+    msgs = long_session()
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        if any(m.get("tool_call_id") == "client_1" for m in body["messages"]):
+            return {"content": "all done"}
+        return {"tool_calls": [{"id": "rc_9", "name": recall_name(body),
+                                "arguments": {"call_id": "call_1"}},
+                               {"id": "client_1", "name": "bash", "arguments": {"cmd": "ls"}}]}
+
+    upstream.responder = respond
+    c = sdk(aproxy, **{"X-Session-Id": "mixed-litellm"})
+    first = c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
+                                      tools=CLIENT_TOOLS)
+    msgs.append(litellm_echo(first.choices[0].message.model_dump()))
+    msgs.append({"role": "tool", "tool_call_id": "client_1", "content": "file_a file_b"})
+    aproxy.settle()
+    calls_before = len(upstream.requests)
+    second = c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
+                                       tools=CLIENT_TOOLS)
+    assert second.choices[0].message.content == "all done"
+    assert len(upstream.requests) == calls_before + 1
+    sent = upstream.requests[-1]["messages"]
+    assert any({t["id"] for t in m.get("tool_calls") or []} == {"rc_9", "client_1"}
+               for m in sent), "the upstream sees the assistant message with both calls"
+
+
+SMOL_OBSERVATION = "Observation:\n" + "\n".join(
+    f"row {i}:  value\t{i * 7}  \u00e9t\u00e9 \U0001f600" for i in range(400))
+
+
+def test_smolagents_restated_replies_do_not_fork_and_cut_observations_stay_recallable(
+        aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """smolagents sends the model's tool calls back as assistant text and their results as
+    user "Observation:" messages: the restated reply replaces the recorded one (no fork per
+    request), and an Observation cut in a later window comes back whole through the ref its
+    cut carries."""
+    recalled: list[str] = []
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last["role"] == "tool":
+            recalled.append(str(last["content"]))
+            return {"content": "final answer"}
+        cut = next((m for m in body["messages"] if m["role"] == "user"
+                    and "tokens cut" in str(m["content"])), None)
+        name = recall_name(body)
+        if cut is not None and name:
+            ref = re.search(r'call_id="([0-9a-f]+)"', str(cut["content"]))
+            assert ref is not None
+            return {"tool_calls": [{"id": "rc_obs", "name": name,
+                                    "arguments": {"call_id": ref.group(1)}}]}
+        return {"tool_calls": [{"id": f"call_{len(body['messages'])}", "name": "lookup",
+                                "arguments": {"q": "x"}}]}
+
+    upstream.responder = respond
+    c = sdk(aproxy)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a smol agent."},
+                                  {"role": "user", "content": "New task: find it"}]
+    for _ in range(5):
+        reply = c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
+                                          tools=TOOLS).choices[0].message
+        if reply.tool_calls is None:
+            break
+        calls = [{"id": t.id, "type": "function", "function": {
+            "name": t.function.name, "arguments": orjson.loads(t.function.arguments)}}
+            for t in reply.tool_calls]
+        msgs += [{"role": "assistant", "content": f"Calling tools:\n{calls}"},
+                 {"role": "user", "content": SMOL_OBSERVATION}]
+    assert recalled == [SMOL_OBSERVATION], "the cut Observation came back byte for byte"
+    (view,) = sessions(aproxy).values()
+    assert len(view["branches"]) == 1
+    # the two replies the client restated (the third request got the final answer)
+    assert [r["kind"] for r in view["compression_records"]].count("reply_restated") == 2
+
+
+def test_different_system_prompts_are_different_sessions(aproxy: ProxyServer,
+                                                         upstream: ScriptedUpstream) -> None:
+    three_turns(sdk(aproxy), lambda r: r, system="You are a pirate.")
+    three_turns(sdk(aproxy), lambda r: r, system="You are a lawyer.")
+    views = sessions(aproxy)
+    assert len(views) == 2 and all(len(v["branches"]) == 1 for v in views.values())
+
+
+def test_user_and_prompt_cache_key_scope_the_fingerprint(aproxy: ProxyServer,
+                                                         upstream: ScriptedUpstream) -> None:
+    c = sdk(aproxy)
+    opening = [{"role": "system", "content": "Shop bot."}, {"role": "user", "content": "Hi"}]
+    for user in ("alice", "bob"):  # the same opening, two end users: two sessions
+        c.chat.completions.create(model="m", messages=opening, user=user)  # type: ignore[arg-type]
+    for first in ("order 1", "order 2"):  # one end user, two conversations: two sessions
+        c.chat.completions.create(model="m", user="carol", messages=[  # type: ignore[arg-type]
+            opening[0], {"role": "user", "content": first}])
+    c.chat.completions.create(model="m", messages=opening,  # type: ignore[arg-type]
+                              extra_body={"prompt_cache_key": "group-1"})
+    views = sessions(aproxy)
+    assert len(views) == 5
+    assert all(sid.startswith("fp-") for sid in views)
+
+
+def test_a_tenant_may_name_sessions_by_user(tmp_path: Path, make_proxy: Any,
+                                            upstream: ScriptedUpstream,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-up")
+    monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
+    root = write_config(tmp_path, upstream.url)
+    (root / "tenants" / "acme.toml").write_text(
+        'keys = ["${TEST_ACME_KEY}"]\nupstream_key = "sk-a"\n'
+        'session_sources = ["header", "user"]\n')
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    c = sdk(proxy, ACME_KEY)
+    for first in ("order 1", "order 2"):
+        r = c.chat.completions.with_raw_response.create(
+            model="m", user="dave", messages=[{"role": "user", "content": first}])
+        assert r.headers["x-session-id"] == "dave"
+    assert len(sessions(proxy, "acme")) == 1
+
+
+def test_a_trimmed_history_stays_one_session(aproxy: ProxyServer,
+                                             upstream: ScriptedUpstream) -> None:
+    """A client that sends its system prompt and only its last messages: one session, one
+    branch, every message stored once and in order."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last["role"] == "user":
+            return {"tool_calls": [{"id": f"call_{last['content']}", "name": "lookup",
+                                    "arguments": {"q": last["content"]}}]}
+        return {"content": f"found {last['content']}"}
+
+    upstream.responder = respond
+    c = sdk(aproxy)
+    system = {"role": "system", "content": "Trimmer."}
+    full: list[dict[str, Any]] = []
+    for t in range(5):
+        full.append({"role": "user", "content": f"q{t}"})
+        for _ in range(2):  # the tool call, then the answer
+            reply = c.chat.completions.create(model="m", messages=[system, *full[-4:]],  # type: ignore[arg-type]
+                                              tools=TOOLS).choices[0].message
+            full.append(reply.model_dump(exclude_none=True))
+            if reply.tool_calls:
+                full.append({"role": "tool", "tool_call_id": reply.tool_calls[0].id,
+                             "content": f"r{t}"})
+    views = sessions(aproxy)
+    assert len(views) == 1, list(views)
+    (view,) = views.values()
+    assert len(view["branches"]) == 1
+    assert texts(view)[1:] == [str(m.get("content")) for m in full]
+
+
+def test_past_max_branches_the_least_recently_used_branch_is_pruned(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN, store={"max_branches": 2})
+    c = sdk(proxy, **{"X-Session-Id": "forks"})
+    for k in range(4):  # every edit of the opening forks at 0
+        r = c.chat.completions.with_raw_response.create(
+            model="m", messages=[{"role": "user", "content": f"edit {k}"}])
+        assert r.http_response.status_code == 200 and "x-runloop-degraded" not in r.headers
+        proxy.settle()
+    view = sessions(proxy)["forks"]
+    assert len(view["branches"]) == 2
+    assert texts(view) == ["edit 3", "echo: edit 3"]
+    pruned = [r for r in view["compression_records"] if r["kind"] == "branch_pruned"]
+    assert [p["branch"] for p in pruned] == [0, 1]
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert "runloop_branches_pruned_total 2.0" in metrics
+
+
+def test_without_a_key_nothing_is_kept(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    r = httpx.post(aproxy.url + "/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": "no key"}]})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "echo: no key"
+    r = httpx.post(aproxy.url + "/chat/completions", headers={"X-Runloop-History": "server"},
+                   json={"model": "m", "messages": [{"role": "user", "content": "again"}]})
+    assert r.status_code == 400 and "API key" in r.json()["error"]["message"]
+    assert sessions(aproxy, "pt-anonymous") == {}
+
+
+def test_a_refused_request_is_not_stored(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.push({"status": 401, "body": {"error": {"message": "bad key", "type": "x",
+                                                     "param": None, "code": "invalid_api_key"}}})
+    with pytest.raises(openai.AuthenticationError):
+        sdk(aproxy).chat.completions.create(model="m", messages=[
+            {"role": "user", "content": "write me into redis"}])
+    assert sessions(aproxy) == {}
+
+
+# -- privacy: one end user's data never reaches another's model ---------------------------
+
+SECRET = "my card number is 4111-1111-1111-1111"
+
+
+def searching_responder(query: str) -> Any:
+    """A model that searches the history once per turn, then answers."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last["role"] == "tool" and last["tool_call_id"].startswith("sh_"):
+            return {"content": "searched"}
+        name = recall_name(body, "search_history")
+        if name and last["role"] == "user":
+            return {"tool_calls": [{"id": f"sh_{len(body['messages'])}", "name": name,
+                                    "arguments": {"query": query}}]}
+        return {"content": "ok"}
+    return respond
+
+
+def test_search_never_reaches_a_sibling_conversation(tenant_proxy: ProxyServer,
+                                                     upstream: ScriptedUpstream) -> None:
+    """Two end users of one app open alike and share a fingerprinted session as two
+    branches; the second one's model searches for the first one's card number."""
+    upstream.responder = searching_responder("card number")
+    c = sdk(tenant_proxy, ACME_KEY)
+    opening = [{"role": "system", "content": "Bank bot."}, {"role": "user", "content": "Hello"}]
+    first = [*opening, {"role": "assistant", "content": "ok"}, {"role": "user", "content": SECRET}]
+    c.chat.completions.create(model="m", messages=first, tools=TOOLS)  # type: ignore[arg-type]
+    tenant_proxy.settle()
+    seen = len(upstream.requests)
+    second = [*opening, {"role": "assistant", "content": "ok"},
+              {"role": "user", "content": "what do you know about my card number?"}]
+    c.chat.completions.create(model="m", messages=second, tools=TOOLS)  # type: ignore[arg-type]
+    bodies = upstream.raw_bodies[seen:]
+    assert len(bodies) == 2, "a search round, then the answer"
+    assert b"sh_" in bodies[1] and not any(b"4111" in b for b in bodies)
+    (view,) = sessions(tenant_proxy, "acme").values()
+    assert len(view["branches"]) == 2
+
+
+def test_recall_of_a_reused_call_id_stays_in_its_conversation(
+        tenant_proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last["role"] == "tool" and last["tool_call_id"] == "rc_1":
+            return {"content": "recalled"}
+        return {"tool_calls": [{"id": "rc_1", "name": recall_name(body),
+                                "arguments": {"call_id": "call_1"}}]}
+
+    c = sdk(tenant_proxy, ACME_KEY)
+    opening = [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Hello"}]
+    for result in ("alice's balance 9000", "bob's balance 12"):
+        convo = [*opening, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "lookup",
+                                                              "arguments": "{}"}}]},
+                 {"role": "tool", "tool_call_id": "call_1", "content": result}]
+        upstream.responder = lambda b: {"content": "noted"}
+        c.chat.completions.create(model="m", messages=convo, tools=TOOLS)  # type: ignore[arg-type]
+        tenant_proxy.settle()
+    # bob's conversation grows without its tool exchange: the model asks for call_1
+    upstream.responder = respond
+    seen = len(upstream.requests)
+    c.chat.completions.create(model="m", tools=TOOLS, messages=[  # type: ignore[arg-type]
+        *opening, {"role": "assistant", "content": "noted"}, {"role": "user", "content": "and?"}])
+    bodies = b"".join(upstream.raw_bodies[seen:])
+    assert b"alice" not in bodies and b"9000" not in bodies
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(order=st.lists(st.integers(min_value=0, max_value=2), min_size=3, max_size=9))
+def test_interleaved_conversations_never_see_each_other(tenant_proxy: ProxyServer,
+                                                        upstream: ScriptedUpstream,
+                                                        order: list[int]) -> None:
+    """Three end users open alike and take turns in any order; each turn the model searches
+    for every other user's secret. Nothing of another conversation reaches an upstream body."""
+    upstream.responder = searching_responder("secret code")
+    run = f"{time.monotonic_ns()}"
+    system = {"role": "system", "content": f"Vault bot {run}."}
+    convos: list[list[dict[str, Any]]] = [
+        [system, {"role": "user", "content": "Hello"}] for _ in range(3)]
+    secrets = [f"user{k} secret code S{k}X{run}" for k in range(3)]
+    c = sdk(tenant_proxy, ACME_KEY)
+    for step, who in enumerate(order):
+        convo = convos[who]
+        convo.append({"role": "user", "content": secrets[who] if step % 2 else f"turn {step}"})
+        seen = len(upstream.raw_bodies)
+        reply = c.chat.completions.create(model="m", messages=convo,  # type: ignore[arg-type]
+                                          tools=TOOLS).choices[0].message
+        convo.append({"role": "assistant", "content": reply.content})
+        tenant_proxy.settle()
+        others = [s for k, s in enumerate(secrets) if k != who]
+        for body in upstream.raw_bodies[seen:]:
+            for other in others:
+                assert other.encode() not in body, f"user {who} saw {other!r}"
