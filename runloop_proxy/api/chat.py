@@ -36,7 +36,8 @@ async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
 
 
 def validate_chat_request(body: Any) -> dict[str, Any]:
-    """Check the shape of a chat-completions request; InvalidRequest names the bad field."""
+    """Check every field the proxy reads, and bound the nesting of those it does not: a bad
+    request gets a 400 naming the field, before anything reaches the upstream."""
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     model = body.get("model")
@@ -49,22 +50,54 @@ def validate_chat_request(body: Any) -> dict[str, Any]:
                              param="messages")
     for i, m in enumerate(messages):
         _validate_message(m, i)
-    if "stream" in body and body["stream"] is not None and not isinstance(body["stream"], bool):
-        raise InvalidRequest("'stream' must be a boolean", param="stream")
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise InvalidRequest("'tools' must be an array", param="tools")
-        for i, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, dict) else None
-            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise InvalidRequest("each tool needs function.name",
-                                     param=f"tools[{i}].function.name")
-    for field in ("max_tokens", "max_completion_tokens", "n"):
-        v = body.get(field)
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise InvalidRequest(f"'{field}' must be a non-negative integer", param=field)
+    _validate_tools(body.get("tools"))
+    for name, kinds in TOP_LEVEL.items():
+        v = body.get(name)
+        if v is not None and (not isinstance(v, kinds) or _is_bool_int(v, kinds)):
+            raise InvalidRequest(f"'{name}' must be {KIND_NAMES[kinds]}", param=name)
+    for name in ("max_tokens", "max_completion_tokens", "n"):
+        if (body.get(name) or 0) < 0:
+            raise InvalidRequest(f"'{name}' must not be negative", param=name)
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is not None \
+            and not isinstance(options["include_usage"], bool):
+        raise InvalidRequest("'stream_options.include_usage' must be a boolean",
+                             param="stream_options.include_usage")
+    for name, v in body.items():
+        if name not in ("messages", "tools"):
+            bounded(v, MAX_DEPTH - 1, name)
     return body
+
+
+MAX_DEPTH = 64  # JSON nesting a request may use; the proxy's own (de)serialisers stop at 254
+_INT = (int,)
+TOP_LEVEL: dict[str, tuple[type, ...]] = {
+    "stream": (bool,), "stream_options": (dict,), "n": _INT, "max_tokens": _INT,
+    "max_completion_tokens": _INT, "user": (str,), "prompt_cache_key": (str,),
+    "metadata": (dict,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,)}
+KIND_NAMES = {(bool,): "a boolean", (dict,): "an object", _INT: "an integer",
+              (str,): "a string", (str, dict): "a string or an object"}
+MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
+                  "refusal"}
+
+
+def _is_bool_int(v: Any, kinds: tuple[type, ...]) -> bool:
+    return kinds is _INT and isinstance(v, bool)
+
+
+def bounded(value: Any, depth: int, where: str) -> None:
+    """InvalidRequest when ``value`` nests deeper than ``depth`` levels of arrays/objects."""
+    if not isinstance(value, (dict, list)):
+        return
+    stack = [(value, depth)]
+    while stack:
+        v, left = stack.pop()
+        if left <= 0:
+            raise InvalidRequest(f"'{where}' is nested more than {MAX_DEPTH} levels deep",
+                                 param=where)
+        for child in v.values() if isinstance(v, dict) else v:
+            if isinstance(child, (dict, list)):
+                stack.append((child, left - 1))
 
 
 def _validate_message(m: Any, i: int) -> None:
@@ -72,7 +105,7 @@ def _validate_message(m: Any, i: int) -> None:
     if not isinstance(m, dict):
         raise InvalidRequest(f"{where} must be an object", param=where)
     role = m.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise InvalidRequest(f"{where}.role must be one of {', '.join(sorted(ROLES))}",
                              param=f"{where}.role")
     content = m.get("content")
@@ -82,17 +115,58 @@ def _validate_message(m: Any, i: int) -> None:
     if content is None and role in ("user", "system", "developer", "tool"):
         raise InvalidRequest(f"{where}.content is required for role {role!r}",
                              param=f"{where}.content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, (dict, str)):
+                raise InvalidRequest(f"{where}.content[{j}] must be an object",
+                                     param=f"{where}.content[{j}]")
+            bounded(part, MAX_DEPTH - 4, f"{where}.content[{j}]")
+    for name in ("tool_call_id", "name", "refusal"):
+        if m.get(name) is not None and not isinstance(m[name], str):
+            raise InvalidRequest(f"{where}.{name} must be a string", param=f"{where}.{name}")
     if role == "tool" and not isinstance(m.get("tool_call_id"), str):
         raise InvalidRequest(f"{where}.tool_call_id is required for role 'tool'",
                              param=f"{where}.tool_call_id")
+    fc = m.get("function_call")
+    if fc is not None and not _is_function(fc):
+        raise InvalidRequest(f"{where}.function_call must be an object with a name and "
+                             f"string arguments", param=f"{where}.function_call")
     calls = m.get("tool_calls")
     if calls is not None:
         if role != "assistant" or not isinstance(calls, list):
             raise InvalidRequest(f"{where}.tool_calls must be an array on an assistant message",
                                  param=f"{where}.tool_calls")
         for j, c in enumerate(calls):
-            fn = c.get("function") if isinstance(c, dict) else None
             if not isinstance(c, dict) or not isinstance(c.get("id"), str) \
-                    or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise InvalidRequest(f"{where}.tool_calls[{j}] needs id and function.name",
+                    or not _is_function(c.get("function")):
+                raise InvalidRequest(f"{where}.tool_calls[{j}] needs an id and a function "
+                                     f"with a name and string arguments",
                                      param=f"{where}.tool_calls[{j}]")
+            bounded(c, MAX_DEPTH - 4, f"{where}.tool_calls[{j}]")
+    for name, v in m.items():
+        if name not in MESSAGE_FIELDS:
+            bounded(v, MAX_DEPTH - 3, f"{where}.{name}")
+
+
+def _is_function(fn: Any) -> bool:
+    return isinstance(fn, dict) and isinstance(fn.get("name"), str) \
+        and isinstance(fn.get("arguments", ""), str)
+
+
+def _validate_tools(tools: Any) -> None:
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise InvalidRequest("'tools' must be an array", param="tools")
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict):
+            raise InvalidRequest(f"tools[{i}] must be an object", param=f"tools[{i}]")
+        if t.get("type", "function") == "function":
+            fn = t.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise InvalidRequest("each function tool needs function.name",
+                                     param=f"tools[{i}].function.name")
+            if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+                raise InvalidRequest("function.parameters must be an object",
+                                     param=f"tools[{i}].function.parameters")
+        bounded(t, MAX_DEPTH - 2, f"tools[{i}]")

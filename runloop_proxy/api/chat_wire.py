@@ -74,8 +74,8 @@ class ChatWire:
     def relay(self, request: dict[str, Any]) -> ChatRelay:
         return ChatRelay(request)
 
-    def observer(self) -> ChatObserver:
-        return ChatObserver()
+    def observer(self, limit: int) -> ChatObserver:
+        return ChatObserver(limit)
 
 
 def completion_problem(data: Any) -> str | None:
@@ -211,12 +211,18 @@ def _decode(event: SSEEvent) -> dict[str, Any] | None:
 
 class ChatObserver:
     """Reads a stream relayed unchanged, to record its answer; what it cannot read it skips
-    (the client got the bytes as they came)."""
+    (the client got the bytes as they came), and past ``limit`` bytes it stops keeping the
+    answer (the store would not keep it either)."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int) -> None:
         self.acc = Accumulator()
+        self.limit = limit
+        self.size = 0
 
     def feed(self, event: SSEEvent) -> None:
+        self.size += len(event.data)
+        if self.size > self.limit:
+            return
         try:
             chunk = _decode(event)
         except UpstreamError:
@@ -225,7 +231,8 @@ class ChatObserver:
             self.acc.add(chunk)
 
     def reply(self) -> Reply | None:
-        if self.acc.id is None and not self.acc.content and not self.acc.calls:
+        if self.size > self.limit or (self.acc.id is None and not self.acc.content
+                                      and not self.acc.calls):
             return None
         return Reply(self.acc.message(), self.acc.usage)
 

@@ -14,6 +14,7 @@ from ..errors import InvalidRequest, StoreError, StoreUnavailable
 from ..history.store import Prepared, RedisStore, prepare
 from ..ops import logs
 from ..state import AppState
+from .offload import offload
 from .values import History, Turn
 
 log = logs.get("reconcile")
@@ -29,6 +30,11 @@ def counted(state: AppState, turn: Turn, messages: list[Message],
             for m, p in zip(messages, items, strict=True)]
 
 
+async def _counted(state: AppState, turn: Turn, messages: list[Message],
+                   prepared: list[Prepared] | None = None) -> list[Prepared]:
+    return await offload(turn.large, lambda: counted(state, turn, messages, prepared))
+
+
 async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Session, History]:
     """The session the turn belongs to (a trimmed history continues the session it came
     from) and what the store holds for it."""
@@ -37,9 +43,9 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
     if turn.server_history and ns is None:
         raise InvalidRequest("server-history mode needs an API key: the history is kept per "
                              "key, and a request without one has none")
-    hashed = [prepare(m) for m in messages]
+    hashed = await offload(turn.large, lambda: [prepare(m) for m in messages])
     if store is None or ns is None:
-        return session, History(messages, counted(state, turn, messages, hashed))
+        return session, History(messages, await _counted(state, turn, messages, hashed))
     try:
         if not store.available:
             raise StoreError("store marked down")
@@ -57,7 +63,8 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
             loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name)
             state.tokens.prime(enc, loaded.counts)
             internal = loaded.internal
-        return session, History(messages, counted(state, turn, messages, hashed), internal,
+        return session, History(messages, await _counted(state, turn, messages, hashed),
+                                internal,
                                 earlier=earlier, earlier_prepared=counted(state, turn, earlier),
                                 earlier_at=preamble_end(messages))
     except StoreError as exc:
@@ -68,7 +75,7 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
                 retry_after=state.config.store.retry_after_s) from exc
         log.warning("store unavailable: passing through uncompressed",
                     extra={"tenant": turn.caller.tenant.name, "error": str(exc)})
-        return session, History(messages, counted(state, turn, messages, hashed),
+        return session, History(messages, await _counted(state, turn, messages, hashed),
                                 degraded="store")
 
 
@@ -84,8 +91,8 @@ async def _server_history(state: AppState, turn: Turn, session: Session, store: 
     internal = store.cached_internal(ns, session.id)
     if internal is None:
         internal = (await store.load(ns, session.id, [], "")).internal
-    return History(full, counted(state, turn, full), internal,
-                   appended=(counted(state, turn, messages, hashed), system))
+    return History(full, await _counted(state, turn, full), internal,
+                   appended=(await _counted(state, turn, messages, hashed), system))
 
 
 async def _continuation(turn: Turn, session: Session, store: RedisStore,
@@ -112,15 +119,18 @@ async def _continuation(turn: Turn, session: Session, store: RedisStore,
             stored[preamble_end(stored):at])
 
 
-def record(state: AppState, turn: Turn, session: Session, history: History,
-           reply: Message | None, kept: dict[str, Any] | None) -> None:
-    """After a 2xx: add the client's side of the turn and the answer it got to the session's
-    history (written behind), the proxy's part of the turn to splice back next time, and for
-    a fingerprinted session an anchor that finds it again from its reply."""
+async def record(state: AppState, turn: Turn, session: Session, history: History,
+                 reply: Message | None, kept: dict[str, Any] | None,
+                 large: bool = False) -> None:
+    """After a 2xx, off the request path: add the client's side of the turn and the answer it
+    got to the session's history (written behind), the proxy's part of the turn to splice
+    back next time, and for a fingerprinted session an anchor that finds it again from its
+    reply. ``large``: the answer is counted off the event loop."""
     store, ns = state.store, turn.caller.namespace
     if store is None or ns is None or history.degraded == "store":
         return
-    answer = counted(state, turn, [reply], reply=True) if reply is not None else []
+    answer = await offload(large, lambda: counted(state, turn, [reply], reply=True)) \
+        if reply is not None else []
     conversation = [*history.conversation(), *answer]
     if kept is not None and reply is not None:
         at = store.chains(ns, session.id, conversation)[-1]  # the reply, in its lineage

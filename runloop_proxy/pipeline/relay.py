@@ -15,6 +15,7 @@ from ..errors import UpstreamError
 from ..ops import logs
 from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog
+from .offload import is_large, offload
 from .reconcile import record
 from .sse import SSEDecoder
 from .toolloop import Outcome, Rounds, answer_json, answer_stream
@@ -51,7 +52,8 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
                 out: Outgoing, resp: UpstreamResponse,
                 rlog: RequestLog) -> Answer:
     """The upstream's answer to the client: as it came, or (when the proxy's tools went out)
-    with the proxy's rounds answered and hidden. Errors pass through with their status."""
+    with the proxy's rounds answered and hidden. Errors pass through with their status; a
+    large answer passes through as it arrives, never held whole."""
     headers = response_headers(resp, session, rlog)
     if resp.status >= 400:
         raw = await read(resp, rlog)
@@ -60,19 +62,64 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     if turn.stream:
         return Answer(resp.status, headers,
                       stream=_streamed(state, turn, session, history, out, resp, rlog))
-    raw = await read(resp, rlog)
     if out.tools is None:
-        reply = _parsed_reply(turn.wire, raw)
-        _calibrate(state, turn, rlog, reply)
-        rlog.usage(reply.usage if reply else None)
-        record(state, turn, session, history, reply.message if reply else None, None)
+        size = resp.content_length
+        if size is None or is_large(size):
+            return Answer(resp.status, headers,
+                          stream=_passed_through(state, turn, session, history, resp, rlog))
+        raw = await read(resp, rlog)
+        _answered(state, turn, session, history, rlog, _parsed_reply(turn.wire, raw), False)
         rlog.finish(resp.status)
         return Answer(resp.status, headers, raw)
+    raw = await read(resp, rlog)
     data, outcome = await answer_json(_rounds(state, turn, session, history, out, rlog), raw)
     rlog.usage(outcome.usage)
-    record(state, turn, session, history, outcome.shown, outcome.kept)
+    state.spawn(record(state, turn, session, history, outcome.shown, outcome.kept))
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps(data))
+
+
+def _answered(state: AppState, turn: Turn, session: Session, history: History,
+              rlog: RequestLog, reply: Reply | None, large: bool) -> None:
+    """An answer relayed unchanged: learn from its usage and record it."""
+    _calibrate(state, turn, rlog, reply)
+    rlog.usage(reply.usage if reply else None)
+    state.spawn(record(state, turn, session, history, reply.message if reply else None, None,
+                       large))
+
+
+async def _passed_through(state: AppState, turn: Turn, session: Session, history: History,
+                          resp: UpstreamResponse, rlog: RequestLog) -> AsyncIterator[bytes]:
+    """A large JSON answer, relayed as it arrives; kept for the record only as far as the
+    store would keep it (beyond, it is relayed and not recorded: a log line says so)."""
+    status = resp.status
+    limit = state.config.store.max_message_bytes
+    kept: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in resp.iter_chunks():
+            yield chunk
+            size += len(chunk)
+            if size <= limit:
+                kept.append(chunk)
+        if size > limit:
+            log.warning("answer too large to record: relayed, not stored",
+                        extra={"tenant": turn.caller.tenant.name, "bytes": size})
+            state.metrics.store_errors.labels("too_large").inc()
+        else:
+            raw = b"".join(kept)
+            reply = await offload(is_large(size), lambda: _parsed_reply(turn.wire, raw))
+            _answered(state, turn, session, history, rlog, reply, is_large(size))
+    except UpstreamError as exc:
+        status = exc.status  # the connection broke mid-answer: the client has a cut body
+        log.warning("upstream failed mid-answer", extra={"tenant": turn.caller.tenant.name,
+                                                         "error": str(exc)})
+    except GeneratorExit:
+        status = CLIENT_CLOSED
+        raise
+    finally:
+        resp.close()
+        rlog.finish(status)
 
 
 def response_headers(resp: UpstreamResponse, session: Session,
@@ -136,7 +183,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
     relay = turn.wire.relay(turn.body)
     try:
         if out.tools is None:
-            observer = turn.wire.observer()
+            observer = turn.wire.observer(state.config.store.max_message_bytes)
             decoder = SSEDecoder()
             async for chunk in resp.iter_chunks():
                 rlog.first_byte()
@@ -145,16 +192,15 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                     observer.feed(ev)
             for ev in decoder.flush():
                 observer.feed(ev)
-            reply = observer.reply()
-            rlog.usage(reply.usage if reply else None)
-            record(state, turn, session, history, reply.message if reply else None, None)
+            _answered(state, turn, session, history, rlog, observer.reply(), False)
         else:
             rounds = _rounds(state, turn, session, history, out, rlog)
             async for piece in answer_stream(rounds, resp, turn.body, outcomes.append):
                 rlog.first_byte()
                 yield piece
             rlog.usage(outcomes[0].usage)
-            record(state, turn, session, history, outcomes[0].shown, outcomes[0].kept)
+            state.spawn(record(state, turn, session, history, outcomes[0].shown,
+                               outcomes[0].kept))
     except UpstreamError as exc:
         status = exc.status
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,

@@ -15,6 +15,7 @@ from ..state import AppState
 from ..window.builder import Window, build_window
 from ..window.forms import Budget
 from .accounting import RequestLog
+from .offload import offload
 from .tokens import REPLY_PRIMING, WindowTokens
 from .tools import ProxyTools, definitions_tokens, splice_internal
 from .values import History, Outgoing, Turn
@@ -23,8 +24,8 @@ log = logs.get("window")
 FIRST_SEEN_SIZE = 200_000
 
 
-def shape(state: AppState, turn: Turn, session: Session, history: History,
-          rlog: RequestLog) -> Outgoing:
+async def shape(state: AppState, turn: Turn, session: Session, history: History,
+                rlog: RequestLog) -> Outgoing:
     """The body that goes upstream: the client's, byte for byte, unless a window changes it."""
     as_sent = _as_sent(turn, history)
     if history.degraded:
@@ -37,7 +38,8 @@ def shape(state: AppState, turn: Turn, session: Session, history: History,
         history.messages, keys, _chains_at(state, turn, session, history), history.internal)
     tools = ProxyTools.for_request(turn.body.get("tools"))
     try:
-        window = compute_window(state, turn, spliced, spliced_keys, protected, tools)
+        window = await offload(turn.large, lambda: compute_window(
+            state, turn, spliced, spliced_keys, protected, tools))
     except Exception:  # noqa: BLE001 - a window bug must not cost the user this call
         log.exception("window failed: passing the request through uncompressed",
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})

@@ -26,7 +26,7 @@ class SSEDecoder:
     """Feed bytes, get complete events; ``flush()`` at end of stream yields a trailing event."""
 
     def __init__(self) -> None:
-        self._buf = b""
+        self._parts: list[bytes] = []  # a line not ended yet, as it arrived (never re-copied)
         self._pending_cr = False
         self._data: list[str] = []
         self._event: str | None = None
@@ -36,7 +36,12 @@ class SSEDecoder:
         if self._pending_cr and chunk.startswith(b"\n"):
             chunk = chunk[1:]  # the LF half of a CRLF split across chunks
         self._pending_cr = False
-        buf = self._buf + chunk
+        if b"\n" not in chunk and b"\r" not in chunk:
+            if chunk:
+                self._parts.append(chunk)  # no line ends here: wait, in linear time
+            return []
+        buf = b"".join([*self._parts, chunk]) if self._parts else chunk
+        self._parts = []
         events: list[SSEEvent] = []
         start = 0
         n = len(buf)
@@ -57,14 +62,15 @@ class SSEDecoder:
             if event is not None:
                 events.append(event)
             start = nxt
-        self._buf = buf[start:]
+        if start < n:
+            self._parts.append(buf[start:])
         return events
 
     def flush(self) -> list[SSEEvent]:
         events = []
-        if self._buf:
-            event = self._line(self._buf)
-            self._buf = b""
+        if self._parts:
+            event = self._line(b"".join(self._parts))
+            self._parts = []
             if event is not None:
                 events.append(event)
         event = self._line(b"")

@@ -37,6 +37,9 @@ MEDIA_PARTS = ("image_url", "input_image", "input_audio")
 FRAME = 100_264  # stands for the chat format's framing tokens (cl100k's <|im_start|>)
 TOOLS_OVERHEAD = 6  # the system turn the tools section rides in
 CACHE_SIZE = 200_000
+EXACT_CHARS = 65_536  # texts up to this long are counted exactly
+SAMPLE_CHARS = 16_384  # longer ones: estimated from this much of their head and of their tail
+CUT_SCAN_CHARS = 32  # characters a cut reads per token it keeps (cl100k tokens are shorter)
 CUT_CACHE_SIZE = 20_000
 CALIBRATION_WEIGHT = 0.2
 FETCH_TIMEOUT_S = 3.0
@@ -122,7 +125,7 @@ class TokenCounter:
         return self._encodings.get(name)
 
     def text(self, enc: tiktoken.Encoding, text: str) -> int:
-        return len(enc.encode_ordinary(text)) if text else 0
+        return count_text(enc, text)
 
     def message(self, enc: tiktoken.Encoding, msg: Message, key: str | None = None) -> int:
         key = key or message_hash(msg)
@@ -148,7 +151,7 @@ class TokenCounter:
                 self._cache.popitem(last=False)
 
     def _count(self, enc: tiktoken.Encoding, msg: Message) -> int:
-        return len(billed_tokens(enc, msg))
+        return billed_count(enc, msg)
 
     def tools(self, enc: tiktoken.Encoding, tools: list[dict[str, Any]] | None) -> int:
         """Tokens the tool schemas add to the prompt (cached by their content)."""
@@ -198,30 +201,51 @@ def encoding_name_for(model: str) -> str | None:
         return None
 
 
-def billed_tokens(enc: tiktoken.Encoding, msg: Message) -> list[int]:
-    """A message as the API bills it: a few framing tokens (here ``FRAME``), the role, the
-    content (a fixed price per image or audio part), the name, each tool call's name and
-    arguments. Counting takes its length; the scripted upstream's prompt cache its tokens."""
-    def text(value: object) -> list[int]:
-        return enc.encode_ordinary(str(value)) if value else []
-
-    out = [FRAME] * PER_MESSAGE + text(msg.get("role", ""))
+def billed_parts(msg: Message) -> list[int | str]:
+    """A message as the API bills it, in order: runs of framing tokens (ints, each stands for
+    that many ``FRAME`` tokens) and texts to tokenize — the framing, the role, the content (a
+    fixed price per image or audio part), the name, each tool call's name and arguments."""
+    out: list[int | str] = [PER_MESSAGE, str(msg.get("role", ""))]
     content = msg.get("content")
     if isinstance(content, list):
-        for part in content:
-            if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
-                out += [FRAME] * IMAGE_PART_TOKENS
-    out += text(text_of(content))
+        out += [IMAGE_PART_TOKENS for part in content
+                if isinstance(part, dict) and part.get("type") in MEDIA_PARTS]
+    out.append(text_of(content))
     if msg.get("name"):
-        out += [FRAME] * PER_NAME + text(msg["name"])
+        out += [PER_NAME, str(msg["name"])]
     calls = [c.get("function") or {} for c in msg.get("tool_calls") or []]
     if msg.get("function_call"):
         calls.append(msg["function_call"])
     for fn in calls:
-        out += [FRAME] * PER_TOOL_CALL + text(fn.get("name", "")) + text(fn.get("arguments", ""))
+        out += [PER_TOOL_CALL, str(fn.get("name") or ""), str(fn.get("arguments") or "")]
     if msg.get("refusal"):
-        out += text(msg["refusal"])
+        out.append(str(msg["refusal"]))
     return out
+
+
+def billed_tokens(enc: tiktoken.Encoding, msg: Message) -> list[int]:
+    """The message's tokens as the API bills them, exactly (the scripted upstream's prompt
+    cache compares them)."""
+    out: list[int] = []
+    for part in billed_parts(msg):
+        out += [FRAME] * part if isinstance(part, int) else enc.encode_ordinary(part)
+    return out
+
+
+def billed_count(enc: tiktoken.Encoding, msg: Message) -> int:
+    """How many tokens the message is billed, in bounded time (see ``count_text``)."""
+    return sum(p if isinstance(p, int) else count_text(enc, p) for p in billed_parts(msg))
+
+
+def count_text(enc: tiktoken.Encoding, text: str) -> int:
+    """The tokens of ``text``: exact up to ``EXACT_CHARS``; beyond, estimated from its head and
+    tail. tiktoken's cost grows faster than the text on long runs without a break (1 MiB of
+    one letter: half a second), and a request must never cost seconds of CPU; the upstream's
+    usage calibrates what estimates miss."""
+    if len(text) <= EXACT_CHARS:
+        return len(enc.encode_ordinary(text)) if text else 0
+    sample = text[:SAMPLE_CHARS] + text[-SAMPLE_CHARS:]
+    return round(len(enc.encode_ordinary(sample)) * len(text) / len(sample))
 
 
 def render_tools(tools: list[dict[str, Any]]) -> str:
@@ -298,13 +322,16 @@ class WindowTokens:
         hit = self._cuts.get(key)
         if hit is not None:
             return hit or None
-        ids = self.enc.encode_ordinary(text)
+        total = count_text(self.enc, text)
         out: Cut | None = None
-        if len(ids) > max_tokens:
+        if total > max_tokens:
+            # only the head and the tail it keeps are tokenized: bounded work, whatever the size
             head = max_tokens * 2 // 3
             tail = max_tokens - head
-            out = Cut(self.enc.decode(ids[:head]), self.enc.decode(ids[-tail:]),
-                      len(ids) - max_tokens)
+            window = (max_tokens + 1) * CUT_SCAN_CHARS
+            head_ids = self.enc.encode_ordinary(text[:window])[:head]
+            tail_ids = self.enc.encode_ordinary(text[-window:])[-tail:] if tail else []
+            out = Cut(self.enc.decode(head_ids), self.enc.decode(tail_ids), total - max_tokens)
         self._cuts[key] = out or False  # False: it fits (None would read as a miss)
         if len(self._cuts) > CUT_CACHE_SIZE:
             self._cuts.popitem(last=False)

@@ -26,6 +26,6 @@ async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
                        state.config.server.session_header, turn.caller.tenant.session_sources)
     session, history = await reconcile(state, turn, session)
     rlog.session, rlog.degraded = session.id, history.degraded
-    out = shape(state, turn, session, history, rlog)
+    out = await shape(state, turn, session, history, rlog)
     resp = await forward(state, turn, out.body, rlog)
     return await relay(state, turn, session, history, out, resp, rlog)

@@ -40,6 +40,10 @@ class UpstreamResponse:
     def headers(self) -> Mapping[str, str]:
         return self._resp.headers
 
+    @property
+    def content_length(self) -> int | None:
+        return self._resp.content_length
+
     def forward_headers(self) -> list[tuple[str, str]]:
         return [(k, v) for k, v in self._resp.headers.items() if k.lower() not in HOP_BY_HOP]
 

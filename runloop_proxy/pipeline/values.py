@@ -10,6 +10,7 @@ from ..config import Policy, TenantSpec
 from ..conversation.messages import Message
 from ..history.store import Prepared
 from ..window.builder import Window
+from .offload import is_large
 from .tools import ProxyTools
 from .wire import Wire
 
@@ -47,6 +48,11 @@ class Turn:
     @property
     def policy(self) -> Policy:
         return self.caller.tenant.policy
+
+    @property
+    def large(self) -> bool:
+        """Worked on off the event loop (offload.py)."""
+        return is_large(len(self.raw), len(self.messages))
 
 
 @dataclass(frozen=True)

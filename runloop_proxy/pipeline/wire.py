@@ -139,7 +139,8 @@ class Wire(Protocol):
 
     def relay(self, request: dict[str, Any]) -> StreamRelay: ...
 
-    def observer(self) -> StreamObserver: ...
+    def observer(self, limit: int) -> StreamObserver:
+        """A reader of a stream relayed unchanged, keeping at most ``limit`` bytes of it."""
 
 
 def add_usage(total: dict[str, Any], usage: dict[str, Any] | None) -> None:
