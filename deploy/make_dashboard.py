@@ -30,13 +30,14 @@ def quantile(q: float, metric: str, by: str = "", sel: str = T) -> str:
 ROWS: list[tuple[str, list[dict[str, Any]]]] = [
     ("Traffic", [
         {"title": "Requests per second by status", "unit": "reqps",
-         "description": "Chat completions answered, by HTTP status.",
+         "description": "Conversation requests (chat completions and Responses) answered, "
+                        "by HTTP status.",
          "targets": [(rate("runloop_requests_total", by="status"), "{{status}}")]},
         {"title": "Error rate", "unit": "percentunit",
-         "description": "Share of chat completions that did not answer 2xx "
+         "description": "Share of conversation requests that did not answer 2xx "
                         "(upstream errors passed through included).",
-         "targets": [(f'(sum(rate(runloop_requests_total{{{T},status!~"2.."}}[{R}])) '
-                      f'or vector(0)) / clamp_min({rate("runloop_requests_total")}, 1e-9)',
+         "targets": [(f'sum(rate(runloop_requests_total{{{T},status!~"2.."}}[{R}])) '
+                      f'/ clamp_min({rate("runloop_requests_total")}, 1e-9)',
                       "errors")]},
         {"title": "Streaming vs non-streaming", "unit": "reqps",
          "description": "Requests by stream flag.",
@@ -78,8 +79,8 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
          "targets": [(rate("runloop_upstream_usage_tokens_total", by="kind"), "{{kind}}")]},
         {"title": "Cache hit share", "unit": "percentunit",
          "description": "Cached prompt tokens over prompt tokens, as the upstream reports.",
-         "targets": [(f'(sum(rate(runloop_upstream_usage_tokens_total{{{T},kind="cached_prompt"}}'
-                      f'[{R}])) or vector(0)) / clamp_min(sum(rate('
+         "targets": [(f'sum(rate(runloop_upstream_usage_tokens_total{{{T},kind="cached_prompt"}}'
+                      f'[{R}])) / clamp_min(sum(rate('
                       f'runloop_upstream_usage_tokens_total{{{T},kind="prompt"}}[{R}])), 1)',
                       "cached")]},
     ]),
@@ -87,23 +88,23 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         {"title": "Compaction events by kind", "unit": "short",
          "description": "past_loop_reduction, in_loop_elision, in_loop_drop, loop_omission, "
                         "summary, hard_truncation, rejection.",
-         "targets": [(rate("runloop_compaction_events_total", by="kind") + " or vector(0)",
+         "targets": [(rate("runloop_compaction_events_total", by="kind"),
                       "{{kind}}")]},
         {"title": "Recalls and searches", "unit": "short",
          "description": "Proxy-owned tool calls answered, by tool and outcome.",
          "targets": [(f"sum by (tool, outcome) (rate(runloop_recalls_total{{{T}}}[{R}])) "
-                      f"or vector(0)", "{{tool}} {{outcome}}")]},
+                      "", "{{tool}} {{outcome}}")]},
         {"title": "Summaries", "unit": "short",
          "description": "Background summaries by outcome, and their p95 latency.",
-         "targets": [(rate("runloop_summaries_total", by="outcome") + " or vector(0)",
+         "targets": [(rate("runloop_summaries_total", by="outcome"),
                       "{{outcome}}"),
-                     (quantile(0.95, "runloop_summary_latency_seconds") + " or vector(0)",
+                     (quantile(0.95, "runloop_summary_latency_seconds"),
                       "p95 latency")]},
         {"title": "Truncations and rejections", "unit": "short",
          "description": "Hard-limit truncations, and requests refused as "
                         "context_length_exceeded.",
-         "targets": [(rate("runloop_truncations_total") + " or vector(0)", "truncated"),
-                     (rate("runloop_context_rejections_total") + " or vector(0)", "rejected")]},
+         "targets": [(rate("runloop_truncations_total"), "truncated"),
+                     (rate("runloop_context_rejections_total"), "rejected")]},
     ]),
     ("Store and config", [
         {"title": "Store up", "unit": "short",
@@ -112,9 +113,9 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         {"title": "Store errors and degraded requests", "unit": "short",
          "description": "Redis failures by operation; requests passed through uncompressed, "
                         "by reason (store: Redis unreachable; window: building it failed).",
-         "targets": [('sum by (op) (rate(runloop_store_errors_total[' + R + '])) or vector(0)',
+         "targets": [('sum by (op) (rate(runloop_store_errors_total[' + R + ']))',
                       "error {{op}}"),
-                     (rate("runloop_degraded_requests_total", by="reason") + " or vector(0)",
+                     (rate("runloop_degraded_requests_total", by="reason"),
                       "degraded {{reason}}")]},
         {"title": "Store latency", "unit": "s",
          "description": "Redis round trips by operation (p99).",
@@ -123,7 +124,7 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         {"title": "Config reloads", "unit": "short",
          "description": "Reloads by outcome (error: a broken edit, the last good config kept).",
          "targets": [(f"sum by (outcome) (increase(runloop_config_reloads_total[{R}])) "
-                      f"or vector(0)", "{{outcome}}")]},
+                      "", "{{outcome}}")]},
     ]),
 ]
 

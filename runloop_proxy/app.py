@@ -38,6 +38,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
         state = AppState(settings=settings, config=config, metrics=metrics or Metrics(),
                          tokens=TokenCounter(), loop=asyncio.get_running_loop())
         app.state.runloop = state
+        state.init_metrics()
         await state.warm_encodings(config)
         await state.sync_upstreams()
         redis_url = config.store.redis_url

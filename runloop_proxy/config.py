@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 import tomllib
+import urllib.parse
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -384,8 +385,12 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
         tenants[tenant.name] = tenant
         sources.append(path)
 
+    # A config directory with a tenants/ folder is tenant mode, even with no tenant in it
+    # (every key is refused, and the proxy reports not ready); without one, pass-through.
+    tenant_mode = bool(settings.config_dir) and (Path(settings.config_dir or ".") / TENANTS_DIR
+                                                 ).is_dir()
     passthrough = None
-    if not tenants:
+    if not tenant_mode:
         if "default" not in upstreams:
             raise ConfigError("<settings>", "upstream",
                               "no tenants are configured: give --upstream (pass-through mode)")
@@ -399,6 +404,7 @@ def describe(config: ProxyConfig) -> dict[str, Any]:
     def redact_upstream(u: UpstreamSpec) -> dict[str, Any]:
         d = u.model_dump()
         d["api_key"] = "<set>" if u.api_key else None
+        d["url"] = redact_url(u.url)
         return d
 
     tenants = {}
@@ -410,9 +416,27 @@ def describe(config: ProxyConfig) -> dict[str, Any]:
         tenants[name] = d
     server = config.server.model_dump()
     server["admin_key"] = "<set>" if config.server.admin_key else None
-    return {"server": server, "store": config.store.model_dump(),
+    store = config.store.model_dump()
+    store["redis_url"] = redact_url(config.store.redis_url)
+    return {"server": server, "store": store,
             "upstreams": {n: redact_upstream(u) for n, u in config.upstreams.items()},
             "tenants": tenants}
+
+
+def redact_url(url: str | None) -> str | None:
+    """A URL without the credentials it may carry (user:password@, ?password=)."""
+    if not url:
+        return url
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        creds, host = netloc.rsplit("@", 1)
+        user = creds.split(":", 1)[0]
+        netloc = f"{user}:<redacted>@{host}" if ":" in creds else f"<redacted>@{host}"
+    query = urllib.parse.urlencode(
+        [(k, "<redacted>" if k.lower() in ("password", "pass", "token") else v)
+         for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)])
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def config_mtimes(config_dir: str | None) -> tuple[tuple[str, float], ...]:

@@ -147,6 +147,8 @@ class ScriptedUpstream:
         self.headers.clear()
         self.raw_bodies.clear()
         self.streams_started = self.streams_closed_early = self.abandoned = 0
+        self.keep_requests = True
+        self.delay = 0.0
 
     @property
     def url(self) -> str:
@@ -175,7 +177,20 @@ class ScriptedUpstream:
     def app(self) -> Starlette:
         async def chat(request: Request) -> Response:
             raw = await request.body()
+            try:
+                return await answer(request, raw)
+            except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError,
+                    ValueError) as exc:
+                # as a real API would: a request it cannot read is the client's error
+                return Response(orjson.dumps({"error": {
+                    "message": f"the scripted upstream cannot read this request: {exc}",
+                    "type": "invalid_request_error", "param": None, "code": None}}), 400,
+                    media_type="application/json")
+
+        async def answer(request: Request, raw: bytes) -> Response:
             body = orjson.loads(raw)
+            if not isinstance(body, dict):
+                raise ValueError("the body is not an object")
             if self.keep_requests:
                 self.requests.append(body)
                 self.raw_bodies.append(raw)
@@ -194,6 +209,8 @@ class ScriptedUpstream:
                     "message": "scripted failure", "type": "server_error", "param": None,
                     "code": None}}), reply["status"], media_type="application/json",
                     headers=reply.get("headers"))
+            if "raw_body" in reply:  # exactly these bytes, whatever they are
+                return Response(reply["raw_body"], 200, media_type="application/json")
             if body.get("stream"):
                 return StreamingResponse(self._stream(body, reply, org),
                                          media_type="text/event-stream")
@@ -238,7 +255,8 @@ class ScriptedUpstream:
                                    "refusal": None, "annotations": []}
         if reply.get("tool_calls"):
             message["tool_calls"] = [_call(c) for c in reply["tool_calls"]]
-        n = body.get("n") or 1
+        n = body.get("n")
+        n = n if isinstance(n, int) and 0 < n <= 128 else 1
         finish = "tool_calls" if reply.get("tool_calls") else "stop"
         return {"id": f"chatcmpl-{next(_ids)}", "object": "chat.completion",
                 "created": int(time.time()), "model": body.get("model"),

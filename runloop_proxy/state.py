@@ -47,6 +47,11 @@ class AppState:
         self.background.add(task)
         task.add_done_callback(self.background.discard)
 
+    def init_metrics(self) -> None:
+        """Every tenant's series exported from the start (see Metrics.init_tenants)."""
+        cfg = self.config
+        self.metrics.init_tenants(["passthrough"] if cfg.passthrough else list(cfg.tenants))
+
     def upstream(self, name: str) -> UpstreamClient:
         return self.upstreams[name]
 
@@ -81,6 +86,7 @@ class AppState:
             return False
         await self.warm_encodings(config)
         self.config = config
+        self.init_metrics()
         await self.sync_upstreams()
         self.metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded", extra={"reason": reason, "tenants": len(config.tenants)})

@@ -44,7 +44,9 @@ def concrete(expr: str) -> str:
     return expr.replace("$__rate_interval", "1m").replace('"$tenant"', '".*"')
 
 
-def drive_traffic(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+def drive_traffic(proxy: ProxyServer, upstream: ScriptedUpstream) -> int:
+    """One wave of known traffic: 5 requests answered 200 (one streamed, one compressed with a
+    recall answered by the proxy), one 500. Returns the prompt tokens the window saved."""
     c = openai.OpenAI(base_url=proxy.url, api_key="sk-metrics", max_retries=0)
     for i in range(3):
         c.chat.completions.create(model="gpt-4o-mini",
@@ -53,12 +55,17 @@ def drive_traffic(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
                                            messages=[{"role": "user", "content": "stream"}]):
         pass
     upstream.responder = recalling_responder()
-    c.chat.completions.create(model="gpt-4o-mini", messages=long_session(), tools=CLIENT_TOOLS)
+    r = c.chat.completions.with_raw_response.create(model="gpt-4o-mini",
+                                                    messages=long_session(),  # type: ignore[arg-type]
+                                                    tools=CLIENT_TOOLS)  # type: ignore[arg-type]
+    client, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
     upstream.responder = None
     upstream.push(*[{"status": 500}] * 3)
     with pytest.raises(openai.InternalServerError):
         c.chat.completions.create(model="gpt-4o-mini",
                                   messages=[{"role": "user", "content": "fail"}])
+    assert client > forwarded
+    return client - forwarded
 
 
 @pytest.mark.skipif(shutil.which("prometheus") is None,
@@ -77,15 +84,35 @@ def test_every_panel_and_alert_evaluates_against_a_live_proxy(
                              f"--web.listen-address=127.0.0.1:{port}", "--log.level=error"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     api = f"http://127.0.0.1:{port}/api/v1"
+
+    def value(query: str) -> float:
+        result = httpx.get(f"{api}/query", params={"query": query}, timeout=10
+                           ).json()["data"]["result"]
+        if not result:
+            raise IndexError(f"{query}: no result yet")  # _wait retries, an assert does not
+        assert len(result) == 1, f"{query}: {result}"
+        return float(result[0]["value"][1])
+
     try:
         _wait(lambda: httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=1)
               .status_code == 200)
+        # before any traffic, every series the panels read already exists (at 0)
+        _wait(lambda: value('sum(runloop_requests_total{status="500"})') == 0)
+        assert value('sum(runloop_degraded_requests_total{reason="store"})') == 0
         # traffic in two waves, so rates over the last minute see changes between scrapes
-        drive_traffic(proxy, upstream)
+        saved = drive_traffic(proxy, upstream)
         time.sleep(2.5)
-        drive_traffic(proxy, upstream)
-        _wait(lambda: _scraped(api), timeout=20)
+        saved += drive_traffic(proxy, upstream)
+        _wait(lambda: value('sum(runloop_requests_total{status="500"})') == 2, timeout=20)
         time.sleep(2.5)
+        # the counters say what was sent
+        assert value('sum(runloop_requests_total{status="200"})') == 10
+        assert value('sum(runloop_requests_total{stream="true"})') == 2
+        assert value("sum(runloop_prompt_tokens_saved_total)") == saved
+        assert value("sum(runloop_prompt_tokens_client_total) - "
+                     "sum(runloop_prompt_tokens_forwarded_total)") == saved
+        assert value('sum(runloop_recalls_total{tool="recall_tool_call",outcome="hit"})') == 2
+        assert value("min(runloop_store_up)") == 1
         failures = []
         for title, expr in [*dashboard_exprs(), *alert_exprs()]:
             r = httpx.get(f"{api}/query", params={"query": concrete(expr)}, timeout=10)
@@ -95,6 +122,10 @@ def test_every_panel_and_alert_evaluates_against_a_live_proxy(
             elif (title, expr) in dashboard_exprs() and not body["data"]["result"]:
                 failures.append(f"{title}: no data for {expr}")
         assert not failures, "\n".join(failures)
+        by_title = dict(dashboard_exprs())
+        error_rate = value(concrete(by_title["Error rate"]))
+        assert 0 < error_rate < 1, error_rate
+        assert 0 < value(concrete(by_title["Savings"])) < 1
         rules = httpx.get(f"{api}/rules").json()["data"]["groups"][0]["rules"]
         assert {r["name"] for r in rules} == {a for a, _ in alert_exprs()}
         assert all(r["health"] == "ok" for r in rules), rules
@@ -204,10 +235,9 @@ def test_several_workers_add_up_their_metrics(upstream: ScriptedUpstream, redis_
                 http.post(base + "/v1/chat/completions", headers={"Connection": "close"},
                           json={"model": "m", "messages": [{"role": "user", "content": f"{i}"}]})
         text = httpx.get(base + "/metrics").text
-        line = next(ln for ln in text.splitlines()
-                    if ln.startswith("runloop_requests_total{") and 'status="200"' in ln
-                    and 'stream="false"' in ln)
-        assert float(line.rsplit(" ", 1)[1]) == 12.0
+        served = sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+                     if ln.startswith("runloop_requests_total{") and 'status="200"' in ln)
+        assert served == 12.0
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)

@@ -138,9 +138,10 @@ def _validate_message(m: Any, i: int) -> None:
                                  param=f"{where}.tool_calls")
         for j, c in enumerate(calls):
             if not isinstance(c, dict) or not isinstance(c.get("id"), str) \
-                    or not _is_function(c.get("function")):
+                    or not (_is_function(c.get("function")) or _is_custom(c.get("custom"))):
                 raise InvalidRequest(f"{where}.tool_calls[{j}] needs an id and a function "
-                                     f"with a name and string arguments",
+                                     f"(a name and string arguments) or a custom tool call "
+                                     f"(a name and a string input)",
                                      param=f"{where}.tool_calls[{j}]")
             bounded(c, MAX_DEPTH - 4, f"{where}.tool_calls[{j}]")
     for name, v in m.items():
@@ -151,6 +152,11 @@ def _validate_message(m: Any, i: int) -> None:
 def _is_function(fn: Any) -> bool:
     return isinstance(fn, dict) and isinstance(fn.get("name"), str) \
         and isinstance(fn.get("arguments", ""), str)
+
+
+def _is_custom(call: Any) -> bool:
+    return isinstance(call, dict) and isinstance(call.get("name"), str) \
+        and isinstance(call.get("input", ""), str)
 
 
 def _validate_tools(tools: Any) -> None:

@@ -33,6 +33,7 @@ from ..errors import (
 from ..ops import logs
 from ..pipeline.accounting import CLIENT_CLOSED, RequestLog
 from ..pipeline.turn import serve
+from ..pipeline.upstream import PROXY_KEY_HEADERS
 from ..pipeline.values import Answer, Caller, Turn
 from ..state import AppState, state_of
 
@@ -90,10 +91,12 @@ def parse_json(raw: bytes) -> Any:
 
 
 def bearer(request: Request) -> str | None:
+    """The key a client sends: ``Authorization: Bearer``, else ``api-key`` (Azure's SDKs) or
+    ``x-api-key``."""
     auth = request.headers.get("authorization")
     if auth and auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
-    return request.headers.get("api-key")
+    return request.headers.get("api-key") or request.headers.get("x-api-key")
 
 
 def authenticate(state: AppState, request: Request) -> Caller:
@@ -114,7 +117,7 @@ def authenticate(state: AppState, request: Request) -> Caller:
     else:
         secret = tenant.upstream_key or cfg.upstreams[tenant.upstream].api_key
         upstream_auth = f"Bearer {secret}" if secret else None
-    return Caller(tenant, tenant.name, tenant.name, upstream_auth)
+    return Caller(tenant, tenant.name, tenant.name, upstream_auth, PROXY_KEY_HEADERS)
 
 
 async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:

@@ -33,7 +33,8 @@ async def passthrough(request: Request) -> ASGIResponse:
     caller = authenticate(state, request)
     raw = await read_body(request, state.config.server.max_body_bytes)
     path = "/" + request.path_params["path"]
-    headers = upstream_headers(request.headers.items(), caller.upstream_auth)
+    headers = upstream_headers(request.headers.items(), caller.upstream_auth,
+                               caller.drop_headers)
     client = state.upstream(caller.tenant.upstream)
     resp = await client.request(request.method, path, headers, raw or None,
                                 query=request.url.query)
@@ -56,7 +57,9 @@ async def healthz(request: Request) -> Response:
 
 async def readyz(request: Request) -> Response:
     state = state_of(request)
-    checks: dict[str, Any] = {"config": bool(state.upstreams)}
+    config = state.config
+    checks: dict[str, Any] = {"config": bool(state.upstreams),
+                              "tenants": bool(config.tenants) or config.passthrough is not None}
     if state.store is not None:
         checks["store"] = await state.store.ping()
     ok = all(checks.values())

@@ -19,6 +19,17 @@ from prometheus_client import (
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _OVERHEAD = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 MAX_MODEL_LABELS = 64
+OTHER_MODEL = "other"  # models past MAX_MODEL_LABELS; and the series every tenant starts with
+# The label values panels and alerts select on, exported at 0 from startup (a series that does
+# not exist yet reads as "no data", and an alert on it never fires).
+APIS = ("chat", "responses")
+COMPACTION_KINDS = ("past_loop_reduction", "in_loop_elision", "in_loop_drop", "loop_omission",
+                    "summary", "hard_truncation", "rejection")
+RECALL_OUTCOMES = {"recall_tool_call": ("hit", "not_found", "bad_arguments", "store_error"),
+                   "search_history": ("hit", "miss", "bad_arguments")}
+SUMMARY_OUTCOMES = ("ok", "error", "timeout", "backoff", "late")
+STORE_OPS = ("sync", "read", "ping", "record", "internal", "anchor", "recall", "search",
+             "list", "write_lost", "too_large")
 
 
 class Metrics:
@@ -81,6 +92,31 @@ class Metrics:
                                        "Store round-trips on the request path", ["op"],
                                        buckets=_OVERHEAD, registry=r)
 
+    def init_tenants(self, tenants: list[str]) -> None:
+        """Export every series the dashboard and the alerts read, at 0, for these tenants."""
+        for op in STORE_OPS:
+            self.store_errors.labels(op)
+        for outcome in ("ok", "error"):
+            self.config_reloads.labels(outcome)
+        for tenant in tenants:
+            b = self.bound(tenant, OTHER_MODEL)
+            for status in (200, 500):
+                for stream in ("true", "false"):
+                    for api in APIS:
+                        b.request_child(status, stream, api)
+            for kind in COMPACTION_KINDS:
+                self.compactions.labels(tenant, OTHER_MODEL, kind)
+            for tool, outcomes in RECALL_OUTCOMES.items():
+                for outcome in outcomes:
+                    self.recalls.labels(tenant, tool, outcome)
+            for outcome in SUMMARY_OUTCOMES:
+                self.summaries.labels(tenant, outcome)
+            self.summary_latency.labels(tenant)
+            self.truncations.labels(tenant, OTHER_MODEL)
+            self.rejections.labels(tenant, OTHER_MODEL)
+            for reason in ("store", "window"):
+                self.degraded.labels(tenant, reason)
+
     def bound(self, tenant: str, model: str) -> BoundMetrics:
         """The per-(tenant, model) children, resolved once (labels() is not free)."""
         key = (tenant, model)
@@ -96,7 +132,7 @@ class Metrics:
         if len(self._models) < MAX_MODEL_LABELS and len(model) <= 64:
             self._models.add(model)
             return model
-        return "other"
+        return OTHER_MODEL
 
     def render(self) -> tuple[bytes, str]:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -123,9 +159,12 @@ class BoundMetrics:
         self._tm = tm
 
     def request(self, status: int, stream: bool, api: str) -> None:
-        key = (status, "true" if stream else "false", api)
+        self.request_child(status, "true" if stream else "false", api).inc()
+
+    def request_child(self, status: int, stream: str, api: str) -> Any:
+        key = (status, stream, api)
         child = self.requests.get(key)
         if child is None:
-            child = self.requests[key] = self._requests.labels(*self._tm, str(status), key[1],
+            child = self.requests[key] = self._requests.labels(*self._tm, str(status), stream,
                                                                api)
-        child.inc()
+        return child

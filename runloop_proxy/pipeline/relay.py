@@ -4,6 +4,7 @@ Errors pass through with their status; a stream is counted once it ends, however
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -31,7 +32,8 @@ async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
                   rlog: RequestLog) -> UpstreamResponse:
     """One upstream call, timed (the client's headers, less hop-by-hop and the proxy's own)."""
     payload = body if isinstance(body, bytes) else orjson.dumps(body)
-    headers = json_headers(upstream_headers(turn.headers, turn.caller.upstream_auth))
+    headers = json_headers(upstream_headers(turn.headers, turn.caller.upstream_auth,
+                                            turn.caller.drop_headers))
     started = rlog.upstream_started()
     try:
         return await state.upstream(turn.caller.tenant.upstream).request(
@@ -72,7 +74,11 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
         rlog.finish(resp.status)
         return Answer(resp.status, headers, raw)
     raw = await read(resp, rlog)
-    data, outcome = await answer_json(_rounds(state, turn, session, history, out, rlog), raw)
+    rounds = _rounds(state, turn, session, history, out, rlog)
+    try:
+        data, outcome = await answer_json(rounds, raw)
+    finally:
+        _count_calls(state, turn, rounds)
     rlog.usage(outcome.usage)
     state.spawn(record(state, turn, session, history, outcome.shown, outcome.kept))
     rlog.finish(200)
@@ -114,7 +120,7 @@ async def _passed_through(state: AppState, turn: Turn, session: Session, history
         status = exc.status  # the connection broke mid-answer: the client has a cut body
         log.warning("upstream failed mid-answer", extra={"tenant": turn.caller.tenant.name,
                                                          "error": str(exc)})
-    except GeneratorExit:
+    except (GeneratorExit, asyncio.CancelledError):
         status = CLIENT_CLOSED
         raise
     finally:
@@ -153,6 +159,12 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
     return Rounds(turn.wire, out.tools, out.body,
                   out.window.messages if out.window else out.conversation, runner,
                   turn.policy.max_tool_rounds, send)
+
+
+def _count_calls(state: AppState, turn: Turn, rounds: Rounds) -> None:
+    """The proxy's calls this request answered, by tool and outcome."""
+    for tool, outcome in rounds.runner.outcomes:
+        state.metrics.recalls.labels(turn.caller.label, tool, outcome).inc()
 
 
 def _parsed_reply(wire: Wire, raw: bytes) -> Reply | None:
@@ -195,9 +207,12 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
             _answered(state, turn, session, history, rlog, observer.reply(), False)
         else:
             rounds = _rounds(state, turn, session, history, out, rlog)
-            async for piece in answer_stream(rounds, resp, turn.body, outcomes.append):
-                rlog.first_byte()
-                yield piece
+            try:
+                async for piece in answer_stream(rounds, resp, turn.body, outcomes.append):
+                    rlog.first_byte()
+                    yield piece
+            finally:
+                _count_calls(state, turn, rounds)
             rlog.usage(outcomes[0].usage)
             state.spawn(record(state, turn, session, history, outcomes[0].shown,
                                outcomes[0].kept))
@@ -206,7 +221,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,
                                                          "error": str(exc)})
         yield relay.error(exc)
-    except GeneratorExit:
+    except (GeneratorExit, asyncio.CancelledError):
         status = CLIENT_CLOSED  # the client went away: the relay was cancelled
         raise
     except Exception as exc:  # noqa: BLE001 - the client gets an error event, not a cut stream

@@ -25,6 +25,10 @@ HOP_BY_HOP = frozenset({
     "transfer-encoding", "upgrade", "host", "content-length", "content-encoding",
 })
 _DROP_REQUEST = HOP_BY_HOP | {"authorization", "accept-encoding", "x-runloop-history"}
+# the client's credentials for the proxy itself, never forwarded in tenant mode
+PROXY_KEY_HEADERS = frozenset({"api-key", "x-api-key"})
+# the server adds its own (two of each confuse clients and caches)
+_DROP_RESPONSE = HOP_BY_HOP | {"date", "server"}
 
 
 class UpstreamResponse:
@@ -45,7 +49,8 @@ class UpstreamResponse:
         return self._resp.content_length
 
     def forward_headers(self) -> list[tuple[str, str]]:
-        return [(k, v) for k, v in self._resp.headers.items() if k.lower() not in HOP_BY_HOP]
+        return [(k, v) for k, v in self._resp.headers.items()
+                if k.lower() not in _DROP_RESPONSE]
 
     async def read(self) -> bytes:
         try:
@@ -53,7 +58,8 @@ class UpstreamResponse:
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream timed out while sending its answer") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"upstream connection failed mid-answer: {exc!r}") from exc
+            raise UpstreamUnreachable("the upstream's connection broke while it was sending "
+                                      "its answer") from exc
         finally:
             self.close()
         self.first_byte_at = time.perf_counter()
@@ -68,7 +74,8 @@ class UpstreamResponse:
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream stopped sending (read timeout)") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable(f"upstream connection broke mid-stream: {exc!r}") from exc
+            raise UpstreamUnreachable("the upstream's connection broke in the middle of its "
+                                      "stream") from exc
 
     def close(self) -> None:
         self._resp.release() if self._resp.content.at_eof() else self._resp.close()
@@ -114,16 +121,16 @@ class UpstreamClient:
                 if attempt >= self.spec.max_retries:
                     if isinstance(exc, aiohttp.ConnectionTimeoutError):
                         raise UpstreamTimeout(f"upstream {self.name} connect timed out") from exc
-                    raise UpstreamUnreachable(f"upstream {self.name} unreachable: "
-                                              f"{type(exc).__name__}") from exc
+                    raise UpstreamUnreachable(f"upstream {self.name} could not be reached "
+                                              f"(connection refused or lost)") from exc
                 await asyncio.sleep(self._backoff(attempt, None))
                 attempt += 1
                 continue
             except TimeoutError as exc:
                 raise UpstreamTimeout(f"upstream {self.name} timed out") from exc
             except aiohttp.ClientError as exc:
-                raise UpstreamUnreachable(f"upstream {self.name} failed: "
-                                          f"{type(exc).__name__}") from exc
+                raise UpstreamUnreachable(f"upstream {self.name} sent no valid HTTP answer"
+                                          ) from exc
             if resp.status in RETRY_STATUSES and attempt < self.spec.max_retries:
                 wait = self._backoff(attempt, resp.headers.get("Retry-After"))
                 if wait is not None:
@@ -156,13 +163,14 @@ def parse_retry_after(value: str) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
-def upstream_headers(client_headers: Iterable[tuple[str, str]],
-                     authorization: str | None) -> CIMultiDict[str]:
-    """The client's headers minus hop-by-hop and proxy-control ones, with the upstream's auth."""
+def upstream_headers(client_headers: Iterable[tuple[str, str]], authorization: str | None,
+                     drop: frozenset[str] = frozenset()) -> CIMultiDict[str]:
+    """The client's headers minus hop-by-hop and proxy-control ones (and ``drop``), with the
+    upstream's auth."""
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in client_headers:
         lk = k.lower()
-        if lk in _DROP_REQUEST or lk.startswith("x-runloop-"):
+        if lk in _DROP_REQUEST or lk in drop or lk.startswith("x-runloop-"):
             continue
         out.add(k, v)
     if authorization:

@@ -23,6 +23,7 @@ class Caller:
     label: str  # the metric label: the tenant's name, or "passthrough"
     namespace: str | None  # where its history lives; None: none is kept (no key to scope it)
     upstream_auth: str | None  # the Authorization header the upstream gets
+    drop_headers: frozenset[str] = frozenset()  # client headers never forwarded (its proxy key)
 
 
 @dataclass(frozen=True)
