@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from .api.http import ClientGone
 from .api.routes import CONVERSATIONS, routes
+from .caches import SHARES
 from .config import ProxyConfig, Settings, load_config
 from .errors import error_bytes
 from .history.embedded import EmbeddedRedis
@@ -46,7 +47,9 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
             state.embedded = EmbeddedRedis(settings.data_dir)
             # in this thread, not a worker's: the server is tied to its parent thread's life
             redis_url = state.embedded.start()
-        state.store = RedisStore(redis_url, config.store, state.metrics)
+        budget = config.server.cache_mb << 20
+        state.store = RedisStore(redis_url, config.store, state.metrics,
+                                 (int(budget * SHARES["sessions"]), int(budget * SHARES["chains"])))
         await state.store.start()
         await state.store.ping()
         loop = asyncio.get_running_loop()

@@ -148,6 +148,8 @@ class ServerSection(_Strict):
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
     session_header: str = "X-Session-Id"
     admin_key: str | None = None
+    cache_mb: int = Field(512, ge=16, description="memory the per-process caches may use "
+                                                  "in all (window carries, forms, counts)")
 
 
 class StoreSection(_Strict):

@@ -5,13 +5,13 @@ the modules that use it: this module sits below them all."""
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
+from .caches import SHARES, ByteLRU
 from .config import ProxyConfig, Settings, config_mtimes, load_config
 from .errors import ConfigError
 from .history.embedded import EmbeddedRedis
@@ -20,9 +20,12 @@ from .ops import logs
 from .ops.metrics import Metrics
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
 from .pipeline.upstream import UpstreamClient
+from .pipeline.values import Recent
+from .window.builder import Carry
 
 log = logs.get("state")
 RELOAD_POLL_S = 2.0
+FIRST_SEEN_ENTRY_BYTES = 180  # a message hash and a timestamp
 CLOSE_STALE_AFTER_S = 60.0
 
 
@@ -36,10 +39,25 @@ class AppState:
     store: RedisStore | None = None
     embedded: EmbeddedRedis | None = None
     background: set[asyncio.Task[object]] = field(default_factory=set)
-    truncations: OrderedDict[tuple[str, int], Any] = field(default_factory=OrderedDict)
-    first_seen: OrderedDict[str, int] = field(default_factory=OrderedDict)
-    window_memo: dict[tuple[str, ...], Any] = field(default_factory=dict)
     loop: asyncio.AbstractEventLoop | None = None  # the one the app runs on (set at startup)
+
+    def __post_init__(self) -> None:
+        # every per-process cache, bounded in bytes: its share of server.cache_mb
+        budget = self.config.server.cache_mb << 20
+
+        def share(name: str) -> int:
+            return int(budget * SHARES[name])
+
+        self.cuts: ByteLRU[tuple[str, int], Any] = ByteLRU(share("cuts"))
+        self.first_seen: ByteLRU[str, int] = ByteLRU(share("first_seen"),
+                                                     lambda k, v: FIRST_SEEN_ENTRY_BYTES)
+        self.window_memo: ByteLRU[tuple[str, ...], Any] = ByteLRU(share("memo"))
+        # (namespace, session) -> the last window's carry (window/builder.py)
+        self.carries: ByteLRU[tuple[str, str], Carry] = ByteLRU(share("carries"), carry_size)
+        # (namespace, session) -> its last request, hashed and counted (pipeline/reconcile.py)
+        self.recent: ByteLRU[tuple[str, str], Recent] = ByteLRU(share("recent"),
+                                                                lambda k, v: v.size)
+        self.tokens.resize(share("tokens"))
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run work off the request path; keep a reference so it is not collected mid-flight."""
@@ -101,6 +119,13 @@ class AppState:
             if now != seen:
                 seen = now
                 await self.reload("file change")
+
+
+def carry_size(key: tuple[str, str], carry: Carry) -> int:
+    """What a carried window holds: the conversation's messages (about four bytes a token)
+    and a few hundred bytes of derived facts per message."""
+    conv = carry.conv
+    return conv.prefix[-1] * 4 + conv.n * 600
 
 
 def state_of(request: Request) -> AppState:

@@ -10,7 +10,12 @@ from pathlib import Path
 
 import orjson
 
-from runloop_proxy.pipeline.tokens import FALLBACK_ENCODING, TokenCounter, render_tools
+from runloop_proxy.pipeline.tokens import (
+    COUNT_ENTRY_BYTES,
+    FALLBACK_ENCODING,
+    TokenCounter,
+    render_tools,
+)
 
 
 def test_encoding_loads_offline_and_falls_back() -> None:
@@ -37,14 +42,16 @@ def test_message_counts_follow_the_billing_shape() -> None:
 
 
 def test_counts_are_cached_by_content() -> None:
-    tc = TokenCounter(cache_size=2)
+    tc = TokenCounter(cache_bytes=2 * COUNT_ENTRY_BYTES)
     enc, _ = tc.encoding("gpt-4")
     m = {"role": "user", "content": "cache me"}
     a = tc.message(enc, m)
     assert tc.message(enc, dict(m)) == a
+    assert len(tc._cache) == 1
     for i in range(5):
         tc.message(enc, {"role": "user", "content": f"evict {i}"})
-    assert tc.message(enc, m) == a
+    assert len(tc._cache) == 2  # bounded: the oldest went
+    assert tc.message(enc, m) == a  # counted again, the same
 
 
 def test_calibration_moves_towards_reported_usage() -> None:

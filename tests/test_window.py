@@ -16,7 +16,7 @@ from runloop_proxy.conversation.messages import Message, message_hash, message_r
 from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner
 from runloop_proxy.window import builder as window_mod
 from runloop_proxy.window.builder import CompactionKind, Window, build_window, request_points
-from runloop_proxy.window.forms import Budget, Cut
+from runloop_proxy.window.forms import DEFAULT_NAMES, Budget, Cut
 
 
 class WordOps:
@@ -385,6 +385,71 @@ def test_a_growing_session_with_the_memo_gets_the_same_windows(
         assert orjson.dumps(resumed.messages) == orjson.dumps(fresh.messages), p
         assert (resumed.events, resumed.elided, resumed.fits, resumed.tokens_out) == \
             (fresh.events, fresh.elided, fresh.fits, fresh.tokens_out)
+
+
+def test_a_growing_session_resumes_from_the_last_windows_carry() -> None:
+    """Each request of a growing session extends the previous window's conversation and
+    resumes its replay (and only a request that continues it does)."""
+    msgs: list[Message] = [S]
+    for k in range(6):
+        msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 200), F(tag=f"a{k}")]
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    policy, budget = Policy(max_run_loops=2, reduce_at_least=0), Budget(100_000, 1_000)
+    carry = None
+    resumed = 0
+    built = 0
+    for p in request_points(msgs, 0):
+        w = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS, carry=carry)
+        if w.carry is None:  # a short opening: nothing to do, nothing built
+            continue
+        assert w.carry.n == p
+        built += 1
+        resumed += carry is not None and w.carry.conv is carry.conv  # grown, not rebuilt
+        carry = w.carry
+    assert built >= 8 and resumed == built - 1
+    assert carry is not None
+    # another branch does not grow it (it builds its own), nor does an older view of it
+    other = [*msgs[:1], U(tag="edited"), *msgs[2:]]
+    ok = [message_hash(m) for m in other]
+    oc = [OPS.count(m) for m in other]
+    w = build_window(other, ok, oc, policy, budget, OPS, carry=carry)
+    assert w.carry is not None and w.carry.conv is not carry.conv
+    stale = window_mod.Carry(carry.conv, carry.n - 4, carry.states, None)
+    assert window_mod._carried(stale, msgs, keys, counts, policy, budget, OPS, None,
+                               frozenset(), None, DEFAULT_NAMES) is None
+
+
+@PROPS
+@given(conversations(), policies, st.integers(300, 3000), st.data())
+def test_a_window_built_from_the_last_ones_carry_equals_a_fresh_one(
+        msgs: list[Message], policy: Policy, working: int, data: Any) -> None:
+    """Request by request — at any subset of the request points (a client that sends several
+    messages at once), and now and then with the carry of another branch (an edit) — a window
+    that grows the previous window's carry is exactly the window a fresh build yields."""
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    budget = Budget(working + 300, working)
+    carry = None
+    for p in request_points(msgs, 0):
+        if p < len(msgs) and data.draw(st.booleans()):
+            continue
+        fresh = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS)
+        grown = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS, carry=carry)
+        assert orjson.dumps(grown.messages) == orjson.dumps(fresh.messages), p
+        assert (grown.events, grown.elided, grown.fits, grown.tokens_out, grown.reduced_loops,
+                grown.omitted_loops) == (fresh.events, fresh.elided, fresh.fits,
+                                         fresh.tokens_out, fresh.reduced_loops,
+                                         fresh.omitted_loops)
+        carry = grown.carry
+        last = next((i for i in range(p - 1, -1, -1) if msgs[i]["role"] == "user"), None)
+        if last is not None and data.draw(st.integers(0, 3)) == 0:
+            # the next request continues another branch's carry: its last question was edited
+            edited = [*msgs[:last], {"role": "user", "content": "an edit"}, *msgs[last + 1:p]]
+            ek = [message_hash(m) for m in edited]
+            other = build_window(edited, ek, [OPS.count(m) for m in edited], policy, budget,
+                                 OPS).carry
+            carry = other or carry
 
 
 @PROPS

@@ -49,6 +49,8 @@ def validate_chat_request(body: Any) -> dict[str, Any]:
         raise InvalidRequest("'messages' is required and must be a non-empty array",
                              param="messages")
     for i, m in enumerate(messages):
+        if type(m) is dict and _plain(m):
+            continue
         _validate_message(m, i)
     _validate_tools(body.get("tools"))
     for name, kinds in TOP_LEVEL.items():
@@ -79,6 +81,33 @@ KIND_NAMES = {(bool,): "a boolean", (dict,): "an object", _INT: "an integer",
               (str,): "a string", (str, dict): "a string or an object"}
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
                   "refusal"}
+
+
+_PLAIN_ROLES = frozenset({"system", "developer", "user", "assistant"})
+
+
+def _plain(m: dict[str, Any]) -> bool:
+    """The common shapes, checked in a few operations: a role and text, a tool result, an
+    assistant message with plain function calls (what an agent sends)."""
+    role, content = m.get("role"), m.get("content")
+    if type(role) is not str:
+        return False
+    if type(content) is str:
+        if len(m) == 2:
+            return role in _PLAIN_ROLES
+        if len(m) == 3 and role == "tool":
+            return type(m.get("tool_call_id")) is str
+    calls = m.get("tool_calls")
+    return role == "assistant" and type(calls) is list and (content is None or
+                                                              type(content) is str) \
+        and len(m) == 3 and all(map(_plain_call, calls))
+
+
+def _plain_call(c: Any) -> bool:
+    fn = c.get("function") if type(c) is dict else None
+    return type(fn) is dict and len(fn) == 2 and type(fn.get("name")) is str \
+        and type(fn.get("arguments")) is str and type(c.get("id")) is str and len(c) <= 3 \
+        and type(c.get("type", "")) is str
 
 
 def _is_bool_int(v: Any, kinds: tuple[type, ...]) -> bool:

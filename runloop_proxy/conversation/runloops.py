@@ -48,43 +48,86 @@ def preamble_end(messages: list[Message]) -> int:
 
 
 def segment(messages: list[Message]) -> list[RunLoop]:
-    start = preamble_end(messages)
-    bounds: list[int] = []
-    closed = True
-    for i in range(start, len(messages)):
-        msg = messages[i]
-        if msg.get("role") == "user" and closed:
-            bounds.append(i)
-            closed = False
-        elif not bounds:
-            bounds.append(i)  # a conversation that does not begin with a user message
-            closed = False
-        if msg.get("role") == "assistant":
-            closed = is_final(msg)
-        elif msg.get("role") in ("tool", "function"):
-            closed = False  # a tool result means the agent is still working
-    loops = []
-    for k, b in enumerate(bounds):
-        e = bounds[k + 1] if k + 1 < len(bounds) else len(messages)
-        loops.append(_loop(messages, k, b, e))
-    return loops
+    seg = Segmenter(preamble_end(messages))
+    for m in messages[seg.start:]:
+        seg.add(m)
+    return seg.loops()
 
 
-def _loop(messages: list[Message], index: int, start: int, end: int) -> RunLoop:
-    users = tuple(i for i in range(start, end) if messages[i].get("role") == "user")
-    ids: list[str] = []
-    for i in range(start, end):
-        if messages[i].get("role") == "assistant":
-            ids.extend(c.get("id", "") for c in tool_calls_of(messages[i]))
-    last_assistant = next((i for i in range(end - 1, start - 1, -1)
-                           if messages[i].get("role") == "assistant"), None)
-    closed = last_assistant is not None and is_final(messages[last_assistant]) \
-        and all(messages[i].get("role") not in ("user", "tool")
-                for i in range(last_assistant + 1, end))
-    return RunLoop(index=index, start=start, end=end,
-                   status=LoopStatus.CLOSED if closed else LoopStatus.OPEN,
-                   user_positions=users, final_position=last_assistant if closed else None,
-                   tool_call_ids=tuple(ids))
+class Segmenter:
+    """The run loops of a growing conversation, message by message: a loop closes once its
+    last assistant message is a final reply with nothing after it, and a user message after a
+    closed loop opens the next. ``copy`` and ``add`` let a conversation that grew by a few
+    messages be segmented in the time of those few."""
+
+    def __init__(self, start: int):
+        self.start = start  # the first message after the preamble
+        self.n = start
+        self.closed: list[RunLoop] = []
+        self.open: _OpenLoop | None = None
+        self._boundary = True  # a user message now would open a new loop
+
+    def add(self, msg: Message) -> None:
+        """The message at position ``n``."""
+        role = msg.get("role")
+        if self.open is None or (role == "user" and self._boundary):
+            if self.open is not None:
+                self.closed.append(self.open.loop(self.n))
+            self.open = _OpenLoop(len(self.closed), self.n)
+            self._boundary = False
+        self.open.add(self.n, msg)
+        if role == "assistant":
+            self._boundary = is_final(msg)
+        elif role in ("tool", "function"):
+            self._boundary = False  # a tool result means the agent is still working
+        self.n += 1
+
+    def loops(self) -> list[RunLoop]:
+        return [*self.closed, self.open.loop(self.n)] if self.open is not None \
+            else list(self.closed)
+
+    def copy(self) -> Segmenter:
+        out = Segmenter(self.start)
+        out.n, out.closed, out._boundary = self.n, list(self.closed), self._boundary
+        out.open = self.open.copy() if self.open is not None else None
+        return out
+
+
+class _OpenLoop:
+    """The last loop as it grows: what its RunLoop needs, accumulated."""
+
+    def __init__(self, index: int, start: int):
+        self.index, self.start = index, start
+        self.users: list[int] = []
+        self.ids: list[str] = []
+        self.last_assistant: int | None = None
+        self.final = False  # the last assistant message is a final reply ...
+        self.settled = False  # ... and no user message or tool result came after it
+
+    def add(self, i: int, msg: Message) -> None:
+        role = msg.get("role")
+        if role == "user":
+            self.users.append(i)
+        if role == "assistant":
+            calls = tool_calls_of(msg)
+            self.ids.extend(c.get("id", "") for c in calls)
+            self.last_assistant, self.final, self.settled = i, not calls, True
+        elif role in ("user", "tool"):
+            self.settled = False
+
+    def loop(self, end: int) -> RunLoop:
+        closed = self.final and self.settled
+        return RunLoop(index=self.index, start=self.start, end=end,
+                       status=LoopStatus.CLOSED if closed else LoopStatus.OPEN,
+                       user_positions=tuple(self.users),
+                       final_position=self.last_assistant if closed else None,
+                       tool_call_ids=tuple(self.ids))
+
+    def copy(self) -> _OpenLoop:
+        out = _OpenLoop(self.index, self.start)
+        out.users, out.ids = list(self.users), list(self.ids)
+        out.last_assistant, out.final, out.settled = self.last_assistant, self.final, self.settled
+        return out
 
 
 def preview(msg: Message | None, chars: int = 120) -> str:

@@ -46,6 +46,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ..caches import ByteLRU, approx_size
 from ..config import StoreSection
 from ..conversation.messages import Message
 from ..errors import StoreError, StoreLimitExceeded
@@ -58,7 +59,6 @@ __all__ = ["Prepared", "RedisStore", "prepare"]
 log = logs.get("store")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SESSION_CACHE_SIZE = 50_000
-CHAIN_CACHE_SIZE = 2_000
 MAX_RECORDS = 1_000
 INDEX_EVERY_S = 60.0
 PROBE_EVERY_S = 0.25
@@ -110,7 +110,9 @@ def session_slug(session_id: str) -> str:
 class RedisStore:
     """Redis-backed history. Every failure becomes StoreError; the caller fails open."""
 
-    def __init__(self, url: str, cfg: StoreSection, metrics: Metrics):
+    def __init__(self, url: str, cfg: StoreSection, metrics: Metrics,
+                 cache_bytes: tuple[int, int] = (32 << 20, 32 << 20)):
+        """``cache_bytes``: what the session cache and the chain cache may hold."""
         self.cfg = cfg
         self.metrics = metrics
         timeout = cfg.timeout_s
@@ -127,8 +129,10 @@ class RedisStore:
             self.client = aioredis.Redis(connection_pool=self._pool, retry=Retry(NoBackoff(), 0))
         self._sync = self.client.register_script(SYNC_LUA)
         self._append = self.client.register_script(APPEND_LUA)
-        self._sessions: OrderedDict[tuple[str, str], _Cached] = OrderedDict()
-        self._chains: OrderedDict[tuple[str, str], tuple[list[str], list[str]]] = OrderedDict()
+        self._sessions: ByteLRU[tuple[str, str], _Cached] = ByteLRU(
+            cache_bytes[0], lambda k, v: 300 + approx_size(v.internal))
+        self._chains: ByteLRU[tuple[str, str], tuple[list[str], list[str]]] = ByteLRU(
+            cache_bytes[1], lambda k, v: 200 + 190 * len(v[0]))
         self._indexed: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._down_until = 0.0
         self._probe: asyncio.Task[None] | None = None
@@ -233,14 +237,14 @@ class RedisStore:
     def _ttl_ms(self, retention_days: float | None) -> int:
         return int((retention_days or self.cfg.retention_days) * 86_400_000)
 
-    def check_limits(self, items: list[Prepared]) -> None:
-        """StoreLimitExceeded when a conversation of these messages (and a reply) cannot be
-        kept: too many messages, or one too large."""
-        if len(items) + 1 > self.cfg.max_messages_per_session:
+    def check_limits(self, count: int, new: list[Prepared]) -> None:
+        """StoreLimitExceeded when a conversation of ``count`` messages (and a reply) cannot
+        be kept: too many messages, or one of the ``new`` ones too large."""
+        if count + 1 > self.cfg.max_messages_per_session:
             raise StoreLimitExceeded(
                 f"the conversation has more messages than the store keeps per session "
                 f"({self.cfg.max_messages_per_session})")
-        self._check_sizes(items)
+        self._check_sizes(new)
 
     def _check_sizes(self, items: list[Prepared]) -> None:
         for it in items:
@@ -285,9 +289,6 @@ class RedisStore:
         key = (namespace, session_id)
         chains = chain_hashes([it.match for it in items], self._chains.get(key))
         self._chains[key] = ([it.match for it in items], chains)
-        self._chains.move_to_end(key)
-        if len(self._chains) > CHAIN_CACHE_SIZE:
-            self._chains.popitem(last=False)
         return chains
 
     def _job(self, namespace: str, session_id: str, items: list[Prepared],
@@ -426,9 +427,6 @@ class RedisStore:
     def _remember(self, key: tuple[str, str], length: int, chain: str,
                   internal: dict[str, Any]) -> None:
         self._sessions[key] = _Cached(length, chain, internal)
-        self._sessions.move_to_end(key)
-        if len(self._sessions) > SESSION_CACHE_SIZE:
-            self._sessions.popitem(last=False)
 
     async def add_internal(self, namespace: str, session_id: str, anchor: str,
                            entry: dict[str, Any]) -> None:

@@ -222,10 +222,13 @@ def chain_hashes(matches: list[str], known: tuple[list[str], list[str]] | None) 
     chains = [EMPTY_CHAIN]
     if known is not None:
         old, cached = known
-        k = 0
-        limit = min(len(old), len(matches))
-        while k < limit and old[k] == matches[k]:
-            k += 1
+        if len(old) <= len(matches) and matches[:len(old)] == old:
+            k = len(old)  # the usual case, one comparison in C: the conversation grew
+        else:
+            k = 0
+            limit = min(len(old), len(matches))
+            while k < limit and old[k] == matches[k]:
+                k += 1
         chains = cached[:k + 1]
     for m in matches[len(chains) - 1:]:
         chains.append(chain_next(chains[-1], m))

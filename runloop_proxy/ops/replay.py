@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from ..caches import ByteLRU
 from ..config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
 from ..conversation.messages import Message, message_hash, text_of
 from ..conversation.runloops import preamble_end, segment
@@ -110,7 +110,7 @@ class Replayer:
         self.counter.warm([tenant.encoding_for(model) or encoding_name_for(model) or ""])
         self.enc, _ = self.counter.encoding(model, tenant.encoding_for(model))
         self.proxy_tools = definitions_tokens(self.counter, self.enc)
-        self.ops = WindowTokens(self.counter, self.enc, OrderedDict())
+        self.ops = WindowTokens(self.counter, self.enc, ByteLRU(256 << 20))
 
     def budget(self, tools_tokens: int) -> Budget:
         return Budget.for_request(self.tenant.policy, self.context, None,

@@ -15,7 +15,7 @@ from ..history.store import Prepared, RedisStore, prepare
 from ..ops import logs
 from ..state import AppState
 from .offload import offload
-from .values import History, Turn
+from .values import History, Recent, Turn
 
 log = logs.get("reconcile")
 
@@ -35,6 +35,30 @@ async def _counted(state: AppState, turn: Turn, messages: list[Message],
     return await offload(turn.large, lambda: counted(state, turn, messages, prepared))
 
 
+def _known(state: AppState, turn: Turn, session: Session) -> Recent | None:
+    """The session's last request, when this one starts with exactly its messages (one
+    comparison of the two lists, in C): then only what is new is hashed and counted."""
+    recent = state.recent.get((turn.caller.namespace or "", session.id))
+    if recent is None:
+        return None
+    n = len(recent.messages)
+    enc, _ = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
+    if recent.encoding != enc.name or len(turn.messages) < n \
+            or turn.messages[:n] != recent.messages:
+        return None
+    return recent
+
+
+def _remember(state: AppState, turn: Turn, session: Session, prepared: list[Prepared],
+              known: Recent | None) -> None:
+    if not prepared:
+        return
+    new = prepared[len(known.prepared):] if known is not None else prepared
+    size = (known.size if known is not None else 0) + sum(2 * len(p.body) + 300 for p in new)
+    state.recent[(turn.caller.namespace or "", session.id)] = Recent(
+        turn.messages, prepared, prepared[-1].encoding, size)
+
+
 async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Session, History]:
     """The session the turn belongs to (a trimmed history continues the session it came
     from) and what the store holds for it."""
@@ -43,17 +67,27 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
     if turn.server_history and ns is None:
         raise InvalidRequest("server-history mode needs an API key: the history is kept per "
                              "key, and a request without one has none")
-    hashed = await offload(turn.large, lambda: [prepare(m) for m in messages])
+    known = None if turn.server_history else _known(state, turn, session)
+    k = len(known.prepared) if known is not None else 0
+    new = await offload(turn.large, lambda: [prepare(m) for m in messages[k:]])
+    hashed = [*known.prepared, *new] if known is not None else new
+
+    async def counted_all() -> list[Prepared]:
+        fresh = await _counted(state, turn, messages[k:], new)
+        out = [*known.prepared, *fresh] if known is not None else fresh
+        _remember(state, turn, session, out, known)
+        return out
+
     if store is None or ns is None:
-        return session, History(messages, await _counted(state, turn, messages, hashed))
+        return session, History(messages, await counted_all())
     try:
         if not store.available:
             raise StoreError("store marked down")
         if turn.server_history:
             history = await _server_history(state, turn, session, store, ns, hashed)
-            store.check_limits(history.prepared)
+            store.check_limits(len(history.prepared), history.prepared)
             return session, history
-        store.check_limits(hashed)
+        store.check_limits(len(hashed), new)
         internal = store.cached_internal(ns, session.id)
         earlier: list[Message] = []
         if internal is None:
@@ -63,8 +97,7 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
             loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name)
             state.tokens.prime(enc, loaded.counts)
             internal = loaded.internal
-        return session, History(messages, await _counted(state, turn, messages, hashed),
-                                internal,
+        return session, History(messages, await counted_all(), internal,
                                 earlier=earlier, earlier_prepared=counted(state, turn, earlier),
                                 earlier_at=preamble_end(messages))
     except StoreError as exc:
@@ -75,8 +108,7 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
                 retry_after=state.config.store.retry_after_s) from exc
         log.warning("store unavailable: passing through uncompressed",
                     extra={"tenant": turn.caller.tenant.name, "error": str(exc)})
-        return session, History(messages, await _counted(state, turn, messages, hashed),
-                                degraded="store")
+        return session, History(messages, await counted_all(), degraded="store")
 
 
 async def _server_history(state: AppState, turn: Turn, session: Session, store: RedisStore,

@@ -5,6 +5,7 @@ stored exchanges, and turns what it built into the API's body)."""
 from __future__ import annotations
 
 import time
+from collections.abc import MutableMapping
 from typing import Any
 
 from ..conversation.identity import Session
@@ -21,7 +22,6 @@ from .tools import ProxyTools, definitions_tokens, splice_internal
 from .values import History, Outgoing, Turn
 
 log = logs.get("window")
-FIRST_SEEN_SIZE = 200_000
 
 
 async def shape(state: AppState, turn: Turn, session: Session, history: History,
@@ -39,7 +39,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     tools = ProxyTools.for_request(turn.body.get("tools"))
     try:
         window = await offload(turn.large, lambda: compute_window(
-            state, turn, spliced, spliced_keys, protected, tools))
+            state, turn, session, history, spliced, spliced_keys, protected, tools))
     except Exception:  # noqa: BLE001 - a window bug must not cost the user this call
         log.exception("window failed: passing the request through uncompressed",
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
@@ -87,12 +87,18 @@ def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
     return turn.raw
 
 
-def compute_window(state: AppState, turn: Turn, messages: list[Message], keys: list[str],
-                   protected: frozenset[str], tools: ProxyTools) -> Window:
+def compute_window(state: AppState, turn: Turn, session: Session, history: History,
+                   messages: list[Message], keys: list[str], protected: frozenset[str],
+                   tools: ProxyTools) -> Window:
     tenant = turn.caller.tenant
     enc, exact = state.tokens.encoding(turn.model, tenant.encoding_for(turn.model))
     factor = 1.0 if exact else state.tokens.factor(turn.model)
-    counts = [state.tokens.message(enc, m, k) for m, k in zip(messages, keys, strict=True)]
+    if messages is history.messages:  # counted in reconcile
+        counts = [p.tokens or 0 for p in history.prepared]
+    else:  # the proxy's exchanges spliced in: those are counted here
+        known = {p.hash: p.tokens for p in history.prepared}
+        counts = [known.get(k) or state.tokens.message(enc, m, k)
+                  for m, k in zip(messages, keys, strict=True)]
     b = turn.body
     budget = Budget.for_request(
         turn.policy, tenant.context_window(turn.model),
@@ -100,10 +106,15 @@ def compute_window(state: AppState, turn: Turn, messages: list[Message], keys: l
         state.tokens.tools(enc, b.get("tools")) + _proxy_tools_tokens(state, enc), factor,
         REPLY_PRIMING)
     now = int(time.time() * 1000)
-    return build_window(messages, keys, counts, turn.policy, budget,
-                        WindowTokens(state.tokens, enc, state.truncations), protected=protected,
-                        timestamps=first_seen(state.first_seen, keys, now), now_ms=now,
-                        memo=state.window_memo, tool_names=tools.window_names)
+    carried = (turn.caller.namespace or "", session.id)
+    window = build_window(messages, keys, counts, turn.policy, budget,
+                          WindowTokens(state.tokens, enc, state.cuts), protected=protected,
+                          timestamps=FirstSeen(state.first_seen, keys, now), now_ms=now,
+                          memo=state.window_memo, tool_names=tools.window_names,
+                          carry=state.carries.get(carried))
+    if window.carry is not None:
+        state.carries[carried] = window.carry
+    return window
 
 
 def prompt_tokens(state: AppState, turn: Turn, window: Window,
@@ -123,17 +134,19 @@ def _proxy_tools_tokens(state: AppState, enc: Any) -> int:
     return int(n)
 
 
-def first_seen(seen: dict[str, int], keys: list[str], now: int) -> list[int | None]:
-    """When this replica first saw each message (for max_time_range); new ones: now."""
-    out: list[int | None] = []
-    for k in keys:
-        t = seen.get(k)
+class FirstSeen:
+    """When this replica first saw the message at each position (for max_time_range),
+    looked up only where the window asks: at the first message of each run loop."""
+
+    def __init__(self, seen: MutableMapping[str, int], keys: list[str], now: int):
+        self.seen, self.keys, self.now = seen, keys, now
+
+    def __getitem__(self, position: int) -> int | None:
+        key = self.keys[position]
+        t = self.seen.get(key)
         if t is None:
-            t = seen[k] = now
-            if len(seen) > FIRST_SEEN_SIZE:
-                seen.pop(next(iter(seen)))
-        out.append(t)
-    return out
+            t = self.seen[key] = self.now
+        return t
 
 
 def log_events(state: AppState, turn: Turn, session: Session, window: Window) -> None:

@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, MutableMapping
 from typing import Any
 
 import orjson
 import tiktoken
 
+from ..caches import ByteLRU
 from ..conversation.messages import Message, content_hash, message_hash, text_of
 from ..ops import logs
 from ..window.forms import Cut
@@ -36,11 +36,10 @@ IMAGE_PART_TOKENS = 765
 MEDIA_PARTS = ("image_url", "input_image", "input_audio")
 FRAME = 100_264  # stands for the chat format's framing tokens (cl100k's <|im_start|>)
 TOOLS_OVERHEAD = 6  # the system turn the tools section rides in
-CACHE_SIZE = 200_000
+COUNT_ENTRY_BYTES = 260  # a cached count: the key tuple, two strings, an int, a slot
 EXACT_CHARS = 65_536  # texts up to this long are counted exactly
 SAMPLE_CHARS = 16_384  # longer ones: estimated from this much of their head and of their tail
 CUT_SCAN_CHARS = 32  # characters a cut reads per token it keeps (cl100k tokens are shorter)
-CUT_CACHE_SIZE = 20_000
 CALIBRATION_WEIGHT = 0.2
 FETCH_TIMEOUT_S = 3.0
 # the encodings of current OpenAI models, loaded at startup when they can be
@@ -52,14 +51,18 @@ Counter = Callable[[Message], int]
 class TokenCounter:
     """Counts tokens of messages for a model; thread-safe, with an LRU per encoding."""
 
-    def __init__(self, cache_size: int = CACHE_SIZE):
+    def __init__(self, cache_bytes: int = 64 << 20):
         self._encodings: dict[str, tiktoken.Encoding | None] = {}
         self._by_model: dict[tuple[str, str | None], tuple[tiktoken.Encoding, bool]] = {}
-        self._cache: OrderedDict[tuple[str, str], int] = OrderedDict()
-        self._cache_size = cache_size
+        # (encoding, content hash) -> count: entries of one size, so bytes bound the count
+        self._cache: ByteLRU[tuple[str, str], int] = ByteLRU(
+            cache_bytes, lambda k, v: COUNT_ENTRY_BYTES)
         self._factors: dict[str, float] = {}
         self._lock = threading.Lock()
         self._warmed = False
+
+    def resize(self, cache_bytes: int) -> None:
+        self._cache.max_bytes = cache_bytes
 
     def encoding(self, model: str, override: str | None = None) -> tuple[tiktoken.Encoding, bool]:
         """The model's encoding and whether it is exact (else: fallback + calibration)."""
@@ -128,27 +131,18 @@ class TokenCounter:
         return count_text(enc, text)
 
     def message(self, enc: tiktoken.Encoding, msg: Message, key: str | None = None) -> int:
-        key = key or message_hash(msg)
-        ck = (enc.name, key)
-        with self._lock:
-            hit = self._cache.get(ck)
-            if hit is not None:
-                self._cache.move_to_end(ck)
-                return hit
+        ck = (enc.name, key or message_hash(msg))
+        hit = self._cache.get(ck)
+        if hit is not None:
+            return int(hit)
         n = self._count(enc, msg)
-        with self._lock:
-            self._cache[ck] = n
-            if len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        self._cache[ck] = n
         return n
 
     def prime(self, enc: tiktoken.Encoding, counts: dict[str, int]) -> None:
         """Seed the cache with counts made elsewhere (the store), keyed by content hash."""
-        with self._lock:
-            for key, n in counts.items():
-                self._cache[(enc.name, key)] = n
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        for key, n in counts.items():
+            self._cache[(enc.name, key)] = n
 
     def _count(self, enc: tiktoken.Encoding, msg: Message) -> int:
         return billed_count(enc, msg)
@@ -164,13 +158,11 @@ class TokenCounter:
 
     def _rendered(self, enc: tiktoken.Encoding, tools: list[dict[str, Any]]) -> int:
         ck = (enc.name, "tools:" + content_hash(orjson.dumps(tools)))
-        with self._lock:
-            hit = self._cache.get(ck)
+        hit = self._cache.get(ck)
         if hit is None:
             hit = self.text(enc, render_tools(tools)) + TOOLS_OVERHEAD
-            with self._lock:
-                self._cache[ck] = hit
-        return hit
+            self._cache[ck] = hit
+        return int(hit)
 
     # -- calibration ----------------------------------------------------------------------
 
@@ -307,7 +299,7 @@ class WindowTokens:
     long texts to head + tail (cached by text and size)."""
 
     def __init__(self, counter: TokenCounter, enc: tiktoken.Encoding,
-                 cuts: OrderedDict[tuple[str, int], Any]):
+                 cuts: MutableMapping[tuple[str, int], Any]):
         self.counter = counter
         self.enc = enc
         self._cuts = cuts
@@ -333,6 +325,4 @@ class WindowTokens:
             tail_ids = self.enc.encode_ordinary(text[-window:])[-tail:] if tail else []
             out = Cut(self.enc.decode(head_ids), self.enc.decode(tail_ids), total - max_tokens)
         self._cuts[key] = out or False  # False: it fits (None would read as a miss)
-        if len(self._cuts) > CUT_CACHE_SIZE:
-            self._cuts.popitem(last=False)
         return out

@@ -88,6 +88,17 @@ class History:
 
 
 @dataclass(frozen=True)
+class Recent:
+    """A session's last request on this replica: its messages, hashed and counted (the next
+    request that starts with them hashes and counts only what it adds)."""
+
+    messages: list[Message]
+    prepared: list[Prepared]
+    encoding: str
+    size: int  # bytes, roughly: the canonical bodies twice (bodies, parsed dicts), and slots
+
+
+@dataclass(frozen=True)
 class Outgoing:
     """What goes upstream: the body, and when it is a window, the window and its parts."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Protocol
 
 from ..config import Policy, ProxyToolsMode, ReducePastLoops
 from ..conversation.messages import Message, content_hash, tool_calls_of
@@ -32,6 +33,12 @@ from .forms import (
     appended,
     remember,
 )
+
+
+class Stamps(Protocol):
+    """When each message was first seen (ms), by position; read at loop starts only."""
+
+    def __getitem__(self, position: int) -> int | None: ...
 
 
 class CompactionKind(StrEnum):
@@ -72,6 +79,7 @@ class Window:
     reduced_loops: int = 0
     omitted_loops: int = 0
     events: tuple[Event, ...] = ()
+    carry: Carry | None = field(default=None, compare=False, repr=False)
 
     def offers_tools(self, policy: Policy, client_tools: bool) -> bool:
         """Whether the request goes out with the proxy's tools: when something was left out,
@@ -92,7 +100,7 @@ class _Plan:
 
 
 class _Replay:
-    def __init__(self, conv: Conversation, timestamps: list[int | None] | None,
+    def __init__(self, conv: Conversation, timestamps: Stamps | None,
                  now_ms: int | None, summary: str | None):
         self.c = conv
         self.plan = _Plan()
@@ -385,26 +393,88 @@ def request_points(messages: list[Message], pre: int) -> list[int]:
     return points
 
 
+@dataclass(frozen=True)
+class Carry:
+    """What one request's window leaves for the next request of the same conversation: the
+    derived forms (an append-only log; ``n``: how much of it this window held) and the
+    replay's state after its last two request points (the next request resumes there when
+    it holds the same messages and more)."""
+
+    conv: Conversation
+    n: int
+    states: dict[int, tuple[int, ...]]
+    summary: str | None
+
+
+def _carried(carry: Carry | None, messages: list[Message], keys: list[str], counts: list[int],
+             policy: Policy, budget: Budget, ops: TokenOps, summary: str | None,
+             protected: frozenset[str], memo: Memo | None,
+             names: ToolNames) -> tuple[Conversation, int, tuple[int, ...]] | None:
+    """The carried conversation grown by this request's messages, and the request point the
+    replay resumes after (its index among ``conv.asked``) with the state there; None when
+    the carry does not fit."""
+    if carry is None or carry.summary != summary:
+        return None
+    conv = carry.conv.grow(carry.n, messages, keys, counts, policy, budget, protected, names,
+                           ops, memo)
+    if conv is None:
+        return None
+    asked = conv.asked
+
+    def index(p: int) -> int | None:
+        k = bisect.bisect_left(asked, p)
+        return k if k < len(asked) and asked[k] == p else None
+
+    # never past this request's own point: its events are recorded again, as a fresh build
+    # would (the same request gives the same window)
+    resumable = [p for p in carry.states if index(p) is not None]
+    if not resumable:
+        return None
+    p = max(resumable)
+    return conv, index(p) + 1, carry.states[p]  # type: ignore[operator]
+
+
 def build_window(messages: list[Message], keys: list[str], counts: list[int], policy: Policy,
-                 budget: Budget, ops: TokenOps, *, timestamps: list[int | None] | None = None,
+                 budget: Budget, ops: TokenOps, *, timestamps: Stamps | None = None,
                  now_ms: int | None = None, summary: str | None = None,
                  protected: frozenset[str] = frozenset(), memo: Memo | None = None,
-                 tool_names: ToolNames = DEFAULT_NAMES) -> Window:
-    """The window for a request carrying ``messages`` (pure; ``counts`` per message;
-    ``memo`` only caches derived forms, it never changes the result)."""
-    tokens_in = sum(counts)
-    if not policy.enabled or _nothing_to_do(messages, counts, policy, budget, tokens_in):
-        return Window(messages, False, tokens_in <= budget.hard, tokens_in, tokens_in)
-    conv = Conversation(messages, keys, counts, policy, budget, ops, protected, memo,
-                        tool_names)
-    replay = _Replay(conv, timestamps, now_ms, summary)
-    points = request_points(messages, conv.pre)
-    start = 0
-    checkpoints = _Checkpoints(conv, replay, summary) if memo is not None else None
-    if checkpoints is not None and len(points) > 1 and checkpoints.restore(points[-2]):
-        start = len(points) - 1  # the previous request's replay, resumed
-    for p in points[start:]:
-        replay.step(p, record=p == conv.n)
+                 tool_names: ToolNames = DEFAULT_NAMES, carry: Carry | None = None) -> Window:
+    """The window for a request carrying ``messages`` (pure; ``counts`` per message). ``memo``
+    only caches derived forms and ``carry`` (the previous window's) only spares recomputing
+    them: neither ever changes the result."""
+    resumed = _carried(carry, messages, keys, counts, policy, budget, ops, summary, protected,
+                       memo, tool_names) if policy.enabled else None
+    checkpoints = None
+    if resumed is not None:
+        conv, start, state = resumed
+        tokens_in = conv.total
+        replay = _Replay(conv, timestamps, now_ms, summary)
+        if replay.time_omission_possible():
+            start = 0  # the clock decides too: replay it whole
+        else:
+            replay.resume(state)
+    else:
+        tokens_in = sum(counts)
+        if not policy.enabled or _nothing_to_do(messages, counts, policy, budget, tokens_in):
+            return Window(messages, False, tokens_in <= budget.hard, tokens_in, tokens_in)
+        conv = Conversation.of(messages, keys, counts, policy, budget, ops, protected, memo,
+                               tool_names)
+        replay = _Replay(conv, timestamps, now_ms, summary)
+        start = 0
+        checkpoints = _Checkpoints(conv, replay, summary) if memo is not None else None
+        if checkpoints is not None and conv.asked and checkpoints.restore(conv.asked[-1]):
+            start = len(conv.asked)  # the previous request's replay, resumed
+    # the request points: every assistant message after the preamble, then this request's
+    points = conv.asked
+    last = len(points)  # the index of this request's own point, conv.n
+    states: dict[int, tuple[int, ...]] = {}
+    if start == last and last > 0:
+        states[points[-1]] = replay.snapshot()
+    for k in range(start, last + 1):
+        p = points[k] if k < last else conv.n
+        replay.step(p, record=k == last)
+        if k >= last - 1:
+            states[p] = replay.snapshot()
     if checkpoints is not None:
         checkpoints.save(conv.n)
     out, elided, changed = replay.render()
@@ -413,10 +483,13 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
     fits = tokens_out <= budget.hard
     if not fits:
         out, tokens_out, elided, changed, fits = _hard_limit(conv, replay, events)
+    # made last: once handed on, the conversation is only ever grown by its next request
+    next_carry = None if replay.time_omission_possible() \
+        else Carry(conv, conv.n, states, summary)
     return Window(out if changed else messages, changed, fits, tokens_in,
                   tokens_out if changed else tokens_in, tuple(elided),
                   replay.plan.reduced_upto - replay.plan.omit_upto, replay.plan.omit_upto,
-                  tuple(events))
+                  tuple(events), next_carry)
 
 
 def _nothing_to_do(messages: list[Message], counts: list[int], policy: Policy, budget: Budget,

@@ -8,24 +8,24 @@ and the prefix sums the window's replay runs on. Derived forms are memoised acro
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from functools import partial
-from itertools import accumulate
 from typing import Any, NamedTuple, Protocol
 
 import orjson
 
 from ..config import Policy
 from ..conversation.messages import (
+    REF_CHARS,
     Message,
     content_hash,
-    message_refs,
     message_text,
     text_of,
     tool_calls_of,
 )
-from ..conversation.runloops import RunLoop, preamble_end, segment
+from ..conversation.runloops import RunLoop, Segmenter, preamble_end
 
 TAG = "[runloop-proxy]"
 MEMO_SIZE = 50_000
@@ -78,78 +78,154 @@ class TokenOps(Protocol):
 
 
 class Conversation:
-    """Per-message facts the replay needs, computed once per build (O(n))."""
+    """Per-message facts the replay needs, and the derived forms, for a conversation that
+    grows: ``of`` builds one; ``grow`` extends it in place by a request's new messages, when
+    the request holds it whole (same messages, policy, budget and proxy exchanges) — a long
+    session's request costs what it adds, not what it holds. It is an append-only log: the
+    first request that grows it claims it, and a request holding an older view of it (a
+    concurrent one, another branch) gets None and builds its own."""
 
-    def __init__(self, messages: list[Message], keys: list[str], counts: list[int],
-                 policy: Policy, budget: Budget, ops: TokenOps, protected: frozenset[str],
+    def __init__(self, policy: Policy, budget: Budget, ops: TokenOps, protected: frozenset[str],
                  memo: Memo | None, names: ToolNames = DEFAULT_NAMES):
-        self.messages, self.keys, self.counts = messages, keys, counts
         self.names = names  # the proxy's tools as this request calls them (renamed on a clash)
         self.recall, self.search = names
         self.policy, self.budget, self.ops = policy, budget, ops
         self.memo, self.protected = memo, protected
-        self.n = len(messages)
-        self.pre = preamble_end(messages)
-        self.loops = segment(messages)
-        self.loop_of = [0] * self.n
-        for lp in self.loops:
-            for i in lp.positions:
-                self.loop_of[i] = lp.index
-        self.refs = message_refs(keys)
-        cap = max(64, int(policy.max_tool_result_share * budget.working))
-        n_msgs = self.n
-        self.tool_names, self.tool_args = [""] * n_msgs, [""] * n_msgs
-        self.full: list[Message] = list(messages)  # as shown when not elided (huge ones capped)
-        self.full_counts = list(counts)
-        self.short: list[Message | None] = [None] * n_msgs  # elided / trimmed form
-        self.saving = [0] * n_msgs
+        self.cap = max(64, int(policy.max_tool_result_share * budget.working))
+        self.messages: list[Message] = []
+        self.keys: list[str] = []
+        self.counts: list[int] = []
+        self.total = 0  # of counts: the conversation's tokens as sent
+        self.asked: list[int] = []  # request points before n: assistant messages after the preamble
+        self.n = 0
+        self.pre = 0
+        self.seg = Segmenter(0)
+        self.loop_of: list[int] = []
+        self.refs: list[str] = []
+        self._taken: dict[str, str] = {}  # ref -> key (message_refs, incrementally)
+        self.tool_names: list[str] = []
+        self.tool_args: list[str] = []
+        self.full: list[Message] = []  # as shown when not elided (huge results capped)
+        self.full_counts: list[int] = []
+        self.short: list[Message | None] = []  # elided / trimmed form
+        self.saving: list[int] = []
         self.tool_positions: list[int] = []
+        self._elidable: set[int] = set()
         # tool exchanges: an assistant message with calls and the results that follow it
         self.group_end: dict[int, int] = {}
-        pending: dict[str, tuple[str, str]] = {}  # call id -> (tool, arguments)
-        group = -1
-        for i, m in enumerate(messages):
-            role = m.get("role")
-            if role == "tool":
-                cid = m.get("tool_call_id")
-                self.tool_names[i], self.tool_args[i] = pending.get(str(cid), ("tool", ""))
-                if group >= 0:
-                    self.group_end[group] = i + 1
-                if self.tool_names[i] in policy.exclude_tools or cid in protected:
-                    continue  # kept whole: only the hard limit may touch them
-                if counts[i] > cap:
-                    capped, n = self._derived(("cap", keys[i], str(cap), self.refs[i], *names),
-                                              partial(self._capped, i, cap))
-                    self.full[i], self.full_counts[i] = capped, n  # type: ignore[assignment]
-                self.tool_positions.append(i)
-                ph, n = self._derived(("ph", keys[i], self.refs[i], str(counts[i]),
-                                       self.tool_names[i], *names),
-                                      partial(self._placeholder, i))
-                if self.full_counts[i] - n > 0:
-                    self.short[i], self.saving[i] = ph, self.full_counts[i] - n
-                continue
-            group = -1
-            if role != "assistant":
-                continue
-            for c in tool_calls_of(m):
-                fn = c.get("function") or {}
-                pending[c.get("id", "")] = (str(fn.get("name", "")), str(fn.get("arguments", "")))
-            if m.get("tool_calls"):
-                group = i
-                self.group_end[i] = i + 1
-                trimmed, n = self._derived(("trim", keys[i], self.refs[i],
-                                            str(policy.reasoning_keep_tokens), *names),
-                                           partial(self._trimmed_call, i))
-                if trimmed is not None and counts[i] - n > 0:
-                    self.short[i], self.saving[i] = trimmed, counts[i] - n
-        self.prefix = list(accumulate(self.full_counts, initial=0))
-        self.sav_prefix = list(accumulate(self.saving, initial=0))
-        self.pre_tokens = self.prefix[self.pre]
+        self._pending: dict[str, tuple[str, str]] = {}  # call id -> (tool, arguments)
+        self._group = -1
+        self.prefix = [0]
+        self.sav_prefix = [0]
         self._reduced: dict[int, tuple[list[Message], int, bool]] = {}
         self._answers: dict[int, tuple[Message | None, int]] = {}
         self._marked: dict[str | None, tuple[list[Message], int]] = {}
         self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
-        self._elidable = frozenset(self.tool_positions)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, messages: list[Message], keys: list[str], counts: list[int], policy: Policy,
+           budget: Budget, ops: TokenOps, protected: frozenset[str], memo: Memo | None,
+           names: ToolNames = DEFAULT_NAMES) -> Conversation:
+        conv = cls(policy, budget, ops, protected, memo, names)
+        conv._extend(messages, keys, counts)
+        return conv
+
+    def grow(self, at: int, messages: list[Message], keys: list[str], counts: list[int],
+             policy: Policy, budget: Budget, protected: frozenset[str], names: ToolNames,
+             ops: TokenOps, memo: Memo | None) -> Conversation | None:
+        """This conversation, as it stood with ``at`` messages, grown to hold a request's;
+        None when the request does not hold it whole, or the log grew past ``at`` already."""
+        if self.budget != budget or self.protected != protected or self.names != names \
+                or self.policy != policy or len(keys) < at:
+            return None
+        with self._lock:
+            if self.n != at or keys[:at] != self.keys or counts[:at] != self.counts:
+                return None
+            self.ops, self.memo = ops, memo
+            self._noted = {}
+            if self.seg.open is not None:  # the last loop may change: its forms are made anew
+                self._reduced.pop(self.seg.open.index, None)
+                self._answers.pop(self.seg.open.index, None)
+            self._extend(messages[at:], keys[at:], counts[at:])
+        return self
+
+    def _extend(self, messages: list[Message], keys: list[str], counts: list[int]) -> None:
+        start = self.n
+        self.messages += messages
+        self.keys += keys
+        self.counts += counts
+        self.total += sum(counts)
+        self.n = len(self.messages)
+        if self.pre == start:  # all preamble so far: where it ends may move
+            self.pre = preamble_end(self.messages)
+            self.seg = Segmenter(self.pre)
+            self._marked = {}
+            for m in self.messages[start:self.pre]:
+                self._add(m)
+            start = max(start, self.pre)
+            self.loop_of += [0] * (self.pre - len(self.loop_of))
+        for i in range(start, self.n):
+            self._add(self.messages[i])
+        self.pre_tokens = self.prefix[self.pre]
+        self.loops: list[RunLoop] = self.seg.loops()
+
+    def _add(self, m: Message) -> None:
+        """Derive the facts of the next message (its position: how many came before)."""
+        i = len(self.refs)
+        key, count, names = self.keys[i], self.counts[i], self.names
+        if i >= self.pre:
+            self.seg.add(m)
+            self.loop_of.append(self.seg.open.index if self.seg.open is not None else 0)
+            if i > self.pre and m.get("role") == "assistant":
+                self.asked.append(i)
+        n = REF_CHARS
+        while self._taken.get(key[:n], key) != key and n < len(key):
+            n += 2
+        self._taken.setdefault(key[:n], key)
+        self.refs.append(key[:n])
+        self.tool_names.append("")
+        self.tool_args.append("")
+        self.full.append(m)
+        self.full_counts.append(count)
+        self.short.append(None)
+        self.saving.append(0)
+        role = m.get("role")
+        if role == "tool":
+            cid = m.get("tool_call_id")
+            self.tool_names[i], self.tool_args[i] = self._pending.get(str(cid), ("tool", ""))
+            if self._group >= 0:
+                self.group_end[self._group] = i + 1
+            if self.tool_names[i] not in self.policy.exclude_tools and cid not in self.protected:
+                cap = self.cap
+                if count > cap:
+                    capped, c = self._derived(("cap", key, str(cap), self.refs[i], *names),
+                                              partial(self._capped, i, cap))
+                    self.full[i], self.full_counts[i] = capped, c  # type: ignore[assignment]
+                self.tool_positions.append(i)
+                self._elidable.add(i)
+                ph, c = self._derived(("ph", key, self.refs[i], str(count),
+                                       self.tool_names[i], *names),
+                                      partial(self._placeholder, i))
+                if self.full_counts[i] - c > 0:
+                    self.short[i], self.saving[i] = ph, self.full_counts[i] - c
+        else:
+            self._group = -1
+            if role == "assistant":
+                for call in tool_calls_of(m):
+                    fn = call.get("function") or {}
+                    self._pending[call.get("id", "")] = (str(fn.get("name", "")),
+                                                         str(fn.get("arguments", "")))
+                if m.get("tool_calls"):
+                    self._group = i
+                    self.group_end[i] = i + 1
+                    trimmed, c = self._derived(("trim", key, self.refs[i],
+                                                str(self.policy.reasoning_keep_tokens), *names),
+                                               partial(self._trimmed_call, i))
+                    if trimmed is not None and count - c > 0:
+                        self.short[i], self.saving[i] = trimmed, count - c
+        self.prefix.append(self.prefix[-1] + self.full_counts[i])
+        self.sav_prefix.append(self.sav_prefix[-1] + self.saving[i])
 
     def _short_args(self, i: int) -> str:
         """A call's arguments for the ledger: ``key=value`` pairs when they are a flat JSON

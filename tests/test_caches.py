@@ -1,0 +1,66 @@
+"""Caches bounded in bytes: least recently used out first, never over their budget."""
+
+from __future__ import annotations
+
+import threading
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from runloop_proxy.caches import ByteLRU, approx_size
+
+
+def test_the_least_recently_used_goes_first() -> None:
+    c: ByteLRU[str, int] = ByteLRU(300, lambda k, v: 100)
+    c["a"], c["b"], c["c"] = 1, 2, 3
+    assert c.get("a") == 1  # used: now the newest
+    c["d"] = 4
+    assert list(c) == ["c", "a", "d"] and c.bytes == 300 and "b" not in c
+
+
+def test_an_entry_larger_than_the_cache_is_not_kept() -> None:
+    c: ByteLRU[str, str] = ByteLRU(100)
+    c["big"] = "x" * 1000
+    assert "big" not in c and c.bytes == 0
+
+
+def test_replacing_an_entry_accounts_its_new_size() -> None:
+    c: ByteLRU[str, str] = ByteLRU(10_000)
+    c["k"] = "x" * 1000
+    first = c.bytes
+    c["k"] = "x" * 10
+    assert c.bytes < first and len(c) == 1
+    del c["k"]
+    assert c.bytes == 0
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(1, 400)), max_size=200),
+       st.integers(1, 2000))
+def test_never_over_budget_and_bytes_add_up(ops: list[tuple[int, int]], budget: int) -> None:
+    c: ByteLRU[int, int] = ByteLRU(budget, lambda k, v: v)
+    for key, size in ops:
+        c[key] = size
+        assert c.bytes <= budget
+        assert c.bytes == sum(c._data[k][1] for k in c)
+
+
+def test_threads_share_it_safely() -> None:
+    c: ByteLRU[int, str] = ByteLRU(50_000)
+
+    def work(base: int) -> None:
+        for i in range(2000):
+            c[base + i % 300] = "v" * (i % 50)
+            c.get(base + (i * 7) % 300)
+
+    threads = [threading.Thread(target=work, args=(k * 1000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert c.bytes == sum(c._data[k][1] for k in c) <= 50_000
+
+
+def test_sizes_are_estimated_from_what_the_value_holds() -> None:
+    small, large = approx_size({"a": "x"}), approx_size({"a": "x" * 10_000})
+    assert large - small >= 9_999
+    assert approx_size([[["deep"]]] * 3) > approx_size([])
