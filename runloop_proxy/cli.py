@@ -28,12 +28,14 @@ def settings_from_env() -> Settings:
     """Settings for a worker process started by uvicorn (``--workers N``)."""
     port = _env("port")
     cw = _env("context_window")
+    cache = _env("cache_mb")
     return Settings(host=_env("host"), port=int(port) if port else None,
                     upstream=_env("upstream"), config_dir=_env("config"),
                     redis_url=_env("redis_url") or os.environ.get("REDIS_URL"),
                     data_dir=_env("data_dir", ".runloop"), log_level=_env("log_level", "info"),
                     log_format=_env("log_format", "json"),
                     context_window=int(cw) if cw else None, admin_key=_env("admin_key"),
+                    cache_mb=int(cache) if cache else None,
                     workers=int(_env("workers", "1")))
 
 
@@ -55,6 +57,8 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--log-format", default=_env("log_format", "json"), choices=["json", "text"])
     p.add_argument("--context-window", type=int, default=_env("context_window"),
                    help="context window assumed for models the config does not know")
+    p.add_argument("--cache-mb", type=int, default=_env("cache_mb"),
+                   help="memory the per-process caches may use in all (default 512)")
     p.add_argument("--workers", type=int, default=int(_env("workers", "1")),
                    help="uvicorn worker processes (default 1)")
 
@@ -72,7 +76,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         data_dir=args.data_dir, log_level=args.log_level,
                         log_format=args.log_format,
                         context_window=args.context_window, workers=args.workers,
-                        admin_key=_env("admin_key"))
+                        admin_key=_env("admin_key"),
+                        cache_mb=int(args.cache_mb) if args.cache_mb else None)
     try:
         config = load_config(settings)
     except ConfigError as exc:

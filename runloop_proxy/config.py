@@ -163,6 +163,7 @@ class StoreSection(_Strict):
     retry_after_s: float = Field(2.0, ge=0)
     write_retry_s: float = Field(
         120.0, ge=0, description="how long a history write waits for Redis before it is lost")
+    write_queue_mb: int = Field(256, ge=1, description="history waiting to be written, at most")
 
 
 class TenantSpec(_Strict):
@@ -234,6 +235,7 @@ class Settings:
     context_window: int | None = None
     admin_key: str | None = None
     workers: int = 1
+    cache_mb: int | None = None
 
 
 @dataclass(frozen=True)
@@ -350,7 +352,8 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
     gfile: GlobalFile = _validate(GlobalFile, raw, str(sources[0]) if sources else "<defaults>")
 
     server_over = {k: v for k, v in (("host", settings.host), ("port", settings.port),
-                                     ("admin_key", settings.admin_key)) if v is not None}
+                                     ("admin_key", settings.admin_key),
+                                     ("cache_mb", settings.cache_mb)) if v is not None}
     server = gfile.server.model_copy(update=server_over)
     store = gfile.store.model_copy(update={"redis_url": settings.redis_url}
                                    if settings.redis_url else {})

@@ -24,6 +24,17 @@ from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream, ThreadedServer
 
 
+def until(cond: Any, timeout: float = 10, what: str = "the condition") -> float:
+    """Poll ``cond`` until it holds; the seconds it took. At the deadline the test fails,
+    saying what did not happen (a wait never passes silently)."""
+    start = time.monotonic()
+    while not cond():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"{what} did not happen within {timeout}s")
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,7 +20,7 @@ from runloop_proxy.errors import ConfigError
 from runloop_proxy.pipeline.tools import definitions_tokens
 from runloop_proxy.scripted import ScriptedUpstream
 
-from .conftest import ProxyServer
+from .conftest import ProxyServer, until
 
 ACME_KEY = "acme-proxy-key-0123456789"
 GLOBEX_KEY = "globex-proxy-key-0123456789"
@@ -141,7 +141,7 @@ def test_tenants_are_isolated_through_the_proxy(tmp_path: Path, make_proxy: Any,
         openai.OpenAI(base_url=proxy.url, api_key="wrong-key-000000000",
                       max_retries=0).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "x"}])
-    time.sleep(0.3)
+    proxy.settle()
     admin = {"Authorization": "Bearer admin-0123456789abcdef"}
     a = httpx.get(proxy.base + "/admin/sessions/shared-name", params={"tenant": "acme"},
                   headers=admin).json()
@@ -162,17 +162,15 @@ def test_reload_on_file_change_keeps_last_good(tmp_path: Path, make_proxy: Any,
     # a broken edit: the last good config stays
     (root / "tenants" / "acme.toml").write_text("keys = [broken")
     _bump(root / "tenants" / "acme.toml")
-    time.sleep(2.6)
+    failed = proxy.metrics.config_reloads.labels("error")
+    until(lambda: failed._value.get() == 1, what="the broken edit tried")
     assert proxy.state.config.tenants["acme"].policy.keep_recent_tool_results == 5
     # a good edit is picked up without a restart
     (root / "tenants" / "acme.toml").write_text(
         f'keys = ["{ACME_KEY}"]\nupstream_key = "k2"\n[policy]\nkeep_recent_tool_results = 9')
     _bump(root / "tenants" / "acme.toml")
-    deadline = time.monotonic() + 6
-    while time.monotonic() < deadline and \
-            proxy.state.config.tenants["acme"].policy.keep_recent_tool_results != 9:
-        time.sleep(0.1)
-    assert proxy.state.config.tenants["acme"].policy.keep_recent_tool_results == 9
+    until(lambda: proxy.state.config.tenants["acme"].policy.keep_recent_tool_results == 9,
+          what="the good edit applied")
     text = httpx.get(proxy.base + "/metrics").text
     assert 'runloop_config_reloads_total{outcome="error"}' in text
     assert 'runloop_config_reloads_total{outcome="ok"}' in text
@@ -196,14 +194,22 @@ def test_sighup_reloads(tmp_path: Path, upstream: ScriptedUpstream, redis_url: s
         (root / "tenants" / "acme.toml").write_text(
             f'keys = ["{ACME_KEY}"]\nupstream_key = "k3"\n[policy]\nmax_run_loops = 3')
         proc.send_signal(signal.SIGHUP)
-        time.sleep(1.0)
+        reloads = f"http://127.0.0.1:{port}/metrics"
+        until(lambda: 'runloop_config_reloads_total{outcome="ok"} 1.0' in
+              httpx.get(reloads).text, what="the SIGHUP reload")
+        assert 'runloop_config_reloads_total{outcome="error"} 0.0' in httpx.get(reloads).text
+        # the reloaded tenant answers with its new upstream key
+        httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions",
+                   headers={"Authorization": f"Bearer {ACME_KEY}"},
+                   json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+        assert upstream.headers[-1]["authorization"] == "Bearer k3"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=20)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert '"reason": "SIGHUP"' in err or '"reason":"SIGHUP"' in err
-    assert ACME_KEY not in err
+    assert "config reload failed" not in err and ACME_KEY not in err
 
 
 def _wait_http(url: str, timeout: float = 20) -> None:

@@ -20,7 +20,7 @@ import pytest
 
 from runloop_proxy.scripted import ScriptedUpstream
 
-from .conftest import ProxyServer, RedisServer
+from .conftest import ProxyServer, RedisServer, until
 from .test_config import ACME_KEY, write_config
 from .test_tools import CLIENT_TOOLS, long_session
 
@@ -43,16 +43,6 @@ def metric(proxy: ProxyServer, name: str, **labels: str) -> float:
                 and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def until(cond: Any, timeout: float = 10, what: str = "condition") -> float:
-    """Poll ``cond`` until true; the seconds it took. Fails loudly at the deadline."""
-    start = time.monotonic()
-    while not cond():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"{what} not met within {timeout}s")
-        time.sleep(0.02)
-    return time.monotonic() - start
 
 
 # -- input: a 400 before the upstream is called, never a 500 -------------------------------

@@ -153,6 +153,30 @@ def _wait(cond: Any, timeout: float = 30) -> None:
     raise AssertionError(f"condition not met in {timeout}s ({last!r})")
 
 
+def test_saved_tokens_are_what_the_window_removed(proxy: ProxyServer,
+                                                  upstream: ScriptedUpstream) -> None:
+    """On /metrics (no Prometheus needed): saved = client - forwarded, as the response's
+    X-Runloop-Tokens header reports them, summed over requests."""
+    upstream.responder = lambda body: {"content": "ok"}
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-saving", max_retries=0)
+    saved = 0
+    for _ in range(2):
+        r = c.chat.completions.with_raw_response.create(
+            model="gpt-4o-mini", messages=long_session(), tools=CLIENT_TOOLS)  # type: ignore[arg-type]
+        client, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
+        saved += client - forwarded
+    assert saved > 1000
+    text = httpx.get(proxy.base + "/metrics").text
+
+    def total(name: str) -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{"))
+
+    assert total("runloop_prompt_tokens_saved_total") == saved
+    assert total("runloop_prompt_tokens_client_total") - \
+        total("runloop_prompt_tokens_forwarded_total") == saved
+
+
 def test_metrics_never_carry_keys_or_prompts(proxy: ProxyServer,
                                              upstream: ScriptedUpstream) -> None:
     c = openai.OpenAI(base_url=proxy.url, api_key="sk-secret-key-in-test", max_retries=0)

@@ -19,7 +19,7 @@ from runloop_proxy.history.store import RedisStore, prepare
 from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream
 
-from .conftest import ProxyServer, RedisServer, free_cluster_port
+from .conftest import ProxyServer, RedisServer, free_cluster_port, until
 
 ADMIN = "admin-key-for-tests-0123456789"
 KEY = "sk-store-tests"
@@ -146,8 +146,7 @@ def test_fifty_concurrent_requests_lose_nothing(aproxy: ProxyServer,
         await c.close()
 
     asyncio.run(go())
-    settle(aproxy)
-    time.sleep(0.3)  # server-history replies are appended by background tasks
+    settle(aproxy)  # the replies, appended write-behind too
     view = admin(aproxy, "/admin/sessions/s-50", messages="1").json()
     contents = [m["content"] for m in view["messages"]]
     assert sorted(c for c in contents if c.startswith("msg ")) == \
@@ -291,11 +290,10 @@ def test_redis_killed_mid_traffic_no_client_failures(make_proxy: Any,
         text = httpx.get(proxy.base + "/metrics").text
         assert "runloop_degraded_requests_total" in text
         # recovered: a fresh request is served with the store again
-        time.sleep(0.5)
-        r = c.chat.completions.with_raw_response.create(
+        until(lambda: c.chat.completions.with_raw_response.create(
             model="m", messages=[{"role": "user", "content": "after"}],
-            extra_headers={"X-Session-Id": "s-after"})
-        assert r.headers.get("x-runloop-degraded") is None
+            extra_headers={"X-Session-Id": "s-after"}).headers.get("x-runloop-degraded")
+            is None, what="the store back")
     finally:
         server.cleanup()
 

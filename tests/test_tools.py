@@ -15,7 +15,7 @@ from runloop_proxy.conversation.messages import message_hash, message_refs
 from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner, rank
 from runloop_proxy.scripted import ScriptedUpstream
 
-from .conftest import ProxyServer
+from .conftest import ProxyServer, until
 
 CLIENT_TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {
     "type": "object", "properties": {"cmd": {"type": "string"}}}}}]
@@ -138,7 +138,8 @@ def test_mixed_calls_client_gets_its_own_and_proxy_part_is_spliced_back(
     assert first.choices[0].finish_reason == "tool_calls"
     msgs.append(first.choices[0].message.model_dump(exclude_none=True))
     msgs.append({"role": "tool", "tool_call_id": "client_1", "content": "file_a file_b"})
-    _wait(lambda: proxy.state.store.cached_internal(proxy.state.store and _tenant(), "mixed-1"))
+    until(lambda: proxy.state.store.cached_internal(_tenant(), "mixed-1"),
+          what="the proxy's part of the turn kept")
     second = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=CLIENT_TOOLS)
     assert second.choices[0].message.content == "all done"
     sent = upstream.requests[-1]["messages"]
@@ -156,16 +157,6 @@ def _tenant() -> str:
     import hashlib
 
     return "pt-" + hashlib.sha256(b"sk-t").hexdigest()[:16]
-
-
-def _wait(cond: Any, timeout: float = 5.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.05)
 
 
 def test_search_history_returns_ranked_snippets(proxy: ProxyServer,
@@ -329,3 +320,76 @@ def test_a_failing_window_passes_the_request_through(proxy: ProxyServer,
     degraded = [line for line in metrics.splitlines()
                 if line.startswith("runloop_degraded_requests_total{")]
     assert any('reason="window"' in line and line.endswith(" 1.0") for line in degraded)
+
+
+def test_a_stream_mixing_the_proxys_and_the_clients_calls_numbers_the_clients_from_0(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """The upstream streams the proxy's call at index 0 and the client's at index 1: the
+    client sees only its own, at index 0 (the SDK assembles calls by index)."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        return {"tool_calls": [{"id": "rc_7", "name": recall_name(body),
+                                "arguments": {"call_id": "call_2"}},
+                               {"id": "client_7", "name": "bash", "arguments": {"cmd": "ls"}}]}
+
+    upstream.responder = respond
+    raw = httpx.post(proxy.url + "/chat/completions", timeout=30, json={
+        "model": "gpt-4o-mini", "stream": True, "messages": long_session(),
+        "tools": CLIENT_TOOLS}).content
+    chunks = [orjson.loads(line[6:]) for line in raw.split(b"\n\n")
+              if line.startswith(b"data: {")]
+    indexes = [tc["index"] for c in chunks for ch in c["choices"]
+               for tc in (ch["delta"].get("tool_calls") or [])]
+    ids = [tc["id"] for c in chunks for ch in c["choices"]
+           for tc in (ch["delta"].get("tool_calls") or []) if tc.get("id")]
+    assert ids == ["client_7"] and indexes and set(indexes) == {0}
+    finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert finishes == ["tool_calls"] and raw.endswith(b"data: [DONE]\n\n")
+    stream = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    calls: dict[int, str] = {}
+    for part in stream.chat.completions.create(model="gpt-4o-mini", stream=True,
+                                               messages=long_session(),  # type: ignore[arg-type]
+                                               tools=CLIENT_TOOLS):  # type: ignore[arg-type]
+        for tc in (part.choices[0].delta.tool_calls or []) if part.choices else []:
+            calls[tc.index] = calls.get(tc.index, "") + (tc.function.name or "" if tc.function
+                                                         else "")
+    assert calls == {0: "bash"}
+
+
+AWKWARD = "tabs\there  and   runs of spaces\n\nblank lines\r\nCRLF \u00e9t\u00e9 \u4e2d\u6587 " \
+    "\U0001f600 zero\u200bwidth " + "x " * 400
+PARTS = [{"type": "text", "text": "first part  with  spaces\n"},
+         {"type": "text", "text": "second \u00fcber part " + "y " * 400}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_recall_returns_what_it_cut_byte_for_byte(proxy: ProxyServer, upstream: ScriptedUpstream,
+                                                  stream: bool) -> None:
+    """Unicode, runs of whitespace, CRLF, zero-width characters and a list of content parts
+    come back through recall_tool_call exactly as the client sent them."""
+    msgs = long_session()
+    msgs[3]["content"] = AWKWARD  # call_0's result
+    msgs[5]["content"] = PARTS  # call_1's
+    recalled: dict[str, Any] = {}
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last["role"] == "tool" and last["tool_call_id"].startswith("rc_"):
+            recalled[last["tool_call_id"]] = last["content"]
+            if len(recalled) == 2:
+                return {"content": "done"}
+        name = recall_name(body)
+        want = "call_0" if "rc_1" not in recalled else "call_1"
+        return {"tool_calls": [{"id": "rc_1" if want == "call_0" else "rc_2", "name": name,
+                                "arguments": {"call_id": elided_ref(body["messages"], want)}}]}
+
+    upstream.responder = respond
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    if stream:
+        text = "".join(p.choices[0].delta.content or "" for p in c.chat.completions.create(
+            model="gpt-4o-mini", messages=msgs, tools=CLIENT_TOOLS, stream=True)  # type: ignore[arg-type]
+            if p.choices)
+    else:
+        text = c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
+                                         tools=CLIENT_TOOLS).choices[0].message.content  # type: ignore[arg-type]
+    assert text == "done"
+    assert recalled == {"rc_1": AWKWARD, "rc_2": PARTS}

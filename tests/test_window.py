@@ -12,7 +12,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runloop_proxy.config import Policy, ReducePastLoops
-from runloop_proxy.conversation.messages import Message, message_hash, message_refs, tool_calls_of
+from runloop_proxy.conversation.messages import (
+    Message,
+    message_hash,
+    message_refs,
+    message_text,
+    tool_calls_of,
+)
+from runloop_proxy.conversation.runloops import segment
 from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner
 from runloop_proxy.window import builder as window_mod
 from runloop_proxy.window.builder import CompactionKind, Window, build_window, request_points
@@ -277,9 +284,16 @@ def test_drop_note_rides_on_the_question() -> None:
     for k in range(60):
         msgs += [A(f"c{k}", n=20, args=20), T(f"c{k}", 60)]
     w = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0), working=900)
-    assert w.fits and any(e.kind is CompactionKind.DROP for e in w.events) or \
-        "not shown" in w.messages[1]["content"]
-    assert w.messages[1]["content"].startswith(msgs[1]["content"])
+    assert w.fits
+    note = w.messages[1]["content"]
+    assert note.startswith(msgs[1]["content"])  # the question stays byte-identical first
+    found = re.search(r"The first (\d+) tool exchange\(s\) after this message "
+                      r"\(calls (c\d+) … (c\d+)\) are not shown", note)
+    assert found is not None, note
+    dropped, first, last = int(found.group(1)), found.group(2), found.group(3)
+    assert first == "c0" and last == f"c{dropped - 1}" and 0 < dropped < 60
+    shown_calls = [c["id"] for m in w.messages for c in m.get("tool_calls") or []]
+    assert shown_calls == [f"c{k}" for k in range(dropped, 60)]
     assert_valid(w.messages)
 
 
@@ -521,6 +535,21 @@ def resolve(ref: str, msgs: list[Message]) -> Any:
     return content if outcome == "hit" else None
 
 
+def dropped_by_a_note(msgs: list[Message], i: int, text: str) -> bool:
+    """Whether the tool result at ``i`` lies in a run of exchanges a drop note names (by its
+    first and last call ids: recall_tool_call takes those)."""
+    calls = [(k, c["id"]) for k, m in enumerate(msgs) for c in m.get("tool_calls") or []]
+    for first, last in re.findall(r"\(calls (\S+) … (\S+)\) (?:are not shown|were dropped)",
+                                  text):
+        starts = [k for k, cid in calls if cid == first]
+        ends = [k for k, cid in calls if cid == last]
+        if starts and ends:
+            after = next((k for k, _ in calls if k > max(ends)), len(msgs))
+            if min(starts) < i < after:
+                return True
+    return False
+
+
 @PROPS
 @given(conversations(), policies, st.integers(300, 3000))
 def test_every_elided_item_is_recallable(msgs: list[Message], policy: Policy,
@@ -529,18 +558,27 @@ def test_every_elided_item_is_recallable(msgs: list[Message], policy: Policy,
     text = orjson.dumps(w.messages).decode()
     shown = {orjson.dumps(m) for m in w.messages}
     refs = message_refs([message_hash(m) for m in msgs])
-    for m, ref in zip(msgs, refs, strict=True):
+    loop_of = {i: lp.index for lp in segment(msgs) for i in lp.positions}
+    for i, (m, ref) in enumerate(zip(msgs, refs, strict=True)):
         if m["role"] != "tool" or orjson.dumps(m) in shown:
             continue
         # not shown as sent: its ref resolves to it byte for byte ...
         assert resolve(ref, msgs) == m["content"]
-        # ... and the model is told: the ref is in a note or a ledger entry, a tiny result is
-        # in the ledger itself, or a marker points at search_history for what is not shown
-        named = f'call_id=\\"{ref}\\"' in text or f"{ref} " in text
-        inline = f"→ {' '.join(m['content'].split())}" in text
-        assert named or inline or "search_history" in text
+        # ... and the model is told how to get it back, whichever way it went:
+        if loop_of[i] < w.omitted_loops:  # its loop was omitted: the marker says search
+            assert "Earlier turns are not shown" in text and "search_history(query)" in text
+            continue
+        named = f'call_id=\\"{ref}\\"' in text or f"{ref} " in text  # a note, a ledger
+        inline = f"→ {' '.join(m['content'].split())}" in text  # a tiny result, in the ledger
+        assert named or inline or dropped_by_a_note(msgs, i, text), (i, ref)
     for e in w.elided:
         assert resolve(e.ref, msgs) == msgs[e.position]["content"]
+    # every message the window cut says where and names the ref that returns it whole
+    originals = {message_text(m) for m in msgs}
+    for cut in re.finditer(r'tokens cut; recall_tool_call\(call_id="([0-9a-f]+)"\)', text):
+        whole = resolve(cut.group(1), msgs)
+        assert whole is not None and (whole in originals or
+                                      any(whole == m["content"] for m in msgs))
 
 
 @PROPS
@@ -671,3 +709,54 @@ def test_the_next_request_replays_only_its_own_point(monkeypatch: Any) -> None:
     steps.clear()
     build_window(msgs, keys, counts, Policy(), budget, OPS)  # no memo: every point again
     assert len(steps) == len(request_points(msgs, 0))
+
+
+@PROPS
+@given(st.lists(st.integers(5, 400), min_size=20, max_size=70), st.integers(0, 3000),
+       st.integers(0, 4), st.integers(600, 4000))
+def test_in_loop_elision_comes_in_batches_of_clear_at_least(
+        sizes: list[int], clear: int, keep: int, working: int) -> None:
+    """Along one growing agent loop, each in-loop elision event clears at least
+    ``clear_at_least`` tokens — unless it elided everything elidable (all results but the
+    newest ``keep_recent_tool_results``): prefix changes come in batches, not one per turn."""
+    policy = Policy(clear_at_least=clear, keep_recent_tool_results=keep, reduce_at_least=0)
+    msgs: list[Message] = [S, U(tag="task")]
+    for k, n in enumerate(sizes):
+        msgs += [A(f"c{k}"), T(f"c{k}", n)]
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    budget = Budget(working * 20, working)
+    carry = None
+    for p in request_points(msgs, 0):
+        w = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS, carry=carry)
+        carry = w.carry or carry
+        for e in w.events:
+            if e.kind is not CompactionKind.ELISION or e.tokens_before - e.tokens_after >= clear:
+                continue
+            results = [m for m in w.messages if m["role"] == "tool"]
+            # still shown whole, and a placeholder (~13 tokens) would be shorter
+            full = [m for m in results[:-keep or None]
+                    if "[runloop-proxy]" not in m["content"] and OPS.count(m) > 20]
+            assert not full, f"at {p}: cleared {e.tokens_before - e.tokens_after} < {clear}"
+
+
+def test_a_60_step_loop_changes_its_prefix_a_few_times_not_every_turn() -> None:
+    msgs: list[Message] = [S, U(tag="task")]
+    for k in range(60):
+        msgs += [A(f"c{k}"), T(f"c{k}", 120)]
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+
+    def prefix_changes(clear: int) -> int:
+        previous: list[Message] | None = None
+        changes = 0
+        for p in request_points(msgs, 0):
+            w = build_window(msgs[:p], keys[:p], counts[:p], Policy(clear_at_least=clear),
+                             Budget(100_000, 3_000), OPS)
+            if previous is not None and w.messages[:len(previous)] != previous:
+                changes += 1
+            previous = list(w.messages)
+        return changes
+
+    batched, eager = prefix_changes(2000), prefix_changes(0)
+    assert batched <= 5 < eager

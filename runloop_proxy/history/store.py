@@ -138,7 +138,8 @@ class RedisStore:
         self._probe: asyncio.Task[None] | None = None
         self._scripts_loaded = False
         self.writes = WriteBehind(self._pipeline, self._settle, self._available_in,
-                                  cfg.write_retry_s, self._lost)
+                                  cfg.write_retry_s, self._lost, cfg.write_queue_mb << 20,
+                                  metrics.write_queue.set)
 
     # -- health ---------------------------------------------------------------------------
 
@@ -384,14 +385,19 @@ class RedisStore:
             sha = self._append.sha if job.append else self._sync.sha
             pipe.evalsha(sha, 1, args[0] + ":meta", *args)
             sent.append(job)
+        # the sessions' listing, in the same round trip (one ZADD per session a minute)
+        indexed = 0
+        for job in sent:
+            if self._index_due(job.namespace, job.session_id):
+                pipe.zadd(self._index_key(job.namespace), {job.session_id: _now_ms()})
+                indexed += 1
         results = await pipe.execute(raise_on_error=False) if sent else []
+        if indexed:
+            results = results[:-indexed]
         if any(isinstance(r, NoScriptError) for r in results):
             raise NoScriptError("scripts not loaded")  # _call reloads them and sends again
         it = iter(results)
-        out = [errors[i] if i in errors else next(it) for i in range(len(batch))]
-        for job in sent:
-            await self._index(job.namespace, job.session_id)
-        return out
+        return [errors[i] if i in errors else next(it) for i in range(len(batch))]
 
     async def _cluster_batch(self, batch: list[Job]) -> list[Any]:
         """A cluster has no cross-slot pipeline: sessions in parallel, each session's jobs in
@@ -412,17 +418,22 @@ class RedisStore:
         await asyncio.gather(*(one_session(ix) for ix in by_session.values()))
         return out
 
-    async def _index(self, namespace: str, session_id: str) -> None:
-        """Keep the namespace's session list current, at most once a minute per session."""
+    def _index_due(self, namespace: str, session_id: str) -> bool:
+        """Whether the namespace's session list needs this session's last use again (at most
+        once a minute per session); marks it done."""
         now = time.monotonic()
         key = (namespace, session_id)
         if now - self._indexed.get(key, -INDEX_EVERY_S) < INDEX_EVERY_S:
-            return
+            return False
         self._indexed[key] = now
         self._indexed.move_to_end(key)
         if len(self._indexed) > SESSION_CACHE_SIZE:
             self._indexed.popitem(last=False)
-        await self.client.zadd(self._index_key(namespace), {session_id: _now_ms()})
+        return True
+
+    async def _index(self, namespace: str, session_id: str) -> None:
+        if self._index_due(namespace, session_id):
+            await self.client.zadd(self._index_key(namespace), {session_id: _now_ms()})
 
     def _remember(self, key: tuple[str, str], length: int, chain: str,
                   internal: dict[str, Any]) -> None:

@@ -75,6 +75,7 @@ class Job:
     retry_hint: int | None = None
     attempts: int = 0
     deadline: float = 0.0
+    size: int = 0  # bytes it holds, roughly (the queue is bounded in bytes)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -97,13 +98,17 @@ class WriteBehind:
     ``settle`` applies a job's reply."""
 
     def __init__(self, run: Runner, settle: Settler, available: Callable[[], float],
-                 retry_s: float, on_lost: Callable[[Job, str], None]):
+                 retry_s: float, on_lost: Callable[[Job, str], None],
+                 max_bytes: int = 256 << 20, depth: Callable[[int], None] = lambda n: None):
         self._run = run
         self._settle = settle
         self._available_in = available  # seconds until the store is tried again (0: now)
         self.retry_s = retry_s
         self._on_lost = on_lost
         self._queue: list[Job] = []
+        self._depth = depth  # told the queue's length (a gauge)
+        self.max_bytes = max_bytes
+        self.bytes = 0
         self._queued: dict[tuple[str, str], Job] = {}  # the newest sync job per session
         self._in_flight = 0
         self._wake = asyncio.Event()
@@ -126,16 +131,23 @@ class WriteBehind:
 
     def submit(self, job: Job) -> None:
         job.deadline = time.monotonic() + self.retry_s
+        job.size = sum(len(it.body) for it in job.items[-64:]) + 200 * len(job.items)
         queued = None if job.append else self._queued.get(job.key)
         if queued is not None and queued.extended_by(job):
-            queued.items, queued.chains = job.items, job.chains
+            self.bytes += job.size - queued.size
+            queued.items, queued.chains, queued.size = job.items, job.chains, job.size
             queued.deadline = job.deadline
         else:
             self._queue.append(job)
+            self.bytes += job.size
             if not job.append:
                 self._queued[job.key] = job
-        if len(self._queue) > MAX_QUEUE:
-            self._drop(self._queue.pop(0), "queue overflow")
+        while len(self._queue) > 1 and (len(self._queue) > MAX_QUEUE
+                                        or self.bytes > self.max_bytes):
+            dropped = self._queue.pop(0)
+            self.bytes -= dropped.size
+            self._drop(dropped, "write-behind queue full")
+        self._depth(len(self._queue))
         self._wake.set()
 
     async def drain(self, timeout: float = 5.0) -> bool:
@@ -158,6 +170,7 @@ class WriteBehind:
         if not job.append and self._queued.get(job.key) not in (None, job):
             return  # a newer sync of the session is queued: it carries this one
         self._queue.append(job)
+        self.bytes += job.size
         if not job.append:
             self._queued[job.key] = job
 
@@ -173,9 +186,11 @@ class WriteBehind:
                     continue
                 batch, self._queue = self._queue[:BATCH], self._queue[BATCH:]
                 for job in batch:
+                    self.bytes -= job.size
                     if self._queued.get(job.key) is job:
                         del self._queued[job.key]
                 self._in_flight = len(batch)
+                self._depth(len(self._queue))
                 try:
                     await self._flush(batch)
                 finally:
@@ -187,6 +202,7 @@ class WriteBehind:
         keep = []
         for job in self._queue:
             if now > job.deadline:
+                self.bytes -= job.size
                 self._drop(job, "store unavailable")
             else:
                 keep.append(job)

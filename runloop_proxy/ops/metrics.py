@@ -83,6 +83,9 @@ class Metrics:
                                 registry=r)
         self.store_up = Gauge("runloop_store_up", "1 when the store answered last time",
                               registry=r, multiprocess_mode="max")
+        self.write_queue = Gauge("runloop_write_queue_jobs",
+                                 "History writes waiting for Redis (write-behind)",
+                                 registry=r, multiprocess_mode="livesum")
         self.branches_pruned = Counter("runloop_branches_pruned_total",
                                        "Least recently used branches pruned past max_branches",
                                        registry=r)

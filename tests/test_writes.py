@@ -1,0 +1,71 @@
+"""The write-behind queue against a real Redis: jobs queued together — a conversation that
+grows, a reply regenerated, an earlier message edited — are all stored: merging a queued job
+into a later one happens only when the later one carries it whole."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import orjson
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from runloop_proxy.config import StoreSection
+from runloop_proxy.conversation.messages import Message
+from runloop_proxy.history.store import RedisStore, prepare
+from runloop_proxy.ops.metrics import Metrics
+
+# what a client does next: say more, regenerate the last reply, or edit an earlier message
+STEPS = st.lists(st.sampled_from(["grow", "grow", "regenerate", "edit"]), min_size=1,
+                 max_size=12)
+
+
+def conversations(steps: list[str]) -> list[list[Message]]:
+    convo: list[Message] = [{"role": "user", "content": "start"}]
+    out = [list(convo)]
+    for k, step in enumerate(steps):
+        if step == "grow":
+            convo = [*convo, {"role": "assistant", "content": f"reply {k}"},
+                     {"role": "user", "content": f"more {k}"}]
+        elif step == "regenerate" and len(convo) > 1:
+            convo = [*convo[:-1], {"role": convo[-1]["role"], "content": f"again {k}"}]
+        else:
+            at = len(convo) // 2
+            convo = [*convo[:at], {"role": convo[at]["role"], "content": f"edit {k}"}]
+        out.append(list(convo))
+    return out
+
+
+async def branches(store: RedisStore, session: str) -> list[list[str]]:
+    p = store.prefix("t", session)
+    out = []
+    for b in await store.client.zrange(p + ":bused", 0, -1):
+        hashes = await store.client.lrange(f"{p}:b:{b.decode()}", 0, -1)
+        bodies = await store.client.hmget(p + ":msg", hashes) if hashes else []
+        out.append([orjson.loads(x)["content"] for x in bodies])
+    return out
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=STEPS)
+def test_every_conversation_queued_together_is_stored(redis_url: str, steps: list[str]) -> None:
+    convos = conversations(steps)
+
+    async def go() -> list[list[str]]:
+        store = RedisStore(redis_url, StoreSection(key_prefix="w" + uuid.uuid4().hex[:8]),
+                           Metrics())
+        await store.start()
+        try:
+            for c in convos:  # no await in between: they all wait in the queue together
+                store.submit("t", "s", [prepare(m) for m in c])
+            assert await store.drain(10)
+            return await branches(store, "s")
+        finally:
+            await store.close()
+
+    stored = asyncio.run(go())
+    for c in convos:
+        texts = [m["content"] for m in c]
+        assert any(b[:len(texts)] == texts for b in stored), (texts, stored)
