@@ -1,6 +1,7 @@
 """Proxy overhead benchmark: the proxy and, in the same run, the upstream directly.
 
-    python bench/overhead.py [--requests 1000] [--duration 10] [--workers 1] [--json]
+    python bench/overhead.py [--requests 1000] [--duration 10] [--workers 1] [--api chat|responses]
+                             [--json]
 
 Starts the scripted upstream and `runloop-proxy serve` (embedded Redis) as separate processes,
 then prints the latency the proxy adds at concurrency 1 (p50/p99, requests alternating between
@@ -26,10 +27,19 @@ from pathlib import Path
 
 import aiohttp
 
-BODY = {"model": "gpt-4o-mini", "messages": [
-    {"role": "system", "content": "You are a helpful assistant."},
-    {"role": "user", "content": "Say hello in one short sentence, please."}]}
-HEADERS = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json"}
+BODIES = {
+    "chat": ("chat/completions", {"model": "gpt-4o-mini", "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Say hello in one short sentence, please."}]}),
+    "responses": ("responses", {"model": "gpt-4o-mini", "instructions":
+                                "You are a helpful assistant.", "store": False, "input": [
+        {"role": "user", "content": [{"type": "input_text",
+                                      "text": "Say hello in one short sentence, please."}]}]}),
+}
+PATH, BODY = BODIES["chat"]
+HEADERS = {"Authorization": "Bearer sk-bench", "Content-Type": "application/json",
+           # every answer differs, as a real model's do: no reply is ever counted from a cache
+           "X-Scripted-Unique-Replies": "1"}
 
 
 def free_port() -> int:
@@ -65,14 +75,14 @@ def start_servers(workers: int, data_dir: str, extra_env: dict[str, str]
                               "--data-dir", data_dir, "--workers", str(workers)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     wait_ready(f"http://127.0.0.1:{proxy_port}/readyz")
-    up_chat = f"http://127.0.0.1:{up_port}/v1/chat/completions"
+    up_chat = f"http://127.0.0.1:{up_port}/v1/{PATH}"
     mini = subprocess.Popen([sys.executable, str(Path(__file__).with_name(
         "minimal_passthrough.py")), up_chat, str(mini_port)], stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, env=env)
     wait_ready(f"http://127.0.0.1:{mini_port}/")
     return ([upstream, proxy, mini], up_chat,
-            f"http://127.0.0.1:{proxy_port}/v1/chat/completions",
-            f"http://127.0.0.1:{mini_port}/v1/chat/completions")
+            f"http://127.0.0.1:{proxy_port}/v1/{PATH}",
+            f"http://127.0.0.1:{mini_port}/v1/chat/completions")  # relays to up_chat's path
 
 
 async def latency(direct: str, proxied: str, n: int) -> dict[str, list[float]]:
@@ -98,6 +108,12 @@ async def latency(direct: str, proxied: str, n: int) -> dict[str, list[float]]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))]
@@ -110,6 +126,7 @@ def wrk_throughput(url: str, duration: int, conns: int, delay_ms: float) -> floa
         f"wrk.body = {json.dumps(json.dumps(BODY))}\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
         'wrk.headers["Authorization"] = "Bearer sk-bench"\n'
+        'wrk.headers["X-Scripted-Unique-Replies"] = "1"\n'
         f'wrk.headers["X-Scripted-Delay-Ms"] = "{delay_ms}"\n')
     try:
         out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{duration}s", "-s", str(script),
@@ -159,14 +176,22 @@ def main() -> int:
     parser.add_argument("--upstream-delay-ms", type=float, default=10.0,
                         help="the scripted LLM's think time per answer in the second "
                              "throughput run (the first uses an instant upstream)")
+    parser.add_argument("--api", choices=sorted(BODIES), default="chat",
+                        help="the endpoint measured: chat completions or the Responses API")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    global PATH, BODY
+    PATH, BODY = BODIES[args.api]
     if args.load_generator == "wrk" and not shutil.which("wrk"):
         parser.error("wrk is not installed (apt-get install wrk)")
     data_dir = tempfile.mkdtemp(prefix="rl-bench-")
     procs, direct, proxied, minimal = start_servers(args.workers, data_dir, {})
     try:
+        cpu_before = cpu_seconds(procs[1].pid)
         lat = asyncio.run(latency(direct, proxied, args.requests))
+        # the proxy's own CPU per request (its process only: the upstream's and the load
+        # generator's work excluded), over the warm-up and the measured requests
+        cpu_per_request = (cpu_seconds(procs[1].pid) - cpu_before) / (args.requests + 50)
         runs: dict[float, dict[str, list[float]]] = {}
         for delay in sorted({0.0, args.upstream_delay_ms}):
             tputs: dict[str, list[float]] = {"direct": [], "proxy": [], "minimal": []}
@@ -188,12 +213,13 @@ def main() -> int:
     d50, p50 = pct(lat["direct"], 0.5), pct(lat["proxy"], 0.5)
     d99, p99 = pct(lat["direct"], 0.99), pct(lat["proxy"], 0.99)
     result: dict[str, object] = {
-        "workers": args.workers, "requests_per_side": args.requests,
+        "api": args.api, "workers": args.workers, "requests_per_side": args.requests,
         "load_generator": args.load_generator, "concurrency": args.concurrency,
         "direct_p50_ms": round(d50 * 1000, 3), "proxy_p50_ms": round(p50 * 1000, 3),
         "added_p50_ms": round((p50 - d50) * 1000, 3),
         "direct_p99_ms": round(d99 * 1000, 3), "proxy_p99_ms": round(p99 * 1000, 3),
-        "added_p99_ms": round((p99 - d99) * 1000, 3), "throughput": []}
+        "added_p99_ms": round((p99 - d99) * 1000, 3),
+        "proxy_cpu_ms_per_request": round(cpu_per_request * 1000, 3), "throughput": []}
     for delay, tputs in runs.items():
         td, tp = statistics.mean(tputs["direct"]), statistics.mean(tputs["proxy"])
         tm = statistics.mean(tputs["minimal"])
@@ -204,10 +230,12 @@ def main() -> int:
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"concurrency 1, {args.requests} requests per side (alternating), instant upstream:")
+    print(f"/v1/{PATH}, concurrency 1, {args.requests} requests per side (alternating), "
+          f"instant upstream:")
     print(f"  direct p50 {d50 * 1000:.3f} ms  p99 {d99 * 1000:.3f} ms")
     print(f"  proxy  p50 {p50 * 1000:.3f} ms  p99 {p99 * 1000:.3f} ms")
     print(f"  added  p50 {(p50 - d50) * 1000:.3f} ms  p99 {(p99 - d99) * 1000:.3f} ms")
+    print(f"  the proxy's CPU per request {cpu_per_request * 1000:.3f} ms (its process alone)")
     for run in result["throughput"]:  # type: ignore[attr-defined]
         print(f"concurrency {args.concurrency}, {args.rounds}x{args.duration}s per side "
               f"({args.load_generator}), {args.workers} proxy worker(s), upstream think time "

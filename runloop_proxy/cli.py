@@ -36,6 +36,7 @@ def settings_from_env() -> Settings:
                     log_format=_env("log_format", "json"),
                     context_window=int(cw) if cw else None, admin_key=_env("admin_key"),
                     cache_mb=int(cache) if cache else None,
+                    summary_model=_env("summary_model"),
                     workers=int(_env("workers", "1")))
 
 
@@ -55,8 +56,14 @@ def _serve_parser(sub: Any) -> None:
     p.add_argument("--log-level", default=_env("log_level", "info"),
                    choices=["debug", "info", "warning", "error"])
     p.add_argument("--log-format", default=_env("log_format", "json"), choices=["json", "text"])
-    p.add_argument("--context-window", type=int, default=_env("context_window"),
-                   help="context window assumed for models the config does not know")
+    p.add_argument("--default-context-window", "--context-window", dest="context_window",
+                   type=int, default=_env("context_window"),
+                   help="context window assumed for models neither the config nor the proxy "
+                        "knows (known models keep their own); --context-window is the old "
+                        "spelling")
+    p.add_argument("--summary-model", default=_env("summary_model"),
+                   help='pass-through mode: "extractive" or a model that summarises the loops '
+                        "an omission leaves out (tenant files set policy.summary_model)")
     p.add_argument("--cache-mb", type=int, default=_env("cache_mb"),
                    help="memory the per-process caches may use in all (default 512)")
     p.add_argument("--workers", type=int, default=int(_env("workers", "1")),
@@ -77,7 +84,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         log_format=args.log_format,
                         context_window=args.context_window, workers=args.workers,
                         admin_key=_env("admin_key"),
-                        cache_mb=int(args.cache_mb) if args.cache_mb else None)
+                        cache_mb=int(args.cache_mb) if args.cache_mb else None,
+                        summary_model=args.summary_model)
     try:
         config = load_config(settings)
     except ConfigError as exc:
@@ -140,7 +148,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"cannot reach the proxy at {args.url}: {exc}", file=sys.stderr)
         return 2
     if resp.status_code != 200:
-        print(f"{resp.status_code}: {resp.text}", file=sys.stderr)
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = resp.text
+        if resp.status_code == 409 or "?tenant=" in message:
+            message = message.replace("give ?tenant=NAME", "give --tenant NAME")
+        print(f"{resp.status_code}: {message}", file=sys.stderr)
         return 1
     data = resp.json()
     if args.json:
@@ -159,6 +173,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for bid, b in data["branches"].items():
         print(f"    {bid}: {b.get('length')} messages, forked from {b.get('parent')} "
               f"at {b.get('fork_at')}")
+    for summary in data.get("summaries") or []:
+        loops = summary["loops"]
+        if summary.get("late"):
+            print(f"  summary of loops {loops[0]}-{loops[1]}: late (arrived after its event)")
+        else:
+            print(f"  summary of loops {loops[0]}-{loops[1]} ({summary.get('summarizer')}):")
+            for line in str(summary.get("text", "")).splitlines()[:12]:
+                print(f"    {line}")
     print(f"  compression records: {len(data['compression_records'])}")
     for rec in data["compression_records"][-10:]:
         print(f"    {rec.get('kind')}: {rec.get('tokens_before')} -> {rec.get('tokens_after')} "
@@ -203,18 +225,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --proxy: send every request straight to this upstream as well, "
                         "and measure both sides by the upstream's usage (cached tokens too)")
     r.add_argument("--limit", type=int, default=None, help="only the first N conversations")
+    r.add_argument("--summary-cost", type=int, default=0, metavar="TOKENS",
+                   help="with an LLM summary_model: the tokens one summary call costs (counted "
+                        "as forwarded, so savings are net); offline the extractive digest "
+                        "stands in for its text")
     r.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="override a policy field for this run (repeatable)")
     r.add_argument("--json", action="store_true")
     r.add_argument("--no-progress", action="store_true")
+    d = sub.add_parser("demo", help="start a scripted upstream and the proxy, replay a sample "
+                                    "agent session through them, print the savings and the "
+                                    "inspector's address (no API key needed)")
+    d.add_argument("--port", type=int, default=8080)
+    d.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
+    d.add_argument("--data-dir", default=".runloop-demo")
+    d.add_argument("--admin-key", default=None, help="default: a random one, printed")
+    d.add_argument("--once", action="store_true", help="stop after printing")
     return parser
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .ops.demo import run_demo
+
+    return run_demo(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"serve": cmd_serve, "check-config": cmd_check_config, "inspect": cmd_inspect,
-                "replay": cmd_replay}
+                "replay": cmd_replay, "demo": cmd_demo}
     return handlers[args.command](args)
 
 

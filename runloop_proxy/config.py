@@ -94,7 +94,7 @@ class Policy(_Strict):
     reserved_output_tokens: int = Field(4_096, ge=0)
     safety_margin_tokens: int = Field(512, ge=0)
     proxy_tools: ProxyToolsMode = Field(
-        ProxyToolsMode.WHEN_NEEDED,
+        ProxyToolsMode.ALWAYS,
         description="when_needed: only once something is elided; always: from a session's "
                     "first request that carries tools, so the tool list (part of every "
                     "provider's cached prefix) never changes mid-session")
@@ -104,6 +104,16 @@ class Policy(_Strict):
                            "Mistral's reject a second system message or an assistant turn first)")
     max_tool_rounds: int = Field(4, ge=0, le=16)
     search_results: int = Field(5, ge=1, le=50)
+    summary_model: str | None = Field(
+        None, description='what summarises the loops an omission leaves out: "extractive" (a '
+                          'deterministic digest, no LLM), a model name (an LLM call through the '
+                          'upstream), or unset (no summaries)')
+    summary_upstream: str | None = Field(
+        None, description="the configured upstream (by name) the summary model's calls go to, "
+                          "with its own api_key (default: the tenant's upstream and key)")
+    summary_max_tokens: int = Field(1_000, ge=64, le=16_000)
+    summary_timeout_s: float = Field(30, gt=0)
+    summary_backoff_s: float = Field(300, ge=0, description="pause after 3 failures in a row")
 
     @property
     def omission_batch(self) -> int:
@@ -236,6 +246,7 @@ class Settings:
     admin_key: str | None = None
     workers: int = 1
     cache_mb: int | None = None
+    summary_model: str | None = None  # pass-through mode's policy.summary_model
 
 
 @dataclass(frozen=True)
@@ -329,6 +340,8 @@ def passthrough_tenant(settings: Settings, defaults: dict[str, Any] | None = Non
     data = _deep_merge(defaults or {}, {"name": "passthrough", "forward_client_key": True})
     if settings.context_window:
         data["default_context_window"] = settings.context_window
+    if settings.summary_model:
+        data = _deep_merge(data, {"policy": {"summary_model": settings.summary_model}})
     return TenantSpec.model_validate(data)
 
 

@@ -64,6 +64,11 @@ class NotFound(ClientError):
     code = "not_found"
 
 
+class Conflict(ClientError):
+    status = 409
+    code = "conflict"
+
+
 class PayloadTooLarge(ClientError):
     status = 413
     code = "request_too_large"

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from .conversation.items import to_messages, tool_to_chat
 from .conversation.messages import Message, message_hash
 from .pipeline.tokens import (
     FALLBACK_ENCODING,
@@ -170,7 +171,8 @@ class ScriptedUpstream:
             return self.script.popleft()
         if self.responder is not None:
             return self.responder(body)
-        last_user: dict[str, Any] = next((m for m in reversed(body.get("messages", []))
+        messages = body.get("messages") if "input" not in body else _as_chat(body)["messages"]
+        last_user: dict[str, Any] = next((m for m in reversed(messages or [])
                                           if m.get("role") == "user"), {})
         return {"content": f"echo: {_text(last_user.get('content'))[:200]}"}
 
@@ -188,6 +190,7 @@ class ScriptedUpstream:
                     media_type="application/json")
 
         async def answer(request: Request, raw: bytes) -> Response:
+            responses = request.url.path.endswith("/responses")
             body = orjson.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body is not an object")
@@ -196,6 +199,9 @@ class ScriptedUpstream:
                 self.raw_bodies.append(raw)
                 self.headers.append(dict(request.headers))
             reply = self.next_reply(body)
+            if request.headers.get("x-scripted-unique-replies") and "content" in reply:
+                # every answer different, as a real model's are (nothing cached by content)
+                reply = {**reply, "content": f"{reply['content']} #{next(_ids)}"}
             org = request.headers.get("x-scripted-cache-scope") or \
                 request.headers.get("openai-organization", "")
             header = request.headers.get("x-scripted-delay-ms")
@@ -211,6 +217,12 @@ class ScriptedUpstream:
                     headers=reply.get("headers"))
             if "raw_body" in reply:  # exactly these bytes, whatever they are
                 return Response(reply["raw_body"], 200, media_type="application/json")
+            if responses:
+                if body.get("stream"):
+                    return StreamingResponse(self._response_events(body, reply, org),
+                                             media_type="text/event-stream")
+                return Response(orjson.dumps(self._response(body, reply, org)),
+                                media_type="application/json")
             if body.get("stream"):
                 return StreamingResponse(self._stream(body, reply, org),
                                          media_type="text/event-stream")
@@ -234,6 +246,7 @@ class ScriptedUpstream:
                             media_type="application/json")
 
         return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
+                                 Route("/v1/responses", chat, methods=["POST"]),
                                  Route("/v1/models", models), Route("/v1/embeddings",
                                                                     embeddings,
                                                                     methods=["POST"])])
@@ -265,6 +278,56 @@ class ScriptedUpstream:
                              "finish_reason": finish} for i in range(n)],
                 "usage": self._usage(body, reply, org)}
 
+    def _response(self, body: dict[str, Any], reply: Reply, org: str,
+                  status: str = "completed") -> dict[str, Any]:
+        """A Responses API answer: the reply's reasoning, text and calls as output items."""
+        usage = self._usage(_as_chat(body), reply, org)
+        return {"id": reply.get("response_id") or f"resp_{next(_ids)}", "object": "response",
+                "created_at": int(time.time()), "status": status, "error": None,
+                "incomplete_details": None, "instructions": body.get("instructions"),
+                "model": body.get("model"), "output": _output_items(reply),
+                "parallel_tool_calls": body.get("parallel_tool_calls", True),
+                "previous_response_id": body.get("previous_response_id"),
+                "store": body.get("store", True), "temperature": 1.0, "top_p": 1.0,
+                "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools", []),
+                "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "metadata": body.get("metadata") or {},
+                "usage": {"input_tokens": usage["prompt_tokens"],
+                          "input_tokens_details": {
+                              "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                          "output_tokens": usage["completion_tokens"],
+                          "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": usage["total_tokens"]}}
+
+    async def _response_events(self, body: dict[str, Any], reply: Reply, org: str
+                               ) -> AsyncIterator[bytes]:
+        """The Responses API's event stream for one answer, as OpenAI sends it."""
+        self.streams_started += 1
+        seq = itertools.count()
+        done = False
+
+        def event(data: dict[str, Any]) -> bytes:
+            data["sequence_number"] = next(seq)
+            return b"event: " + str(data["type"]).encode() + b"\ndata: " \
+                + orjson.dumps(data) + b"\n\n"
+
+        try:
+            final = self._response(body, reply, org)
+            start = {**final, "status": "in_progress", "output": [], "usage": None}
+            yield event({"type": "response.created", "response": start})
+            yield event({"type": "response.in_progress", "response": start})
+            for at, item in enumerate(final["output"]):
+                if reply.get("die_after") is not None and at >= reply["die_after"]:
+                    raise ConnectionAbortedError("scripted death mid-stream")
+                await asyncio.sleep(reply.get("chunk_delay", 0))
+                for data in _item_events(at, item):
+                    yield event(data)
+            yield event({"type": "response.completed", "response": final})
+            done = True
+        finally:
+            if not done:
+                self.streams_closed_early += 1
+
     async def _stream(self, body: dict[str, Any], reply: Reply, org: str
                       ) -> AsyncIterator[bytes]:
         self.streams_started += 1
@@ -292,9 +355,9 @@ class ScriptedUpstream:
             yield chunk({"role": "assistant", "content": "", "refusal": None})
             sent = 0
             for piece in pieces:
+                await asyncio.sleep(reply.get("chunk_delay", 0))
                 if reply.get("die_after") is not None and sent >= reply["die_after"]:
                     raise ConnectionAbortedError("scripted death mid-stream")
-                await asyncio.sleep(reply.get("chunk_delay", 0))
                 yield chunk({"content": piece})
                 sent += 1
             for i, call in enumerate(reply.get("tool_calls") or []):
@@ -347,6 +410,74 @@ def _call(c: dict[str, Any]) -> dict[str, Any]:
             "function": {"name": c["name"],
                          "arguments": args if isinstance(args, str)
                          else orjson.dumps(args).decode()}}
+
+
+def _as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A Responses request as the chat request it amounts to (for counting its tokens)."""
+    if "input" not in body:
+        return body
+    messages = [{k: v for k, v in m.items() if k not in ("items", "instructions")}
+                for m in to_messages(body.get("input"), body.get("instructions"))]
+    tools = [tool_to_chat(t) for t in body.get("tools") or [] if isinstance(t, dict)]
+    return {"messages": messages, **({"tools": tools} if tools else {})}
+
+
+def _output_items(reply: Reply) -> list[dict[str, Any]]:
+    n = next(_ids)
+    out: list[dict[str, Any]] = []
+    if reply.get("reasoning") is not None:
+        out.append({"type": "reasoning", "id": f"rs_{n}", "summary": [],
+                    "encrypted_content": reply["reasoning"]})
+    if reply.get("content"):
+        out.append({"type": "message", "id": f"msg_{n}", "status": "completed",
+                    "role": "assistant", "content": [{"type": "output_text", "annotations": [],
+                                                      "logprobs": [],
+                                                      "text": reply["content"]}]})
+    for c in reply.get("tool_calls") or []:
+        call = _call(c)
+        if c.get("custom"):
+            out.append({"type": "custom_tool_call", "id": f"ctc_{next(_ids)}",
+                        "status": "completed", "call_id": call["id"],
+                        "name": call["function"]["name"], "input": call["function"]["arguments"]})
+        else:
+            out.append({"type": "function_call", "id": f"fc_{next(_ids)}",
+                        "status": "completed", "call_id": call["id"],
+                        "name": call["function"]["name"],
+                        "arguments": call["function"]["arguments"]})
+    return out
+
+
+def _item_events(at: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+    """The events that stream one output item: added, its deltas, done."""
+    kind = item["type"]
+    events: list[dict[str, Any]] = []
+    if kind == "message":
+        events.append({"type": "response.output_item.added", "output_index": at,
+                       "item": {**item, "status": "in_progress", "content": []}})
+        text = item["content"][0]["text"]
+        part = {"type": "output_text", "annotations": [], "text": ""}
+        ids = {"item_id": item["id"], "output_index": at, "content_index": 0}
+        events.append({"type": "response.content_part.added", **ids, "part": part})
+        events += [{"type": "response.output_text.delta", **ids, "delta": text[i:i + 8],
+                    "logprobs": []} for i in range(0, len(text), 8)]
+        events.append({"type": "response.output_text.done", **ids, "text": text,
+                       "logprobs": []})
+        events.append({"type": "response.content_part.done", **ids,
+                       "part": {**part, "text": text}})
+    elif kind == "function_call":
+        events.append({"type": "response.output_item.added", "output_index": at,
+                       "item": {**item, "status": "in_progress", "arguments": ""}})
+        args = item["arguments"]
+        ids = {"item_id": item["id"], "output_index": at}
+        events += [{"type": "response.function_call_arguments.delta", **ids,
+                    "delta": args[i:i + 10]} for i in range(0, len(args), 10)]
+        events.append({"type": "response.function_call_arguments.done", **ids,
+                       "arguments": args})
+    else:
+        events.append({"type": "response.output_item.added", "output_index": at,
+                       "item": item})
+    events.append({"type": "response.output_item.done", "output_index": at, "item": item})
+    return events
 
 
 def main() -> None:

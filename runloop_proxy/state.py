@@ -16,6 +16,7 @@ from .config import ProxyConfig, Settings, config_mtimes, load_config
 from .errors import ConfigError
 from .history.embedded import EmbeddedRedis
 from .history.store import RedisStore
+from .history.summaries import SummaryService
 from .ops import logs
 from .ops.metrics import Metrics
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
@@ -58,6 +59,7 @@ class AppState:
         self.recent: ByteLRU[tuple[str, str], Recent] = ByteLRU(share("recent"),
                                                                 lambda k, v: v.size)
         self.tokens.resize(share("tokens"))
+        self.summaries = SummaryService(self)
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run work off the request path; keep a reference so it is not collected mid-flight."""

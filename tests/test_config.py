@@ -238,6 +238,9 @@ def test_tenant_may_forward_the_client_key(tmp_path: Path, make_proxy: Any,
 def test_proxy_tools_always_keeps_the_tool_list_stable_for_agents(
         tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
     root = write_config(tmp_path, upstream.url, acme_policy='proxy_tools = "always"')
+    (root / "tenants" / "globex.toml").write_text(  # globex opts out: when_needed
+        (root / "tenants" / "globex.toml").read_text()
+        + '[policy]\nproxy_tools = "when_needed"\n')
     proxy: ProxyServer = make_proxy(config_dir=str(root))
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
         "type": "object", "properties": {"q": {"type": "string"}}}}}]
@@ -257,7 +260,7 @@ def test_proxy_tools_always_keeps_the_tool_list_stable_for_agents(
     # no tools: nothing added, the body goes out as sent
     acme.chat.completions.create(model="m", messages=short)  # type: ignore[arg-type]
     assert "tools" not in upstream.requests[-1]
-    # the default (when_needed): an uncompressed agent request is passed through untouched
+    # when_needed: an uncompressed agent request is passed through untouched
     r = globex.chat.completions.with_raw_response.create(
         model="m", messages=short, tools=tools)  # type: ignore[arg-type]
     assert [t["function"]["name"] for t in upstream.requests[-1]["tools"]] == ["lookup"]

@@ -152,6 +152,8 @@ HAND_WRITTEN = [
     b'{"model": "m", "messages": [{"role": {"a": 1}, "content": "x"}]}',
     b'{"model": "m", "messages": [{"role": "assistant", "function_call": "x"}]}',
     b'{"model": "m", "messages": [{"role": "assistant", "content": null, "refusal": [1]}]}',
+    # three keys but not the fast path's three (found by the schema fuzzer)
+    b'{"model": "m", "messages": [{"role": "assistant", "tool_calls": [], "refusal": 1}]}',
     b'{"model": "m", "stream": true, "stream_options": "yes", "messages": '
     b'[{"role": "user", "content": "x"}]}',
     b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": -1}',

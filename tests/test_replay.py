@@ -92,7 +92,9 @@ def test_replay_through_a_running_proxy(tmp_path: Path, proxy: object,
     assert len({h["x-session-id"] for h in upstream.headers}) == 1
     # a cache-aware cost through a proxy needs the upstream's word on both sides
     assert data["cache_aware_saving"] is None and "bound_raw_saving" not in data
-    assert "not measured" in run(f, "--proxy", proxy.base).stdout  # type: ignore[attr-defined]
+    human = run(f, "--proxy", proxy.base)  # type: ignore[attr-defined]
+    assert human.returncode == 0, human.stderr  # the text report too, to its end
+    assert "not measured" in human.stdout and "compaction events" not in human.stderr
 
 
 def test_replay_against_the_upstream_direct_measures_its_cached_tokens(
@@ -190,3 +192,63 @@ def test_replay_through_a_proxy_counts_refused_requests(tmp_path: Path, make_pro
     data = json.loads(out.stdout)
     assert data["rejected"] == 1 and data["over_context_proxy"] == 1
     assert data["client_tokens"] > 6000  # the refused request is counted as sent
+
+
+def support_like(loops: int) -> dict[str, object]:
+    """Questions answered from lookups, each reply quoting what a lookup returned."""
+    msgs: list[dict[str, object]] = [{"role": "system", "content": "You help customers."}]
+    for k in range(loops):
+        msgs.append({"role": "user", "content": f"status of order #W{k}0{k}7?"})
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{k}", "type": "function", "function": {
+                "name": "get_order", "arguments": json.dumps({"order_id": f"#W{k}0{k}7"})}}]})
+        msgs.append({"role": "tool", "tool_call_id": f"c{k}", "content": json.dumps(
+            {"order": f"#W{k}0{k}7", "tracking": f"1Z{k:03d}X{k * 31:04d}",
+             "items": ["x " * 40] * 8})})
+        # each answer quotes the tracking number of the order two loops back, which only
+        # that loop's lookup result ever showed
+        back = max(0, k - 2)
+        msgs.append({"role": "assistant", "content": f"#W{k}0{k}7 has shipped; the earlier "
+                                                     f"parcel is 1Z{back:03d}X{back * 31:04d}"})
+    return {"messages": msgs}
+
+
+def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None:
+    f = tmp_path / "s.jsonl"
+    f.write_text(json.dumps(support_like(14)) + "\n")
+    plain = json.loads(run(f, "--json", "--set", "max_run_loops=3").stdout)
+    r, rp = plain["retention"], plain["retention_passthrough"]
+    assert rp["retained"] == 1.0 and rp["references"] == r["references"] > 20
+    assert r["current_loop"] == 1.0 and r["past_loops"] < 1.0  # reductions hide past ones
+    digest = json.loads(run(f, "--json", "--set", "max_run_loops=3", "--set",
+                            "summary_model=extractive").stdout)
+    assert digest["retention"]["past_loops"] > r["past_loops"]
+    assert digest["summaries"] > 0 and digest["summary_tokens"] == 0  # extractive: free
+    priced = json.loads(run(f, "--json", "--set", "max_run_loops=3", "--set",
+                            "summary_model=gpt-4o-mini", "--summary-cost", "500").stdout)
+    assert priced["summary_tokens"] == 500 * priced["summaries"]
+    assert priced["forwarded_tokens"] == digest["forwarded_tokens"] + priced["summary_tokens"]
+    human = run(f, "--set", "max_run_loops=3")
+    assert "references kept window" in human.stdout and "pass-through 100.0%" in human.stdout
+
+
+def test_replay_reads_responses_conversations(tmp_path: Path) -> None:
+    from runloop_proxy.conversation.items import to_items
+
+    chat = support_like(8)
+    instructions, items = to_items(chat["messages"])  # type: ignore[arg-type]
+    items.insert(2, {"type": "reasoning", "id": "rs_0", "summary": [],
+                     "encrypted_content": "opaque"})
+    line = {"instructions": instructions, "input": items, "tools": [
+        {"type": "function", "name": "get_order", "parameters": {"type": "object"}}]}
+    f = tmp_path / "r.jsonl"
+    f.write_text(json.dumps(line) + "\n")
+    out = json.loads(run(f, "--json", "--set", "max_run_loops=2").stdout)
+    c = tmp_path / "c.jsonl"
+    c.write_text(json.dumps({**chat, "tools": [{"type": "function", "function": {
+        "name": "get_order", "parameters": {"type": "object"}}}]}) + "\n")
+    same = json.loads(run(c, "--json", "--set", "max_run_loops=2").stdout)
+    assert out["requests"] == same["requests"] == 16
+    assert out["client_tokens"] == same["client_tokens"]  # one conversation model
+    # kept while its loop is open, left out once the loop is past
+    assert out["reasoning_items"]["client"] > out["reasoning_items"]["forwarded"] > 0

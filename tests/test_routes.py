@@ -84,7 +84,10 @@ def test_tool_calls_parallel_round_trip(proxy: ProxyServer, upstream: ScriptedUp
         msgs.append({"role": "tool", "tool_call_id": t.id, "content": "sunny"})
     second = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=tools)
     assert second.choices[0].message.content == "Paris 20C, Rome 25C"
-    assert upstream.requests[-1]["tools"] == tools
+    # the client's tools first, as sent; the proxy's ride along (proxy_tools = "always")
+    assert upstream.requests[-1]["tools"][:1] == tools
+    assert [t["function"]["name"] for t in upstream.requests[-1]["tools"][1:]] == [
+        "recall_tool_call", "search_history"]
 
 
 def test_streamed_tool_calls(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
@@ -243,7 +246,9 @@ def test_upstream_timeout_is_504(redis_url: str, upstream: ScriptedUpstream, tmp
 
 def test_upstream_dying_mid_stream_gives_sdk_error(proxy: ProxyServer,
                                                    upstream: ScriptedUpstream) -> None:
-    upstream.push({"pieces": ["a", "b", "c", "d"], "die_after": 2})
+    # the pieces arrive before the death: an abortive close (RST) may drop unread bytes in
+    # the kernel, which would test TCP rather than the proxy
+    upstream.push({"pieces": ["a", "b", "c", "d"], "die_after": 2, "chunk_delay": 0.05})
     stream = client(proxy).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "x"}], stream=True)
     got = []

@@ -44,6 +44,8 @@ CASES = [
      [U | {"content": [{"type": "text", "text": "hi"}]},
       {"role": "assistant", "content": None, "refusal": "no"}], [(0, 2, "closed", 1)]),
     ("open after tool result", [U, A("a"), T("a")], [(0, 3, "open", None)]),
+    # a result after the final reply: the loop is not settled, it is still being worked on
+    ("result after a final reply", [U, F, T("x")], [(0, 3, "open", None)]),
 ]
 
 
@@ -52,6 +54,22 @@ def test_segment_table(name: str, messages: list[Any], expected: list[Any]) -> N
     loops = segment(messages)
     got = [(lp.start, lp.end, lp.status.value, lp.final_position) for lp in loops]
     assert got == expected
+
+
+def test_legacy_function_call_is_one_call_named_after_the_function() -> None:
+    from runloop_proxy.conversation.messages import tool_calls_of
+
+    fc = {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    msg = {"role": "assistant", "content": None, "function_call": fc}
+    assert tool_calls_of(msg) == [{"id": "function:get_weather", "type": "function",  # type: ignore[arg-type]
+                                   "function": fc}]
+    assert tool_calls_of({"role": "assistant", "content": None,  # type: ignore[arg-type]
+                          "function_call": {"arguments": "{}"}})[0]["id"] == "function:"
+    # tool_calls win over a function_call on the same message
+    both = {**A("t1"), "function_call": fc}
+    assert [c["id"] for c in tool_calls_of(both)] == ["t1"]  # type: ignore[arg-type]
+    lp, = segment([U, msg, {"role": "function", "name": "get_weather", "content": "9C"}, F])
+    assert lp.tool_call_ids == ("function:get_weather",)
 
 
 def test_tool_call_ids_collected() -> None:

@@ -141,6 +141,27 @@ def test_past_loop_reduced_to_question_answer_and_ledger() -> None:
     assert [e.kind for e in w.events] == [CompactionKind.PAST_LOOPS]
 
 
+def test_a_long_ledger_keeps_its_first_and_last_calls() -> None:
+    msgs: list[Message] = [S, U(tag="q")]
+    for k in range(40):
+        msgs += [A(f"c{k}"), T(f"c{k}", 300)]
+    msgs += [F(tag="ans"), U()]
+    w = build(msgs, Policy(reduce_at_least=0))
+    ledger = w.messages[2]["content"].split("tools used (recall_tool_call takes the id): ")[1]
+    entries = ledger.split("; ")
+    head = 24 // 3
+    assert len(entries) == 24 + 1 and entries[head] == f"…{40 - 24} more…"
+    refs = [ref_of(msgs, f"c{k}") for k in range(40)]
+    assert [e.split()[0] for e in entries[:head]] == refs[:head]
+    assert [e.split()[0] for e in entries[head + 1:]] == refs[40 - (24 - head):]
+
+
+def test_a_result_whose_call_is_not_in_view_is_ledgered_as_a_plain_tool() -> None:
+    msgs = [S, U(tag="q"), T("orphan", 300), F(tag="ans"), U()]
+    w = build(msgs, Policy(reduce_at_least=0))
+    assert f"{ref_of(msgs, 'orphan')} tool() 303t" in w.messages[2]["content"]
+
+
 def test_past_loop_reduction_waits_for_reduce_at_least() -> None:
     msgs = [S, U(), A("c1"), T("c1", 30), F(), U()]
     assert not build(msgs, Policy(reduce_at_least=2000)).changed

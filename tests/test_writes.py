@@ -53,19 +53,22 @@ async def branches(store: RedisStore, session: str) -> list[list[str]]:
 def test_every_conversation_queued_together_is_stored(redis_url: str, steps: list[str]) -> None:
     convos = conversations(steps)
 
-    async def go() -> list[list[str]]:
+    async def go() -> tuple[list[list[str]], list[dict[str, int]]]:
         store = RedisStore(redis_url, StoreSection(key_prefix="w" + uuid.uuid4().hex[:8]),
                            Metrics())
         await store.start()
         try:
-            for c in convos:  # no await in between: they all wait in the queue together
-                store.submit("t", "s", [prepare(m) for m in c])
+            for k, c in enumerate(convos):  # no await in between: all queued together
+                store.submit("t", "s", [prepare(m) for m in c],
+                             point={"ts": k, "client": k, "forwarded": k})
             assert await store.drain(10)
-            return await branches(store, "s")
+            return await branches(store, "s"), await store.points("t", "s")
         finally:
             await store.close()
 
-    stored = asyncio.run(go())
+    stored, points = asyncio.run(go())
+    # each request's token point kept once and in order, however its job was merged
+    assert [p["ts"] for p in points] == list(range(len(convos)))
     for c in convos:
         texts = [m["content"] for m in c]
         assert any(b[:len(texts)] == texts for b in stored), (texts, stored)

@@ -98,9 +98,10 @@ def _plain(m: dict[str, Any]) -> bool:
         if len(m) == 3 and role == "tool":
             return type(m.get("tool_call_id")) is str
     calls = m.get("tool_calls")
-    return role == "assistant" and type(calls) is list and (content is None or
-                                                              type(content) is str) \
-        and len(m) == 3 and all(map(_plain_call, calls))
+    # exactly role, content and tool_calls (a third key of another name is checked in full)
+    return role == "assistant" and type(calls) is list and "content" in m \
+        and (content is None or type(content) is str) and len(m) == 3 \
+        and all(map(_plain_call, calls))
 
 
 def _plain_call(c: Any) -> bool:

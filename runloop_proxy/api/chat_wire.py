@@ -133,7 +133,8 @@ def chunk_problem(chunk: Any) -> str | None:
             if not isinstance(tc, dict) or not isinstance(tc.get("index", 0), int) \
                     or isinstance(tc.get("index"), bool) \
                     or (fn is not None and not isinstance(fn, dict)) \
-                    or any(not isinstance((fn or {}).get(k) or "", str)
+                    or any((fn or {}).get(k) is not None
+                           and not isinstance((fn or {}).get(k), str)
                            for k in ("name", "arguments")):
                 return "a streamed tool call is malformed"
     return None
@@ -251,6 +252,10 @@ class ChatRelay:
 
     def round(self, tools: ProxyTools) -> ChatRound:
         return ChatRound(self, tools)
+
+    @property
+    def answer_id(self) -> str | None:
+        return self.stream_id
 
     def shown(self, message: Message) -> Message:
         """The message as the client saw it: the text of every round, then its calls."""

@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from ..ops.admin import admin_routes
+from ..ops.inspector import inspector_routes
 from ..pipeline.upstream import upstream_headers
 from ..state import state_of
 from .chat import PATH as CHAT_PATH
@@ -22,6 +23,8 @@ from .http import (
     openai_errors,
     read_body,
 )
+from .responses import PATH as RESPONSES_PATH
+from .responses import responses
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
@@ -74,15 +77,17 @@ async def metrics_endpoint(request: Request) -> Response:
 
 # the conversation endpoints: served straight from the ASGI front (app.FastPath), past
 # Starlette's routing and middleware, which cost a measurable share of a pass-through request
-CONVERSATIONS = {CHAT_PATH: chat_completions}
+CONVERSATIONS = {CHAT_PATH: chat_completions, RESPONSES_PATH: responses}
 
 
 def routes() -> list[BaseRoute]:
     return [
         Route(CHAT_PATH, chat_completions, methods=["POST"]),
+        Route(RESPONSES_PATH, responses, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         *admin_routes(),
+        *inspector_routes(),
         Route("/v1/{path:path}", passthrough, methods=ALL_METHODS),
     ]

@@ -1,12 +1,13 @@
 """Which requests form one conversation (pure).
 
 A session id the client gives is trusted as given: the tenant lists where to look for one
-(``session_sources``; by default the session header, the ``session_id`` and ``conversation_id``
-headers Codex sends, and ``metadata.session_id``). Without one, the session is a *fingerprint*
-of the conversation's opening: the namespace (tenant, or the caller's key in pass-through mode),
-the end user and cache group the request names (``user``, ``prompt_cache_key``: they scope the
-fingerprint, they do not name a conversation — unless the tenant lists them as sources), the
-system prompt and the first user message.
+(``session_sources``; by default the session header, the headers Codex sends — ``session-id``
+today, ``session_id`` and ``conversation_id`` in earlier versions — and
+``metadata.session_id``). Without one, the session is a *fingerprint* of the conversation's
+opening: the namespace (tenant, or the caller's key in pass-through mode), the end user and
+cache group the request names (``user``, ``prompt_cache_key``: they scope the fingerprint, they
+do not name a conversation — unless the tenant lists them as sources), the system prompt and
+the first user message.
 
 A fingerprint can join strangers who open alike (one app, one system prompt, "Hello"): their
 conversations become branches of one session, and in such a session the proxy's tools reach
@@ -30,8 +31,8 @@ from .runloops import preamble_end
 MAX_ID_CHARS = 256
 ANCHOR_TEXT_CHARS = 300  # a reply this long (or with tool calls) is one no stranger gets
 ANCHORS_TRIED = 3
-DEFAULT_SOURCES = ("header", "header:session_id", "header:conversation_id",
-                   "metadata.session_id")
+DEFAULT_SOURCES = ("header", "header:session-id", "header:session_id",
+                   "header:conversation_id", "metadata.session_id")
 SCOPE_FIELDS = ("user", "prompt_cache_key")
 
 

@@ -39,6 +39,9 @@ class Message(TypedDict, total=False):
     tool_call_id: str
     function_call: FunctionCall
     refusal: str | None
+    # a message that came in as Responses items keeps them (conversation/items.py)
+    items: list[dict[str, Any]]
+    instructions: bool  # the system message that stands for a request's ``instructions``
 
 
 _EMPTY_DROPPABLE = ("annotations", "tool_calls")

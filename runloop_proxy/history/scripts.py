@@ -60,7 +60,7 @@ local function touch(p, head, now, ttl)
   if tonumber(now) - xat > ttl / 20 then
     redis.call('HSET', meta, 'xat', now)
     for _, k in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec',
-                        'bused'}) do
+                        'bused', 'sum', 'req'}) do
       redis.call('PEXPIRE', p .. ':' .. k, ttl)
     end
     for _, b in ipairs(redis.call('ZRANGE', p .. ':bused', 0, -1)) do

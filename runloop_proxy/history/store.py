@@ -15,6 +15,9 @@ slot and every update is a single atomic Lua script (scripts.py)::
     P:{n:s}:int       hash   chain hash at a client-visible message -> the proxy's tool
                              exchange spliced around it (only that lineage finds it)
     P:{n:s}:rec       list   compression records and branch events (seed 004 §3.4)
+    P:{n:s}:req       list   per request: prompt tokens as sent and as forwarded (last 500)
+    P:{n:s}:sum       hash   "<loops>:<cover hash>" -> a summary of those loops, or "late"
+    P:{n:s}:sumlock   string one summary in flight per session (expires)
     P:t:<n>:sessions  zset   session -> last use (for listing; a different slot)
     P:a:<n>:<anchor>  string session id a recorded reply belongs to (trimmed histories)
 
@@ -59,6 +62,7 @@ __all__ = ["Prepared", "RedisStore", "prepare"]
 log = logs.get("store")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 SESSION_CACHE_SIZE = 50_000
+MAX_POINTS = 500
 MAX_RECORDS = 1_000
 INDEX_EVERY_S = 60.0
 PROBE_EVERY_S = 0.25
@@ -269,18 +273,24 @@ class RedisStore:
         raise StoreError("sync did not converge")
 
     def submit(self, namespace: str, session_id: str, items: list[Prepared],
-               retention_days: float | None = None) -> None:
-        """Queue a sync off the request path (write-behind; see writes.py)."""
-        self.writes.submit(self._job(namespace, session_id, items, retention_days))
+               retention_days: float | None = None, point: dict[str, int] | None = None
+               ) -> None:
+        """Queue a sync off the request path (write-behind; see writes.py); ``point``: the
+        request's prompt tokens as sent and as forwarded, kept with it (the inspector's
+        chart)."""
+        job = self._job(namespace, session_id, items, retention_days)
+        job.points = [orjson.dumps(point)] if point else []
+        self.writes.submit(job)
 
     def submit_append(self, namespace: str, session_id: str, items: list[Prepared],
-                      retention_days: float | None = None, system: int = 0) -> None:
+                      retention_days: float | None = None, system: int = 0,
+                      point: dict[str, int] | None = None) -> None:
         """Queue messages to append to the head whatever it holds (server-history mode); the
         first ``system`` are the request's system prompt, stored only if they open it."""
         self._check_sizes(items)
         self._sessions.pop((namespace, session_id), None)
         self.writes.submit(Job(namespace, session_id, items, retention_days, append=True,
-                               system=system))
+                               system=system, points=[orjson.dumps(point)] if point else []))
 
     def chains(self, namespace: str, session_id: str, items: list[Prepared]) -> list[str]:
         """The chain hash after each of ``items`` (a conversation from its start; index 0 is
@@ -333,6 +343,11 @@ class RedisStore:
         args = self._args(job)
         reply = await script(keys=[args[0] + ":meta"], args=args)
         await self._index(job.namespace, job.session_id)
+        if job.points:
+            pipe = self.client.pipeline(transaction=False)
+            self._points(pipe, job)
+            await pipe.execute()
+            job.points = []
         return reply
 
     def _settle(self, job: Job, reply: Any) -> bool:
@@ -386,14 +401,16 @@ class RedisStore:
             pipe.evalsha(sha, 1, args[0] + ":meta", *args)
             sent.append(job)
         # the sessions' listing, in the same round trip (one ZADD per session a minute)
-        indexed = 0
         for job in sent:
             if self._index_due(job.namespace, job.session_id):
                 pipe.zadd(self._index_key(job.namespace), {job.session_id: _now_ms()})
-                indexed += 1
+        pointed = [job for job in sent if job.points]
+        for job in pointed:
+            self._points(pipe, job)
         results = await pipe.execute(raise_on_error=False) if sent else []
-        if indexed:
-            results = results[:-indexed]
+        for job in pointed:
+            job.points = []  # sent: a job sent again (a stale hint) does not repeat them
+        results = results[:len(sent)]  # the scripts' replies; the rest are bookkeeping
         if any(isinstance(r, NoScriptError) for r in results):
             raise NoScriptError("scripts not loaded")  # _call reloads them and sends again
         it = iter(results)
@@ -460,6 +477,48 @@ class RedisStore:
             await pipe.execute()
 
         await self._call("record", run)
+
+    def _points(self, pipe: Any, job: Job) -> None:
+        """Queue the job's per-request token points (the last 500 of a session kept) in the
+        pipeline that carries the job: they cost no round trip of their own."""
+        key = self.prefix(job.namespace, job.session_id) + ":req"
+        pipe.rpush(key, *job.points)
+        pipe.ltrim(key, -MAX_POINTS, -1)
+        pipe.pexpire(key, self._ttl_ms(job.retention_days))
+
+    async def points(self, namespace: str, session_id: str) -> list[dict[str, int]]:
+        found = await self._call("read", lambda: self.client.lrange(
+            self.prefix(namespace, session_id) + ":req", 0, -1))
+        return [orjson.loads(p) for p in found or []]
+
+    async def put_summary(self, namespace: str, session_id: str, name: str,
+                          value: str) -> bool:
+        """Store a summary (or its lateness) under what it covers; the first one stays."""
+        key = self.prefix(namespace, session_id) + ":sum"
+
+        async def run() -> bool:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hsetnx(key, name, value)
+            pipe.pexpire(key, self._ttl_ms(None))
+            return bool((await pipe.execute())[0])
+
+        return bool(await self._call("summary", run))
+
+    async def summaries(self, namespace: str, session_id: str) -> dict[str, str]:
+        found = await self._call("summary", lambda: self.client.hgetall(
+            self.prefix(namespace, session_id) + ":sum"))
+        return {_s(k): _s(v) for k, v in (found or {}).items()}
+
+    async def lock_summary(self, namespace: str, session_id: str, ttl_s: float) -> bool:
+        """One summary in flight per session, across replicas (expires on its own)."""
+        return bool(await self._call("summary", lambda: self.client.set(
+            self.prefix(namespace, session_id) + ":sumlock", "1", nx=True,
+            px=int(ttl_s * 1000))))
+
+    async def unlock_summary(self, namespace: str, session_id: str) -> None:
+        with contextlib.suppress(StoreError):
+            await self._call("summary", lambda: self.client.delete(
+                self.prefix(namespace, session_id) + ":sumlock"))
 
     async def set_anchor(self, namespace: str, anchor: str, session_id: str,
                          retention_days: float | None) -> None:
@@ -532,6 +591,12 @@ class RedisStore:
             return None
         return next((_s(r) for r in replies[1:] if r), None)
 
+    async def anchored(self, namespace: str, anchor: str) -> str | None:
+        """The session an anchor was set for, if any."""
+        found = await self._call("read", lambda: self.client.get(
+            self._anchor_key(namespace, anchor)))
+        return _s(found) if found else None
+
     async def tool_results(self, namespace: str, session_id: str,
                            call_id: str) -> list[Message]:
         """Every stored result of a call id, in every branch (explicit sessions only)."""
@@ -597,6 +662,31 @@ class RedisStore:
             total = await self.client.zcard(key)
             rows = await self.client.zrevrange(key, offset, offset + limit - 1, withscores=True)
             return [(_s(sid), int(score)) for sid, score in rows], int(total)
+
+        return await self._call("list", run)  # type: ignore[no-any-return]
+
+
+    async def namespaces(self) -> list[tuple[str, int]]:
+        """Every namespace with stored sessions (tenants, pass-through keys), with its count."""
+        prefix = f"{self.cfg.key_prefix}:t:"
+
+        async def run() -> list[tuple[str, int]]:
+            out = []
+            async for key in self.client.scan_iter(match=prefix + "*:sessions", count=500):
+                name = _s(key)[len(prefix):-len(":sessions")]
+                out.append((name, int(await self.client.zcard(key))))
+            return sorted(out)
+
+        return await self._call("list", run)  # type: ignore[no-any-return]
+
+    async def holders(self, namespaces: list[str], session_id: str) -> list[str]:
+        """The namespaces among ``namespaces`` that hold a session with this id."""
+        async def run() -> list[str]:
+            pipe = self.client.pipeline(transaction=False)
+            for ns in namespaces:
+                pipe.zscore(self._index_key(ns), session_id)
+            found = await pipe.execute()
+            return [ns for ns, score in zip(namespaces, found, strict=True) if score is not None]
 
         return await self._call("list", run)  # type: ignore[no-any-return]
 

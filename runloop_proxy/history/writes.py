@@ -76,6 +76,7 @@ class Job:
     attempts: int = 0
     deadline: float = 0.0
     size: int = 0  # bytes it holds, roughly (the queue is bounded in bytes)
+    points: list[bytes] = field(default_factory=list)  # per-request token points it carries
 
     @property
     def key(self) -> tuple[str, str]:
@@ -136,6 +137,7 @@ class WriteBehind:
         if queued is not None and queued.extended_by(job):
             self.bytes += job.size - queued.size
             queued.items, queued.chains, queued.size = job.items, job.chains, job.size
+            queued.points += job.points  # the earlier requests' points stay
             queued.deadline = job.deadline
         else:
             self._queue.append(job)

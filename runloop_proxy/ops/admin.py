@@ -5,25 +5,40 @@ from __future__ import annotations
 import hmac
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from ..api.http import bearer, json_response, openai_errors
 from ..conversation.runloops import preview, segment
-from ..errors import AuthenticationFailed, InvalidRequest, NotFound, StoreError, error_body
-from ..history.store import SessionView
+from ..errors import (
+    AuthenticationFailed,
+    Conflict,
+    InvalidRequest,
+    NotFound,
+    StoreError,
+    error_body,
+)
+from ..history.store import SessionView, prepare
+from ..history.summaries import Job
 from ..state import AppState, state_of
+
+
+def admin_key_of(state: AppState) -> str:
+    key = state.config.server.admin_key or state.settings.admin_key
+    if not key:
+        raise NotFound("admin endpoints are disabled (no admin key configured)")
+    return key
 
 
 def _admin(state: AppState, request: Request) -> str:
     """Check the admin key; return the tenant the request is scoped to."""
-    admin_key = state.config.server.admin_key or state.settings.admin_key
-    if not admin_key:
-        raise NotFound("admin endpoints are disabled (no admin key configured)")
-    given = bearer(request) or ""
-    if not hmac.compare_digest(given.encode(), admin_key.encode()):
-        raise AuthenticationFailed("admin endpoints need the admin key as Bearer token")
+    _admin_key_checked(state, request)
+    return _tenant_param(state, request)
+
+
+def _tenant_param(state: AppState, request: Request) -> str:
     tenant = request.query_params.get("tenant")
     if tenant:
         return tenant
@@ -53,13 +68,116 @@ def session_summary(view: SessionView) -> dict[str, Any]:
             "compression_records": view.records, "proxy_tool_exchanges": len(view.internal)}
 
 
+async def _summaries(state: Any, tenant: str, session_id: str) -> list[dict[str, Any]]:
+    """The session's stored summaries (every branch's), by the loops they cover."""
+    try:
+        entries = await state.store.summaries(tenant, session_id)
+    except StoreError:
+        return []
+    out = []
+    for name, raw in entries.items():
+        e, _, cover = name.partition(":")
+        if raw == "late":
+            out.append({"loops": [0, int(e)], "cover": cover, "late": True})
+        else:
+            out.append({**orjson.loads(raw), "cover": cover})
+    return sorted(out, key=lambda s: (s["loops"][1], s["cover"]))
+
+
+async def tenant_of_session(state: AppState, request: Request, session_id: str) -> str:
+    """The tenant a session belongs to: ``?tenant=``, else the one tenant, else whichever
+    namespace holds that id (pass-through tenants are ``pt-<hash of the key>``, which nobody
+    can guess); 409 listing them when several do."""
+    try:
+        return _tenant_param(state, request)
+    except InvalidRequest:
+        pass
+    assert state.store is not None
+    names = [n for n, _ in await state.store.namespaces()]
+    found = await state.store.holders(names, session_id)
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise NotFound(f"no session {session_id!r} in any tenant")
+    raise Conflict(f"session {session_id!r} exists in several tenants: "
+                   f"{', '.join(found)}; give ?tenant=NAME", param="tenant")
+
+
 @openai_errors
-async def admin_session(request: Request) -> Response:
+async def admin_tenants(request: Request) -> Response:
+    """Every tenant: configured ones and the namespaces holding sessions (pass-through keys)."""
     state = state_of(request)
-    tenant = _admin(state, request)
+    _admin_key_checked(state, request)
+    stored: dict[str, int] = {}
+    if state.store is not None:
+        try:
+            stored = dict(await state.store.namespaces())
+        except StoreError as exc:
+            return _store_unavailable(exc)
+    names = sorted(set(state.config.tenants) | set(stored))
+    return json_response({"tenants": [
+        {"tenant": n, "configured": n in state.config.tenants, "sessions": stored.get(n, 0)}
+        for n in names]})
+
+
+def _admin_key_checked(state: AppState, request: Request) -> None:
+    given = bearer(request) or ""
+    if not hmac.compare_digest(given.encode(), admin_key_of(state).encode()):
+        raise AuthenticationFailed("admin endpoints need the admin key as Bearer token")
+
+
+@openai_errors
+async def admin_compact(request: Request) -> Response:
+    """Make the session's summaries now (where its tenant has ``summary_model``)."""
+    state = state_of(request)
+    _admin_key_checked(state, request)
     if state.store is None:
         raise NotFound("no store configured")
     session_id = request.path_params["session_id"]
+    try:
+        tenant = await tenant_of_session(state, request, session_id)
+        return json_response(await compact(state, tenant, session_id))
+    except StoreError as exc:
+        return _store_unavailable(exc)
+
+
+async def compact(state: AppState, tenant: str, session_id: str) -> dict[str, Any]:
+    assert state.store is not None
+    spec = state.config.tenants.get(tenant) or state.config.passthrough
+    if spec is None:
+        raise NotFound(f"no tenant {tenant!r}")
+    if not spec.policy.summary_model:
+        raise Conflict(f"tenant {tenant!r} has no summary_model: nothing to compact with",
+                       param="summary_model")
+    auth = None
+    upstream = state.config.upstreams.get(spec.upstream)
+    if upstream is not None and upstream.api_key:
+        auth = f"Bearer {upstream.api_key}"
+    if spec.policy.summary_model != "extractive" and auth is None:
+        raise Conflict("an LLM summary needs an upstream key: pass-through tenants use the "
+                       "caller's own, so only summary_model = \"extractive\" compacts here")
+    view = await state.store.session(tenant, session_id)
+    if view is None:
+        raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
+    job = Job(spec.policy, tenant, spec.name, spec.name if tenant in state.config.tenants
+              else "passthrough", "gpt-4o", spec.upstream, auth)
+    keys = [prepare(m).hash for m in view.messages]
+    made = await state.summaries.compact(job, session_id, view.messages, keys)
+    return {"session_id": session_id, "tenant": tenant,
+            "made": [{"loops": [0, e], "ok": text is not None} for e, text in made]}
+
+
+@openai_errors
+async def admin_session(request: Request) -> Response:
+    state = state_of(request)
+    _admin_key_checked(state, request)
+    if state.store is None:
+        raise NotFound("no store configured")
+    session_id = request.path_params["session_id"]
+    try:
+        tenant = await tenant_of_session(state, request, session_id)
+    except StoreError as exc:
+        return _store_unavailable(exc)
     try:
         view = await state.store.session(tenant, session_id)
     except StoreError as exc:
@@ -67,6 +185,7 @@ async def admin_session(request: Request) -> Response:
     if view is None:
         raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
     out = session_summary(view)
+    out["summaries"] = await _summaries(state, tenant, session_id)
     if request.query_params.get("messages") in ("1", "true"):
         out["messages"] = view.messages
     return json_response(out)
@@ -92,5 +211,7 @@ async def admin_sessions(request: Request) -> Response:
 
 
 def admin_routes() -> list[BaseRoute]:
-    return [Route("/admin/sessions", admin_sessions, methods=["GET"]),
+    return [Route("/admin/tenants", admin_tenants, methods=["GET"]),
+            Route("/admin/sessions", admin_sessions, methods=["GET"]),
+            Route("/admin/sessions/{session_id:path}/compact", admin_compact, methods=["POST"]),
             Route("/admin/sessions/{session_id:path}", admin_session, methods=["GET"])]

@@ -22,14 +22,14 @@ MAX_MODEL_LABELS = 64
 OTHER_MODEL = "other"  # models past MAX_MODEL_LABELS; and the series every tenant starts with
 # The label values panels and alerts select on, exported at 0 from startup (a series that does
 # not exist yet reads as "no data", and an alert on it never fires).
-APIS = ("chat", "responses")
+APIS = ("chat", "responses", "responses_chained")
 COMPACTION_KINDS = ("past_loop_reduction", "in_loop_elision", "in_loop_drop", "loop_omission",
                     "summary", "hard_truncation", "rejection")
 RECALL_OUTCOMES = {"recall_tool_call": ("hit", "not_found", "bad_arguments", "store_error"),
                    "search_history": ("hit", "miss", "bad_arguments")}
 SUMMARY_OUTCOMES = ("ok", "error", "timeout", "backoff", "late")
 STORE_OPS = ("sync", "read", "ping", "record", "internal", "anchor", "recall", "search",
-             "list", "write_lost", "too_large")
+             "list", "write_lost", "too_large", "summary")
 
 
 class Metrics:
@@ -69,9 +69,12 @@ class Metrics:
                                ["tenant", "tool", "outcome"], registry=r)
         self.summaries = Counter("runloop_summaries_total", "Summaries by outcome",
                                  ["tenant", "outcome"], registry=r)
-        self.summary_latency = Histogram("runloop_summary_latency_seconds",
+        self.summary_seconds = Histogram("runloop_summary_latency_seconds",
                                          "Summary generation latency", ["tenant"],
                                          buckets=_LATENCY, registry=r)
+        self.summary_tokens = Counter("runloop_summary_tokens_total",
+                                      "Tokens the summary model's calls used",
+                                      ["tenant", "kind"], registry=r)
         self.truncations = Counter("runloop_truncations_total",
                                    "Hard-limit truncations", tm, registry=r)
         self.rejections = Counter("runloop_context_rejections_total",
@@ -114,7 +117,9 @@ class Metrics:
                     self.recalls.labels(tenant, tool, outcome)
             for outcome in SUMMARY_OUTCOMES:
                 self.summaries.labels(tenant, outcome)
-            self.summary_latency.labels(tenant)
+            self.summary_seconds.labels(tenant)
+            for kind in ("prompt", "completion"):
+                self.summary_tokens.labels(tenant, kind)
             self.truncations.labels(tenant, OTHER_MODEL)
             self.rejections.labels(tenant, OTHER_MODEL)
             for reason in ("store", "window"):

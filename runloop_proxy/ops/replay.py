@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,17 @@ from pydantic import ValidationError
 
 from ..caches import ByteLRU
 from ..config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
+from ..conversation.items import to_items, to_messages, tool_to_chat
 from ..conversation.messages import Message, message_hash, text_of
 from ..conversation.runloops import preamble_end, segment
 from ..errors import ConfigError
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
 from ..pipeline.tools import ProxyTools, definitions_tokens
 from ..window.builder import build_window
+from ..window.digest import roll
 from ..window.forms import Budget
+from ..window.retention import Conversation as RetentionMeter
+from ..window.retention import Retention
 
 CACHE_MIN = 1024
 CACHE_BLOCK = 128
@@ -49,6 +54,12 @@ class Tally:
     over_forwarded: int = 0
     rejected: int = 0
     events: dict[str, int] = field(default_factory=dict)
+    retention: Retention = field(default_factory=Retention)
+    retention_passthrough: Retention = field(default_factory=Retention)
+    summaries: int = 0  # summaries made
+    summary_tokens: int = 0  # what the summary calls cost (--summary-cost each)
+    reasoning_client: int = 0  # Responses reasoning items sent, summed over requests
+    reasoning_forwarded: int = 0
 
     def saving(self, a: float, b: float) -> float:
         return 1 - b / a if a else 0.0
@@ -69,7 +80,11 @@ class Tally:
                     self.client_cost, self.forwarded_cost_strict), 4),
                 "over_context_passthrough": self.over_client,
                 "over_context_proxy": self.over_forwarded, "rejected": self.rejected,
-                "compaction_events": self.events}
+                "compaction_events": self.events, "retention": self.retention.as_dict(),
+                "retention_passthrough": self.retention_passthrough.as_dict(),
+                "summaries": self.summaries, "summary_tokens": self.summary_tokens,
+                "reasoning_items": {"client": self.reasoning_client,
+                                    "forwarded": self.reasoning_forwarded}}
 
 
 def cached_cost(total: int, prefix: int) -> float:
@@ -102,8 +117,10 @@ def common_prefix_tokens(prev: list[str] | None, cur: list[str], counts: list[in
 
 
 class Replayer:
-    def __init__(self, tenant: TenantSpec, model: str, context: int | None):
+    def __init__(self, tenant: TenantSpec, model: str, context: int | None,
+                 summary_cost: int = 0):
         self.tenant = tenant
+        self.summary_cost = summary_cost
         self.model = model
         self.context = context or tenant.context_window(model)
         self.counter = TokenCounter()
@@ -138,6 +155,14 @@ class Replayer:
         for lp in segment(messages):
             for k in lp.positions:
                 loop_start[k] = lp.start
+        refs = RetentionMeter(messages, "\n".join(
+            [text_of(m.get("content")) for m in messages[:pre]] +
+            [orjson.dumps(tools).decode() if tools else ""]))
+        reasoning = [0]
+        for m in messages:
+            reasoning.append(reasoning[-1] + _reasoning_items(m.get("items") or []))
+        ahead = SummariesAhead(self.tenant.policy, messages, segment(messages),
+                               lambda t: self.counter.text(self.enc, t), self.summary_cost)
         prev_client: list[str] | None = None
         prev_bound: list[str] | None = None
         prev_fwd: list[str] | None = None
@@ -149,7 +174,7 @@ class Replayer:
                 continue
             req, rkeys, rcounts = messages[:i], keys[:i], counts[:i]
             window = build_window(req, rkeys, rcounts, self.tenant.policy, budget, self.ops,
-                                  tool_names=names)
+                                  tool_names=names, summaries=ahead.upto(i, tally))
             client_total = sum(rcounts) + tools_tokens + REPLY_PRIMING
             with_tools = window.offers_tools(self.tenant.policy, bool(tools))
             fwd_tools = tools_tokens + (self.proxy_tools if with_tools else 0)
@@ -196,8 +221,48 @@ class Replayer:
                 tally.over_forwarded += fwd_total > self.context
             for e in window.events:
                 tally.events[e.kind.value] = tally.events.get(e.kind.value, 0) + 1
+            start = loop_start[i - 1] if i > pre else 0
+            tally.retention.add(refs.retention(i, start, window.messages))
+            tally.retention_passthrough.add(refs.retention(i, start, req))
+            if reasoning[i]:
+                tally.reasoning_client += reasoning[i]
+                tally.reasoning_forwarded += _reasoning_items(to_items(window.messages)[1])
             prev_client, prev_fwd, prev_fwd_tools = rkeys, wkeys, with_tools
             prev_fwd_msgs, prev_fwd_counts = window.messages, wcounts
+
+
+class SummariesAhead:
+    """The summaries a proxy would have ready at each request point: made ahead, as soon as
+    the loops the next omission event leaves out have closed (the extractive digest; with
+    ``summary_model`` a model, the digest stands in for its text and each call is priced at
+    ``cost`` tokens)."""
+
+    def __init__(self, policy: Policy, messages: list[Message], loops: list[Any],
+                 count: Callable[[str], int], cost: int):
+        self.policy, self.messages, self.count, self.cost = policy, messages, count, cost
+        self.closed = [lp for lp in loops if lp.final_position is not None]
+        self.made: list[tuple[int, str]] = []
+
+    def upto(self, i: int, tally: Tally) -> tuple[tuple[int, str], ...]:
+        """The summaries made by request point ``i`` (messages[:i])."""
+        if not self.policy.summary_model:
+            return ()
+        b = self.policy.omission_batch
+        done = sum(1 for lp in self.closed if lp.end <= i)
+        while (len(self.made) + 1) * b <= done:
+            e = (len(self.made) + 1) * b
+            previous = self.made[-1][1] if self.made else None
+            loops = [self.messages[lp.start:lp.end] for lp in self.closed[e - b:e]]
+            self.made.append((e, roll(previous, loops, self.policy.summary_max_tokens,
+                                      self.count)))
+            tally.summaries += 1
+            if self.policy.summary_model != "extractive":
+                # the net saving pays for the summary calls, at full price
+                tally.summary_tokens += self.cost
+                tally.forwarded += self.cost
+                tally.forwarded_cost += self.cost
+                tally.forwarded_cost_strict += self.cost
+        return tuple(self.made)
 
 
 class HttpReplay:
@@ -224,6 +289,15 @@ class HttpReplay:
                                    headers=_bearer(args.direct_key)) if args.direct else None
         self.cached = 0  # upstream-reported cached tokens, both sides
 
+    def summary_tokens(self) -> int:
+        """What the proxy's summary calls have used so far (its /metrics), to net them out."""
+        try:
+            text = self.proxy.get("/metrics").text
+        except Exception:  # noqa: BLE001 - a proxy without /metrics: nothing to net out
+            return 0
+        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("runloop_summary_tokens_total{")))
+
     def close(self) -> None:
         self.proxy.close()
         if self.direct is not None:
@@ -234,12 +308,9 @@ class HttpReplay:
         for i in range(1, len(messages)):
             if messages[i].get("role") != "assistant":
                 continue
-            body: dict[str, Any] = {"model": self.model, "messages": messages[:i],
-                                    "max_tokens": 1}
-            if conv.get("tools"):
-                body["tools"] = conv["tools"]
+            path, body = _request(self.model, conv, messages[:i])
             payload = orjson.dumps(body)
-            r = self.proxy.post("/v1/chat/completions", content=payload, headers={
+            r = self.proxy.post("/v1" + path, content=payload, headers={
                 "X-Session-Id": f"{self.run}-{idx}", "Content-Type": "application/json",
                 "X-Scripted-Cache-Scope": f"{self.run}-proxy"})
             tally.requests += 1
@@ -263,7 +334,7 @@ class HttpReplay:
             tally.over_forwarded += forwarded > self.context
             if self.direct is None:
                 continue
-            d = self.direct.post("/chat/completions", content=payload, headers={
+            d = self.direct.post(path, content=payload, headers={
                 "Content-Type": "application/json", "X-Scripted-Cache-Scope": f"{self.run}-direct"})
             if d.status_code != 200:
                 raise ReplayError(f"conversation {idx}: the upstream answered "
@@ -276,8 +347,9 @@ class HttpReplay:
         (the upstream may count with another tokenizer: its share carries over, not its
         numbers)."""
         usage = usage or {}
-        prompt = int(usage.get("prompt_tokens") or 0)
-        cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+        cached = int(details.get("cached_tokens") or 0)
         self.cached += cached
         share = cached / prompt if prompt else 0.0
         return tokens * (1 - share) + CACHED_PRICE * tokens * share
@@ -285,6 +357,46 @@ class HttpReplay:
 
 class ReplayError(Exception):
     pass
+
+
+def _reasoning_items(items: list[dict[str, Any]]) -> int:
+    return sum(i.get("type") == "reasoning" for i in items)
+
+
+def conversation_of(line: Any) -> dict[str, Any] | None:
+    """A recorded conversation as the replay reads it: chat-shaped messages and tools. A
+    Responses conversation (``input`` items, ``instructions``) becomes the conversation model
+    the proxy builds from it, and keeps its own form for a replay through a proxy."""
+    if not isinstance(line, dict):
+        return None
+    if isinstance(line.get("messages"), list):
+        return line
+    if not isinstance(line.get("input"), list):
+        return None
+    tools = [t for t in line.get("tools") or [] if isinstance(t, dict)]
+    return {"messages": to_messages(line["input"], line.get("instructions")),
+            "tools": [tool_to_chat(t) for t in tools], "responses_tools": tools}
+
+
+def _request(model: str, conv: dict[str, Any], messages: list[Message]
+             ) -> tuple[str, dict[str, Any]]:
+    """The path and body of the request a client sent at this point of the conversation."""
+    if "responses_tools" in conv:
+        instructions, items = to_items(messages)
+        body: dict[str, Any] = {"model": model, "input": items, "max_output_tokens": 16}
+        if instructions is not None:
+            body["instructions"] = instructions
+        if conv["responses_tools"]:
+            body["tools"] = conv["responses_tools"]
+        return "/responses", body
+    body = {"model": model, "messages": messages, "max_tokens": 1}
+    if conv.get("tools"):
+        body["tools"] = conv["tools"]
+    return "/chat/completions", body
+
+
+def _pct(share: float | None) -> str:
+    return "n/a" if share is None else f"{share:.1%}"
 
 
 def _bearer(key: str | None) -> dict[str, str]:
@@ -344,8 +456,10 @@ def run_replay(args: argparse.Namespace) -> int:
         except orjson.JSONDecodeError as exc:
             print(f"{path}:{n}: not JSON: {exc}", file=sys.stderr)
             return 2
-        if not isinstance(conv, dict) or not isinstance(conv.get("messages"), list):
-            print(f"{path}:{n}: expected an object with a 'messages' array", file=sys.stderr)
+        conv = conversation_of(conv)
+        if conv is None:
+            print(f"{path}:{n}: expected an object with a 'messages' array (chat) or an "
+                  f"'input' array (Responses)", file=sys.stderr)
             return 2
         convs.append(conv)
     if args.limit:
@@ -359,8 +473,9 @@ def run_replay(args: argparse.Namespace) -> int:
         print("--direct compares against a proxy: give --proxy as well", file=sys.stderr)
         return 2
     tally = Tally()
-    replayer = Replayer(tenant, args.model, args.context)
+    replayer = Replayer(tenant, args.model, args.context, args.summary_cost)
     http = HttpReplay(args, replayer) if args.proxy else None
+    summary_before = http.summary_tokens() if http is not None else 0
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     started = time.monotonic()
     try:
@@ -375,13 +490,18 @@ def run_replay(args: argparse.Namespace) -> int:
         return 1
     finally:
         if http is not None:
+            # the proxy's summary calls, by the upstream's usage, count as forwarded: net
+            spent = http.summary_tokens() - summary_before
+            tally.summary_tokens += spent
+            tally.forwarded += spent
+            tally.forwarded_cost += spent
             http.close()
     # through a proxy, a cache-aware cost needs the upstream's word on both sides
     cache_measured = http is None or (http.direct is not None and http.cached > 0)
     out = tally.as_dict()
     if http is not None:
         for key in ("forwarded_cost_strict", "cache_aware_saving_strict", "bound_raw_saving",
-                    "bound_cache_aware_saving"):
+                    "bound_cache_aware_saving", "retention", "retention_passthrough"):
             out.pop(key)
         if not cache_measured:
             for key in ("client_cost", "forwarded_cost", "cache_aware_saving"):
@@ -414,6 +534,22 @@ def run_replay(args: argparse.Namespace) -> int:
     print(f"  over {replayer.context} tokens: pass-through {tally.over_client} "
           f"({tally.over_client / max(tally.requests, 1):.0%}), through the proxy "
           f"{tally.over_forwarded} (rejected {tally.rejected})")
+    r, rp = out.get("retention"), out.get("retention_passthrough")
+    if r and rp and r["references"]:
+        print(f"  references kept window {_pct(r['retained'])} (current loop "
+              f"{_pct(r['current_loop'])}, past loops {_pct(r['past_loops'])}; "
+              f"{r['references']:,} references: {r['current_references']:,} current, "
+              f"{r['past_references']:,} past), pass-through {_pct(rp['retained'])}")
+    if tally.summaries:
+        print(f"  summaries ({tenant.policy.summary_model}): {tally.summaries:,} made ahead of "
+              f"their omission event" + (f", {tally.summary_tokens:,} tokens counted as "
+                                         f"forwarded" if tally.summary_tokens else ""))
+    elif tally.summary_tokens:
+        print(f"  summary calls made by the proxy: {tally.summary_tokens:,} tokens (its "
+              f"upstream's usage), counted as forwarded")
+    if tally.reasoning_client:
+        print(f"  reasoning items sent: client {tally.reasoning_client:,}, forwarded "
+              f"{tally.reasoning_forwarded:,} (past loops' reasoning is left out)")
     if tally.events:
         print("  compaction events: " + ", ".join(f"{k} {v}" for k, v in
                                                   sorted(tally.events.items())))

@@ -5,10 +5,18 @@ mode, where the client does not hold its conversation and a window without it wo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from ..conversation.identity import Session, SessionKind, anchor, anchors, continued
-from ..conversation.messages import Message
+from ..conversation.identity import (
+    MAX_ID_CHARS,
+    Session,
+    SessionKind,
+    anchor,
+    anchors,
+    continued,
+)
+from ..conversation.messages import Message, content_hash
 from ..conversation.runloops import preamble_end
 from ..errors import InvalidRequest, StoreError, StoreUnavailable
 from ..history.store import Prepared, RedisStore, prepare
@@ -83,6 +91,8 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
     try:
         if not store.available:
             raise StoreError("store marked down")
+        if turn.chained:
+            return await _chained(state, turn, session, store, ns, hashed)
         if turn.server_history:
             history = await _server_history(state, turn, session, store, ns, hashed)
             store.check_limits(len(history.prepared), history.prepared)
@@ -127,6 +137,23 @@ async def _server_history(state: AppState, turn: Turn, session: Session, store: 
                    appended=(await _counted(state, turn, messages, hashed), system))
 
 
+def response_anchor(response_id: str) -> str:
+    return content_hash(f"response\0{response_id}".encode())
+
+
+async def _chained(state: AppState, turn: Turn, session: Session, store: RedisStore, ns: str,
+                   hashed: list[Prepared]) -> tuple[Session, History]:
+    """A request chained on ``previous_response_id``: the conversation is upstream. It joins
+    the session its previous response was recorded in, and appends what it adds."""
+    assert turn.chained is not None
+    if session.kind is SessionKind.FINGERPRINT:
+        found = await store.anchored(ns, response_anchor(turn.chained))
+        session = Session(found or f"chain-{turn.chained}"[:MAX_ID_CHARS],
+                          SessionKind.EXPLICIT, "previous_response_id")
+    prepared = await _counted(state, turn, turn.messages, hashed)
+    return session, History(turn.messages, prepared, appended=(prepared, 0))
+
+
 async def _continuation(turn: Turn, session: Session, store: RedisStore,
                         ns: str) -> tuple[Session, list[Message]]:
     """A fingerprinted request its fingerprint does not know, carrying replies recorded in
@@ -153,7 +180,8 @@ async def _continuation(turn: Turn, session: Session, store: RedisStore,
 
 async def record(state: AppState, turn: Turn, session: Session, history: History,
                  reply: Message | None, kept: dict[str, Any] | None,
-                 large: bool = False) -> None:
+                 large: bool = False, answer_id: str | None = None,
+                 tokens: tuple[int, int] | None = None) -> None:
     """After a 2xx, off the request path: add the client's side of the turn and the answer it
     got to the session's history (written behind), the proxy's part of the turn to splice
     back next time, and for a fingerprinted session an anchor that finds it again from its
@@ -168,12 +196,15 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         at = store.chains(ns, session.id, conversation)[-1]  # the reply, in its lineage
         state.spawn(_keep_internal(store, ns, session.id, at, kept))
     retention = turn.caller.tenant.retention_days
+    # the prompt as sent and as forwarded (the inspector's chart), written with the turn
+    point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1]} \
+        if tokens is not None else None
     try:
         if history.appended is not None:
             new, system = history.appended
-            store.submit_append(ns, session.id, [*new, *answer], retention, system)
+            store.submit_append(ns, session.id, [*new, *answer], retention, system, point)
         else:
-            store.submit(ns, session.id, conversation, retention)
+            store.submit(ns, session.id, conversation, retention, point)
     except StoreError as exc:
         log.warning("history not stored", extra={"tenant": turn.caller.tenant.name,
                                                  "error": str(exc)})
@@ -182,6 +213,11 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         key = anchor(reply, session.scope)
         if key is not None:
             state.spawn(_anchor(store, ns, key, session.id, retention))
+    if answer_id is not None and turn.wire.api == "responses" \
+            and turn.body.get("store") is not False:
+        # a later request that chains on this response finds its session by the id (only a
+        # stored response can be chained on)
+        state.spawn(_anchor(store, ns, response_anchor(answer_id), session.id, retention))
 
 
 async def _keep_internal(store: RedisStore, namespace: str, session_id: str, at: str,

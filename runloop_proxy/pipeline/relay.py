@@ -80,7 +80,8 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     finally:
         _count_calls(state, turn, rounds)
     rlog.usage(outcome.usage)
-    state.spawn(record(state, turn, session, history, outcome.shown, outcome.kept))
+    state.spawn(record(state, turn, session, history, outcome.shown, outcome.kept,
+                       answer_id=outcome.id, tokens=rlog.prompt_tokens))
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps(data))
 
@@ -91,7 +92,7 @@ def _answered(state: AppState, turn: Turn, session: Session, history: History,
     _calibrate(state, turn, rlog, reply)
     rlog.usage(reply.usage if reply else None)
     state.spawn(record(state, turn, session, history, reply.message if reply else None, None,
-                       large))
+                       large, reply.id if reply else None, rlog.prompt_tokens))
 
 
 async def _passed_through(state: AppState, turn: Turn, session: Session, history: History,
@@ -215,7 +216,8 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                 _count_calls(state, turn, rounds)
             rlog.usage(outcomes[0].usage)
             state.spawn(record(state, turn, session, history, outcomes[0].shown,
-                               outcomes[0].kept))
+                               outcomes[0].kept, answer_id=outcomes[0].id,
+                               tokens=rlog.prompt_tokens))
     except UpstreamError as exc:
         status = exc.status
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,

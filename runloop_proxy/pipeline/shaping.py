@@ -10,7 +10,9 @@ from typing import Any
 
 from ..conversation.identity import Session
 from ..conversation.messages import Message
+from ..conversation.runloops import segment
 from ..errors import ContextLengthExceeded, StoreError
+from ..history.summaries import summaries_of
 from ..ops import logs
 from ..state import AppState
 from ..window.builder import Window, build_window
@@ -28,6 +30,8 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
                 rlog: RequestLog) -> Outgoing:
     """The body that goes upstream: the client's, byte for byte, unless a window changes it."""
     as_sent = _as_sent(turn, history)
+    if turn.chained:
+        return Outgoing(as_sent)  # the conversation lives upstream: untouched
     if history.degraded:
         state.metrics.degraded.labels(turn.caller.label, history.degraded).inc()
         return Outgoing(as_sent)
@@ -37,15 +41,17 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     spliced, spliced_keys, protected = splice_internal(
         history.messages, keys, _chains_at(state, turn, session, history), history.internal)
     tools = ProxyTools.for_request(turn.body.get("tools"))
+    stored = await state.summaries.stored(turn, session)
     try:
         window = await offload(turn.large, lambda: compute_window(
-            state, turn, session, history, spliced, spliced_keys, protected, tools))
+            state, turn, session, history, spliced, spliced_keys, protected, tools, stored))
     except Exception:  # noqa: BLE001 - a window bug must not cost the user this call
         log.exception("window failed: passing the request through uncompressed",
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
         rlog.degraded = "window"
         state.metrics.degraded.labels(turn.caller.label, "window").inc()
         return Outgoing(as_sent)
+    state.summaries.after(turn, session, spliced, spliced_keys, window, stored)
     tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
     for event in window.events:
         state.metrics.compactions.labels(tl, ml, event.kind.value).inc()
@@ -54,9 +60,9 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         log_events(state, turn, session, window)
         raise ContextLengthExceeded(
             f"This conversation needs {window.tokens_out} prompt tokens after compression, "
-            f"more than the {turn.caller.tenant.context_window(turn.model)}-token context of "
-            f"{turn.model} allows with the requested output. Shorten the latest messages or "
-            f"tool results.", param="messages")
+            f"more than {turn.model} allows here: {_explained(window)}. Shorten the "
+            f"latest messages or tool results, or ask for fewer output tokens.",
+            param="messages")
     if any(e.kind.value == "hard_truncation" for e in window.events):
         state.metrics.truncations.labels(tl, ml).inc()
     offer = window.offers_tools(turn.policy, bool(turn.body.get("tools"))) \
@@ -69,6 +75,10 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     body = turn.wire.outgoing(turn.body, window.messages, extra)
     log_events(state, turn, session, window)
     return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys)
+
+
+def _explained(window: Window) -> str:
+    return window.budget.explained() if window.budget is not None else "the budget"
 
 
 def _chains_at(state: AppState, turn: Turn, session: Session, history: History) -> list[str]:
@@ -89,7 +99,7 @@ def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
 
 def compute_window(state: AppState, turn: Turn, session: Session, history: History,
                    messages: list[Message], keys: list[str], protected: frozenset[str],
-                   tools: ProxyTools) -> Window:
+                   tools: ProxyTools, stored: dict[str, str] | None = None) -> Window:
     tenant = turn.caller.tenant
     enc, exact = state.tokens.encoding(turn.model, tenant.encoding_for(turn.model))
     factor = 1.0 if exact else state.tokens.factor(turn.model)
@@ -107,11 +117,14 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
         REPLY_PRIMING)
     now = int(time.time() * 1000)
     carried = (turn.caller.namespace or "", session.id)
+    carry = state.carries.get(carried)
+    summaries = summaries_of(turn.policy, stored or {}, keys, carry.conv.loops if carry
+                             else segment(messages) if stored else None)
     window = build_window(messages, keys, counts, turn.policy, budget,
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
                           timestamps=FirstSeen(state.first_seen, keys, now), now_ms=now,
                           memo=state.window_memo, tool_names=tools.window_names,
-                          carry=state.carries.get(carried))
+                          carry=carry, summaries=summaries)
     if window.carry is not None:
         state.carries[carried] = window.carry
     return window

@@ -28,6 +28,7 @@ class Outcome:
     shown: Message
     kept: dict[str, Any] | None
     usage: dict[str, Any]
+    id: str | None = None  # the id the client got for the answer
 
 
 @dataclass
@@ -64,12 +65,12 @@ def _kept(before: list[Message], decision: Decision, full: Message,
 
 
 async def _finish(r: Rounds, reply: Reply, decision: Decision, before: list[Message],
-                  shown: Message, usage: dict[str, Any]) -> Outcome:
+                  shown: Message, usage: dict[str, Any], answer_id: str | None) -> Outcome:
     # Mixed with the client's calls, the proxy's are answered now and spliced back after the
     # client's results; withdrawn ones are never run.
     after = [await r.runner.run(c) for c in decision.mine] if decision.step is Step.MIXED \
         else []
-    return Outcome(shown, _kept(before, decision, reply.message, after), usage)
+    return Outcome(shown, _kept(before, decision, reply.message, after), usage, answer_id)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -98,7 +99,8 @@ async def answer_json(r: Rounds, raw: bytes) -> tuple[dict[str, Any], Outcome]:
         rounds += 1
         data = parse_json(await (await r.again(convo, rounds)).read())
     out = r.wire.client_json(data, decision, usage)
-    return out, await _finish(r, reply, decision, before, client_message(reply, decision), usage)
+    return out, await _finish(r, reply, decision, before, client_message(reply, decision), usage,
+                              reply.id)
 
 
 async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, Any],
@@ -142,4 +144,4 @@ async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, An
     for out in relay.end(usage):
         yield out
     shown = relay.shown(client_message(reply, decision))
-    done(await _finish(r, reply, decision, before, shown, usage))
+    done(await _finish(r, reply, decision, before, shown, usage, relay.answer_id))

@@ -37,6 +37,7 @@ class Turn:
     messages: list[Message]
     headers: list[tuple[str, str]]
     server_history: bool = False
+    chained: str | None = None  # a Responses previous_response_id: the state is upstream
 
     @property
     def model(self) -> str:

@@ -28,6 +28,7 @@ class Reply:
 
     message: Message
     usage: dict[str, Any] | None = None
+    id: str | None = None  # the upstream's id of the answer (a Responses response id)
 
     @property
     def calls(self) -> list[ToolCall]:
@@ -99,6 +100,10 @@ class StreamRelay(Protocol):
 
     def shown(self, message: Message) -> Message:
         """The answer as the client saw it across every round (what it will echo back)."""
+
+    @property
+    def answer_id(self) -> str | None:
+        """The id the client got for the whole answer."""
 
     def end(self, usage: dict[str, Any]) -> list[bytes]:
         """The events after the last round (the summed usage, the terminator)."""

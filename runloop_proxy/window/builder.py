@@ -34,6 +34,9 @@ from .forms import (
     remember,
 )
 
+# summaries of what omission events left out: (the loop count an event omits, the text)
+Summaries = tuple[tuple[int, str], ...]
+
 
 class Stamps(Protocol):
     """When each message was first seen (ms), by position; read at loop starts only."""
@@ -80,6 +83,7 @@ class Window:
     omitted_loops: int = 0
     events: tuple[Event, ...] = ()
     carry: Carry | None = field(default=None, compare=False, repr=False)
+    budget: Budget | None = field(default=None, compare=False, repr=False)
 
     def offers_tools(self, policy: Policy, client_tools: bool) -> bool:
         """Whether the request goes out with the proxy's tools: when something was left out,
@@ -101,13 +105,19 @@ class _Plan:
 
 class _Replay:
     def __init__(self, conv: Conversation, timestamps: Stamps | None,
-                 now_ms: int | None, summary: str | None):
+                 now_ms: int | None, summaries: Summaries):
         self.c = conv
         self.plan = _Plan()
         self.red_sum = 0
         self.timestamps = timestamps
         self.now_ms = now_ms
-        self.summary = summary
+        self.summaries = dict(summaries)
+
+    @property
+    def summary(self) -> str | None:
+        """The summary shown inside the marker: the one made for what is omitted now (a
+        summary enters the window only with the omission event it was made for)."""
+        return self.summaries.get(self.plan.omit_upto)
 
     def full_start(self) -> int:
         c = self.c
@@ -351,18 +361,18 @@ class _Checkpoints:
     conversation replays only its own point instead of every earlier one.
 
     The state at point p depends only on messages[:p] (their keys and counts), the policy, the
-    budget, the protected results and the summary; the key holds all of them. Omission by age
+    budget, the protected results and the summaries; the key holds all of them. Omission by age
     depends on the clock as well: while any loop is older than ``max_time_range`` the replay
     runs whole.
     """
 
-    def __init__(self, conv: Conversation, replay: _Replay, summary: str | None):
+    def __init__(self, conv: Conversation, replay: _Replay, summaries: Summaries):
         self.conv, self.replay = conv, replay
         self.memo: Memo = conv.memo  # type: ignore[assignment]
         self.parts = [f"{k}:{n}," for k, n in zip(conv.keys, conv.counts, strict=True)]
         b = conv.budget
         self.context = content_hash(
-            f"{conv.policy.model_dump_json()}|{b.hard}|{b.working}|{summary or ''}|"
+            f"{conv.policy.model_dump_json()}|{b.hard}|{b.working}|{summaries!r}|"
             f"{'|'.join(conv.names)}|"
             f"{','.join(sorted(conv.protected))}".encode())
         self.usable = not replay.time_omission_possible()
@@ -403,17 +413,17 @@ class Carry:
     conv: Conversation
     n: int
     states: dict[int, tuple[int, ...]]
-    summary: str | None
+    summaries: Summaries
 
 
 def _carried(carry: Carry | None, messages: list[Message], keys: list[str], counts: list[int],
-             policy: Policy, budget: Budget, ops: TokenOps, summary: str | None,
+             policy: Policy, budget: Budget, ops: TokenOps, summaries: Summaries,
              protected: frozenset[str], memo: Memo | None,
              names: ToolNames) -> tuple[Conversation, int, tuple[int, ...]] | None:
     """The carried conversation grown by this request's messages, and the request point the
     replay resumes after (its index among ``conv.asked``) with the state there; None when
     the carry does not fit."""
-    if carry is None or carry.summary != summary:
+    if carry is None or carry.summaries != summaries:
         return None
     conv = carry.conv.grow(carry.n, messages, keys, counts, policy, budget, protected, names,
                            ops, memo)
@@ -436,19 +446,21 @@ def _carried(carry: Carry | None, messages: list[Message], keys: list[str], coun
 
 def build_window(messages: list[Message], keys: list[str], counts: list[int], policy: Policy,
                  budget: Budget, ops: TokenOps, *, timestamps: Stamps | None = None,
-                 now_ms: int | None = None, summary: str | None = None,
+                 now_ms: int | None = None, summaries: Summaries = (),
                  protected: frozenset[str] = frozenset(), memo: Memo | None = None,
                  tool_names: ToolNames = DEFAULT_NAMES, carry: Carry | None = None) -> Window:
-    """The window for a request carrying ``messages`` (pure; ``counts`` per message). ``memo``
-    only caches derived forms and ``carry`` (the previous window's) only spares recomputing
+    """The window for a request carrying ``messages`` (pure; ``counts`` per message).
+    ``summaries`` are shown inside the marker from the omission event each was made for
+    (``(e, text)``: the first ``e`` loops omitted). ``memo`` only caches derived forms and
+    ``carry`` (the previous window's) only spares recomputing
     them: neither ever changes the result."""
-    resumed = _carried(carry, messages, keys, counts, policy, budget, ops, summary, protected,
+    resumed = _carried(carry, messages, keys, counts, policy, budget, ops, summaries, protected,
                        memo, tool_names) if policy.enabled else None
     checkpoints = None
     if resumed is not None:
         conv, start, state = resumed
         tokens_in = conv.total
-        replay = _Replay(conv, timestamps, now_ms, summary)
+        replay = _Replay(conv, timestamps, now_ms, summaries)
         if replay.time_omission_possible():
             start = 0  # the clock decides too: replay it whole
         else:
@@ -456,12 +468,13 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
     else:
         tokens_in = sum(counts)
         if not policy.enabled or _nothing_to_do(messages, counts, policy, budget, tokens_in):
-            return Window(messages, False, tokens_in <= budget.hard, tokens_in, tokens_in)
+            return Window(messages, False, tokens_in <= budget.hard, tokens_in, tokens_in,
+                          budget=budget)
         conv = Conversation.of(messages, keys, counts, policy, budget, ops, protected, memo,
                                tool_names)
-        replay = _Replay(conv, timestamps, now_ms, summary)
+        replay = _Replay(conv, timestamps, now_ms, summaries)
         start = 0
-        checkpoints = _Checkpoints(conv, replay, summary) if memo is not None else None
+        checkpoints = _Checkpoints(conv, replay, summaries) if memo is not None else None
         if checkpoints is not None and conv.asked and checkpoints.restore(conv.asked[-1]):
             start = len(conv.asked)  # the previous request's replay, resumed
     # the request points: every assistant message after the preamble, then this request's
@@ -485,11 +498,11 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
         out, tokens_out, elided, changed, fits = _hard_limit(conv, replay, events)
     # made last: once handed on, the conversation is only ever grown by its next request
     next_carry = None if replay.time_omission_possible() \
-        else Carry(conv, conv.n, states, summary)
+        else Carry(conv, conv.n, states, summaries)
     return Window(out if changed else messages, changed, fits, tokens_in,
                   tokens_out if changed else tokens_in, tuple(elided),
                   replay.plan.reduced_upto - replay.plan.omit_upto, replay.plan.omit_upto,
-                  tuple(events), next_carry)
+                  tuple(events), next_carry, budget)
 
 
 def _nothing_to_do(messages: list[Message], counts: list[int], policy: Policy, budget: Budget,

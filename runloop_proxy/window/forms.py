@@ -26,6 +26,7 @@ from ..conversation.messages import (
     tool_calls_of,
 )
 from ..conversation.runloops import RunLoop, Segmenter, preamble_end
+from .digest import loop_digest
 
 TAG = "[runloop-proxy]"
 MEMO_SIZE = 50_000
@@ -47,19 +48,32 @@ def remember(memo: Memo, key: tuple[str, ...], value: Any) -> None:
 class Budget:
     hard: int  # what must fit: window - reserved output - tool schemas - margin
     working: int  # what compaction aims at (threshold/target are fractions of it)
+    # what ``hard`` was made of, for an error that explains it
+    context: int = 0
+    reserve: int = 0
+    tools: int = 0
+    margin: int = 0
 
     @classmethod
     def for_request(cls, policy: Policy, context: int, reserve: int | None, tools: int,
                     factor: float = 1.0, priming: int = 3) -> Budget:
         """Message budget for a request: the model's window less the reserved output
-        (``max_tokens``, else the policy's), the tool schemas and the margin; ``factor``
-        converts the model's tokens into the counter's (calibration)."""
-        out = reserve or policy.reserved_output_tokens
-        hard = int((context - out - policy.safety_margin_tokens) / factor) - tools - priming
+        (``max_tokens``, else the policy's — at most a quarter of a small window), the tool
+        schemas and the margin (at most a sixteenth); ``factor`` converts the model's tokens
+        into the counter's (calibration)."""
+        out = reserve or min(policy.reserved_output_tokens, context // 4)
+        margin = min(policy.safety_margin_tokens, context // 16)
+        hard = int((context - out - margin) / factor) - tools - priming
         working = hard
         if policy.soft_budget_tokens:
             working = min(hard, int(policy.soft_budget_tokens / factor) - tools)
-        return cls(hard=max(hard, 0), working=max(working, 1))
+        return cls(hard=max(hard, 0), working=max(working, 1), context=context, reserve=out,
+                   tools=tools + priming, margin=margin)
+
+    def explained(self) -> str:
+        return (f"the {self.context}-token context less {self.reserve} reserved for the "
+                f"output, {self.tools} for the tool schemas and {self.margin} of margin leaves "
+                f"{self.hard} for the messages")
 
 
 class Cut(NamedTuple):
@@ -341,7 +355,7 @@ class Conversation:
             pol = self.policy
             self._reduced[j] = self._memoised(
                 ("loop", ident, str(pol.max_message_length), str(pol.ledger_arg_chars),
-                 *self.names),
+                 str(bool(pol.summary_model)), *self.names),
                 partial(self._reduce, lp))
         return self._reduced[j]
 
@@ -385,6 +399,9 @@ class Conversation:
             capped = self.shortened(text, limit, final_pos) if final_pos is not None else ""
             if ledger:
                 capped = f"{capped}\n\n{ledger}" if capped else ledger
+            ids = self._digest_ids(lp, [*out, {"role": "assistant", "content": capped}])
+            if ids:
+                capped = f"{capped}\n{ids}" if capped else ids
             if capped != text or final_pos is None:
                 out.append({"role": "assistant", "content": capped})
                 changed = True
@@ -394,6 +411,16 @@ class Conversation:
                      else self.ops.count(m)
                      for m, i in zip(out, [*users, final_pos], strict=False))
         return out, tokens, changed
+
+    def _digest_ids(self, lp: RunLoop, shown: list[Message]) -> str:
+        """With summaries on, the identifiers the loop produced that its reduced form no
+        longer shows (the extractive digest of the loop, as a line)."""
+        if not self.policy.summary_model:
+            return ""
+        seen = "\n".join(message_text(m) for m in shown)
+        _, ids = loop_digest(self.messages[lp.start:lp.end])
+        missing = [x for x in ids if x not in seen]
+        return f"{TAG} ids: {' '.join(missing)}" if missing else ""
 
     def _ledger(self, lp: RunLoop) -> str:
         """One line for the loop's tool calls: ref, tool, short arguments and the result's
@@ -443,6 +470,10 @@ class Conversation:
                     f"(calls {first} … {last}) are not shown to save context; "
                     f"{self.search}(query) searches them and {self.recall}(call_id) "
                     f"returns any result.")
+            if self.policy.summary_model:  # what they produced, as the digest keeps it
+                _, ids = loop_digest(self.messages[at + 1:upto])
+                if ids:
+                    note += f" Identifiers from them: {' '.join(ids)}"
             new = appended(m, note)
             self._noted[key] = (new, self.ops.count(new) - self.counts[at])
         return self._noted[key]

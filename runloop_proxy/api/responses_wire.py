@@ -1,0 +1,250 @@
+"""The Responses API on the wire (pure): a window as an upstream body, an answer as a Reply,
+and a streamed answer rewritten for the client — the proxy's function calls and every event of
+theirs dropped, output indexes and sequence numbers renumbered across the proxy's rounds, one
+``response.created`` and one ``response.completed`` (every round's usage summed, every item
+the client saw) for the whole answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from ..conversation.items import to_items, to_messages, tool_name
+from ..conversation.messages import Message
+from ..errors import UpstreamBadReply, UpstreamError
+from ..pipeline.sse import SSEEvent, encode_event
+from ..pipeline.tools import ProxyTools
+from ..pipeline.wire import Decision, Reply, bad_reply
+
+TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
+ENDS = ("response.completed", "response.incomplete")
+
+
+class ResponsesWire:
+    api = "responses"
+    upstream_path = "/responses"
+
+    def outgoing(self, body: dict[str, Any], messages: list[Message],
+                 extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
+        instructions, items = to_items(messages)
+        out = {**body, "input": items}
+        if instructions is not None:
+            out["instructions"] = instructions
+        if extra_tools:
+            out["tools"] = [*(body.get("tools") or []), *extra_tools]
+        return out
+
+    def next_round(self, sent: dict[str, Any], messages: list[Message],
+                   withdraw: frozenset[str]) -> dict[str, Any]:
+        out = self.outgoing(sent, messages, [])
+        if withdraw:
+            kept = [t for t in sent.get("tools") or [] if tool_name(t) not in withdraw]
+            if kept:
+                out["tools"] = kept
+            else:
+                for k in TOOL_KEYS:
+                    out.pop(k, None)
+        return out
+
+    def tool_definitions(self, tools: ProxyTools) -> list[dict[str, Any]]:
+        # not strict: strict mode asks for closed schemas and every property required
+        return [{"type": "function", **f, "strict": False} for f in tools.functions()]
+
+    def parse(self, data: Any) -> Reply:
+        problem = response_problem(data)
+        if problem:
+            raise bad_reply(f"a response: {problem}", data)
+        return reply_of(data)
+
+    def client_json(self, data: dict[str, Any], decision: Decision,
+                    usage: dict[str, Any]) -> dict[str, Any]:
+        mine = {c["id"] for c in decision.mine}
+        data["output"] = [i for i in data["output"] if not _is_call_in(i, mine)]
+        if usage:
+            data["usage"] = usage
+        return data
+
+    def relay(self, request: dict[str, Any]) -> ResponsesRelay:
+        return ResponsesRelay()
+
+    def observer(self, limit: int) -> ResponsesObserver:
+        return ResponsesObserver(limit)
+
+
+def response_problem(data: Any) -> str | None:
+    """Why ``data`` is not a response with an output this proxy can read, or None."""
+    if not isinstance(data, dict):
+        return "not a JSON object"
+    output = data.get("output")
+    if not isinstance(output, list) or not all(isinstance(i, dict) for i in output):
+        return "no output items"
+    for item in output:
+        if item.get("type") == "function_call" and not (
+                isinstance(item.get("name"), str) and isinstance(item.get("call_id"), str)
+                and isinstance(item.get("arguments", ""), str)):
+            return "a function call is malformed"
+    return None
+
+
+def reply_of(response: dict[str, Any]) -> Reply:
+    """A response's output as one assistant message, and its usage."""
+    output = response.get("output") or []
+    messages = to_messages(output)
+    message = messages[0] if len(messages) == 1 and messages[0].get("role") == "assistant" \
+        else {"role": "assistant", "content": None, "items": output}
+    usage = response.get("usage")
+    rid = response.get("id")
+    return Reply(message, usage if isinstance(usage, dict) else None,
+                 rid if isinstance(rid, str) else None)
+
+
+def _is_call_in(item: dict[str, Any], ids: set[str]) -> bool:
+    return item.get("type") == "function_call" and item.get("call_id") in ids
+
+
+def _decode(event: SSEEvent) -> dict[str, Any] | None:
+    if event.is_done or not event.data:
+        return None
+    try:
+        data = orjson.loads(event.data)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamBadReply("the upstream streamed an event that is not JSON") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("type", event.event), str):
+        raise bad_reply("a Responses event", data)
+    kind = data.get("type") or event.event
+    if kind in ("error", "response.failed"):
+        err = data.get("error") or (data.get("response") or {}).get("error") or data
+        raise UpstreamError(str(err.get("message", "the upstream's response failed"))
+                            if isinstance(err, dict) else str(err))
+    data["type"] = kind
+    return data
+
+
+class ResponsesObserver:
+    """Reads a stream relayed unchanged, to record its answer (at most ``limit`` bytes)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.size = 0
+        self.response: dict[str, Any] | None = None
+
+    def feed(self, event: SSEEvent) -> None:
+        self.size += len(event.data)
+        if self.size > self.limit:
+            return
+        try:
+            data = _decode(event)
+        except UpstreamError:
+            return
+        if data is not None and data["type"] in ENDS and isinstance(data.get("response"), dict):
+            self.response = data["response"]
+
+    def reply(self) -> Reply | None:
+        if self.size > self.limit or self.response is None \
+                or response_problem(self.response):
+            return None
+        return reply_of(self.response)
+
+
+class ResponsesRelay:
+    """A streamed response across the proxy's tool rounds, as one response for the client."""
+
+    def __init__(self) -> None:
+        self.response_id: str | None = None
+        self.rounds = 0
+        self.seq = 0
+        self.next_index = 0
+        self.shown_items: list[dict[str, Any]] = []
+        self.last: dict[str, Any] = {}  # the last round's response, closing the client's
+
+    def round(self, tools: ProxyTools) -> ResponsesRound:
+        return ResponsesRound(self, tools)
+
+    @property
+    def answer_id(self) -> str | None:
+        return self.response_id
+
+    def emit(self, data: dict[str, Any]) -> bytes:
+        data["sequence_number"] = self.seq
+        self.seq += 1
+        return encode_event(orjson.dumps(data), data["type"])
+
+    def shown(self, message: Message) -> Message:
+        """The answer as the client saw it: every item it was shown, in every round."""
+        messages = to_messages(self.shown_items)
+        return messages[0] if len(messages) == 1 else message
+
+    def end(self, usage: dict[str, Any]) -> list[bytes]:
+        response = {**self.last, "id": self.response_id or self.last.get("id"),
+                    "output": self.shown_items}
+        if usage:
+            response["usage"] = usage
+        kind = "response.incomplete" if response.get("status") == "incomplete" \
+            else "response.completed"
+        return [self.emit({"type": kind, "response": response})]
+
+    def error(self, exc: Exception) -> bytes:
+        err = exc.body()["error"] if isinstance(exc, UpstreamError) else {
+            "message": "internal error in runloop-proxy", "type": "server_error",
+            "code": "internal_error"}
+        return self.emit({"type": "error", "code": err.get("code"), "message": err["message"],
+                          "param": None})
+
+
+class ResponsesRound:
+    """One upstream stream: the client's items pass (renumbered), the proxy's calls and
+    everything about them are dropped, the end is held until the round's fate is known."""
+
+    def __init__(self, relay: ResponsesRelay, tools: ProxyTools):
+        self.relay = relay
+        self.tools = tools
+        self.first = relay.rounds == 0
+        relay.rounds += 1
+        self.index: dict[int, int | None] = {}  # upstream output_index -> the client's
+        self.response: dict[str, Any] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.response is not None
+
+    def feed(self, event: SSEEvent) -> list[bytes]:
+        data = _decode(event)
+        if data is None:
+            return []
+        kind, relay = data["type"], self.relay
+        if kind in ("response.created", "response.in_progress", "response.queued"):
+            if not self.first:
+                return []  # later rounds are the same response for the client
+            relay.response_id = relay.response_id or (data.get("response") or {}).get("id")
+            return [relay.emit(data)]
+        if kind in ENDS:
+            if not isinstance(data.get("response"), dict) or response_problem(data["response"]):
+                raise bad_reply("a completed response", data)
+            self.response = data["response"]
+            relay.last = {k: v for k, v in self.response.items() if k != "output"}
+            return []
+        if "output_index" in data:
+            at = data["output_index"]
+            if kind == "response.output_item.added" and at not in self.index:
+                item = data.get("item") or {}
+                mine = item.get("type") == "function_call" and item.get("name") in self.tools.names
+                if mine:
+                    self.index[at] = None
+                else:
+                    self.index[at] = relay.next_index
+                    relay.next_index += 1
+            client = self.index.get(at)
+            if client is None:
+                return []  # the proxy's call: the client never sees it
+            data["output_index"] = client
+            if kind == "response.output_item.done" and isinstance(data.get("item"), dict):
+                relay.shown_items.append(data["item"])
+        return [relay.emit(data)]
+
+    def reply(self) -> Reply:
+        assert self.response is not None
+        return reply_of(self.response)
+
+    def close(self, decision: Decision) -> list[bytes]:
+        return []  # the client's response.completed comes with the summed usage (end)

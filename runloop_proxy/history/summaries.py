@@ -1,0 +1,301 @@
+"""Rolling summaries of the run loops an omission leaves out, made in the background.
+
+A summary covers the first ``e`` loops of a conversation, where ``e`` is a loop count an
+omission event can reach (a multiple of the policy's omission batch). It is made *ahead*: as
+soon as those loops have closed, well before the event that omits them, so it is ready when
+the marker changes; summary k rolls from summary k−1 and the loops after it (its input never
+grows with the session). It is stored in Redis per session, keyed by what it covers (``e``
+and a hash of the messages up to the end of loop e−1: one branch's summary never reaches
+another's), so every replica reuses it; one replica makes it at a time (a lock with expiry).
+
+It enters the window only with the omission event it was made for (window/builder.py): the
+first request that omits ``e`` loops without a summary for them marks ``e`` as *late* and the
+window stays without one until the next event, so the prefix the provider caches never changes
+between events. A summary is never on the request path: a request reads what is stored (one
+Redis read when the tenant has summaries on, fail-open) and never waits for one to be made.
+Failures and timeouts leave the window as it would be without summaries; after three in a row a
+tenant's summaries pause for ``summary_backoff_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+import xxhash
+
+from ..config import Policy
+from ..conversation.messages import Message, message_text
+from ..conversation.runloops import RunLoop, segment
+from ..errors import StoreError
+from ..ops import logs
+from ..window.builder import Summaries
+from ..window.digest import VERSION as EXTRACTIVE
+from ..window.digest import roll
+
+if TYPE_CHECKING:
+    from ..conversation.identity import Session
+    from ..pipeline.values import Turn
+    from ..state import AppState
+    from ..window.builder import Window
+
+log = logs.get("summaries")
+PROMPT_VERSION = "summary-prompt-1"
+PROMPT = """You maintain the running summary of an agent conversation whose oldest turns are \
+no longer shown to the model. Merge the previous summary with the turns below into one \
+summary of at most {max_tokens} tokens, in these sections:
+Goals; Decisions and facts; Identifiers (ids, numbers, paths, names — copied verbatim); \
+Files and records touched; Open tasks; User preferences.
+Keep every identifier a later turn could need, verbatim. No preamble.
+
+Previous summary:
+{previous}
+
+Turns to add:
+{turns}"""
+LOOP_CHARS = 6_000  # of each loop's text in a summary call: its input stays bounded
+FAILURES_BEFORE_BACKOFF = 3
+LATE = "late"
+
+
+def covers(keys: Sequence[str], loops: Sequence[RunLoop], batch: int) -> dict[int, str]:
+    """For each loop count ``e`` (a multiple of ``batch``) whose loops are all closed, the
+    hash of what a summary of them covers: the messages up to the end of loop e−1."""
+    out: dict[int, str] = {}
+    closed = done = 0
+    h = xxhash.xxh3_128()  # content_hash of the keys so far, one pass (not a join per cover)
+    for lp in loops:
+        if lp.final_position is None:
+            break
+        closed += 1
+        if closed % batch == 0:
+            h.update("".join(keys[done:lp.end]).encode())
+            done = lp.end
+            out[closed] = h.hexdigest()
+    return out
+
+
+def field(e: int, cover: str) -> str:
+    return f"{e}:{cover}"
+
+
+def pick(entries: dict[str, str], cover: dict[int, str]) -> Summaries:
+    """The summaries stored for this conversation's lineage, by loop count."""
+    out = []
+    for e, c in sorted(cover.items()):
+        raw = entries.get(field(e, c))
+        if raw and raw != LATE:
+            out.append((e, str(orjson.loads(raw)["text"])))
+    return tuple(out)
+
+
+def loops_text(messages: Sequence[Message], loops: Sequence[RunLoop]) -> str:
+    """The loops a summary call adds, each clipped to ``LOOP_CHARS``."""
+    parts = []
+    for lp in loops:
+        lines = [f"{m.get('role')}: {message_text(m)}" for m in messages[lp.start:lp.end]]
+        text = "\n".join(lines)
+        if len(text) > LOOP_CHARS:
+            text = text[: LOOP_CHARS // 2] + "\n…\n" + text[-LOOP_CHARS // 2:]
+        parts.append(f"[turn {lp.index + 1}]\n{text}")
+    return "\n\n".join(parts)
+
+
+@dataclass(frozen=True)
+class Job:
+    """Who a summary is made for: the tenant's policy and upstream, and the caller's key."""
+
+    policy: Policy
+    namespace: str
+    tenant: str
+    label: str
+    model: str
+    upstream: str
+    auth: str | None
+    drop_headers: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, turn: Turn) -> Job:
+        c = turn.caller
+        assert c.namespace is not None
+        return cls(turn.policy, c.namespace, c.tenant.name, c.label, turn.model,
+                   c.tenant.upstream, c.upstream_auth, c.drop_headers)
+
+
+class SummaryService:
+    """Reads stored summaries for a request, and makes the next one in the background."""
+
+    def __init__(self, state: AppState):
+        self.state = state
+        self.failures: dict[str, int] = {}
+        self.paused_until: dict[str, float] = {}
+
+    async def stored(self, turn: Turn, session: Session) -> dict[str, str]:
+        """What the store holds for the session (fail-open: nothing)."""
+        store, ns = self.state.store, turn.caller.namespace
+        if not turn.policy.summary_model or store is None or ns is None:
+            return {}
+        try:
+            return await store.summaries(ns, session.id)
+        except StoreError:
+            return {}
+
+    def after(self, turn: Turn, session: Session, messages: list[Message], keys: list[str],
+              window: Window, entries: dict[str, str]) -> None:
+        """After a window was built: mark an omission event that found no summary as late,
+        and make the summary the next event will want, if its loops have closed."""
+        policy, ns = turn.policy, turn.caller.namespace
+        if not policy.summary_model or ns is None or self.state.store is None:
+            return
+        loops = window.carry.conv.loops if window.carry is not None else None
+        if loops is None:
+            return
+        cover = covers(keys, loops, policy.omission_batch)
+        e = window.omitted_loops
+        tl = turn.caller.label
+        if e in cover and field(e, cover[e]) not in entries:
+            self.state.metrics.summaries.labels(tl, "late").inc()
+            self.state.spawn(self._late(ns, session.id, field(e, cover[e])))
+        nxt = e + policy.omission_batch
+        if nxt in cover and field(nxt, cover[nxt]) not in entries:
+            done = [(k, c) for k, c in sorted(cover.items()) if k < nxt
+                    and (entries.get(field(k, c)) or LATE) != LATE]
+            self.state.spawn(self.make(Job.of(turn), session.id, messages, loops, nxt,
+                                       cover[nxt], done[-1] if done else None, entries))
+
+    async def _late(self, ns: str, session_id: str, name: str) -> None:
+        assert self.state.store is not None
+        try:
+            await self.state.store.put_summary(ns, session_id, name, LATE)
+        except StoreError:
+            pass
+
+    async def make(self, job: Job, session_id: str, messages: list[Message],
+                   loops: Sequence[RunLoop], e: int, cover: str,
+                   previous: tuple[int, str] | None, entries: dict[str, str]) -> str | None:
+        """Summary of loops [0, e), rolled from ``previous`` (its loop count and field)."""
+        store, ns, policy = self.state.store, job.namespace, job.policy
+        tl, tenant = job.label, job.tenant
+        assert store is not None and policy.summary_model
+        if time.monotonic() < self.paused_until.get(tenant, 0):
+            self.state.metrics.summaries.labels(tl, "backoff").inc()
+            return None
+        try:
+            if not await store.lock_summary(ns, session_id, policy.summary_timeout_s + 5):
+                return None  # another replica is making it
+        except StoreError:
+            return None
+        started = time.perf_counter()
+        prev_e, prev_text = 0, None
+        if previous is not None:
+            prev_e = previous[0]
+            prev_text = str(orjson.loads(entries[field(*previous)])["text"])
+        new = [lp for lp in loops[prev_e:e]]
+        try:
+            if policy.summary_model == "extractive":
+                enc, _ = self.state.tokens.encoding(job.model, None)
+                text = roll(prev_text, [messages[lp.start:lp.end] for lp in new],
+                            policy.summary_max_tokens, lambda t: self.state.tokens.text(enc, t))
+                usage: dict[str, int] = {}
+                summarizer = EXTRACTIVE
+            else:
+                text, usage = await asyncio.wait_for(
+                    self._llm(job, prev_text, loops_text(messages, new)),
+                    policy.summary_timeout_s)
+                summarizer = f"{policy.summary_model} ({PROMPT_VERSION})"
+        except Exception as exc:  # noqa: BLE001 - a summary failure never reaches a client
+            outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
+            self._failed(tenant, tl, outcome, policy.summary_backoff_s)
+            log.warning("summary failed: the window stays without one",
+                        extra={"tenant": tenant, "session": session_id, "outcome": outcome,
+                               "error": type(exc).__name__})
+            await store.unlock_summary(ns, session_id)
+            return None
+        ms = round((time.perf_counter() - started) * 1000, 1)
+        self.failures[tenant] = 0
+        metrics = self.state.metrics
+        metrics.summaries.labels(tl, "ok").inc()
+        metrics.summary_seconds.labels(tl).observe(ms / 1000)
+        for kind, n in (("prompt", usage.get("prompt_tokens", 0)),
+                        ("completion", usage.get("completion_tokens", 0))):
+            if n:
+                metrics.summary_tokens.labels(tl, kind).inc(n)
+        record = {"text": text, "summarizer": summarizer, "loops": [prev_e, e],
+                  "tokens_in": usage.get("prompt_tokens"),
+                  "tokens_out": usage.get("completion_tokens"), "latency_ms": ms}
+        try:
+            in_time = await store.put_summary(ns, session_id, field(e, cover),
+                                              orjson.dumps(record).decode())
+            await store.add_record(ns, session_id, {"kind": "summary", "ts": int(
+                time.time() * 1000), **{k: v for k, v in record.items() if k != "text"},
+                "summary_chars": len(text), "in_time": in_time})
+            await store.unlock_summary(ns, session_id)
+        except StoreError:
+            return None
+        return text
+
+    def _failed(self, tenant: str, label: str, outcome: str, backoff_s: float) -> None:
+        self.state.metrics.summaries.labels(label, outcome).inc()
+        self.failures[tenant] = self.failures.get(tenant, 0) + 1
+        if self.failures[tenant] >= FAILURES_BEFORE_BACKOFF:
+            self.paused_until[tenant] = time.monotonic() + backoff_s
+            self.failures[tenant] = 0
+
+    async def _llm(self, job: Job, previous: str | None, turns: str
+                   ) -> tuple[str, dict[str, int]]:
+        """One chat completion through the tenant's upstream (or ``summary_upstream``)."""
+        from ..pipeline.upstream import json_headers, upstream_headers
+
+        policy = job.policy
+        prompt = PROMPT.format(max_tokens=policy.summary_max_tokens,
+                               previous=previous or "(none)", turns=turns)
+        body = {"model": policy.summary_model, "max_tokens": policy.summary_max_tokens,
+                "messages": [{"role": "user", "content": prompt}]}
+        auth, name = job.auth, job.upstream
+        if policy.summary_upstream and policy.summary_upstream in self.state.upstreams:
+            name = policy.summary_upstream  # a configured upstream, with its own key
+            key = self.state.config.upstreams[name].api_key
+            auth = f"Bearer {key}" if key else auth
+        headers = json_headers(upstream_headers([], auth, job.drop_headers))
+        resp = await self.state.upstream(name).request("POST", "/chat/completions", headers,
+                                                       orjson.dumps(body))
+        data: Any = orjson.loads(await resp.read())
+        if resp.status != 200 or not isinstance(data, dict):
+            raise RuntimeError(f"the summary call answered {resp.status}")
+        text = data["choices"][0]["message"]["content"]
+        if not isinstance(text, str) or not text.strip():
+            raise RuntimeError("the summary call answered no text")
+        usage = data.get("usage") or {}
+        return text.strip(), {k: int(usage.get(k) or 0)
+                              for k in ("prompt_tokens", "completion_tokens")}
+
+
+    async def compact(self, job: Job, session_id: str, messages: list[Message],
+                      keys: list[str]) -> list[tuple[int, str | None]]:
+        """Summaries for every omission point of a stored conversation that has none yet,
+        made now (the admin's "compact now"); each enters the window at its event."""
+        assert self.state.store is not None
+        loops = segment(messages)
+        cover = covers(keys, loops, job.policy.omission_batch)
+        made: list[tuple[int, str | None]] = []
+        for e, c in sorted(cover.items()):
+            entries = await self.state.store.summaries(job.namespace, session_id)
+            if field(e, c) in entries:
+                continue
+            done = [(k, cv) for k, cv in sorted(cover.items()) if k < e
+                    and (entries.get(field(k, cv)) or LATE) != LATE]
+            made.append((e, await self.make(job, session_id, messages, loops, e, c,
+                                            done[-1] if done else None, entries)))
+        return made
+
+
+def summaries_of(policy: Policy, entries: dict[str, str], keys: Sequence[str],
+                 loops: Sequence[RunLoop] | None) -> Summaries:
+    """What a request's window may show: the stored summaries of its lineage."""
+    if not policy.summary_model or not entries or loops is None:
+        return ()
+    return pick(entries, covers(keys, loops, policy.omission_batch))

@@ -1,0 +1,127 @@
+"""``runloop-proxy demo``: the product working, with no API key.
+
+Starts the scripted upstream and the proxy (embedded Redis unless ``--redis-url``), replays a
+bundled support-agent conversation through it — twelve customer questions, each answered
+after order lookups whose results are long JSON — request by request as an agent would send
+them, prints what the window saved and the inspector's address, and keeps both servers up
+until Ctrl-C (``--once``: stop after printing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from ..config import Settings, load_config
+from ..conversation.messages import Message
+from ..scripted import ScriptedUpstream, ThreadedServer
+
+SYSTEM = ("You are the support agent of an online shop. Look orders up with get_order before "
+          "answering; quote order ids and tracking numbers exactly.")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_order", "description": "Look an order up by id",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
+                   "required": ["order_id"]}}}]
+
+
+def sample_conversation(questions: int = 12) -> list[Message]:
+    """A deterministic support session: per question two lookups, then the answer."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for q in range(1, questions + 1):
+        ids = [f"#W{q}{k}4{q}7{k}" for k in (1, 2)]
+        msgs.append({"role": "user", "content": f"Hi, where are my orders {ids[0]} and "
+                                                f"{ids[1]}? (question {q})"})
+        for k, oid in enumerate(ids):
+            cid = f"call_{q}_{k}"
+            msgs.append({"role": "assistant", "content": None, "tool_calls": [
+                {"id": cid, "type": "function", "function": {
+                    "name": "get_order", "arguments": json.dumps({"order_id": oid})}}]})
+            order = {"order_id": oid, "status": "shipped", "carrier": f"carrier-{q}{k}",
+                     "tracking": f"1Z{q:02d}{k}9{q * 7919 % 100000:05d}",
+                     "items": [{"sku": f"SKU-{q}-{i}", "name": f"item {i} of order {oid}",
+                                "price": round(9.99 + i * q, 2), "options": {
+                                    "color": "blue", "size": "M", "gift": i % 2 == 0}}
+                               for i in range(24)],
+                     "history": [{"at": f"2026-11-{(i % 28) + 1:02d}T10:00:00Z",
+                                  "event": "scanned at hub", "hub": f"HUB-{i}"}
+                                 for i in range(16)]}
+            msgs.append({"role": "tool", "tool_call_id": cid, "content": json.dumps(order)})
+        msgs.append({"role": "assistant", "content": f"Both orders ({ids[0]}, {ids[1]}) have "
+                                                     f"shipped; tracking 1Z{q:02d}09… and "
+                                                     f"1Z{q:02d}19…."})
+    return msgs  # type: ignore[return-value]
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from ..app import create_app
+    from ..history.embedded import EmbeddedRedis
+
+    conversation = sample_conversation()
+    points = [i for i, m in enumerate(conversation) if m.get("role") == "assistant"]
+    answers = iter([conversation[i] for i in points])
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        if "running summary" in json.dumps(body.get("messages"))[:400]:
+            return {"content": "(summary)"}
+        m: dict[str, Any] = dict(next(answers, {"content": "done"}))
+        calls = [{"id": c["id"], "name": c["function"]["name"],
+                  "arguments": c["function"]["arguments"]} for c in m.get("tool_calls") or []]
+        return {"content": m.get("content"), "tool_calls": calls}
+
+    upstream = ScriptedUpstream()
+    upstream.responder = respond
+    upstream.keep_requests = False
+    upstream.start()
+    embedded = None
+    redis_url = args.redis_url
+    if not redis_url:
+        embedded = EmbeddedRedis(args.data_dir)
+        redis_url = embedded.start()
+    admin_key = args.admin_key or "demo-" + secrets.token_hex(12)
+    settings = Settings(upstream=upstream.url, redis_url=redis_url, data_dir=args.data_dir,
+                        admin_key=admin_key, summary_model="extractive", port=args.port)
+    server = ThreadedServer(create_app(settings, load_config(settings)))
+    try:
+        port = server.start(args.port)
+        base = f"http://127.0.0.1:{port}"
+        client_total = forwarded_total = 0
+        session = f"demo-{int(time.time())}"
+        with httpx.Client(base_url=base, timeout=60, headers={
+                "Authorization": "Bearer sk-demo", "X-Session-Id": session}) as c:
+            for i in points:
+                r = c.post("/v1/chat/completions", json={
+                    "model": "gpt-4o-mini", "messages": conversation[:i], "tools": TOOLS})
+                if r.status_code != 200:
+                    print(f"the proxy answered {r.status_code}: {r.text[:300]}",
+                          file=sys.stderr)
+                    return 1
+                sent, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
+                client_total += sent
+                forwarded_total += forwarded
+        saved = 1 - forwarded_total / client_total if client_total else 0.0
+        print(f"replayed a support agent's session: {len(points)} requests through the proxy")
+        print(f"  prompt tokens: the client sent {client_total:,}, the upstream got "
+              f"{forwarded_total:,} — {saved:.0%} saved")
+        print(f"  last request: {sent:,} tokens sent, {forwarded:,} forwarded")
+        print(f"inspector: {base}/admin/ui  (admin key: {admin_key})")
+        print(f"  this session: {base}/admin/ui/session?id={session}")
+        print(f"the proxy stays up at {base}/v1 (scripted upstream at {upstream.url}); "
+              f"Ctrl-C stops both" if not args.once else "stopping (--once)")
+        if not args.once:
+            try:
+                while True:
+                    time.sleep(3600)
+            except KeyboardInterrupt:
+                pass
+        return 0
+    finally:
+        server.stop()
+        upstream.stop()
+        if embedded is not None:
+            embedded.stop()

@@ -1,0 +1,136 @@
+"""What a window keeps of what the agent needs next (pure): reference retention.
+
+The *references* of a recorded assistant turn are the identifier-like values its reply uses —
+its tool calls' argument values, and in its text the tokens with a digit or a path separator
+(order ids, user ids, paths, line numbers, hashes) and quoted strings — that occur earlier in
+the conversation's non-system messages and not in the system prompt or the tool schemas: the
+reply took them from the history. A window *retains* a reference when it shows it anywhere
+(a message, a reduced loop, a note, a summary). The share retained, over a conversation's
+turns, is what a compression policy keeps of what the model went on to use; split by origin —
+the current run loop or a past one — it shows where a policy loses. Pass-through retains
+everything by construction (the measure's own sanity check).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..conversation.messages import Message, text_of
+
+MIN_CHARS = 3
+MAX_CHARS = 200
+MAX_REFS = 64  # per turn
+_TOKEN = re.compile(r"[^\s,;()\[\]{}<>=]+")
+_QUOTED = re.compile(r"\"([^\"\n]{3,200})\"|'([^'\n]{3,200})'|`([^`\n]{3,200})`")
+_TRIM = ".:!?'\"`*"
+
+
+def message_text(m: Message) -> str:
+    """Everything a message shows the model: its text and its calls' names and arguments."""
+    parts = [text_of(m.get("content"))]
+    for c in m.get("tool_calls") or []:
+        fn: Any = c.get("function") or c.get("custom") or {}
+        parts += [str(fn.get("name") or ""), str(fn.get("arguments") or fn.get("input") or "")]
+    return "\n".join(parts)
+
+
+def candidates(reply: Message) -> list[str]:
+    """The identifier-like values a reply uses, in order, without repeats."""
+    found: list[str] = []
+    for c in reply.get("tool_calls") or []:
+        fn: Any = c.get("function") or c.get("custom") or {}
+        args = fn.get("arguments") if "arguments" in fn else fn.get("input")
+        try:
+            found += _leaves(orjson.loads(args)) if isinstance(args, str) else []
+        except orjson.JSONDecodeError:
+            found.append(str(args))
+    text = text_of(reply.get("content"))
+    found += [t.strip(_TRIM) for t in _TOKEN.findall(text)
+              if any(ch.isdigit() or ch == "/" for ch in t)]
+    found += [next(g for g in q if g) for q in _QUOTED.findall(text)]
+    out: list[str] = []
+    seen: set[str] = set()
+    for v in found:
+        v = v.strip()
+        if MIN_CHARS <= len(v) <= MAX_CHARS and v not in seen:
+            seen.add(v)
+            out.append(v)
+    return out[:MAX_REFS]
+
+
+def _leaves(value: Any) -> list[str]:
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _leaves(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in _leaves(v)]
+    if isinstance(value, bool) or value is None:
+        return []
+    return [str(value)]
+
+
+@dataclass
+class Retention:
+    """References found in the history and how many a window showed, by origin."""
+
+    current: int = 0
+    current_kept: int = 0
+    past: int = 0
+    past_kept: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.current + self.past
+
+    @property
+    def kept(self) -> int:
+        return self.current_kept + self.past_kept
+
+    def add(self, other: Retention) -> None:
+        self.current += other.current
+        self.current_kept += other.current_kept
+        self.past += other.past
+        self.past_kept += other.past_kept
+
+    def as_dict(self) -> dict[str, Any]:
+        def share(kept: int, total: int) -> float | None:
+            return round(kept / total, 4) if total else None
+        return {"references": self.total, "retained": share(self.kept, self.total),
+                "current_loop": share(self.current_kept, self.current),
+                "past_loops": share(self.past_kept, self.past),
+                "current_references": self.current, "past_references": self.past}
+
+
+class Conversation:
+    """A recorded conversation's texts, computed once, asked turn by turn."""
+
+    def __init__(self, messages: list[Message], fixed: str):
+        self.messages = messages
+        self.texts = [message_text(m) for m in messages]
+        self.system = [m.get("role") in ("system", "developer") for m in messages]
+        self.fixed = fixed  # the system prompt and the tool schemas: not history
+
+    def references(self, i: int, loop_start: int) -> tuple[list[str], list[str]]:
+        """The references of the reply at ``i``: (from the current loop, from past loops)."""
+        current: list[str] = []
+        past: list[str] = []
+        for ref in candidates(self.messages[i]):
+            if ref in self.fixed:
+                continue
+            last = next((k for k in range(i - 1, -1, -1)
+                         if not self.system[k] and ref in self.texts[k]), None)
+            if last is not None:
+                (current if last >= loop_start else past).append(ref)
+        return current, past
+
+    def retention(self, i: int, loop_start: int, window: list[Message]) -> Retention:
+        """How many of the references of the reply at ``i`` the ``window`` shows."""
+        current, past = self.references(i, loop_start)
+        if not current and not past:
+            return Retention()
+        shown = "\n".join(message_text(m) for m in window)
+        return Retention(len(current), sum(r in shown for r in current),
+                         len(past), sum(r in shown for r in past))

@@ -1,0 +1,249 @@
+"""Chat completions on the wire (pure): reading answers and chunks, and a stream rewritten for
+the client across the proxy's tool rounds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from runloop_proxy.api.chat_wire import (
+    Accumulator,
+    ChatObserver,
+    ChatWire,
+    chunk_problem,
+    completion_problem,
+)
+from runloop_proxy.errors import UpstreamBadReply, UpstreamError
+from runloop_proxy.pipeline.sse import SSEEvent
+from runloop_proxy.pipeline.tools import ProxyTools
+from runloop_proxy.pipeline.wire import Reply, Step, decide
+
+WIRE = ChatWire()
+TOOLS = ProxyTools.for_request(None)
+CLIENT_CALL = {"id": "k1", "type": "function", "function": {"name": "bash", "arguments": "{}"}}
+PROXY_CALL = {"id": "p1", "type": "function",
+              "function": {"name": "recall_tool_call", "arguments": '{"call_id": "ab"}'}}
+
+
+def completion(message: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"id": "c", "choices": [{"index": 0, "message": message,
+                                    "finish_reason": "tool_calls"}], **extra}
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    (completion({"role": "assistant", "content": "hi"}), None),
+    ([], "not a JSON object"),
+    ({"foo": 1}, "no choices"),
+    ({"choices": []}, "no choices"),
+    ({"choices": ["x"]}, "choices[0] has no message"),
+    (completion({"role": "assistant", "content": 5}), "message.content is neither text nor parts"),
+    (completion({"role": "assistant", "tool_calls": "x"}), "message.tool_calls is malformed"),
+    (completion({"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": 1}}]}),
+     "message.tool_calls is malformed"),
+    (completion({"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}),
+     "message.tool_calls is malformed"),
+    (completion({"role": "assistant", "tool_calls": [
+        {"id": "a", "function": {"name": "f", "arguments": {}}}]}),
+     "message.tool_calls is malformed"),
+])
+def test_completion_problems(data: Any, problem: str | None) -> None:
+    assert completion_problem(data) == problem
+
+
+@pytest.mark.parametrize(("chunk", "problem"), [
+    ({"choices": [{"index": 0, "delta": {"content": "x"}}]}, None),
+    ({"choices": None, "usage": {}}, None),
+    ({"choices": [{"delta": None}]}, None),
+    ([1, 2], "not a JSON object"),
+    ({"choices": "abc"}, "choices is not an array"),
+    ({"choices": ["x"]}, "a choice is not an object with an integer index"),
+    ({"choices": [{"index": "0"}]}, "a choice is not an object with an integer index"),
+    ({"choices": [{"delta": "text"}]}, "a delta is not an object"),
+    ({"choices": [{"delta": {"content": 3}}]}, "delta.content is not text"),
+    ({"choices": [{"delta": {"refusal": []}}]}, "delta.refusal is not text"),
+    ({"choices": [{"delta": {"tool_calls": {}}}]}, "delta.tool_calls is not an array"),
+    ({"choices": [{"delta": {"tool_calls": [{"index": "x"}]}}]},
+     "a streamed tool call is malformed"),
+    ({"choices": [{"delta": {"tool_calls": [{"index": True}]}}]},
+     "a streamed tool call is malformed"),
+    ({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": "f"}]}}]},
+     "a streamed tool call is malformed"),
+    ({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": 1}}]}}]},
+     "a streamed tool call is malformed"),
+    ({"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": []}}]}}]},
+     "a streamed tool call is malformed"),
+])
+def test_chunk_problems(chunk: Any, problem: str | None) -> None:
+    assert chunk_problem(chunk) == problem
+
+
+def test_parse_keeps_the_message_without_its_nulls_and_the_usage() -> None:
+    reply = WIRE.parse(completion({"role": "assistant", "content": None, "refusal": None,
+                                   "tool_calls": [CLIENT_CALL]}, usage={"prompt_tokens": 3}))
+    assert reply.message == {"role": "assistant", "tool_calls": [CLIENT_CALL]}
+    assert reply.usage == {"prompt_tokens": 3} and reply.calls == [CLIENT_CALL]
+    assert WIRE.parse(completion({"role": "assistant"}, usage="x")).usage is None
+    with pytest.raises(UpstreamBadReply):
+        WIRE.parse({"choices": []})
+
+
+@pytest.mark.parametrize(("calls", "rounds", "step"), [
+    ([CLIENT_CALL], 0, Step.FINAL),
+    ([], 0, Step.FINAL),
+    ([PROXY_CALL], 0, Step.ANSWER),
+    ([PROXY_CALL], 3, Step.ANSWER),
+    ([PROXY_CALL], 4, Step.WITHDRAWN),
+    ([PROXY_CALL, CLIENT_CALL], 0, Step.MIXED),
+    ([CLIENT_CALL, PROXY_CALL], 9, Step.MIXED),
+])
+def test_who_owns_which_call(calls: list[Any], rounds: int, step: Step) -> None:
+    d = decide(calls, TOOLS, rounds, 4)
+    assert d.step is step
+    assert list(d.mine) == [c for c in calls if c is PROXY_CALL]
+    assert list(d.theirs) == [c for c in calls if c is CLIENT_CALL]
+
+
+def test_the_client_json_loses_the_proxys_calls() -> None:
+    mixed = completion({"role": "assistant", "content": None,
+                        "tool_calls": [PROXY_CALL, CLIENT_CALL]})
+    out = WIRE.client_json(mixed, decide([PROXY_CALL, CLIENT_CALL], TOOLS, 0, 4),
+                           {"prompt_tokens": 7})
+    assert out["choices"][0]["message"]["tool_calls"] == [CLIENT_CALL]
+    assert out["choices"][0]["finish_reason"] == "tool_calls" and out["usage"]["prompt_tokens"] == 7
+    withdrawn = completion({"role": "assistant", "content": None, "tool_calls": [PROXY_CALL]})
+    out = WIRE.client_json(withdrawn, decide([PROXY_CALL], TOOLS, 4, 4), {})
+    msg = out["choices"][0]["message"]
+    assert "tool_calls" not in msg and msg["content"] == "" and \
+        out["choices"][0]["finish_reason"] == "stop" and "usage" not in out
+
+
+def test_next_round_withdraws_the_proxys_tools_and_drops_an_empty_list() -> None:
+    sent = {"model": "m", "messages": [], "tools": [
+        {"type": "function", "function": {"name": "bash"}},
+        {"type": "function", "function": {"name": "recall_tool_call"}}],
+        "tool_choice": "auto", "parallel_tool_calls": True}
+    msgs = [{"role": "user", "content": "x"}]
+    assert WIRE.next_round(sent, msgs, frozenset()) == {**sent, "messages": msgs}  # type: ignore[arg-type]
+    out = WIRE.next_round(sent, msgs, frozenset({"recall_tool_call"}))  # type: ignore[arg-type]
+    assert [t["function"]["name"] for t in out["tools"]] == ["bash"]
+    only = {**sent, "tools": [sent["tools"][1]]}  # type: ignore[index]
+    out = WIRE.next_round(only, msgs, frozenset({"recall_tool_call"}))  # type: ignore[arg-type]
+    assert not {"tools", "tool_choice", "parallel_tool_calls"} & set(out)
+
+
+def test_outgoing_adds_the_proxys_tools_and_asks_for_usage_on_a_stream() -> None:
+    body = {"model": "m", "messages": [], "stream": True, "stream_options": {"x": 1},
+            "tools": [{"type": "function", "function": {"name": "bash"}}]}
+    extra = WIRE.tool_definitions(TOOLS)
+    out = WIRE.outgoing(body, [{"role": "user", "content": "w"}], extra)  # type: ignore[list-item]
+    assert out["tools"] == [*body["tools"], *extra]  # type: ignore[misc]
+    assert out["stream_options"] == {"x": 1, "include_usage": True}
+    assert WIRE.outgoing({**body, "stream": False}, [], extra).get("stream_options") == {"x": 1}
+    assert WIRE.outgoing(body, [], [])["tools"] == body["tools"]
+    assert [d["function"]["name"] for d in extra] == ["recall_tool_call", "search_history"]
+
+
+def ev(obj: Any) -> SSEEvent:
+    return SSEEvent(obj if isinstance(obj, str) else orjson.dumps(obj).decode())
+
+
+def chunk(delta: dict[str, Any], finish: str | None = None, cid: str = "u1",
+          **extra: Any) -> dict[str, Any]:
+    return {"id": cid, "object": "chat.completion.chunk", "created": 5, "model": "m",
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], **extra}
+
+
+def sent(out: list[bytes]) -> list[dict[str, Any]]:
+    return [orjson.loads(b[6:]) for b in out if b.startswith(b"data: {")]
+
+
+def test_a_stream_round_hides_the_proxys_calls_and_holds_the_finish() -> None:
+    relay = WIRE.relay({"model": "m", "stream_options": {"include_usage": True}})
+    rnd = relay.round(TOOLS)
+    out: list[bytes] = []
+    for c in (chunk({"role": "assistant", "content": "Let me "}),
+              chunk({"content": "look."}),
+              chunk({"tool_calls": [{"index": 0, "id": "p1", "type": "function", "function": {
+                  "name": "recall_tool_call", "arguments": ""}}]}),
+              chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"call_id":"x"}'}}]}),
+              chunk({"tool_calls": [{"index": 1, "id": "k1", "type": "function", "function": {
+                  "name": "bash", "arguments": '{"cmd":'}}]}),
+              chunk({"tool_calls": [{"index": 1, "function": {"arguments": '"ls"}'}}]}),
+              chunk({}, "tool_calls"),
+              {"id": "u1", "choices": [], "usage": {"prompt_tokens": 9}}):
+        out += rnd.feed(ev(c))
+    assert not rnd.complete or rnd.feed(ev("[DONE]")) == []
+    assert rnd.complete
+    shown = sent(out)
+    calls = [tc for c in shown for tc in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert [tc.get("id") for tc in calls] == ["k1", None] and {tc["index"] for tc in calls} == {0}
+    assert all(c["choices"][0]["finish_reason"] is None for c in shown)
+    assert all("usage" not in c for c in shown)
+    reply = rnd.reply()
+    assert [c["id"] for c in reply.calls] == ["p1", "k1"] and reply.usage == {"prompt_tokens": 9}
+    assert reply.message["content"] == "Let me look."
+    d = decide(reply.calls, TOOLS, 0, 4)
+    closing = sent(rnd.close(d))
+    assert closing[0]["choices"][0]["finish_reason"] == "tool_calls"
+    end = relay.end({"prompt_tokens": 9})
+    assert sent(end)[0]["usage"] == {"prompt_tokens": 9} and end[-1] == b"data: [DONE]\n\n"
+    assert relay.shown(Reply({"role": "assistant", "tool_calls": [CLIENT_CALL]}).message) == \
+        {"role": "assistant", "content": "Let me look.", "tool_calls": [CLIENT_CALL]}
+
+
+def test_rounds_share_one_id_and_number_the_clients_calls_on() -> None:
+    relay = WIRE.relay({"model": "m"})
+    first = relay.round(TOOLS)
+    first.feed(ev(chunk({"tool_calls": [{"index": 0, "id": "k1", "type": "function",
+                                         "function": {"name": "bash", "arguments": ""}}]},
+                        cid="first")))
+    second = relay.round(TOOLS)
+    out = second.feed(ev(chunk({"tool_calls": [{"index": 0, "id": "k2", "type": "function",
+                                                "function": {"name": "bash",
+                                                             "arguments": ""}}]},
+                               cid="second")))
+    c = sent(out)[0]
+    assert c["id"] == "first" and c["choices"][0]["delta"]["tool_calls"][0]["index"] == 1
+    assert relay.end({}) == [b"data: [DONE]\n\n"]  # no usage chunk the client did not ask for
+    withdrawn = relay.round(TOOLS)
+    withdrawn.feed(ev(chunk({}, "tool_calls")))
+    assert sent(withdrawn.close(decide([PROXY_CALL], TOOLS, 4, 4)))[0]["choices"][0][
+        "finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("bad", ["not json", '{"error": {"message": "boom"}}', "[1,2]"])
+def test_an_unreadable_or_failed_chunk_raises(bad: str) -> None:
+    rnd = WIRE.relay({}).round(TOOLS)
+    with pytest.raises(UpstreamError) as err:
+        rnd.feed(ev(bad))
+    assert ("boom" in str(err.value)) == ("boom" in bad)
+
+
+def test_the_observer_records_what_it_can_read_and_stops_at_its_limit() -> None:
+    obs = ChatObserver(10_000)
+    for c in (chunk({"role": "assistant", "content": "a"}), chunk({"refusal": "no"}),
+              [1, 2], chunk({"content": "b"}, "stop")):
+        obs.feed(ev(c))
+    obs.feed(SSEEvent("not json"))
+    reply = obs.reply()
+    assert reply is not None and reply.message == {"role": "assistant", "content": "ab",
+                                                   "refusal": "no"}
+    small = ChatObserver(10)
+    small.feed(ev(chunk({"content": "a long enough answer"})))
+    assert small.reply() is None
+    assert ChatObserver(100).reply() is None  # nothing read
+
+
+def test_the_accumulator_builds_calls_by_index_and_ignores_other_choices() -> None:
+    acc = Accumulator()
+    acc.add(chunk({"tool_calls": [{"index": 1, "id": "b", "function": {"name": "g"}}]}))
+    acc.add(chunk({"tool_calls": [{"index": 0, "id": "a", "function": {"name": "f",
+                                                                        "arguments": "{"}}]}))
+    acc.add(chunk({"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}))
+    acc.add({"choices": [{"index": 1, "delta": {"content": "other choice"}}]})
+    assert [c["id"] for c in acc.tool_calls()] == ["a", "b"]
+    assert acc.tool_calls()[0]["function"] == {"name": "f", "arguments": "{}"}
+    assert acc.message() == {"role": "assistant", "tool_calls": acc.tool_calls()}
+    assert acc.id == "u1" and acc.model == "m" and acc.finish_reason is None

@@ -1,0 +1,262 @@
+"""Rolling summaries through real servers: made in the background ahead of the omission event,
+shown inside the marker from that event on, stored per session in Redis, one call across
+replicas, failures counted and backed off, and never a wait on the request path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer, until
+from .test_config import ACME_KEY, write_config
+
+ADMIN = {"Authorization": "Bearer admin-0123456789abcdef"}
+TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"order": {"type": "string"}}}}}]
+POLICY = 'max_run_loops = 4\nomit_batch = 2\nsummary_model = "{model}"\n' \
+         'summary_timeout_s = {timeout}\nsummary_backoff_s = 60\n'
+
+
+@pytest.fixture(autouse=True)
+def keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-up")
+    monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
+
+
+def config(tmp_path: Path, upstream: ScriptedUpstream, model: str = "extractive",
+           timeout: float = 30) -> str:
+    root = write_config(tmp_path / "cfg", upstream.url,
+                        acme_policy=POLICY.format(model=model, timeout=timeout))
+    return str(root)
+
+
+def is_summary_call(body: dict[str, Any]) -> bool:
+    return "running summary of an agent conversation" in str(body.get("messages"))
+
+
+def model(summary: Any = None) -> Any:
+    """A fake model: looks an order up once per question, then answers; summary calls are
+    answered by ``summary`` (the prompt's request) when given."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        if is_summary_call(body):
+            return summary(body) if summary else {"content": "SUMMARY"}
+        last = body["messages"][-1]
+        if last["role"] == "user":
+            k = last["content"].split()[-1]
+            return {"tool_calls": [{"id": f"call_{k}", "name": "lookup",
+                                    "arguments": {"order": f"#W{k}000"}}]}
+        return {"content": f"order {last['content'][:9]} is on its way"}
+    return respond
+
+
+def converse(proxy: ProxyServer, session: str, turns: int,
+             after: Any = None) -> list[dict[str, Any]]:
+    c = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0,
+                      default_headers={"X-Session-Id": session})
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You track orders."}]
+    for k in range(1, turns + 1):
+        msgs.append({"role": "user", "content": f"where is order {k}"})
+        while True:
+            r = c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
+                                          tools=TOOLS)  # type: ignore[arg-type]
+            m = r.choices[0].message
+            msgs.append(m.model_dump(exclude_none=True))
+            if not m.tool_calls:
+                break
+            for call in m.tool_calls:
+                msgs.append({"role": "tool", "tool_call_id": call.id,
+                             "content": f"#W{k}000 shipped via carrier-{k}7 " + "x " * 200})
+        if after is not None:
+            after(k)
+    return msgs
+
+
+def marker(body: dict[str, Any]) -> str | None:
+    return next((m["content"] for m in body["messages"] if m["role"] == "system"
+                 and "Earlier turns are not shown" in m["content"]), None)
+
+
+def test_an_extractive_summary_enters_at_the_omission_event_and_stays_put(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    upstream.responder = model()
+    proxy = make_proxy(config_dir=config(tmp_path, upstream))
+    converse(proxy, "sum-1", 9, after=lambda k: proxy.settle())
+    asked = [b for b in upstream.requests if not is_summary_call(b)]
+    markers = [marker(b) for b in asked]
+    first = next(i for i, m in enumerate(markers) if m)
+    # from the first omission on, a summary of the loops left out, with their identifiers
+    text = markers[first]
+    assert text is not None and "Turns left out" in text
+    assert "#W1000" in text and "carrier-17" in text and "where is order 1" in text
+    # between events the marker is the same text: the cached prefix holds
+    changes = sum(1 for a, b in zip(markers[first:], markers[first + 1:], strict=False)
+                  if a != b)
+    omitted = {b["messages"][2]["content"] for b in asked[first:] if marker(b)}
+    assert changes <= len(omitted)
+    # stored in Redis per session, keyed by what it covers; shown by the admin API
+    view = httpx.get(proxy.base + "/admin/sessions/sum-1", params={"tenant": "acme"},
+                     headers=ADMIN).json()
+    shown = view["summaries"]
+    assert shown and shown[0]["loops"] == [0, 2] and "#W1000" in shown[0]["text"]
+    assert any(r.get("kind") == "summary" for r in view["compression_records"])
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert 'runloop_summaries_total{outcome="ok",tenant="acme"}' in metrics
+    assert 'runloop_summaries_total{outcome="ok",tenant="acme"} 0.0' not in metrics
+
+
+def test_a_slow_llm_summary_never_holds_a_request(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def summary(body: dict[str, Any]) -> dict[str, Any]:
+        calls.append(body)  # the summary model thinks for 8 s (the upstream stays free)
+        return {"content": "Goals: track orders. Identifiers: #W1000 #W2000", "delay": 8}
+
+    upstream.responder = model(summary)
+    proxy = make_proxy(config_dir=config(tmp_path, upstream, model="gpt-4o-mini"))
+
+    def stored() -> list[Any]:
+        return list(httpx.get(proxy.base + "/admin/sessions/sum-slow", headers=ADMIN,
+                              params={"tenant": "acme"}).json().get("summaries") or [])
+
+    # every request is answered while the first summary call is still thinking
+    converse(proxy, "sum-slow", 6, after=lambda k: proxy.settle())
+    assert calls and not [s for s in stored() if not s.get("late")]
+    prompt = calls[0]["messages"][0]["content"]
+    assert "where is order 1" in prompt and "where is order 2" in prompt
+    assert "where is order 3" not in prompt  # the loops of one event, not the session
+    # it arrived after the omission event it was made for: that event went out without it
+    # (marked late, counted), and the window keeps its prefix until the next event
+    assert [s["loops"] for s in stored() if s.get("late")] == [[0, 2]]
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert 'runloop_summaries_total{outcome="late",tenant="acme"} 1.0' in metrics
+
+    def recorded() -> list[Any]:
+        view = httpx.get(proxy.base + "/admin/sessions/sum-slow", headers=ADMIN,
+                         params={"tenant": "acme"}).json()
+        return [r for r in view["compression_records"] if r.get("kind") == "summary"]
+
+    until(recorded, timeout=20, what="the summary call finished and recorded")
+    (done,) = recorded()
+    assert done["loops"] == [0, 2] and done["summarizer"].startswith("gpt-4o-mini")
+    assert done["latency_ms"] >= 8000 and done["tokens_in"] > 0
+
+
+def test_failures_are_counted_and_back_off(tmp_path: Path, make_proxy: Any,
+                                          upstream: ScriptedUpstream) -> None:
+    upstream.responder = model(lambda body: {"content": ""})  # no text: a failed summary
+    proxy = make_proxy(config_dir=config(tmp_path, upstream, model="gpt-4o-mini"))
+    msgs = converse(proxy, "sum-fail", 12, after=lambda k: proxy.settle())
+    assert msgs[-1]["content"].startswith("order")  # every request answered
+
+    def count(outcome: str) -> float:
+        for line in httpx.get(proxy.base + "/metrics").text.splitlines():
+            if line.startswith(f'runloop_summaries_total{{outcome="{outcome}",tenant="acme"}}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    until(lambda: count("error") >= 3, what="three failed summaries")
+    assert count("error") == 3 and count("ok") == 0
+    assert count("backoff") >= 1  # paused after three in a row
+
+
+def test_two_replicas_make_one_summary(tmp_path: Path, make_proxy: Any,
+                                       upstream: ScriptedUpstream) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def summary(body: dict[str, Any]) -> dict[str, Any]:
+        calls.append(body)  # thinks 6 s: both replicas see the loops close meanwhile
+        return {"content": "one summary", "delay": 6}
+
+    upstream.responder = model(summary)
+    cfg = config(tmp_path, upstream, model="gpt-4o-mini")
+    a = make_proxy(config_dir=cfg)
+    b = ProxyServer(a.settings, a.config).start()  # same Redis, same prefix
+    try:
+        msgs = converse(a, "sum-two", 3, after=lambda k: a.settle())
+        until(lambda: len(calls) >= 1, what="a summary call")
+        c = openai.OpenAI(base_url=b.url, api_key=ACME_KEY, max_retries=0,
+                          default_headers={"X-Session-Id": "sum-two"})
+        msgs.append({"role": "user", "content": "and order 4"})
+        c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
+                                  tools=TOOLS)  # type: ignore[arg-type]
+        b.settle()
+        summaries = httpx.get(a.base + "/admin/sessions/sum-two", headers=ADMIN,
+                              params={"tenant": "acme"})
+        until(lambda: httpx.get(a.base + "/admin/sessions/sum-two", headers=ADMIN, params={
+            "tenant": "acme"}).json()["summaries"], timeout=15, what="the summary stored")
+        assert summaries.status_code == 200
+        assert len(calls) == 1  # replica b found the lock taken and made none
+    finally:
+        b.stop()
+
+
+@pytest.mark.parametrize("policy", ["", 'summary_model = "extractive"'])
+def test_unset_summaries_change_nothing(tmp_path: Path, make_proxy: Any,
+                                        upstream: ScriptedUpstream, policy: str) -> None:
+    """Without summary_model the window is today's: no digest anywhere."""
+    upstream.responder = model()
+    root = write_config(tmp_path / "c", upstream.url,
+                        acme_policy="max_run_loops = 4\nomit_batch = 2\n" + policy)
+    proxy = make_proxy(config_dir=str(root))
+    converse(proxy, "plain", 8, after=lambda k: proxy.settle())
+    text = orjson.dumps(upstream.requests[-1]).decode()
+    assert ("Turns left out" in text or "ids:" in text) == bool(policy)
+
+
+def test_pass_through_mode_takes_the_summary_model_from_serve() -> None:
+    from runloop_proxy.config import Settings, load_config
+
+    config = load_config(Settings(upstream="http://127.0.0.1:9/v1", summary_model="extractive"))
+    assert config.passthrough is not None
+    assert config.passthrough.policy.summary_model == "extractive"
+    plain = load_config(Settings(upstream="http://127.0.0.1:9/v1")).passthrough
+    assert plain is not None and plain.policy.summary_model is None
+
+
+def test_a_summary_slower_than_its_timeout_is_counted_and_left_out(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    upstream.responder = model(lambda body: {"content": "too late", "delay": 3})
+    proxy = make_proxy(config_dir=config(tmp_path, upstream, model="gpt-4o-mini", timeout=1))
+    converse(proxy, "sum-timeout", 3, after=lambda k: proxy.settle())
+
+    def timeouts() -> float:
+        for line in httpx.get(proxy.base + "/metrics").text.splitlines():
+            if line.startswith('runloop_summaries_total{outcome="timeout",tenant="acme"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    until(lambda: timeouts() >= 1, what="a summary timed out")
+    view = httpx.get(proxy.base + "/admin/sessions/sum-timeout", headers=ADMIN,
+                     params={"tenant": "acme"}).json()
+    assert not [s for s in view["summaries"] if not s.get("late")]  # nothing stored
+
+
+def test_rolling_summary_input_stays_bounded_over_40_turns(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Each summary call carries the previous summary and the loops of one omission batch,
+    never the session: its size does not grow with the session's length."""
+    prompts: list[str] = []
+
+    def summary(body: dict[str, Any]) -> dict[str, Any]:
+        prompts.append(body["messages"][0]["content"])
+        return {"content": f"Goals: orders. Identifiers: #W{len(prompts)}000"}
+
+    upstream.responder = model(summary)
+    proxy = make_proxy(config_dir=config(tmp_path, upstream, model="gpt-4o-mini"))
+    converse(proxy, "sum-40", 40, after=lambda k: proxy.settle())
+    until(lambda: len(prompts) >= 15, timeout=20, what="a summary per omission batch")
+    sizes = [len(p) for p in prompts]
+    assert max(sizes) < 1.5 * min(sizes[1:])  # the first has no previous summary
+    assert "Identifiers: #W1000" in prompts[1]  # rolled from the one before
+    assert "where is order 1\n" not in prompts[-1] and "where is order 38\n" in "".join(prompts)
+    # and the manual trigger has nothing left to make
+    made = httpx.post(proxy.base + "/admin/sessions/sum-40/compact", headers=ADMIN).json()
+    assert all(m["ok"] for m in made["made"]) and len(made["made"]) <= 1
