@@ -83,7 +83,9 @@ class Policy(_Strict):
         16_000, ge=1024, description="working budget below the model window (cost cap)"
     )
     keep_recent_tool_results: int = Field(3, ge=0)
-    clear_at_least: int = Field(2_000, ge=0, description="tokens an in-loop elision clears")
+    clear_at_least: int = Field(
+        6_000, ge=0, description="tokens an in-loop elision clears (at most the target's "
+                                 "share of the working budget)")
     reduce_at_least: int = Field(
         64, ge=0, description="tokens a past-loop reduction must clear to be made")
     exclude_tools: tuple[str, ...] = ()

@@ -738,8 +738,9 @@ def test_the_next_request_replays_only_its_own_point(monkeypatch: Any) -> None:
 def test_in_loop_elision_comes_in_batches_of_clear_at_least(
         sizes: list[int], clear: int, keep: int, working: int) -> None:
     """Along one growing agent loop, each in-loop elision event clears at least
-    ``clear_at_least`` tokens — unless it elided everything elidable (all results but the
-    newest ``keep_recent_tool_results``): prefix changes come in batches, not one per turn."""
+    ``clear_at_least`` tokens (at most the target, half the working budget) — unless it elided
+    everything elidable (all results but the newest ``keep_recent_tool_results``): prefix
+    changes come in batches, not one per turn."""
     policy = Policy(clear_at_least=clear, keep_recent_tool_results=keep, reduce_at_least=0)
     msgs: list[Message] = [S, U(tag="task")]
     for k, n in enumerate(sizes):
@@ -747,18 +748,19 @@ def test_in_loop_elision_comes_in_batches_of_clear_at_least(
     keys = [message_hash(m) for m in msgs]
     counts = [OPS.count(m) for m in msgs]
     budget = Budget(working * 20, working)
+    least = min(clear, policy.target * working)
     carry = None
     for p in request_points(msgs, 0):
         w = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS, carry=carry)
         carry = w.carry or carry
         for e in w.events:
-            if e.kind is not CompactionKind.ELISION or e.tokens_before - e.tokens_after >= clear:
+            if e.kind is not CompactionKind.ELISION or e.tokens_before - e.tokens_after >= least:
                 continue
             results = [m for m in w.messages if m["role"] == "tool"]
             # still shown whole, and a placeholder (~13 tokens) would be shorter
             full = [m for m in results[:-keep or None]
                     if "[runloop-proxy]" not in m["content"] and OPS.count(m) > 20]
-            assert not full, f"at {p}: cleared {e.tokens_before - e.tokens_after} < {clear}"
+            assert not full, f"at {p}: cleared {e.tokens_before - e.tokens_after} < {least}"
 
 
 def test_a_60_step_loop_changes_its_prefix_a_few_times_not_every_turn() -> None:
@@ -781,3 +783,20 @@ def test_a_60_step_loop_changes_its_prefix_a_few_times_not_every_turn() -> None:
 
     batched, eager = prefix_changes(2000), prefix_changes(0)
     assert batched <= 5 < eager
+
+
+def test_clear_at_least_larger_than_the_target_clears_the_target_not_everything() -> None:
+    """A small working budget caps the batch at its target: an event does not elide every
+    result the loop has just because ``clear_at_least`` (6000 by default) is larger."""
+    msgs: list[Message] = [S, U(tag="task")]
+    for k in range(40):
+        msgs += [A(f"c{k}"), T(f"c{k}", 120)]
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    for p in request_points(msgs, 0):
+        w = build_window(msgs[:p], keys[:p], counts[:p], Policy(), Budget(100_000, 3_000), OPS)
+        if any(e.kind is CompactionKind.ELISION for e in w.events):
+            break
+    results = [m for m in w.messages if m["role"] == "tool"]
+    elided = [m for m in results if "[runloop-proxy]" in m["content"]]
+    assert 0 < len(elided) < len(results) - Policy().keep_recent_tool_results

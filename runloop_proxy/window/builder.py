@@ -281,7 +281,7 @@ class _Replay:
         start = max(plan.elide_upto, fs)
         if limit <= start:
             return False
-        need = max(self.tokens(p) - target, c.policy.clear_at_least)
+        need = max(self.tokens(p) - target, min(c.policy.clear_at_least, target))
         goal = c.sav_prefix[start] + need
         e = bisect.bisect_left(c.sav_prefix, goal, lo=start, hi=limit)
         e = min(max(e, start + 1), limit)
@@ -303,7 +303,7 @@ class _Replay:
                 return False  # the note needs a user message to ride on
             plan.drop_from = plan.drop_upto = start
         before = self.tokens(p)
-        need = max(before - target, c.policy.clear_at_least)
+        need = max(before - target, min(c.policy.clear_at_least, target))
         g = plan.drop_upto
         moved = False
         while g in c.group_end and c.group_end[g] <= min(plan.elide_upto, p) \

@@ -2,9 +2,14 @@
 
 Per loop left out: the question, the answer, and the identifiers the loop produced — ids,
 paths, numbers, e-mail addresses, names with digits — taken from the user's words first, then
-the calls' arguments, then the tool results; deduplicated across the whole summary. Rolling:
-the digest of loops [e, e') is appended to the summary of [0, e); past ``max_tokens`` the oldest
-loop lines go first, and the identifiers stay longest (they are what a later reply quotes).
+the calls' arguments, then the tool results; deduplicated across the whole summary.
+
+Rolling and append-only: the digest of loops [e, e') is a block (their lines, then the
+identifiers they add) appended to the summary of [0, e), so while it fits in ``max_tokens`` the
+summary's text only grows and a provider's prefix cache keeps serving what the marker already
+showed. Past ``max_tokens`` it is rewritten once as a single block, condensed to
+``CONDENSE_SHARE`` of the budget so that the next batches append again: the oldest loop lines go
+first, and the identifiers stay longest (they are what a later reply quotes).
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ from collections.abc import Callable, Sequence
 
 from ..conversation.messages import Message, text_of, tool_calls_of
 
-VERSION = "extractive-1"
+VERSION = "extractive-2"
 HEADER = "Turns left out (extractive digest):"
 IDS_HEADER = "Identifiers from them:"
 QUESTION_CHARS = 160
 ANSWER_CHARS = 240
 IDS_PER_LOOP = 12
+CONDENSE_SHARE = 0.5  # of the budget, after a rewrite: the next batches append again
 _TOKEN = re.compile(r"[^\s,;()\[\]{}<>=\"'`|]+")
 _TRIM = ".:!?*"
 
@@ -60,48 +66,62 @@ def loop_digest(messages: Sequence[Message]) -> tuple[str, list[str]]:
 
 
 def parse(summary: str | None) -> tuple[list[str], list[str]]:
-    """A digest's loop lines and identifiers, to roll it on."""
+    """A digest's loop lines and identifiers (of all its blocks), to roll it on."""
     if not summary:
         return [], []
-    lines, ids, in_ids = [], [], False
+    lines: list[str] = []
+    ids: list[str] = []
     for ln in summary.splitlines():
-        if ln == IDS_HEADER:
-            in_ids = True
-        elif in_ids and ln:
-            ids += ln.split(" ")
+        if ln.startswith(IDS_HEADER):
+            ids += ln[len(IDS_HEADER):].split()
         elif ln.startswith("- "):
             lines.append(ln)
     return lines, ids
 
 
+def block(lines: list[str], ids: list[str]) -> str:
+    """Loop lines and the identifiers they add, as the lines of one block."""
+    return "\n".join([*lines, *([f"{IDS_HEADER} {' '.join(ids)}"] if ids else [])])
+
+
 def render(lines: list[str], ids: list[str]) -> str:
-    out = [HEADER, *lines]
-    if ids:
-        out += [IDS_HEADER, " ".join(ids)]
-    return "\n".join(out)
+    return f"{HEADER}\n{block(lines, ids)}"
 
 
 def roll(previous: str | None, loops: Sequence[Sequence[Message]], max_tokens: int,
          count: Callable[[str], int]) -> str:
     """The summary of what ``previous`` covered and ``loops`` after it, within ``max_tokens``
-    (``count`` tells a text's tokens)."""
+    (``count`` tells a text's tokens): ``previous`` with a block appended while that fits,
+    else everything rewritten into ``CONDENSE_SHARE`` of the budget."""
     lines, ids = parse(previous)
     seen = set(ids)
+    new_lines, new_ids = [], []
     for loop in loops:
         line, found = loop_digest(loop)
-        lines.append(line)
+        new_lines.append(line)
         for x in found:
             if x not in seen:
                 seen.add(x)
-                ids.append(x)
+                new_ids.append(x)
+    text = f"{previous or HEADER}\n{block(new_lines, new_ids)}"
+    if count(text) <= max_tokens:
+        return text
+    return condensed([*lines, *new_lines], [*ids, *new_ids],
+                     max(1, int(max_tokens * CONDENSE_SHARE)), count)
+
+
+def condensed(lines: list[str], ids: list[str], max_tokens: int,
+              count: Callable[[str], int]) -> str:
+    """One block within ``max_tokens``: the oldest loop lines leave first, the identifiers
+    stay longest."""
     text = render(lines, ids)
     while count(text) > max_tokens and len(lines) > 1:
-        lines.pop(0)  # the oldest loop's line first: its identifiers stay
+        lines = lines[1:]  # the oldest loop's line first: its identifiers stay
         text = render(lines, ids)
     while count(text) > max_tokens and ids:
         ids = ids[len(ids) // 8 + 1:]  # then the oldest identifiers
         text = render(lines, ids)
     while count(text) > max_tokens and lines:
-        lines.pop()  # a newest line longer than the whole budget
+        lines = lines[:-1]  # a newest line longer than the whole budget
         text = render(lines, ids)
     return text
