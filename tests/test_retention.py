@@ -125,3 +125,23 @@ def test_with_summaries_the_drop_note_keeps_the_identifiers_of_what_it_drops() -
     note = digest.messages[1]["content"]
     assert "Identifiers from them: #W00077 #W00177 #W00277" in note
     assert digest.fits and OPS.count(digest.messages[1]) < 400
+
+
+def test_roll_appends_while_it_fits_then_condenses_to_half_the_budget() -> None:
+    """Between rewrites the digest's text only grows (a provider's prefix cache keeps the
+    marker); a rewrite brings it to half the budget, so the batches after it append again."""
+    loops = [[{"role": "user", "content": f"question {k} about item-{k}"},
+              {"role": "assistant", "content": f"answer {k}"}] for k in range(60)]
+    count = lambda t: len(t) // 4  # noqa: E731
+    text: str | None = None
+    appended = rewritten = 0
+    for k in range(0, 60, 3):
+        new = roll(text, loops[k:k + 3], 300, count)  # type: ignore[arg-type]
+        if text is not None and new.startswith(text + "\n"):
+            appended += 1
+        elif text is not None:
+            rewritten += 1
+            assert count(new) <= 150
+        assert count(new) <= 300
+        text = new
+    assert appended > 2 * rewritten > 0

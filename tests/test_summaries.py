@@ -242,7 +242,9 @@ def test_a_summary_slower_than_its_timeout_is_counted_and_left_out(
 def test_rolling_summary_input_stays_bounded_over_40_turns(
         tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """Each summary call carries the previous summary and the loops of one omission batch,
-    never the session: its size does not grow with the session's length."""
+    never the session: its size does not grow with the session's length. Rolling appends to
+    the previous summary while the budget has room (the marker's text only grows, so the
+    provider's cache keeps it), and merges into half the budget when it has not."""
     prompts: list[str] = []
 
     def summary(body: dict[str, Any]) -> dict[str, Any]:
@@ -250,13 +252,26 @@ def test_rolling_summary_input_stays_bounded_over_40_turns(
         return {"content": f"Goals: orders. Identifiers: #W{len(prompts)}000"}
 
     upstream.responder = model(summary)
-    proxy = make_proxy(config_dir=config(tmp_path, upstream, model="gpt-4o-mini"))
+    root = write_config(tmp_path / "cfg", upstream.url, acme_policy=POLICY.format(
+        model="gpt-4o-mini", timeout=30) + "summary_max_tokens = 64\n")
+    proxy = make_proxy(config_dir=str(root))
     converse(proxy, "sum-40", 40, after=lambda k: proxy.settle())
     until(lambda: len(prompts) >= 15, timeout=20, what="a summary per omission batch")
-    sizes = [len(p) for p in prompts]
-    assert max(sizes) < 1.5 * min(sizes[1:])  # the first has no previous summary
+    turns = [p.split("Turns to add:\n", 1)[1] for p in prompts]
+    previous = [p.split("Turns to add:\n", 1)[0].rsplit(":\n", 2)[-2] for p in prompts]
+    assert max(len(t) for t in turns) < 1.2 * min(len(t) for t in turns)  # one batch each
+    assert max(len(p) for p in previous) < 64 * 6  # the previous summary within its budget
     assert "Identifiers: #W1000" in prompts[1]  # rolled from the one before
     assert "where is order 1\n" not in prompts[-1] and "where is order 38\n" in "".join(prompts)
+    kinds = ["append" if "Do not repeat the summary" in p else "merge" for p in prompts]
+    assert kinds[0] == "merge" and "append" in kinds and "merge" in kinds[1:]
+    view = httpx.get(proxy.base + "/admin/sessions/sum-40", headers=ADMIN,
+                     params={"tenant": "acme"}).json()
+    stored = [s for s in view["summaries"] if not s.get("late")]
+    appended = [s for s in stored if s.get("appended")]
+    assert appended and all("Later turns:" in s["text"] for s in appended)
+    by_end = {s["loops"][1]: s["text"] for s in stored}
+    assert all(s["text"].startswith(by_end[s["loops"][0]] + "\n") for s in appended)
     # and the manual trigger has nothing left to make
     made = httpx.post(proxy.base + "/admin/sessions/sum-40/compact", headers=ADMIN).json()
     assert all(m["ok"] for m in made["made"]) and len(made["made"]) <= 1

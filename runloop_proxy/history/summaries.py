@@ -4,7 +4,10 @@ A summary covers the first ``e`` loops of a conversation, where ``e`` is a loop 
 omission event can reach (a multiple of the policy's omission batch). It is made *ahead*: as
 soon as those loops have closed, well before the event that omits them, so it is ready when
 the marker changes; summary k rolls from summary k−1 and the loops after it (its input never
-grows with the session). It is stored in Redis per session, keyed by what it covers (``e``
+grows with the session). Rolling is append-only while the budget allows: what the new loops add
+is appended to summary k−1, so the marker's text only grows and the provider's prefix cache
+keeps serving it; when no room is left, one call merges it all into half the budget, and the
+batches after that append again. It is stored in Redis per session, keyed by what it covers (``e``
 and a hash of the messages up to the end of loop e−1: one branch's summary never reaches
 another's), so every replica reuses it; one replica makes it at a time (a lock with expiry).
 
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,12 +47,13 @@ if TYPE_CHECKING:
     from ..window.builder import Window
 
 log = logs.get("summaries")
-PROMPT_VERSION = "summary-prompt-1"
-PROMPT = """You maintain the running summary of an agent conversation whose oldest turns are \
+PROMPT_VERSION = "summary-prompt-2"
+SECTIONS = "Goals; Decisions and facts; Identifiers (ids, numbers, paths, names — copied " \
+    "verbatim); Files and records touched; Open tasks; User preferences."
+MERGE = """You maintain the running summary of an agent conversation whose oldest turns are \
 no longer shown to the model. Merge the previous summary with the turns below into one \
 summary of at most {max_tokens} tokens, in these sections:
-Goals; Decisions and facts; Identifiers (ids, numbers, paths, names — copied verbatim); \
-Files and records touched; Open tasks; User preferences.
+{sections}
 Keep every identifier a later turn could need, verbatim. No preamble.
 
 Previous summary:
@@ -57,6 +61,21 @@ Previous summary:
 
 Turns to add:
 {turns}"""
+APPEND = """You maintain the running summary of an agent conversation whose oldest turns are \
+no longer shown to the model. The summary so far stays as it is; write only what the turns \
+below add to it or change in it, in at most {max_tokens} tokens, under the same sections \
+(leave out a section with nothing new):
+{sections}
+Keep every identifier a later turn could need, verbatim. Do not repeat the summary. No preamble.
+
+Summary so far:
+{previous}
+
+Turns to add:
+{turns}"""
+LATER = "\n\nLater turns:\n"
+CONDENSE_SHARE = 0.5  # of summary_max_tokens, for a merged summary: the next batches append
+MIN_APPEND_SHARE = 0.25  # less room than this left in the budget: merge instead
 LOOP_CHARS = 6_000  # of each loop's text in a summary call: its input stays bounded
 FAILURES_BEFORE_BACKOFF = 3
 LATE = "late"
@@ -77,6 +96,18 @@ def covers(keys: Sequence[str], loops: Sequence[RunLoop], batch: int) -> dict[in
             done = lp.end
             out[closed] = h.hexdigest()
     return out
+
+
+def next_call(previous: str | None, budget: int, count: Callable[[str], int]
+              ) -> tuple[str, int]:
+    """How an LLM summary rolls on, and the output tokens it may use: ``append`` to
+    ``previous`` while at least ``MIN_APPEND_SHARE`` of the budget is left after it, else
+    ``merge`` everything into ``CONDENSE_SHARE`` of the budget."""
+    if previous is not None:
+        room = budget - count(previous + LATER)
+        if room >= budget * MIN_APPEND_SHARE:
+            return "append", room
+    return "merge", max(1, int(budget * CONDENSE_SHARE))
 
 
 def field(e: int, cover: str) -> str:
@@ -203,8 +234,10 @@ class SummaryService:
                 usage: dict[str, int] = {}
                 summarizer = EXTRACTIVE
             else:
+                enc, _ = self.state.tokens.encoding(job.model, None)
                 text, usage = await asyncio.wait_for(
-                    self._llm(job, prev_text, loops_text(messages, new)),
+                    self._llm(job, prev_text, loops_text(messages, new),
+                              lambda t: self.state.tokens.text(enc, t)),
                     policy.summary_timeout_s)
                 summarizer = f"{policy.summary_model} ({PROMPT_VERSION})"
         except Exception as exc:  # noqa: BLE001 - a summary failure never reaches a client
@@ -225,6 +258,7 @@ class SummaryService:
             if n:
                 metrics.summary_tokens.labels(tl, kind).inc(n)
         record = {"text": text, "summarizer": summarizer, "loops": [prev_e, e],
+                  "appended": bool(prev_text) and text.startswith(str(prev_text)),
                   "tokens_in": usage.get("prompt_tokens"),
                   "tokens_out": usage.get("completion_tokens"), "latency_ms": ms}
         try:
@@ -245,15 +279,17 @@ class SummaryService:
             self.paused_until[tenant] = time.monotonic() + backoff_s
             self.failures[tenant] = 0
 
-    async def _llm(self, job: Job, previous: str | None, turns: str
-                   ) -> tuple[str, dict[str, int]]:
-        """One chat completion through the tenant's upstream (or ``summary_upstream``)."""
+    async def _llm(self, job: Job, previous: str | None, turns: str,
+                   count: Callable[[str], int]) -> tuple[str, dict[str, int]]:
+        """One chat completion through the tenant's upstream (or ``summary_upstream``) that
+        rolls ``previous`` on: an addition appended to it, or a merge (``next_call``)."""
         from ..pipeline.upstream import json_headers, upstream_headers
 
         policy = job.policy
-        prompt = PROMPT.format(max_tokens=policy.summary_max_tokens,
-                               previous=previous or "(none)", turns=turns)
-        body = {"model": policy.summary_model, "max_tokens": policy.summary_max_tokens,
+        kind, room = next_call(previous, policy.summary_max_tokens, count)
+        prompt = (APPEND if kind == "append" else MERGE).format(
+            max_tokens=room, sections=SECTIONS, previous=previous or "(none)", turns=turns)
+        body = {"model": policy.summary_model, "max_tokens": room,
                 "messages": [{"role": "user", "content": prompt}]}
         auth, name = job.auth, job.upstream
         if policy.summary_upstream and policy.summary_upstream in self.state.upstreams:
@@ -270,9 +306,8 @@ class SummaryService:
         if not isinstance(text, str) or not text.strip():
             raise RuntimeError("the summary call answered no text")
         usage = data.get("usage") or {}
-        return text.strip(), {k: int(usage.get(k) or 0)
-                              for k in ("prompt_tokens", "completion_tokens")}
-
+        text = f"{previous}{LATER}{text.strip()}" if kind == "append" else text.strip()
+        return text, {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
 
     async def compact(self, job: Job, session_id: str, messages: list[Message],
                       keys: list[str]) -> list[tuple[int, str | None]]:
