@@ -181,6 +181,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"  summary of loops {loops[0]}-{loops[1]} ({summary.get('summarizer')}):")
             for line in str(summary.get("text", "")).splitlines()[:12]:
                 print(f"    {line}")
+    for asked in data.get("compactions") or []:
+        print(f"  compact now: loops 0-{asked['loops'][1]} omitted from message "
+              f"{asked['from_message']} on")
     print(f"  compression records: {len(data['compression_records'])}")
     for rec in data["compression_records"][-10:]:
         print(f"    {rec.get('kind')}: {rec.get('tokens_before')} -> {rec.get('tokens_after')} "

@@ -275,3 +275,55 @@ def test_rolling_summary_input_stays_bounded_over_40_turns(
     # and the manual trigger has nothing left to make
     made = httpx.post(proxy.base + "/admin/sessions/sum-40/compact", headers=ADMIN).json()
     assert all(m["ok"] for m in made["made"]) and len(made["made"]) <= 1
+
+
+def test_compact_now_summarises_and_omits_from_the_next_request(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """POST /admin/sessions/{id}/compact: summaries made now, and the closed loops they cover
+    omitted from the next request on (no wait for max_run_loops), the summary inside the
+    marker; the window is append-only again after it. The session holds a proxy recall round
+    (stored apart from the client's messages): the compaction is keyed as the request path
+    sees the conversation, spliced, or the next request would not find it."""
+    recalled: list[bool] = []
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last["role"] == "user" and last["content"].endswith(" 2") and not recalled:
+            recalled.append(True)  # the model asks the proxy for turn 1's lookup
+            return {"tool_calls": [{"id": "rc_1", "name": "recall_tool_call",
+                                    "arguments": {"call_id": "call_1"}}]}
+        return model()(body)
+
+    upstream.responder = respond
+    root = write_config(tmp_path / "c", upstream.url, acme_policy=(
+        'max_run_loops = 10\nomit_batch = 2\nsummary_model = "extractive"\n'))
+    proxy = make_proxy(config_dir=str(root))
+    msgs = converse(proxy, "compact-me", 5, after=lambda k: proxy.settle())
+    assert recalled and not marker(upstream.requests[-1])  # 5 loops: nothing omitted yet
+    done = httpx.post(proxy.base + "/admin/sessions/compact-me/compact", headers=ADMIN).json()
+    # the summary of loops 0-2 was made ahead already; the one of 0-4 is made now
+    assert done["omitted_loops"] == 4 and done["made"] == [{"loops": [0, 4], "ok": True}]
+    c = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0,
+                      default_headers={"X-Session-Id": "compact-me"})
+    sent: list[list[dict[str, Any]]] = []
+    for k in (6, 7):
+        msgs.append({"role": "user", "content": f"where is order {k}"})
+        while True:
+            r = c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
+                                          tools=TOOLS)  # type: ignore[arg-type]
+            sent.append(upstream.requests[-1]["messages"])
+            m = r.choices[0].message
+            msgs.append(m.model_dump(exclude_none=True))
+            if not m.tool_calls:
+                break
+            for call in m.tool_calls:
+                msgs.append({"role": "tool", "tool_call_id": call.id, "content": f"#W{k}000"})
+        proxy.settle()
+    text = marker({"messages": sent[0]})
+    assert text is not None and "Turns left out" in text and "#W4000" in text
+    users = [m["content"] for m in sent[0] if m["role"] == "user"]
+    assert users == ["where is order 5", "where is order 6"]
+    for before, after in zip(sent, sent[1:], strict=False):
+        assert after[:len(before)] == before  # append-only after the compaction
+    view = httpx.get(proxy.base + "/admin/sessions/compact-me", headers=ADMIN).json()
+    assert [a["loops"] for a in view["compactions"]] == [[0, 4]]

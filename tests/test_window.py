@@ -800,3 +800,63 @@ def test_clear_at_least_larger_than_the_target_clears_the_target_not_everything(
     results = [m for m in w.messages if m["role"] == "tool"]
     elided = [m for m in results if "[runloop-proxy]" in m["content"]]
     assert 0 < len(elided) < len(results) - Policy().keep_recent_tool_results
+
+
+def test_compact_now_omits_the_loops_it_names_from_its_point_on() -> None:
+    """``compactions`` (the admin's compact now): from request point n on the first e loops
+    are omitted, with the summary made for them inside the marker; before n nothing changes,
+    and after the event the window is append-only again."""
+    msgs: list[Message] = [S]
+    for k in range(6):
+        msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}"), F(tag=f"f{k}")]
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    policy, budget = Policy(max_run_loops=10, omit_batch=2), Budget(100_000, 10_000)
+    n = 1 + 4 * 4  # compacted when four loops were stored
+    asked, summaries = ((n, 4),), ((4, "SUMMARY-OF-FOUR"),)
+
+    def window(p: int, compactions: tuple[tuple[int, int], ...]) -> Window:
+        return build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS,
+                            summaries=summaries, compactions=compactions)
+
+    previous: list[Message] | None = None
+    for p in request_points(msgs, 1):
+        w, plain = window(p, asked), window(p, ())
+        if p < n:
+            assert w.messages == plain.messages and not w.omitted_loops
+            continue
+        text = orjson.dumps(w.messages).decode()
+        assert w.omitted_loops == 4 and "SUMMARY-OF-FOUR" in text
+        assert all(f"q{k}" not in text for k in range(4)) and "q4" in text
+        if previous is None:
+            assert [e.reason for e in w.events] == ["compact now"]
+        else:
+            assert not w.events and w.messages[:len(previous)] == previous
+        previous = list(w.messages)
+    assert previous is not None
+
+
+@PROPS
+@given(conversations(), policies, st.integers(300, 3000), st.data())
+def test_compactions_keep_windows_valid_append_only_and_carry_consistent(
+        msgs: list[Message], policy: Policy, working: int, data: Any) -> None:
+    """A compaction at any point and loop count: every window is valid, the prefix changes
+    only with an event, and a carried build equals a fresh one."""
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    budget = Budget(working * 10, working)
+    n = data.draw(st.integers(0, len(msgs)))
+    e = data.draw(st.integers(1, 7))
+    asked = ((n, e),)
+    carry = None
+    previous: list[Message] | None = None
+    for p in request_points(msgs, 0):
+        args = (msgs[:p], keys[:p], counts[:p], policy, budget, OPS)
+        w = build_window(*args, compactions=asked, summaries=((e, "S"),))
+        assert_valid(w.messages)
+        grown = build_window(*args, compactions=asked, summaries=((e, "S"),), carry=carry)
+        assert orjson.dumps(grown.messages) == orjson.dumps(w.messages), p
+        carry = grown.carry
+        if previous is not None and not w.events:
+            assert w.messages[: len(previous)] == previous, f"prefix changed at {p}"
+        previous = list(w.messages)

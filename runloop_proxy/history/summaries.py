@@ -36,7 +36,7 @@ from ..conversation.messages import Message, message_text
 from ..conversation.runloops import RunLoop, segment
 from ..errors import StoreError
 from ..ops import logs
-from ..window.builder import Summaries
+from ..window.builder import Compactions, Summaries
 from ..window.digest import VERSION as EXTRACTIVE
 from ..window.digest import roll
 
@@ -79,6 +79,7 @@ MIN_APPEND_SHARE = 0.25  # less room than this left in the budget: merge instead
 LOOP_CHARS = 6_000  # of each loop's text in a summary call: its input stays bounded
 FAILURES_BEFORE_BACKOFF = 3
 LATE = "late"
+OMIT = "omit:"  # a compaction's field: omit:<e>:<cover> -> the request point it applies from
 
 
 def covers(keys: Sequence[str], loops: Sequence[RunLoop], batch: int) -> dict[int, str]:
@@ -112,6 +113,16 @@ def next_call(previous: str | None, budget: int, count: Callable[[str], int]
 
 def field(e: int, cover: str) -> str:
     return f"{e}:{cover}"
+
+
+def omit_field(e: int, cover: str) -> str:
+    return f"{OMIT}{field(e, cover)}"
+
+
+def compactions(entries: dict[str, str], cover: dict[int, str]) -> Compactions:
+    """The omissions asked for this conversation's lineage: (request point, loops)."""
+    out = [(int(raw), e) for e, c in cover.items() if (raw := entries.get(omit_field(e, c)))]
+    return tuple(sorted(out))
 
 
 def pick(entries: dict[str, str], cover: dict[int, str]) -> Summaries:
@@ -310,27 +321,41 @@ class SummaryService:
         return text, {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
 
     async def compact(self, job: Job, session_id: str, messages: list[Message],
-                      keys: list[str]) -> list[tuple[int, str | None]]:
-        """Summaries for every omission point of a stored conversation that has none yet,
-        made now (the admin's "compact now"); each enters the window at its event."""
-        assert self.state.store is not None
+                      keys: list[str]) -> tuple[list[tuple[int, str | None]], int]:
+        """The admin's "compact now": summaries for every omission point of a stored
+        conversation that has none yet, made now, and the closed loops the newest summary
+        covers omitted from the next request on. ``messages`` are the stored conversation
+        with the proxy's exchanges spliced back (as a request's window sees it). Returns the
+        summaries made (loop count, text or None) and the loops omitted (0: none)."""
+        store = self.state.store
+        assert store is not None
         loops = segment(messages)
         cover = covers(keys, loops, job.policy.omission_batch)
         made: list[tuple[int, str | None]] = []
+        entries: dict[str, str] = {}
         for e, c in sorted(cover.items()):
-            entries = await self.state.store.summaries(job.namespace, session_id)
+            entries = await store.summaries(job.namespace, session_id)
             if field(e, c) in entries:
-                continue
+                continue  # made, or late: the event went out without it, and stays so
             done = [(k, cv) for k, cv in sorted(cover.items()) if k < e
                     and (entries.get(field(k, cv)) or LATE) != LATE]
             made.append((e, await self.make(job, session_id, messages, loops, e, c,
                                             done[-1] if done else None, entries)))
-        return made
+        entries = await store.summaries(job.namespace, session_id)
+        ready = [e for e, c in cover.items() if (entries.get(field(e, c)) or LATE) != LATE]
+        if not ready:
+            return made, 0
+        e = max(ready)
+        await store.put_summary(job.namespace, session_id, omit_field(e, cover[e]),
+                                str(len(messages)))
+        return made, e
 
 
 def summaries_of(policy: Policy, entries: dict[str, str], keys: Sequence[str],
-                 loops: Sequence[RunLoop] | None) -> Summaries:
-    """What a request's window may show: the stored summaries of its lineage."""
+                 loops: Sequence[RunLoop] | None) -> tuple[Summaries, Compactions]:
+    """What a request's window may show: the stored summaries of its lineage, and the
+    omissions asked for it."""
     if not policy.summary_model or not entries or loops is None:
-        return ()
-    return pick(entries, covers(keys, loops, policy.omission_batch))
+        return (), ()
+    cover = covers(keys, loops, policy.omission_batch)
+    return pick(entries, cover), compactions(entries, cover)

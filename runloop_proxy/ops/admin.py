@@ -20,8 +20,9 @@ from ..errors import (
     StoreError,
     error_body,
 )
-from ..history.store import SessionView, prepare
-from ..history.summaries import Job
+from ..history.store import SessionView
+from ..history.summaries import OMIT, Job
+from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
 
 
@@ -68,20 +69,27 @@ def session_summary(view: SessionView) -> dict[str, Any]:
             "compression_records": view.records, "proxy_tool_exchanges": len(view.internal)}
 
 
-async def _summaries(state: Any, tenant: str, session_id: str) -> list[dict[str, Any]]:
-    """The session's stored summaries (every branch's), by the loops they cover."""
+async def _summaries(state: Any, tenant: str, session_id: str
+                     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The session's stored summaries (every branch's), by the loops they cover, and the
+    omissions "compact now" asked for (loops omitted from a request point on)."""
     try:
         entries = await state.store.summaries(tenant, session_id)
     except StoreError:
-        return []
-    out = []
+        return [], []
+    out, asked = [], []
     for name, raw in entries.items():
+        if name.startswith(OMIT):
+            e, _, cover = name[len(OMIT):].partition(":")
+            asked.append({"loops": [0, int(e)], "cover": cover, "from_message": int(raw)})
+            continue
         e, _, cover = name.partition(":")
         if raw == "late":
             out.append({"loops": [0, int(e)], "cover": cover, "late": True})
         else:
             out.append({**orjson.loads(raw), "cover": cover})
-    return sorted(out, key=lambda s: (s["loops"][1], s["cover"]))
+    return sorted(out, key=lambda s: (s["loops"][1], s["cover"])), \
+        sorted(asked, key=lambda s: s["from_message"])
 
 
 async def tenant_of_session(state: AppState, request: Request, session_id: str) -> str:
@@ -161,10 +169,11 @@ async def compact(state: AppState, tenant: str, session_id: str) -> dict[str, An
         raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
     job = Job(spec.policy, tenant, spec.name, spec.name if tenant in state.config.tenants
               else "passthrough", "gpt-4o", spec.upstream, auth)
-    keys = [prepare(m).hash for m in view.messages]
-    made = await state.summaries.compact(job, session_id, view.messages, keys)
+    messages, keys, _ = spliced_stored(view.messages, view.internal)
+    made, omitted = await state.summaries.compact(job, session_id, messages, keys)
     return {"session_id": session_id, "tenant": tenant,
-            "made": [{"loops": [0, e], "ok": text is not None} for e, text in made]}
+            "made": [{"loops": [0, e], "ok": text is not None} for e, text in made],
+            "omitted_loops": omitted, "from_message": len(messages) if omitted else None}
 
 
 @openai_errors
@@ -185,7 +194,7 @@ async def admin_session(request: Request) -> Response:
     if view is None:
         raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
     out = session_summary(view)
-    out["summaries"] = await _summaries(state, tenant, session_id)
+    out["summaries"], out["compactions"] = await _summaries(state, tenant, session_id)
     if request.query_params.get("messages") in ("1", "true"):
         out["messages"] = view.messages
     return json_response(out)

@@ -27,8 +27,9 @@ from starlette.routing import BaseRoute, Route
 from ..conversation.messages import Message, message_text
 from ..conversation.runloops import preview, segment
 from ..errors import ProxyError, StoreError
-from ..history.store import SessionView, prepare
-from ..history.summaries import summaries_of
+from ..history.store import SessionView
+from ..history.summaries import OMIT, summaries_of
+from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
 from ..window.builder import Window, build_window
 from ..window.forms import Budget
@@ -205,17 +206,16 @@ def window_of(state: AppState, tenant: str, view: SessionView,
     assert spec is not None
     model = next((r.get("model") for r in reversed(view.records) if r.get("model")), "gpt-4o")
     enc, exact = state.tokens.encoding(model, spec.encoding_for(model))
-    messages = view.messages
-    keys = [prepare(m).hash for m in messages]
+    messages, keys, protected = spliced_stored(view.messages, view.internal)
     counts = [state.tokens.message(enc, m, k) for m, k in zip(messages, keys, strict=True)]
     budget = Budget.for_request(spec.policy, spec.context_window(model), None, 0,
                                 1.0 if exact else state.tokens.factor(model))
     from ..pipeline.tokens import WindowTokens
 
-    summaries = summaries_of(spec.policy, stored, keys, segment(messages))
+    summaries, compactions = summaries_of(spec.policy, stored, keys, segment(messages))
     return build_window(messages, keys, counts, spec.policy, budget,
-                        WindowTokens(state.tokens, enc, state.cuts),
-                        summaries=summaries), messages
+                        WindowTokens(state.tokens, enc, state.cuts), protected=protected,
+                        summaries=summaries, compactions=compactions), messages
 
 
 def chart(points: list[dict[str, int]], width: int = 720, height: int = 160) -> str:
@@ -332,8 +332,15 @@ def _summaries(state: AppState, tenant: str, sid: str, stored: dict[str, str],
 
     spec = state.config.tenants.get(tenant) or state.config.passthrough
     out = ["<h2>Summaries</h2>"]
-    for name, raw in sorted(stored.items(), key=lambda kv: int(kv[0].partition(":")[0])):
+    asked = {k: v for k, v in stored.items() if k.startswith(OMIT)}
+    for name, raw in sorted(stored.items(), key=lambda kv: int(kv[0].partition(":")[0])
+                            if kv[0] not in asked else -1):
         e = name.partition(":")[0]
+        if name in asked:
+            e = name[len(OMIT):].partition(":")[0]
+            out.append(f"<p>compact now: loops 0–{escape(e)} omitted from message "
+                       f"{escape(raw)} on</p>")
+            continue
         if raw == "late":
             out.append(f"<p class='muted'>loops 0–{escape(e)}: late (arrived after its "
                        f"omission event)</p>")
@@ -346,8 +353,8 @@ def _summaries(state: AppState, tenant: str, sid: str, stored: dict[str, str],
                    f"name='csrf' value='{_csrf(state, cookie)}'><input type='hidden' name='tenant'"
                    f" value='{escape(tenant)}'><input type='hidden' name='id' "
                    f"value='{escape(sid)}'><button>Compact now</button> <span class='muted'>"
-                   f"makes the summaries this session lacks; each enters the window at its "
-                   f"omission event</span></form>")
+                   f"makes the summaries this session lacks and omits the closed turns they "
+                   f"cover from the next request on</span></form>")
     elif len(out) == 1:
         out.append("<p class='muted'>Summaries are off for this tenant (summary_model).</p>")
     return "".join(out)
@@ -366,9 +373,10 @@ async def message(request: Request) -> Response:
     except (StoreError, ProxyError) as exc:
         return _page("error", f"<p class='err'>{escape(str(exc))}</p>", 404)
     pos = request.query_params.get("pos", "")
-    if view is None or not pos.isdigit() or int(pos) >= len(view.messages):
+    messages = spliced_stored(view.messages, view.internal)[0] if view is not None else []
+    if not pos.isdigit() or int(pos) >= len(messages):
         return _page("not found", "<p class='err'>No such message.</p>", 404)
-    m = view.messages[int(pos)]
+    m = messages[int(pos)]  # numbered as the session page shows them: the proxy's too
     back = f"{BASE}/session?{_q(tenant=tenant, id=sid)}"
     return _page("message", f"<p><a href='{escape(back)}'>← session {escape(sid)}</a></p>"
                             f"<h1>Message {escape(pos)} ({escape(str(m.get('role')))})</h1>"

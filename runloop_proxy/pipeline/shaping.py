@@ -118,13 +118,14 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     now = int(time.time() * 1000)
     carried = (turn.caller.namespace or "", session.id)
     carry = state.carries.get(carried)
-    summaries = summaries_of(turn.policy, stored or {}, keys, carry.conv.loops if carry
-                             else segment(messages) if stored else None)
+    summaries, compactions = summaries_of(turn.policy, stored or {}, keys,
+                                          carry.conv.loops if carry
+                                          else segment(messages) if stored else None)
     window = build_window(messages, keys, counts, turn.policy, budget,
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
                           timestamps=FirstSeen(state.first_seen, keys, now), now_ms=now,
                           memo=state.window_memo, tool_names=tools.window_names,
-                          carry=carry, summaries=summaries)
+                          carry=carry, summaries=summaries, compactions=compactions)
     if window.carry is not None:
         state.carries[carried] = window.carry
     return window

@@ -146,6 +146,19 @@ def splice_internal(messages: list[Message], keys: list[str], chains: list[str],
     return out, out_keys, frozenset(protected)
 
 
+def spliced_stored(messages: list[Message], internal: dict[str, Any]
+                   ) -> tuple[list[Message], list[str], frozenset[str]]:
+    """A stored conversation as a request's window sees it: with the proxy's own exchanges
+    back where they happened (``splice_internal``), so what is keyed by its messages — the
+    summaries' covers, the compaction points — matches what the next request computes."""
+    from ..history.writes import chain_hashes, prepare
+
+    prepared = [prepare(m) for m in messages]
+    keys = [p.hash for p in prepared]
+    chains = chain_hashes([p.match for p in prepared], None)
+    return splice_internal(messages, keys, chains[1:], internal)
+
+
 class ToolRunner:
     """Executes the proxy's calls against the request's conversation.
 

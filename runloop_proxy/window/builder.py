@@ -36,6 +36,9 @@ from .forms import (
 
 # summaries of what omission events left out: (the loop count an event omits, the text)
 Summaries = tuple[tuple[int, str], ...]
+# omissions asked for ("compact now"): (n, e) — from request point n on, the first e loops
+# are omitted whatever the other rules say
+Compactions = tuple[tuple[int, int], ...]
 
 
 class Stamps(Protocol):
@@ -105,13 +108,14 @@ class _Plan:
 
 class _Replay:
     def __init__(self, conv: Conversation, timestamps: Stamps | None,
-                 now_ms: int | None, summaries: Summaries):
+                 now_ms: int | None, summaries: Summaries, compactions: Compactions = ()):
         self.c = conv
         self.plan = _Plan()
         self.red_sum = 0
         self.timestamps = timestamps
         self.now_ms = now_ms
         self.summaries = dict(summaries)
+        self.compactions = compactions
 
     @property
     def summary(self) -> str | None:
@@ -242,6 +246,10 @@ class _Replay:
         if self.omit_to(max(self.batch_omission(current), self.time_omission(current)),
                         current):
             self._event(record, CompactionKind.OMISSION, before, p, "max_run_loops/max_time_range")
+        asked = max((e for n, e in self.compactions if p >= n), default=0)
+        before = self.tokens(p)
+        if asked and self.omit_to(asked, current):
+            self._event(record, CompactionKind.OMISSION, before, p, "compact now")
         working = c.budget.working
         if self.tokens(p) <= pol.threshold * working:
             return
@@ -361,18 +369,21 @@ class _Checkpoints:
     conversation replays only its own point instead of every earlier one.
 
     The state at point p depends only on messages[:p] (their keys and counts), the policy, the
-    budget, the protected results and the summaries; the key holds all of them. Omission by age
+    budget, the protected results, the summaries and the compactions; the key holds all of
+    them. Omission by age
     depends on the clock as well: while any loop is older than ``max_time_range`` the replay
     runs whole.
     """
 
-    def __init__(self, conv: Conversation, replay: _Replay, summaries: Summaries):
+    def __init__(self, conv: Conversation, replay: _Replay, summaries: Summaries,
+                 compactions: Compactions):
         self.conv, self.replay = conv, replay
         self.memo: Memo = conv.memo  # type: ignore[assignment]
         self.parts = [f"{k}:{n}," for k, n in zip(conv.keys, conv.counts, strict=True)]
         b = conv.budget
         self.context = content_hash(
             f"{conv.policy.model_dump_json()}|{b.hard}|{b.working}|{summaries!r}|"
+            f"{compactions!r}|"
             f"{'|'.join(conv.names)}|"
             f"{','.join(sorted(conv.protected))}".encode())
         self.usable = not replay.time_omission_possible()
@@ -414,16 +425,17 @@ class Carry:
     n: int
     states: dict[int, tuple[int, ...]]
     summaries: Summaries
+    compactions: Compactions = ()
 
 
 def _carried(carry: Carry | None, messages: list[Message], keys: list[str], counts: list[int],
              policy: Policy, budget: Budget, ops: TokenOps, summaries: Summaries,
-             protected: frozenset[str], memo: Memo | None,
-             names: ToolNames) -> tuple[Conversation, int, tuple[int, ...]] | None:
+             protected: frozenset[str], memo: Memo | None, names: ToolNames,
+             compactions: Compactions = ()) -> tuple[Conversation, int, tuple[int, ...]] | None:
     """The carried conversation grown by this request's messages, and the request point the
     replay resumes after (its index among ``conv.asked``) with the state there; None when
     the carry does not fit."""
-    if carry is None or carry.summaries != summaries:
+    if carry is None or carry.summaries != summaries or carry.compactions != compactions:
         return None
     conv = carry.conv.grow(carry.n, messages, keys, counts, policy, budget, protected, names,
                            ops, memo)
@@ -448,19 +460,22 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
                  budget: Budget, ops: TokenOps, *, timestamps: Stamps | None = None,
                  now_ms: int | None = None, summaries: Summaries = (),
                  protected: frozenset[str] = frozenset(), memo: Memo | None = None,
-                 tool_names: ToolNames = DEFAULT_NAMES, carry: Carry | None = None) -> Window:
+                 tool_names: ToolNames = DEFAULT_NAMES, carry: Carry | None = None,
+                 compactions: Compactions = ()) -> Window:
     """The window for a request carrying ``messages`` (pure; ``counts`` per message).
     ``summaries`` are shown inside the marker from the omission event each was made for
-    (``(e, text)``: the first ``e`` loops omitted). ``memo`` only caches derived forms and
+    (``(e, text)``: the first ``e`` loops omitted); ``compactions`` omit loops on request
+    (``(n, e)``: the first ``e`` loops from request point ``n`` on). ``memo`` only caches
+    derived forms and
     ``carry`` (the previous window's) only spares recomputing
     them: neither ever changes the result."""
     resumed = _carried(carry, messages, keys, counts, policy, budget, ops, summaries, protected,
-                       memo, tool_names) if policy.enabled else None
+                       memo, tool_names, compactions) if policy.enabled else None
     checkpoints = None
     if resumed is not None:
         conv, start, state = resumed
         tokens_in = conv.total
-        replay = _Replay(conv, timestamps, now_ms, summaries)
+        replay = _Replay(conv, timestamps, now_ms, summaries, compactions)
         if replay.time_omission_possible():
             start = 0  # the clock decides too: replay it whole
         else:
@@ -472,9 +487,10 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
                           budget=budget)
         conv = Conversation.of(messages, keys, counts, policy, budget, ops, protected, memo,
                                tool_names)
-        replay = _Replay(conv, timestamps, now_ms, summaries)
+        replay = _Replay(conv, timestamps, now_ms, summaries, compactions)
         start = 0
-        checkpoints = _Checkpoints(conv, replay, summaries) if memo is not None else None
+        checkpoints = _Checkpoints(conv, replay, summaries, compactions) \
+            if memo is not None else None
         if checkpoints is not None and conv.asked and checkpoints.restore(conv.asked[-1]):
             start = len(conv.asked)  # the previous request's replay, resumed
     # the request points: every assistant message after the preamble, then this request's
@@ -498,7 +514,7 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
         out, tokens_out, elided, changed, fits = _hard_limit(conv, replay, events)
     # made last: once handed on, the conversation is only ever grown by its next request
     next_carry = None if replay.time_omission_possible() \
-        else Carry(conv, conv.n, states, summaries)
+        else Carry(conv, conv.n, states, summaries, compactions)
     return Window(out if changed else messages, changed, fits, tokens_in,
                   tokens_out if changed else tokens_in, tuple(elided),
                   replay.plan.reduced_upto - replay.plan.omit_upto, replay.plan.omit_upto,
