@@ -180,11 +180,12 @@ def test_two_replicas_make_one_summary(tmp_path: Path, make_proxy: Any,
     a = make_proxy(config_dir=cfg)
     b = ProxyServer(a.settings, a.config).start()  # same Redis, same prefix
     try:
-        msgs = converse(a, "sum-two", 3, after=lambda k: a.settle())
+        # made one loop before its event: loops 1-2 when four have closed (turn 5)
+        msgs = converse(a, "sum-two", 5, after=lambda k: a.settle())
         until(lambda: len(calls) >= 1, what="a summary call")
         c = openai.OpenAI(base_url=b.url, api_key=ACME_KEY, max_retries=0,
                           default_headers={"X-Session-Id": "sum-two"})
-        msgs.append({"role": "user", "content": "and order 4"})
+        msgs.append({"role": "user", "content": "and order 6"})
         c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
                                   tools=TOOLS)  # type: ignore[arg-type]
         b.settle()
@@ -225,7 +226,7 @@ def test_a_summary_slower_than_its_timeout_is_counted_and_left_out(
         tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
     upstream.responder = model(lambda body: {"content": "too late", "delay": 3})
     proxy = make_proxy(config_dir=config(tmp_path, upstream, model="gpt-4o-mini", timeout=1))
-    converse(proxy, "sum-timeout", 3, after=lambda k: proxy.settle())
+    converse(proxy, "sum-timeout", 5, after=lambda k: proxy.settle())
 
     def timeouts() -> float:
         for line in httpx.get(proxy.base + "/metrics").text.splitlines():
@@ -262,7 +263,7 @@ def test_rolling_summary_input_stays_bounded_over_40_turns(
     assert max(len(t) for t in turns) < 1.2 * min(len(t) for t in turns)  # one batch each
     assert max(len(p) for p in previous) < 64 * 6  # the previous summary within its budget
     assert "Identifiers: #W1000" in prompts[1]  # rolled from the one before
-    assert "where is order 1\n" not in prompts[-1] and "where is order 38\n" in "".join(prompts)
+    assert "where is order 1\n" not in prompts[-1] and "where is order 36\n" in "".join(prompts)
     kinds = ["append" if "Do not repeat the summary" in p else "merge" for p in prompts]
     assert kinds[0] == "merge" and "append" in kinds and "merge" in kinds[1:]
     view = httpx.get(proxy.base + "/admin/sessions/sum-40", headers=ADMIN,
@@ -274,7 +275,8 @@ def test_rolling_summary_input_stays_bounded_over_40_turns(
     assert all(s["text"].startswith(by_end[s["loops"][0]] + "\n") for s in appended)
     # and the manual trigger has nothing left to make
     made = httpx.post(proxy.base + "/admin/sessions/sum-40/compact", headers=ADMIN).json()
-    assert all(m["ok"] for m in made["made"]) and len(made["made"]) <= 1
+    # (the last two batches were not due yet: they would be made one loop before their event)
+    assert all(m["ok"] for m in made["made"]) and len(made["made"]) <= 2
 
 
 def test_compact_now_summarises_and_omits_from_the_next_request(
@@ -301,8 +303,9 @@ def test_compact_now_summarises_and_omits_from_the_next_request(
     msgs = converse(proxy, "compact-me", 5, after=lambda k: proxy.settle())
     assert recalled and not marker(upstream.requests[-1])  # 5 loops: nothing omitted yet
     done = httpx.post(proxy.base + "/admin/sessions/compact-me/compact", headers=ADMIN).json()
-    # the summary of loops 0-2 was made ahead already; the one of 0-4 is made now
-    assert done["omitted_loops"] == 4 and done["made"] == [{"loops": [0, 4], "ok": True}]
+    # none was due yet (one loop before max_run_loops omits them): both are made now
+    assert done["omitted_loops"] == 4
+    assert done["made"] == [{"loops": [0, 2], "ok": True}, {"loops": [0, 4], "ok": True}]
     c = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0,
                       default_headers={"X-Session-Id": "compact-me"})
     sent: list[list[dict[str, Any]]] = []
@@ -327,3 +330,22 @@ def test_compact_now_summarises_and_omits_from_the_next_request(
         assert after[:len(before)] == before  # append-only after the compaction
     view = httpx.get(proxy.base + "/admin/sessions/compact-me", headers=ADMIN).json()
     assert [a["loops"] for a in view["compactions"]] == [[0, 4]]
+
+
+@pytest.mark.parametrize(("max_run_loops", "batch", "e", "closed", "pressed", "made"), [
+    (10, 5, 5, 5, False, False),  # loops 1-5 closed, but the event is six loops away
+    (10, 5, 5, 9, False, False),
+    (10, 5, 5, 10, False, True),  # one loop before the event (it omits at 11 closed)
+    (10, 5, 10, 14, False, False),
+    (10, 5, 10, 15, False, True),  # the second event comes at 16 closed
+    (10, 5, 5, 5, True, True),  # past its target: an omission may come with any request
+    (10, 5, 5, 4, True, False),  # never before its loops have closed
+    (2, 3, 3, 3, False, True),  # max_run_loops below the batch: as soon as they close
+])
+def test_a_summary_is_made_one_loop_before_its_event(
+        max_run_loops: int, batch: int, e: int, closed: int, pressed: bool, made: bool) -> None:
+    from runloop_proxy.config import Policy
+    from runloop_proxy.history.summaries import due
+
+    policy = Policy(max_run_loops=max_run_loops, omit_batch=batch)
+    assert due(policy, e, closed, pressed) is made

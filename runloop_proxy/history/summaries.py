@@ -1,15 +1,17 @@
 """Rolling summaries of the run loops an omission leaves out, made in the background.
 
 A summary covers the first ``e`` loops of a conversation, where ``e`` is a loop count an
-omission event can reach (a multiple of the policy's omission batch). It is made *ahead*: as
-soon as those loops have closed, well before the event that omits them, so it is ready when
-the marker changes; summary k rolls from summary k−1 and the loops after it (its input never
-grows with the session). Rolling is append-only while the budget allows: what the new loops add
-is appended to summary k−1, so the marker's text only grows and the provider's prefix cache
-keeps serving it; when no room is left, one call merges it all into half the budget, and the
-batches after that append again. It is stored in Redis per session, keyed by what it covers (``e``
-and a hash of the messages up to the end of loop e−1: one branch's summary never reaches
-another's), so every replica reuses it; one replica makes it at a time (a lock with expiry).
+omission event can reach (a multiple of the policy's omission batch). It is made *ahead*, one
+run loop before the event that omits those loops (``due``; at once when the window is past its
+target and an omission may come any turn), so it is ready when the marker changes and a session
+that ends sooner never pays for it; summary k rolls from summary k−1 and the loops after it
+(its input never grows with the session). Rolling is append-only while the budget allows: what
+the new loops add is appended to summary k−1, so the marker's text only grows and the
+provider's prefix cache keeps serving it; when no room is left, one call merges it all into
+half the budget, and the batches after that append again. It is stored in Redis per session,
+keyed by what it covers (``e`` and a hash of the messages up to the end of loop e−1: one
+branch's summary never reaches another's), so every replica reuses it; one replica makes it at
+a time (a lock with expiry).
 
 It enters the window only with the omission event it was made for (window/builder.py): the
 first request that omits ``e`` loops without a summary for them marks ``e`` as *late* and the
@@ -111,6 +113,16 @@ def next_call(previous: str | None, budget: int, count: Callable[[str], int]
     return "merge", max(1, int(budget * CONDENSE_SHARE))
 
 
+def due(policy: Policy, e: int, closed: int, pressed: bool) -> bool:
+    """Whether the summary of the first ``e`` loops is made now, with ``closed`` loops
+    closed: one loop before the event that omits them by ``max_run_loops`` (a conversation
+    that ends sooner never pays for it, and the summary has a whole loop to arrive in), or as
+    soon as they closed while the window is past its target (``pressed``: an omission over
+    the threshold may come with any request)."""
+    ahead = e + policy.max_run_loops - policy.omission_batch
+    return closed >= e and (pressed or closed >= ahead)
+
+
 def field(e: int, cover: str) -> str:
     return f"{e}:{cover}"
 
@@ -203,7 +215,11 @@ class SummaryService:
             self.state.metrics.summaries.labels(tl, "late").inc()
             self.state.spawn(self._late(ns, session.id, field(e, cover[e])))
         nxt = e + policy.omission_batch
-        if nxt in cover and field(nxt, cover[nxt]) not in entries:
+        closed = sum(1 for lp in loops if lp.final_position is not None)
+        pressed = window.budget is not None \
+            and window.tokens_out > policy.target * window.budget.working
+        if nxt in cover and field(nxt, cover[nxt]) not in entries \
+                and due(policy, nxt, closed, pressed):
             done = [(k, c) for k, c in sorted(cover.items()) if k < nxt
                     and (entries.get(field(k, c)) or LATE) != LATE]
             self.state.spawn(self.make(Job.of(turn), session.id, messages, loops, nxt,

@@ -27,6 +27,7 @@ from ..conversation.items import to_items, to_messages, tool_to_chat
 from ..conversation.messages import Message, message_hash, text_of
 from ..conversation.runloops import preamble_end, segment
 from ..errors import ConfigError
+from ..history.summaries import due
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
 from ..pipeline.tools import ProxyTools, definitions_tokens
 from ..window.builder import build_window
@@ -169,12 +170,15 @@ class Replayer:
         prev_fwd_msgs: list[Message] | None = None
         prev_fwd_counts: list[int] | None = None
         prev_fwd_tools = False
+        pressed = False
         for i in range(1, len(messages)):
             if messages[i].get("role") != "assistant":
                 continue
             req, rkeys, rcounts = messages[:i], keys[:i], counts[:i]
             window = build_window(req, rkeys, rcounts, self.tenant.policy, budget, self.ops,
-                                  tool_names=names, summaries=ahead.upto(i, tally))
+                                  tool_names=names,
+                                  summaries=ahead.upto(i, tally, pressed))
+            pressed = window.tokens_out > self.tenant.policy.target * budget.working
             client_total = sum(rcounts) + tools_tokens + REPLY_PRIMING
             with_tools = window.offers_tools(self.tenant.policy, bool(tools))
             fwd_tools = tools_tokens + (self.proxy_tools if with_tools else 0)
@@ -243,13 +247,14 @@ class SummariesAhead:
         self.closed = [lp for lp in loops if lp.final_position is not None]
         self.made: list[tuple[int, str]] = []
 
-    def upto(self, i: int, tally: Tally) -> tuple[tuple[int, str], ...]:
-        """The summaries made by request point ``i`` (messages[:i])."""
+    def upto(self, i: int, tally: Tally, pressed: bool = False) -> tuple[tuple[int, str], ...]:
+        """The summaries made by request point ``i`` (messages[:i]), each when the proxy
+        would start it (``due``; ``pressed``: the last window was past its target)."""
         if not self.policy.summary_model:
             return ()
         b = self.policy.omission_batch
         done = sum(1 for lp in self.closed if lp.end <= i)
-        while (len(self.made) + 1) * b <= done:
+        while due(self.policy, (len(self.made) + 1) * b, done, pressed):
             e = (len(self.made) + 1) * b
             previous = self.made[-1][1] if self.made else None
             loops = [self.messages[lp.start:lp.end] for lp in self.closed[e - b:e]]
