@@ -220,6 +220,10 @@ def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None
     r, rp = plain["retention"], plain["retention_passthrough"]
     assert rp["retained"] == 1.0 and rp["references"] == r["references"] > 20
     assert r["current_loop"] == 1.0 and r["past_loops"] < 1.0  # reductions hide past ones
+    # nothing hidden is lost: each tracking number is in a result the ledger names by ref
+    hidden = r["references"] - round(r["retained"] * r["references"])
+    assert hidden > 0 and r["hidden"] == hidden
+    assert r["recallable_by_ref"] + r["found_by_search"] == hidden and r["lost"] == 0
     digest = json.loads(run(f, "--json", "--set", "max_run_loops=3", "--set",
                             "summary_model=extractive").stdout)
     assert digest["retention"]["past_loops"] > r["past_loops"]
@@ -230,6 +234,7 @@ def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None
     assert priced["forwarded_tokens"] == digest["forwarded_tokens"] + priced["summary_tokens"]
     human = run(f, "--set", "max_run_loops=3")
     assert "references kept window" in human.stdout and "pass-through 100.0%" in human.stdout
+    assert ", lost 0" in human.stdout
 
 
 def test_replay_reads_responses_conversations(tmp_path: Path) -> None:

@@ -145,3 +145,32 @@ def test_roll_appends_while_it_fits_then_condenses_to_half_the_budget() -> None:
         assert count(new) <= 300
         text = new
     assert appended > 2 * rewritten > 0
+
+
+def test_a_hidden_reference_is_recallable_found_by_search_or_lost() -> None:
+    """Each reference the window hides is counted by its way back: a ref (or call id) of a
+    message holding it shown in the window, else a search_history hit on a holder, else lost."""
+    msgs = conversation()
+    conv = Conversation(msgs, fixed="")  # type: ignore[arg-type]
+    refs = [f"ref{k:03d}" for k in range(len(msgs))]
+    searched: list[str] = []
+
+    def search(found: list[int]) -> Any:
+        def run(query: str, upto: int) -> list[int]:
+            searched.append(query)
+            assert upto == 6
+            return found
+        return run
+
+    # 2024-05-20 and carrier-77 lie in the tool result (3); carrier-77 also in the reply (4)
+    hidden = [msgs[0], msgs[1], {"role": "assistant", "content": "#W2378156 shipped."}, msgs[5]]
+    r = conv.retention(6, 5, hidden, refs, search([]))  # type: ignore[arg-type]
+    assert (r.past_kept, r.by_ref, r.by_search, r.lost) == (0, 0, 0, 2)
+    with_ref = [*hidden, {"role": "system", "content": 'recall_tool_call(call_id="ref003")'}]
+    r = conv.retention(6, 5, with_ref, refs, search([]))  # type: ignore[arg-type]
+    assert (r.by_ref, r.lost) == (2, 0)
+    r = conv.retention(6, 5, hidden, refs, search([4]))  # type: ignore[arg-type]
+    assert (r.by_ref, r.by_search, r.lost) == (0, 1, 1)  # carrier-77 in 4; the date only in 3
+    assert searched[-2:] == ["2024-05-20", "carrier-77"]
+    assert r.as_dict()["lost"] == 1 and "lost" not in conv.retention(  # type: ignore[arg-type]
+        6, 5, hidden).as_dict()  # unmeasured without refs

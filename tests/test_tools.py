@@ -393,3 +393,22 @@ def test_recall_returns_what_it_cut_byte_for_byte(proxy: ProxyServer, upstream: 
                                          tools=CLIENT_TOOLS).choices[0].message.content  # type: ignore[arg-type]
     assert text == "done"
     assert recalled == {"rc_1": AWKWARD, "rc_2": PARTS}
+
+
+def test_search_history_finds_what_only_a_call_s_arguments_hold() -> None:
+    """A date the agent passed to a tool (its result empty) is history too: replay's
+    retention measure found such references unreachable when search read message text only."""
+    msgs: list[dict[str, Any]] = [
+        {"role": "user", "content": "fly me to Denver"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+         "function": {"name": "search_flights",
+                      "arguments": '{"destination": "DEN", "date": "2024-05-26"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "[]"},
+        {"role": "assistant", "content": "Nothing that day."},
+        {"role": "user", "content": "try 2024-05-27 then, and 27 bags"}]
+    runner = ToolRunner(ProxyTools.for_request(None), msgs,  # type: ignore[arg-type]
+                        [message_hash(m) for m in msgs], 5)  # type: ignore[arg-type]
+    text, outcome = asyncio.run(runner.search("2024-05-26"))
+    assert outcome == "hit"
+    first = text.splitlines()[1]
+    assert "calls=c1" in first and '"date": "2024-05-26"' in first

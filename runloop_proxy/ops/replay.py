@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +25,12 @@ from pydantic import ValidationError
 from ..caches import ByteLRU
 from ..config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
 from ..conversation.items import to_items, to_messages, tool_to_chat
-from ..conversation.messages import Message, message_hash, text_of
+from ..conversation.messages import Message, message_hash, message_refs, text_of
 from ..conversation.runloops import preamble_end, segment
 from ..errors import ConfigError
 from ..history.summaries import due
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
-from ..pipeline.tools import ProxyTools, definitions_tokens
+from ..pipeline.tools import ProxyTools, bag, definitions_tokens, query_terms, rank_bags
 from ..window.builder import build_window
 from ..window.digest import roll
 from ..window.forms import Budget
@@ -159,6 +160,18 @@ class Replayer:
         refs = RetentionMeter(messages, "\n".join(
             [text_of(m.get("content")) for m in messages[:pre]] +
             [orjson.dumps(tools).decode() if tools else ""]))
+        mrefs = message_refs(keys)
+        bags: list[Counter[str]] = []
+
+        def search(query: str, upto: int) -> list[int]:
+            """The positions search_history returns for ``query`` in messages[:upto]."""
+            if not bags:
+                bags.extend(bag(m) for m in messages)
+            docs = [(str(k), messages[k], bags[k]) for k in range(upto)
+                    if messages[k].get("role") not in ("system", "developer")]
+            hits = rank_bags(query_terms(query), docs, self.tenant.policy.search_results)
+            return [int(key) for _, key, _ in hits]
+
         reasoning = [0]
         for m in messages:
             reasoning.append(reasoning[-1] + _reasoning_items(m.get("items") or []))
@@ -226,7 +239,7 @@ class Replayer:
             for e in window.events:
                 tally.events[e.kind.value] = tally.events.get(e.kind.value, 0) + 1
             start = loop_start[i - 1] if i > pre else 0
-            tally.retention.add(refs.retention(i, start, window.messages))
+            tally.retention.add(refs.retention(i, start, window.messages, mrefs, search))
             tally.retention_passthrough.add(refs.retention(i, start, req))
             if reasoning[i]:
                 tally.reasoning_client += reasoning[i]
@@ -545,6 +558,10 @@ def run_replay(args: argparse.Namespace) -> int:
               f"{_pct(r['current_loop'])}, past loops {_pct(r['past_loops'])}; "
               f"{r['references']:,} references: {r['current_references']:,} current, "
               f"{r['past_references']:,} past), pass-through {_pct(rp['retained'])}")
+        if "hidden" in r:
+            print(f"  references hidden {r['hidden']:,}: recallable by a ref the window shows "
+                  f"{r['recallable_by_ref']:,}, found by search_history "
+                  f"{r['found_by_search']:,}, lost {r['lost']:,}")
     if tally.summaries:
         print(f"  summaries ({tenant.policy.summary_model}): {tally.summaries:,} made ahead of "
               f"their omission event" + (f", {tally.summary_tokens:,} tokens counted as "

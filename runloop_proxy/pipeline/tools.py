@@ -246,7 +246,7 @@ class ToolRunner:
         return f"error: no tool call with id {call_id!r} in this conversation", "not_found"
 
     async def search(self, query: str) -> tuple[str, str]:
-        terms = [t.lower() for t in _WORD.findall(query) if t.strip() and len(t) > 1]
+        terms = query_terms(query)
         if not terms:
             return "error: query must contain words", "bad_arguments"
         corpus = self._lineage()
@@ -273,7 +273,7 @@ class ToolRunner:
             elif m.get("tool_calls"):
                 ids = " calls=" + ",".join(str(c.get("id")) for c in m["tool_calls"])
             lines.append(f"- [{where}, {m.get('role')}{ids}, score {score:.2f}] "
-                         f"{snippet(message_text(m), terms)}")
+                         f"{snippet(searchable(m), terms)}")
         return "\n".join(lines), "hit"
 
 
@@ -285,11 +285,33 @@ def _loop_index(messages: list[Message], keys: list[str]) -> dict[str, int]:
     return out
 
 
+def query_terms(query: str) -> list[str]:
+    """The words search_history ranks by."""
+    return [t.lower() for t in _WORD.findall(query) if t.strip() and len(t) > 1]
+
+
+def searchable(m: Message) -> str:
+    """What search_history matches in a message: its text and its calls' names and
+    arguments (an id the agent passed to a tool is history too)."""
+    calls = [f"{(c.get('function') or {}).get('name') or ''}"
+             f"({(c.get('function') or {}).get('arguments') or ''})" for c in tool_calls_of(m)]
+    return "\n".join([message_text(m), *calls]) if calls else message_text(m)
+
+
+def bag(m: Message) -> Counter[str]:
+    """A message's words, counted (what ``rank`` scores)."""
+    return Counter(t.lower() for t in _WORD.findall(searchable(m)))
+
+
 def rank(terms: list[str], corpus: list[tuple[str, Message]], k: int
          ) -> list[tuple[float, str, Message]]:
     """BM25-style ranking of messages for the query terms (pure)."""
-    docs = [(key, m, Counter(t.lower() for t in _WORD.findall(message_text(m))))
-            for key, m in corpus]
+    return rank_bags(terms, [(key, m, bag(m)) for key, m in corpus], k)
+
+
+def rank_bags(terms: list[str], docs: list[tuple[str, Message, Counter[str]]], k: int
+              ) -> list[tuple[float, str, Message]]:
+    """``rank`` over messages whose words are counted already."""
     if not docs:
         return []
     avg = sum(sum(c.values()) for _, _, c in docs) / len(docs) or 1.0

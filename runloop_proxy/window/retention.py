@@ -9,11 +9,17 @@ reply took them from the history. A window *retains* a reference when it shows i
 turns, is what a compression policy keeps of what the model went on to use; split by origin —
 the current run loop or a past one — it shows where a policy loses. Pass-through retains
 everything by construction (the measure's own sanity check).
+
+A reference the window hides is not lost when the model can get it back: it lies in a message
+whose ref (or a result whose call id) the window shows, for ``recall_tool_call``, or a
+``search_history`` for the reference itself finds a message that holds it. What neither
+reaches is counted as lost.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +86,9 @@ class Retention:
     current_kept: int = 0
     past: int = 0
     past_kept: int = 0
+    by_ref: int = 0  # hidden, in a message whose ref the window shows
+    by_search: int = 0  # hidden, else found by search_history for the reference
+    measured: bool = False  # whether the ways back were checked
 
     @property
     def total(self) -> int:
@@ -89,19 +98,30 @@ class Retention:
     def kept(self) -> int:
         return self.current_kept + self.past_kept
 
+    @property
+    def lost(self) -> int:
+        return self.total - self.kept - self.by_ref - self.by_search
+
     def add(self, other: Retention) -> None:
         self.current += other.current
         self.current_kept += other.current_kept
         self.past += other.past
         self.past_kept += other.past_kept
+        self.by_ref += other.by_ref
+        self.by_search += other.by_search
+        self.measured |= other.measured
 
     def as_dict(self) -> dict[str, Any]:
         def share(kept: int, total: int) -> float | None:
             return round(kept / total, 4) if total else None
-        return {"references": self.total, "retained": share(self.kept, self.total),
-                "current_loop": share(self.current_kept, self.current),
-                "past_loops": share(self.past_kept, self.past),
-                "current_references": self.current, "past_references": self.past}
+        out = {"references": self.total, "retained": share(self.kept, self.total),
+               "current_loop": share(self.current_kept, self.current),
+               "past_loops": share(self.past_kept, self.past),
+               "current_references": self.current, "past_references": self.past}
+        if self.measured:
+            out |= {"hidden": self.total - self.kept, "recallable_by_ref": self.by_ref,
+                    "found_by_search": self.by_search, "lost": self.lost}
+        return out
 
 
 class Conversation:
@@ -126,11 +146,27 @@ class Conversation:
                 (current if last >= loop_start else past).append(ref)
         return current, past
 
-    def retention(self, i: int, loop_start: int, window: list[Message]) -> Retention:
-        """How many of the references of the reply at ``i`` the ``window`` shows."""
+    def retention(self, i: int, loop_start: int, window: list[Message],
+                  refs: list[str] | None = None,
+                  search: Callable[[str, int], list[int]] | None = None) -> Retention:
+        """How many of the references of the reply at ``i`` the ``window`` shows; given the
+        messages' ``refs`` and ``search`` (a query and the request's length → the positions
+        search_history returns), how the hidden ones can be got back."""
         current, past = self.references(i, loop_start)
         if not current and not past:
-            return Retention()
+            return Retention(measured=refs is not None)
         shown = "\n".join(message_text(m) for m in window)
-        return Retention(len(current), sum(r in shown for r in current),
-                         len(past), sum(r in shown for r in past))
+        out = Retention(len(current), sum(r in shown for r in current),
+                        len(past), sum(r in shown for r in past), measured=refs is not None)
+        if refs is None or search is None:
+            return out
+        for r in current + past:
+            if r in shown:
+                continue
+            holders = [k for k in range(i) if not self.system[k] and r in self.texts[k]]
+            if any(refs[k] in shown or (self.messages[k].get("tool_call_id") or "\0") in shown
+                   for k in holders):
+                out.by_ref += 1
+            elif set(search(r, i)) & set(holders):
+                out.by_search += 1
+        return out
