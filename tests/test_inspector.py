@@ -119,14 +119,19 @@ def test_admin_api_finds_a_session_without_its_tenant(inspected: ProxyServer,
     assert missing.status_code == 404 and "any tenant" in missing.json()["error"]["message"]
 
 
+def two_callers_name(proxy: ProxyServer, session_id: str) -> None:
+    """Two pass-through callers (two namespaces) use the same session id."""
+    for key in ("sk-first-caller", "sk-second-caller"):
+        openai.OpenAI(base_url=proxy.url, api_key=key, max_retries=0,
+                      default_headers={"X-Session-Id": session_id}).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}])
+    proxy.settle()
+
+
 def test_an_ambiguous_session_id_is_a_409_naming_the_tenants(
         make_proxy: Any, upstream: ScriptedUpstream) -> None:
     proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY)
-    for key in ("sk-first-caller", "sk-second-caller"):
-        openai.OpenAI(base_url=proxy.url, api_key=key, max_retries=0,
-                      default_headers={"X-Session-Id": "shared-id"}).chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}])
-    proxy.settle()
+    two_callers_name(proxy, "shared-id")
     r = httpx.get(proxy.base + "/admin/sessions/shared-id",
                   headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     assert r.status_code == 409
@@ -229,11 +234,7 @@ def test_inspect_names_its_own_flag_when_the_id_is_ambiguous(
     import sys
 
     proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY)
-    for key in ("sk-first-caller", "sk-second-caller"):
-        openai.OpenAI(base_url=proxy.url, api_key=key, max_retries=0,
-                      default_headers={"X-Session-Id": "twice"}).chat.completions.create(
-            model="m", messages=[{"role": "user", "content": "hi"}])
-    proxy.settle()
+    two_callers_name(proxy, "twice")
     r = subprocess.run([sys.executable, "-m", "runloop_proxy", "inspect", "twice", "--url",
                         proxy.base, "--admin-key", ADMIN_KEY], capture_output=True, text=True,
                        timeout=60)

@@ -134,14 +134,19 @@ def _admin_key_checked(state: AppState, request: Request) -> None:
         raise AuthenticationFailed("admin endpoints need the admin key as Bearer token")
 
 
-@openai_errors
-async def admin_compact(request: Request) -> Response:
-    """Make the session's summaries now (where its tenant has ``summary_model``)."""
+def _session_request(request: Request) -> tuple[AppState, str]:
+    """An admin request about one session: the key checked, a store there; the session id."""
     state = state_of(request)
     _admin_key_checked(state, request)
     if state.store is None:
         raise NotFound("no store configured")
-    session_id = request.path_params["session_id"]
+    return state, request.path_params["session_id"]
+
+
+@openai_errors
+async def admin_compact(request: Request) -> Response:
+    """Compact now (where the session's tenant has ``summary_model``)."""
+    state, session_id = _session_request(request)
     try:
         tenant = await tenant_of_session(state, request, session_id)
         return json_response(await compact(state, tenant, session_id))
@@ -178,16 +183,10 @@ async def compact(state: AppState, tenant: str, session_id: str) -> dict[str, An
 
 @openai_errors
 async def admin_session(request: Request) -> Response:
-    state = state_of(request)
-    _admin_key_checked(state, request)
-    if state.store is None:
-        raise NotFound("no store configured")
-    session_id = request.path_params["session_id"]
+    state, session_id = _session_request(request)
+    assert state.store is not None
     try:
         tenant = await tenant_of_session(state, request, session_id)
-    except StoreError as exc:
-        return _store_unavailable(exc)
-    try:
         view = await state.store.session(tenant, session_id)
     except StoreError as exc:
         return _store_unavailable(exc)

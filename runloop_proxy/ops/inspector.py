@@ -241,7 +241,9 @@ def chart(points: list[dict[str, int]], width: int = 720, height: int = 160) -> 
             f"{last['forwarded']:,} tokens</text></svg>")
 
 
-async def session(request: Request) -> Response:
+async def _viewed(request: Request) -> tuple[AppState, str, str, str, SessionView] | Response:
+    """A page about one stored session (``?id=``, ``?tenant=``): the login checked, the
+    session read; else the page that says why not."""
     guard = _guard(request)
     if isinstance(guard, Response):
         return guard
@@ -251,8 +253,6 @@ async def session(request: Request) -> Response:
     try:
         tenant = await tenant_of_session(state, request, sid)
         view = await state.store.session(tenant, sid)
-        points = await state.store.points(tenant, sid)
-        stored = await state.store.summaries(tenant, sid)
     except StoreError as exc:
         return _page("store unavailable", f"<p class='err'>{escape(str(exc))}</p>", 503)
     except ProxyError as exc:
@@ -260,6 +260,20 @@ async def session(request: Request) -> Response:
                      int(getattr(exc, "status", 404)))
     if view is None:
         return _page("not found", f"<p class='err'>No session {escape(sid)}.</p>", 404)
+    return state, cookie, tenant, sid, view
+
+
+async def session(request: Request) -> Response:
+    viewed = await _viewed(request)
+    if isinstance(viewed, Response):
+        return viewed
+    state, cookie, tenant, sid, view = viewed
+    assert state.store is not None
+    try:
+        points = await state.store.points(tenant, sid)
+        stored = await state.store.summaries(tenant, sid)
+    except StoreError as exc:
+        return _page("store unavailable", f"<p class='err'>{escape(str(exc))}</p>", 503)
     window, messages = window_of(state, tenant, view, stored)
     loops = segment(messages)
     out = [f"<h1>Session {escape(sid)}</h1><p class='muted'>tenant {escape(tenant)} · "
@@ -361,19 +375,12 @@ def _summaries(state: AppState, tenant: str, sid: str, stored: dict[str, str],
 
 
 async def message(request: Request) -> Response:
-    guard = _guard(request)
-    if isinstance(guard, Response):
-        return guard
-    state, _ = guard
-    assert state.store is not None
-    sid = request.query_params.get("id", "")
-    try:
-        tenant = await tenant_of_session(state, request, sid)
-        view = await state.store.session(tenant, sid)
-    except (StoreError, ProxyError) as exc:
-        return _page("error", f"<p class='err'>{escape(str(exc))}</p>", 404)
+    viewed = await _viewed(request)
+    if isinstance(viewed, Response):
+        return viewed
+    _, _, tenant, sid, view = viewed
     pos = request.query_params.get("pos", "")
-    messages = spliced_stored(view.messages, view.internal)[0] if view is not None else []
+    messages = spliced_stored(view.messages, view.internal)[0]
     if not pos.isdigit() or int(pos) >= len(messages):
         return _page("not found", "<p class='err'>No such message.</p>", 404)
     m = messages[int(pos)]  # numbered as the session page shows them: the proxy's too
