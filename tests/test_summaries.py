@@ -349,3 +349,24 @@ def test_a_summary_is_made_one_loop_before_its_event(
 
     policy = Policy(max_run_loops=max_run_loops, omit_batch=batch)
     assert due(policy, e, closed, pressed) is made
+
+
+def test_with_max_run_loops_below_the_batch_the_summary_is_ready_at_its_event(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """globex's shape (max_run_loops 2, omit_batch 3): the request that closes the third loop
+    is answered, and the very next one omits all three. The summary starts when that reply is
+    recorded, so it is in the marker at the event — not late."""
+    upstream.responder = model()
+    root = write_config(tmp_path / "c", upstream.url, acme_policy=(
+        'max_run_loops = 2\nomit_batch = 3\nsummary_model = "extractive"\n'))
+    proxy = make_proxy(config_dir=str(root))
+    converse(proxy, "short-turns", 7, after=lambda k: proxy.settle())
+    asked = [b for b in upstream.requests if not is_summary_call(b)]
+    markers = [marker(b) for b in asked]
+    first = next(i for i, m in enumerate(markers) if m)
+    assert asked[first]["messages"][-1]["content"] == "where is order 4"  # the event
+    assert "Turns left out" in str(markers[first]) and "#W3000" in str(markers[first])
+    later = next(m for m in markers if m and "#W6000" in m)  # the second event, appended
+    assert later.startswith(str(markers[first]))
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert 'runloop_summaries_total{outcome="late",tenant="acme"} 0.0' in metrics

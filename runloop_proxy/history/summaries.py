@@ -33,8 +33,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 import xxhash
 
+from ..caches import ByteLRU
 from ..config import Policy
-from ..conversation.messages import Message, message_text
+from ..conversation.messages import Message, message_text, tool_calls_of
 from ..conversation.runloops import RunLoop, segment
 from ..errors import StoreError
 from ..ops import logs
@@ -81,6 +82,7 @@ MIN_APPEND_SHARE = 0.25  # less room than this left in the budget: merge instead
 LOOP_CHARS = 6_000  # of each loop's text in a summary call: its input stays bounded
 FAILURES_BEFORE_BACKOFF = 3
 LATE = "late"
+PENDING_BYTES = 8 << 20  # the summaries waiting for a reply, over all sessions
 OMIT = "omit:"  # a compaction's field: omit:<e>:<cover> -> the request point it applies from
 
 
@@ -180,6 +182,17 @@ class Job:
                    c.tenant.upstream, c.upstream_auth, c.drop_headers)
 
 
+@dataclass(frozen=True)
+class _Pending:
+    """A summary whose last loop closes with the reply to the request that set it."""
+
+    job: Job
+    messages: list[Message]
+    keys: list[str]
+    e: int
+    entries: dict[str, str]
+
+
 class SummaryService:
     """Reads stored summaries for a request, and makes the next one in the background."""
 
@@ -187,6 +200,9 @@ class SummaryService:
         self.state = state
         self.failures: dict[str, int] = {}
         self.paused_until: dict[str, float] = {}
+        # per session, a summary the reply to its last request will make due (bounded)
+        self.pending: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
+            PENDING_BYTES, lambda k, v: 256 + 64 * len(v.keys))
 
     async def stored(self, turn: Turn, session: Session) -> dict[str, str]:
         """What the store holds for the session (fail-open: nothing)."""
@@ -220,10 +236,33 @@ class SummaryService:
             and window.tokens_out > policy.target * window.budget.working
         if nxt in cover and field(nxt, cover[nxt]) not in entries \
                 and due(policy, nxt, closed, pressed):
-            done = [(k, c) for k, c in sorted(cover.items()) if k < nxt
-                    and (entries.get(field(k, c)) or LATE) != LATE]
-            self.state.spawn(self.make(Job.of(turn), session.id, messages, loops, nxt,
-                                       cover[nxt], done[-1] if done else None, entries))
+            self._spawn(Job.of(turn), session.id, messages, loops, cover, nxt, entries)
+        elif loops and loops[-1].final_position is None and closed + 1 >= nxt \
+                and due(policy, nxt, closed + 1, pressed):
+            # the reply to this request closes the last loop the summary needs, and its event
+            # may come with the very next request (max_run_loops below the batch): start it
+            # as soon as the reply is in (``replied``), while the user reads and types
+            self.pending[(ns, session.id)] = _Pending(Job.of(turn), messages, keys, nxt,
+                                                      entries)
+
+    def replied(self, ns: str, session_id: str, reply: Message, key: str) -> None:
+        """A reply was recorded: if it closes the loops a pending summary waits for, make it."""
+        p = self.pending.pop((ns, session_id), None)
+        if p is None or tool_calls_of(reply):
+            return
+        messages, keys = [*p.messages, reply], [*p.keys, key]
+        loops = segment(messages)
+        cover = covers(keys, loops, p.job.policy.omission_batch)
+        if p.e in cover and field(p.e, cover[p.e]) not in p.entries:
+            self._spawn(p.job, session_id, messages, loops, cover, p.e, p.entries)
+
+    def _spawn(self, job: Job, session_id: str, messages: list[Message],
+               loops: Sequence[RunLoop], cover: dict[int, str], e: int,
+               entries: dict[str, str]) -> None:
+        done = [(k, c) for k, c in sorted(cover.items()) if k < e
+                and (entries.get(field(k, c)) or LATE) != LATE]
+        self.state.spawn(self.make(job, session_id, messages, loops, e, cover[e],
+                                   done[-1] if done else None, entries))
 
     async def _late(self, ns: str, session_id: str, name: str) -> None:
         assert self.state.store is not None

@@ -192,6 +192,8 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     answer = await offload(large, lambda: counted(state, turn, [reply], reply=True)) \
         if reply is not None else []
     conversation = [*history.conversation(), *answer]
+    if reply is not None and answer:
+        state.summaries.replied(ns, session.id, reply, answer[0].hash)
     if kept is not None and reply is not None:
         at = store.chains(ns, session.id, conversation)[-1]  # the reply, in its lineage
         state.spawn(_keep_internal(store, ns, session.id, at, kept))

@@ -10,12 +10,12 @@ from typing import Any
 
 from ..conversation.identity import Session
 from ..conversation.messages import Message
-from ..conversation.runloops import segment
+from ..conversation.runloops import RunLoop, segment
 from ..errors import ContextLengthExceeded, StoreError
 from ..history.summaries import summaries_of
 from ..ops import logs
 from ..state import AppState
-from ..window.builder import Window, build_window
+from ..window.builder import Carry, Window, build_window
 from ..window.forms import Budget
 from .accounting import RequestLog
 from .offload import offload
@@ -119,8 +119,7 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     carried = (turn.caller.namespace or "", session.id)
     carry = state.carries.get(carried)
     summaries, compactions = summaries_of(turn.policy, stored or {}, keys,
-                                          carry.conv.loops if carry
-                                          else segment(messages) if stored else None)
+                                          _loops(carry, messages, keys) if stored else None)
     window = build_window(messages, keys, counts, turn.policy, budget,
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
                           timestamps=FirstSeen(state.first_seen, keys, now), now_ms=now,
@@ -129,6 +128,19 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     if window.carry is not None:
         state.carries[carried] = window.carry
     return window
+
+
+def _loops(carry: Carry | None, messages: list[Message], keys: list[str]) -> list[RunLoop]:
+    """The request's run loops: the carried segmentation grown by the messages that are new
+    since, when the carry holds a prefix of this conversation (the usual case: the time of
+    the new messages), else the whole conversation segmented."""
+    if carry is not None and carry.conv.seg.n == carry.n <= len(keys) \
+            and carry.conv.keys[:carry.n] == keys[:carry.n]:
+        seg = carry.conv.seg.copy()
+        for m in messages[carry.n:]:
+            seg.add(m)
+        return seg.loops()
+    return segment(messages)
 
 
 def prompt_tokens(state: AppState, turn: Turn, window: Window,
