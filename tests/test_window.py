@@ -860,3 +860,31 @@ def test_compactions_keep_windows_valid_append_only_and_carry_consistent(
         if previous is not None and not w.events:
             assert w.messages[: len(previous)] == previous, f"prefix changed at {p}"
         previous = list(w.messages)
+
+
+@PROPS
+@given(conversations(), policies, st.integers(400, 3000), st.booleans())
+def test_summaries_enter_only_at_omission_events(msgs: list[Message], policy: Policy,
+                                                 working: int, rolled: bool) -> None:
+    """With a summary for every loop count an omission can reach (rewritten or appended), the
+    window is valid and its prefix changes only with an event: a summary shows up inside the
+    marker with the omission it was made for, never between."""
+    b = policy.omission_batch
+    texts, text = [], "Turns left out:"
+    for e in range(b, 8, b):
+        text = f"{text}\n- loops to {e}" if rolled else f"summary of the first {e} loops"
+        texts.append((e, text))
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    budget = Budget(working * 10, working)
+    previous: list[Message] | None = None
+    for p in request_points(msgs, 0):
+        w = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS,
+                         summaries=tuple(texts))
+        assert_valid(w.messages)
+        shown = [t for e, t in texts if e == w.omitted_loops]
+        assert all(t in orjson.dumps(w.messages).decode().replace("\\n", "\n")
+                   for t in shown)
+        if previous is not None and not w.events:
+            assert w.messages[: len(previous)] == previous, f"prefix changed at {p}"
+        previous = list(w.messages)
