@@ -19,11 +19,11 @@ from collections.abc import Callable, Sequence
 
 from ..conversation.messages import Message, text_of, tool_calls_of
 
-VERSION = "extractive-2"
+VERSION = "extractive-3"
 HEADER = "Turns left out (extractive digest):"
 IDS_HEADER = "Identifiers from them:"
-QUESTION_CHARS = 160
-ANSWER_CHARS = 240
+QUESTION_CHARS = 80
+ANSWER_CHARS = 120
 IDS_PER_LOOP = 12
 CONDENSE_SHARE = 0.5  # of the budget, after a rewrite: the next batches append again
 _TOKEN = re.compile(r"[^\s,;()\[\]{}<>=\"'`|]+")
