@@ -370,3 +370,31 @@ def test_with_max_run_loops_below_the_batch_the_summary_is_ready_at_its_event(
     assert later.startswith(str(markers[first]))
     metrics = httpx.get(proxy.base + "/metrics").text
     assert 'runloop_summaries_total{outcome="late",tenant="acme"} 0.0' in metrics
+
+
+@pytest.mark.parametrize(("max_run_loops", "batch", "e", "at"), [
+    (10, 5, 5, 11), (10, 5, 10, 16), (4, 2, 2, 5), (2, 3, 3, 3), (2, 3, 6, 6), (1, 1, 1, 2)])
+def test_the_event_that_omits_e_loops(max_run_loops: int, batch: int, e: int, at: int) -> None:
+    """Where the window's batch omission reaches e loops (the closed loops at that request):
+    what decides whether a summary can wait for the next request or must start on the reply."""
+    from runloop_proxy.config import Policy
+    from runloop_proxy.history.summaries import event_at
+
+    policy = Policy(max_run_loops=max_run_loops, omit_batch=batch)
+    assert event_at(policy, e) == at
+    # the window agrees: with at-1 closed loops nothing reaches e, with at it does
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "s"}]
+    for k in range(at + 1):
+        msgs += [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}]
+    from runloop_proxy.conversation.messages import message_hash
+    from runloop_proxy.window.builder import build_window
+    from runloop_proxy.window.forms import Budget
+
+    from .test_window import OPS
+
+    def omitted(closed: int) -> int:
+        part = msgs[:1 + 2 * closed + 1]  # the request that opens loop closed+1
+        return build_window(part, [message_hash(m) for m in part],  # type: ignore[arg-type]
+                            [OPS.count(m) for m in part], policy,  # type: ignore[arg-type]
+                            Budget(100_000, 50_000), OPS).omitted_loops
+    assert omitted(at - 1) < e <= omitted(at)

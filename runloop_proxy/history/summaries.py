@@ -121,8 +121,12 @@ def due(policy: Policy, e: int, closed: int, pressed: bool) -> bool:
     that ends sooner never pays for it, and the summary has a whole loop to arrive in), or as
     soon as they closed while the window is past its target (``pressed``: an omission over
     the threshold may come with any request)."""
-    ahead = e + policy.max_run_loops - policy.omission_batch
-    return closed >= e and (pressed or closed >= ahead)
+    return closed >= e and (pressed or closed >= event_at(policy, e) - 1)
+
+
+def event_at(policy: Policy, e: int) -> int:
+    """The closed loops at the request whose omission (by ``max_run_loops``) reaches ``e``."""
+    return max(e, policy.max_run_loops + 1 + e - policy.omission_batch)
 
 
 def field(e: int, cover: str) -> str:
@@ -238,7 +242,7 @@ class SummaryService:
                 and due(policy, nxt, closed, pressed):
             self._spawn(Job.of(turn), session.id, messages, loops, cover, nxt, entries)
         elif loops and loops[-1].final_position is None and closed + 1 >= nxt \
-                and due(policy, nxt, closed + 1, pressed):
+                and (pressed or event_at(policy, nxt) <= closed + 1):
             # the reply to this request closes the last loop the summary needs, and its event
             # may come with the very next request (max_run_loops below the batch): start it
             # as soon as the reply is in (``replied``), while the user reads and types
