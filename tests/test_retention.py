@@ -9,7 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runloop_proxy.window.digest import IDS_HEADER, loop_digest, parse, roll
+from runloop_proxy.window.digest import (
+    IDS_HEADER,
+    _clip,
+    condensed,
+    identifiers,
+    loop_digest,
+    parse,
+    render,
+    roll,
+)
 from runloop_proxy.window.retention import Conversation, candidates
 
 
@@ -174,3 +183,144 @@ def test_a_hidden_reference_is_recallable_found_by_search_or_lost() -> None:
     assert searched[-2:] == ["2024-05-20", "carrier-77"]
     assert r.as_dict()["lost"] == 1 and "lost" not in conv.retention(  # type: ignore[arg-type]
         6, 5, hidden).as_dict()  # unmeasured without refs
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("ids a1b and ab1 but x1", ["a1b", "ab1"]),  # three characters or more
+    ("path a/b, mail a@b, plain abc", ["a/b", "a@b"]),  # a separator counts like a digit
+    ("1" * 80 + " " + "2" * 81, ["1" * 80]),  # at most 80 characters
+    ("see #W123. (or W9!) =k42", ["#W123", "k42"]),  # trimmed of punctuation, split on =
+])
+def test_identifiers(text: str, want: list[str]) -> None:
+    assert identifiers(text) == want
+
+
+def test_clip_keeps_n_characters_with_the_ellipsis() -> None:
+    assert _clip("abc  \n def", 7) == "abc def"
+    assert _clip("abcdefgh", 8) == "abcdefgh"
+    assert _clip("abcdefgh", 5) == "abcd…"
+
+
+def test_condensed_trims_oldest_lines_then_oldest_ids_then_the_newest_line() -> None:
+    count = len  # a character is a token here
+    lines, ids = ["- one", "- two", "- three"], [f"id{k}" for k in range(16)]
+    whole = render(lines, ids)
+    assert condensed(lines, ids, len(whole), count) == whole  # exactly the budget: kept
+    assert condensed(lines, ids, len(whole) - 1, count) == render(lines[1:], ids)
+    one = render(lines[2:], ids)
+    assert condensed(lines, ids, len(one), count) == one  # two oldest lines out, ids whole
+    assert condensed(lines, ids, len(one) - 1, count) == render(lines[2:], ids[3:])  # 16//8+1
+    long = ["- " + "x" * 100]
+    assert condensed([*lines[:1], *long], [], 20, count) == render([], [])
+
+
+def test_message_text_shows_calls_by_name_and_arguments() -> None:
+    from runloop_proxy.window.retention import message_text
+
+    m = {"role": "assistant", "content": "ok", "tool_calls": [
+        call("get_order", '{"id": "#W1"}'),
+        {"id": "c2", "type": "custom", "custom": {"name": "apply_patch", "input": "*** x"}}]}
+    assert message_text(m) == \
+        'ok\nc1\nget_order\n{"id": "#W1"}\nc2\napply_patch\n*** x'  # type: ignore[arg-type]
+    assert message_text({"role": "tool", "content": "r"}) == "r"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("reply", "want"), [
+    ({"role": "assistant", "content": "say 'one two' then `x=1` and \"end\""},
+     ["one two", "x=1", "end"]),  # each kind of quote, in order (x, 1: too short alone)
+    ({"role": "assistant", "content": None, "tool_calls": [call("f", "not json {")]},
+     ["not json {"]),  # arguments that are not JSON count whole
+    ({"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "custom",
+      "custom": {"name": "shell", "input": "ls /srv/app"}}]}, ["ls /srv/app"]),
+    ({"role": "assistant", "content": "ab1 " + "9" * 201 + " " + "8" * 200},
+     ["ab1", "8" * 200]),  # 3 to 200 characters
+    ({"role": "assistant", "content": None, "tool_calls": [
+        call("f", '{"a": ["x-1", ["y-22"]]}'), call("g", '{"b": "z-333"}', "c2")]},
+     ["x-1", "y-22", "z-333"]),  # every call's values, lists within lists
+    ({"role": "assistant", "content": " ".join(f"n{k:03d}" for k in range(70))},
+     [f"n{k:03d}" for k in range(64)]),  # at most 64 per reply
+])
+def test_candidates_more(reply: dict[str, Any], want: list[str]) -> None:
+    assert candidates(reply) == want  # type: ignore[arg-type]
+
+
+def test_retention_adds_up_and_reports_shares() -> None:
+    from runloop_proxy.window.retention import Retention
+
+    a = Retention(4, 3, 2, 1, by_ref=1, by_search=0, measured=True)
+    a.add(Retention(1, 1, 2, 0, by_ref=0, by_search=2))
+    a.add(Retention(0, 0, 1, 1, by_ref=1, by_search=1))
+    a.add(Retention(0, 0, 1, 0, by_ref=0, by_search=0))
+    assert (a.current, a.current_kept, a.past, a.past_kept, a.by_ref, a.by_search) == \
+        (5, 4, 6, 2, 2, 3)
+    a = Retention(4, 3, 2, 1, by_ref=1, by_search=0, measured=True)
+    a.add(Retention(1, 1, 2, 0, by_ref=0, by_search=2))
+    assert (a.total, a.kept, a.lost) == (9, 5, 1) and a.measured
+    assert a.as_dict() == {"references": 9, "retained": 0.5556, "current_loop": 0.8,
+                           "past_loops": 0.25, "current_references": 5, "past_references": 4,
+                           "hidden": 4, "recallable_by_ref": 1, "found_by_search": 2,
+                           "lost": 1}
+    assert Retention().as_dict() == {"references": 0, "retained": None, "current_loop": None,
+                                     "past_loops": None, "current_references": 0,
+                                     "past_references": 0}
+
+
+def test_loop_digest_joins_questions_names_tools_and_takes_the_last_final() -> None:
+    loop = [{"role": "user", "content": "first ask-1"}, {"role": "user", "content": "then"},
+            {"role": "assistant", "content": "checking", "tool_calls": [
+                call("zeta", ""), call("alpha", '{"k": "v-22"}', "c2"), call("", "", "c3")]},
+            {"role": "tool", "tool_call_id": "c1", "content": "row-7"},
+            {"role": "assistant", "content": "early"}, {"role": "assistant", "content": "done"}]
+    line, ids = loop_digest(loop)  # type: ignore[arg-type]
+    assert line == "- Q: first ask-1 / then [tools: alpha, zeta] → A: done"
+    assert ids == ["ask-1", "v-22", "row-7"]  # users, arguments, finals, then results
+    line, _ = loop_digest([{"role": "user", "content": "q"}])  # type: ignore[arg-type]
+    assert line == "- Q: q → A: (no answer)"
+
+
+def test_roll_carries_the_previous_summary_and_its_identifiers() -> None:
+    count = len
+    first = [[{"role": "user", "content": "q id-1"}, {"role": "assistant", "content": "a"}]]
+    again = [[{"role": "user", "content": "q2 id-1 id-2"}, {"role": "assistant", "content": "b"}]]
+    one = roll(None, first, 1000, count)  # type: ignore[arg-type]
+    assert one == f"Turns left out (extractive digest):\n- Q: q id-1 → A: a\n{IDS_HEADER} id-1"
+    two = roll(one, again, 1000, count)  # type: ignore[arg-type]
+    assert two == f"{one}\n- Q: q2 id-1 id-2 → A: b\n{IDS_HEADER} id-2"  # id-1 not again
+    assert parse(two) == (["- Q: q id-1 → A: a", "- Q: q2 id-1 id-2 → A: b"], ["id-1", "id-2"])
+    assert roll(one, again, len(two), count) == two  # exactly the budget still appends
+    squeezed = roll(one, again, len(two) - 1, count)  # type: ignore[arg-type]
+    assert not squeezed.startswith(one) and len(squeezed) <= (len(two) - 1) // 2
+    assert "\n" + IDS_HEADER not in render(["- Q: x"], [])  # no identifiers, no line
+    twice = roll(None, [*first, *first], 1000, count)  # type: ignore[arg-type]
+    assert parse(twice)[1] == ["id-1"]  # one batch's loops share an identifier: listed once
+
+
+def test_references_skip_the_fixed_part_and_developer_messages_and_split_at_the_loop() -> None:
+    msgs = [{"role": "user", "content": "ids k-100 and f-200"},
+            {"role": "developer", "content": "d-300"},
+            {"role": "user", "content": "s-400"},
+            {"role": "assistant", "content": "f-200, k-100, d-300 and s-400"}]
+    conv = Conversation(msgs, fixed="f-200")  # type: ignore[arg-type]
+    # f-200 is the fixed part's (skipped, the rest still read); d-300 only in a developer
+    # message (not history); k-100 at position 0; s-400 exactly at the loop's start: current
+    assert conv.references(3, 2) == (["s-400"], ["k-100"])
+
+
+def test_every_hidden_reference_is_classified_one_by_one() -> None:
+    msgs = [{"role": "user", "content": "find a-111"},
+            {"role": "assistant", "content": None, "tool_calls": [call("get", "{}", "call_9")]},
+            {"role": "tool", "tool_call_id": "call_9", "content": "b-222 c-333"},
+            {"role": "user", "content": "and d-444 e-555"},
+            {"role": "assistant", "content": "a-111 b-222 c-333 d-444 e-555"}]
+    conv = Conversation(msgs, fixed="")  # type: ignore[arg-type]
+    refs = ["r0", "r1", "r2", "r3"]
+    window = [msgs[0], msgs[1]]  # a-111 shown; the result's call id is shown: b, c by ref
+    r = conv.retention(4, 3, window, refs,  # type: ignore[arg-type]
+                       lambda q, upto: [3])  # search finds d and e in message 3
+    assert (r.kept, r.by_ref, r.by_search, r.lost) == (1, 2, 2, 0)
+    r = conv.retention(4, 3, window, refs, None)  # type: ignore[arg-type]
+    assert (r.kept, r.by_ref, r.by_search) == (1, 0, 0)  # no search given: not classified
+    only_current = conv.retention(4, 0, msgs[:4])  # type: ignore[arg-type]
+    assert (only_current.current, only_current.past) == (5, 0)
+    none = conv.retention(1, 0, [], refs, lambda q, upto: [])  # type: ignore[arg-type]
+    assert none.total == 0 and none.measured and none.as_dict()["lost"] == 0

@@ -36,11 +36,13 @@ _TRIM = ".:!?'\"`*"
 
 
 def message_text(m: Message) -> str:
-    """Everything a message shows the model: its text and its calls' names and arguments."""
+    """Everything a message shows the model: its text and its calls' ids, names and
+    arguments."""
     parts = [text_of(m.get("content"))]
     for c in m.get("tool_calls") or []:
         fn: Any = c.get("function") or c.get("custom") or {}
-        parts += [str(fn.get("name") or ""), str(fn.get("arguments") or fn.get("input") or "")]
+        parts += [str(c.get("id") or ""), str(fn.get("name") or ""),
+                  str(fn.get("arguments") or fn.get("input") or "")]
     return "\n".join(parts)
 
 
