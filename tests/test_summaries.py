@@ -105,7 +105,9 @@ def test_an_extractive_summary_enters_at_the_omission_event_and_stays_put(
                      headers=ADMIN).json()
     shown = view["summaries"]
     assert shown and shown[0]["loops"] == [0, 2] and "#W1000" in shown[0]["text"]
-    assert any(r.get("kind") == "summary" for r in view["compression_records"])
+    (rec, *_) = [r for r in view["compression_records"] if r.get("kind") == "summary"]
+    assert rec["text"] == shown[0]["text"] and rec["loops"] == [0, 2] and rec["in_time"]
+    assert rec["summarizer"] == "extractive-3" and rec["latency_ms"] >= 0
     metrics = httpx.get(proxy.base + "/metrics").text
     assert 'runloop_summaries_total{outcome="ok",tenant="acme"}' in metrics
     assert 'runloop_summaries_total{outcome="ok",tenant="acme"} 0.0' not in metrics

@@ -335,8 +335,8 @@ class SummaryService:
             in_time = await store.put_summary(ns, session_id, field(e, cover),
                                               orjson.dumps(record).decode())
             await store.add_record(ns, session_id, {"kind": "summary", "ts": int(
-                time.time() * 1000), **{k: v for k, v in record.items() if k != "text"},
-                "summary_chars": len(text), "in_time": in_time})
+                time.time() * 1000), **record, "summary_chars": len(text),
+                "in_time": in_time})
             await store.unlock_summary(ns, session_id)
         except StoreError:
             return None
