@@ -143,14 +143,22 @@ def compactions(entries: dict[str, str], cover: dict[int, str]) -> Compactions:
     return tuple(sorted(out))
 
 
+def made(entries: dict[str, str], e: int, cover: str) -> bool:
+    """Whether a summary of the first ``e`` loops is stored (not missing, not late)."""
+    return (entries.get(field(e, cover)) or LATE) != LATE
+
+
+def previous_of(entries: dict[str, str], cover: dict[int, str], e: int
+                ) -> tuple[int, str] | None:
+    """The newest summary stored below ``e`` (its loop count and cover): what e rolls from."""
+    done = [(k, c) for k, c in sorted(cover.items()) if k < e and made(entries, k, c)]
+    return done[-1] if done else None
+
+
 def pick(entries: dict[str, str], cover: dict[int, str]) -> Summaries:
     """The summaries stored for this conversation's lineage, by loop count."""
-    out = []
-    for e, c in sorted(cover.items()):
-        raw = entries.get(field(e, c))
-        if raw and raw != LATE:
-            out.append((e, str(orjson.loads(raw)["text"])))
-    return tuple(out)
+    return tuple((e, str(orjson.loads(entries[field(e, c)])["text"]))
+                 for e, c in sorted(cover.items()) if made(entries, e, c))
 
 
 def loops_text(messages: Sequence[Message], loops: Sequence[RunLoop]) -> str:
@@ -263,10 +271,8 @@ class SummaryService:
     def _spawn(self, job: Job, session_id: str, messages: list[Message],
                loops: Sequence[RunLoop], cover: dict[int, str], e: int,
                entries: dict[str, str]) -> None:
-        done = [(k, c) for k, c in sorted(cover.items()) if k < e
-                and (entries.get(field(k, c)) or LATE) != LATE]
         self.state.spawn(self.make(job, session_id, messages, loops, e, cover[e],
-                                   done[-1] if done else None, entries))
+                                   previous_of(entries, cover, e), entries))
 
     async def _late(self, ns: str, session_id: str, name: str) -> None:
         assert self.state.store is not None
@@ -295,19 +301,20 @@ class SummaryService:
         if previous is not None:
             prev_e = previous[0]
             prev_text = str(orjson.loads(entries[field(*previous)])["text"])
-        new = [lp for lp in loops[prev_e:e]]
+        new = loops[prev_e:e]
+        enc, _ = self.state.tokens.encoding(job.model, None)
+
+        def count(text: str) -> int:
+            return self.state.tokens.text(enc, text)
         try:
             if policy.summary_model == "extractive":
-                enc, _ = self.state.tokens.encoding(job.model, None)
                 text = roll(prev_text, [messages[lp.start:lp.end] for lp in new],
-                            policy.summary_max_tokens, lambda t: self.state.tokens.text(enc, t))
+                            policy.summary_max_tokens, count)
                 usage: dict[str, int] = {}
                 summarizer = EXTRACTIVE
             else:
-                enc, _ = self.state.tokens.encoding(job.model, None)
                 text, usage = await asyncio.wait_for(
-                    self._llm(job, prev_text, loops_text(messages, new),
-                              lambda t: self.state.tokens.text(enc, t)),
+                    self._llm(job, prev_text, loops_text(messages, new), count),
                     policy.summary_timeout_s)
                 summarizer = f"{policy.summary_model} ({PROMPT_VERSION})"
         except Exception as exc:  # noqa: BLE001 - a summary failure never reaches a client
@@ -390,24 +397,21 @@ class SummaryService:
         assert store is not None
         loops = segment(messages)
         cover = covers(keys, loops, job.policy.omission_batch)
-        made: list[tuple[int, str | None]] = []
-        entries: dict[str, str] = {}
+        out: list[tuple[int, str | None]] = []
         for e, c in sorted(cover.items()):
             entries = await store.summaries(job.namespace, session_id)
             if field(e, c) in entries:
                 continue  # made, or late: the event went out without it, and stays so
-            done = [(k, cv) for k, cv in sorted(cover.items()) if k < e
-                    and (entries.get(field(k, cv)) or LATE) != LATE]
-            made.append((e, await self.make(job, session_id, messages, loops, e, c,
-                                            done[-1] if done else None, entries)))
+            out.append((e, await self.make(job, session_id, messages, loops, e, c,
+                                           previous_of(entries, cover, e), entries)))
         entries = await store.summaries(job.namespace, session_id)
-        ready = [e for e, c in cover.items() if (entries.get(field(e, c)) or LATE) != LATE]
+        ready = [e for e, c in cover.items() if made(entries, e, c)]
         if not ready:
-            return made, 0
+            return out, 0
         e = max(ready)
         await store.put_summary(job.namespace, session_id, omit_field(e, cover[e]),
                                 str(len(messages)))
-        return made, e
+        return out, e
 
 
 def summaries_of(policy: Policy, entries: dict[str, str], keys: Sequence[str],

@@ -249,10 +249,10 @@ class Replayer:
 
 
 class SummariesAhead:
-    """The summaries a proxy would have ready at each request point: made ahead, as soon as
-    the loops the next omission event leaves out have closed (the extractive digest; with
-    ``summary_model`` a model, the digest stands in for its text and each call is priced at
-    ``cost`` tokens)."""
+    """The summaries a proxy would have ready at each request point: each made when the proxy
+    would start it (``history.summaries.due``: one loop before the omission event that needs
+    it), with the extractive digest; with ``summary_model`` a model, the digest stands in for
+    its text and each call is priced at ``cost`` tokens."""
 
     def __init__(self, policy: Policy, messages: list[Message], loops: list[Any],
                  count: Callable[[str], int], cost: int):
