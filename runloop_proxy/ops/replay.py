@@ -164,11 +164,11 @@ class Replayer:
         bags: list[Counter[str]] = []
 
         def search(query: str, upto: int) -> list[int]:
-            """The positions search_history returns for ``query`` in messages[:upto]."""
+            """The positions search_history returns for ``query`` in messages[:upto] (the
+            tool ranks the request's whole conversation, system prompt included)."""
             if not bags:
                 bags.extend(bag(m) for m in messages)
-            docs = [(str(k), messages[k], bags[k]) for k in range(upto)
-                    if messages[k].get("role") not in ("system", "developer")]
+            docs = [(str(k), messages[k], bags[k]) for k in range(upto)]
             hits = rank_bags(query_terms(query), docs, self.tenant.policy.search_results)
             return [int(key) for _, key, _ in hits]
 
