@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -640,6 +641,31 @@ def loops_of(n: int, result: int = 50) -> list[Message]:
     for k in range(n):
         msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", result), F(tag=f"a{k}")]
     return [*msgs, U(tag="now")]
+
+
+@pytest.mark.parametrize(("max_run_loops", "batch", "shown", "omitted"), [
+    (3, 3, [1, 2, 3, 1, 2, 3, 1], [0, 0, 0, 3, 3, 3, 6]),
+    (2, 3, [1, 2, 0, 1, 2, 0, 1], [0, 0, 3, 3, 3, 6, 6]),
+    # a batch larger than max_run_loops + 1 waits until it has closed, so that omissions
+    # stay on multiples of the batch, where the summaries made for them are
+    (1, 3, [1, 2, 0, 1, 2, 0, 1], [0, 0, 3, 3, 3, 6, 6]),
+    (1, 5, [1, 2, 3, 4, 0, 1, 2], [0, 0, 0, 0, 5, 5, 5]),
+])
+def test_omissions_come_in_whole_batches_each_with_its_summary(
+        max_run_loops: int, batch: int, shown: list[int], omitted: list[int]) -> None:
+    policy = Policy(max_run_loops=max_run_loops, omit_batch=batch, reduce_at_least=0)
+    summaries = tuple((e, f"summary of the first {e} loops") for e in range(batch, 8, batch))
+    got_shown, got_omitted = [], []
+    for n in range(1, 8):
+        msgs = loops_of(n)
+        w = build_window(msgs, [message_hash(m) for m in msgs], [OPS.count(m) for m in msgs],
+                         policy, Budget(100_000, 50_000), OPS, summaries=summaries)
+        assert_valid(w.messages)
+        got_shown.append(w.reduced_loops)
+        got_omitted.append(w.omitted_loops)
+        if w.omitted_loops:
+            assert f"summary of the first {w.omitted_loops} loops" in w.messages[1]["content"]
+    assert (got_shown, got_omitted) == (shown, omitted)
 
 
 def test_an_omission_that_leaves_no_past_loop_keeps_the_last_reply() -> None:

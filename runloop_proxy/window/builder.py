@@ -193,12 +193,15 @@ class _Replay:
 
     def batch_omission(self, past: int) -> int:
         """Loops to omit when ``past`` closed loops precede the open one: beyond
-        ``max_run_loops``, a batch at a time."""
+        ``max_run_loops``, a whole batch at a time (a batch larger than ``max_run_loops + 1``
+        waits until it has closed: omissions, and the summaries made for them, stay on
+        multiples of the batch — ``history.summaries.event_at``)."""
         m = self.c.policy.max_run_loops
         b = self.c.policy.omission_batch
         if past <= m:
             return 0
-        return ((past - m - 1) // b + 1) * b
+        k = ((past - m - 1) // b + 1) * b
+        return k if k <= past else k - b
 
     def time_omission(self, past: int) -> int:
         if self.timestamps is None or self.now_ms is None:
