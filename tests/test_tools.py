@@ -412,3 +412,31 @@ def test_search_history_finds_what_only_a_call_s_arguments_hold() -> None:
     assert outcome == "hit"
     first = text.splitlines()[1]
     assert "calls=c1" in first and '"date": "2024-05-26"' in first
+
+
+def _search(msgs: list[dict[str, Any]], query: str) -> tuple[str, str]:
+    runner = ToolRunner(ProxyTools.for_request(None), msgs,  # type: ignore[arg-type]
+                        [message_hash(m) for m in msgs], 5)  # type: ignore[arg-type]
+    return asyncio.run(runner.search(query))
+
+
+def test_search_history_finds_an_id_inside_a_longer_word_and_a_phrase_verbatim() -> None:
+    """What replay's retention check found search_history missing: the number of a
+    ``gift_card_7091239`` (one word to the ranking), a card's last four digits, a quoted code
+    fragment whose words fill other messages more, a version with no word in it."""
+    msgs: list[dict[str, Any]] = [
+        {"role": "user", "content": "pay with my gift card"},
+        {"role": "tool", "tool_call_id": "c1",
+         "content": '{"payment_methods": ["gift_card_7091239", "credit_card_4449932"]}'},
+        {"role": "assistant", "content": "super calls super: __init__ and super __init__"},
+        {"role": "assistant", "content": "the fix calls super().__init__() first, on 2.0"},
+        {"role": "user", "content": "gift_card_1111 is the other gift card"}]
+    for query, holder in (("refund 7091239", "gift_card_7091239"), ("9932", "credit_card_4449932"),
+                          ("super().__init__()", "the fix calls"), ("2.0", "the fix calls")):
+        text, outcome = _search(msgs, query)
+        assert outcome == "hit", query
+        assert holder in text.splitlines()[1], (query, text)
+    # a term some message has as a word matches that word only, not every word holding it
+    text, _ = _search(msgs, "gift")
+    assert "7091239" not in text.splitlines()[1]
+    assert _search(msgs, "2.")[1] == "bad_arguments"  # no word and too short to look for

@@ -169,7 +169,8 @@ class Replayer:
             if not bags:
                 bags.extend(bag(m) for m in messages)
             docs = [(str(k), messages[k], bags[k]) for k in range(upto)]
-            hits = rank_bags(query_terms(query), docs, self.tenant.policy.search_results)
+            hits = rank_bags(query_terms(query), docs, self.tenant.policy.search_results,
+                             query)
             return [int(key) for _, key, _ in hits]
 
         reasoning = [0]
@@ -271,8 +272,9 @@ class SummariesAhead:
             e = (len(self.made) + 1) * b
             previous = self.made[-1][1] if self.made else None
             loops = [self.messages[lp.start:lp.end] for lp in self.closed[e - b:e]]
+            lines_too = self.policy.summary_lines or self.policy.summary_model != "extractive"
             self.made.append((e, roll(previous, loops, self.policy.summary_max_tokens,
-                                      self.count)))
+                                      self.count, lines_too)))
             tally.summaries += 1
             if self.policy.summary_model != "extractive":
                 # the net saving pays for the summary calls, at full price

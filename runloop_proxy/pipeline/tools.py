@@ -34,6 +34,10 @@ RECALL = "recall_tool_call"
 SEARCH = "search_history"
 _WORD = re.compile(r"[A-Za-z0-9_]{2,}|[^\sA-Za-z0-9_]", re.UNICODE)
 SNIPPET_CHARS = 240
+MIN_INFIX = 4  # a query term this long matches inside longer words when none is equal
+MIN_PHRASE = 3  # a query this long is also looked for verbatim ("2.0", "n>1")
+PHRASE_BONUS = 1000.0  # above any sum of term scores: verbatim matches first
+MAX_INFIX_TERMS = 8  # of a query's terms, looked for inside words (each scans the vocabulary)
 
 
 def _function(name: str, kind: str) -> dict[str, Any]:
@@ -247,7 +251,7 @@ class ToolRunner:
 
     async def search(self, query: str) -> tuple[str, str]:
         terms = query_terms(query)
-        if not terms:
+        if not terms and len(" ".join(query.split())) < MIN_PHRASE:
             return "error: query must contain words", "bad_arguments"
         corpus = self._lineage()
         if self.branches is not None:
@@ -260,7 +264,7 @@ class ToolRunner:
         loop_of = _loop_index(self.messages, self.keys)
         earlier = {k for k, _ in self.earlier}
         ref_of = dict(zip(self.keys, message_refs(self.keys), strict=True))
-        hits = rank(terms, corpus, self.max_results)
+        hits = rank(terms, corpus, self.max_results, query)
         if not hits:
             return f"no match for {query!r} in this conversation's history", "miss"
         lines = [f"{len(hits)} best match(es) for {query!r}:"]
@@ -273,7 +277,7 @@ class ToolRunner:
             elif m.get("tool_calls"):
                 ids = " calls=" + ",".join(str(c.get("id")) for c in m["tool_calls"])
             lines.append(f"- [{where}, {m.get('role')}{ids}, score {score:.2f}] "
-                         f"{snippet(searchable(m), terms)}")
+                         f"{snippet(searchable(m), [query.lower(), *terms])}")
         return "\n".join(lines), "hit"
 
 
@@ -303,28 +307,43 @@ def bag(m: Message) -> Counter[str]:
     return Counter(t.lower() for t in _WORD.findall(searchable(m)))
 
 
-def rank(terms: list[str], corpus: list[tuple[str, Message]], k: int
+def rank(terms: list[str], corpus: list[tuple[str, Message]], k: int, phrase: str = ""
          ) -> list[tuple[float, str, Message]]:
-    """BM25-style ranking of messages for the query terms (pure)."""
-    return rank_bags(terms, [(key, m, bag(m)) for key, m in corpus], k)
+    """BM25-style ranking of messages for the query terms (pure); the messages that hold
+    ``phrase`` (the query as typed) verbatim, case aside, rank first."""
+    return rank_bags(terms, [(key, m, bag(m)) for key, m in corpus], k, phrase)
 
 
-def rank_bags(terms: list[str], docs: list[tuple[str, Message, Counter[str]]], k: int
-              ) -> list[tuple[float, str, Message]]:
-    """``rank`` over messages whose words are counted already."""
+def rank_bags(terms: list[str], docs: list[tuple[str, Message, Counter[str]]], k: int,
+              phrase: str = "") -> list[tuple[float, str, Message]]:
+    """``rank`` over messages whose words are counted already. A term no message has as a
+    word matches the words that contain it (``7091239`` finds ``gift_card_7091239``, ``1239``
+    a card number ending in it), if it has ``MIN_INFIX`` characters."""
     if not docs:
         return []
+    phrase = " ".join(phrase.split()).lower()
+    exact = {key for key, m, _ in docs
+             if " ".join(searchable(m).split()).lower().find(phrase) >= 0} \
+        if len(phrase) >= MIN_PHRASE else set()
     avg = sum(sum(c.values()) for _, _, c in docs) / len(docs) or 1.0
-    df = {t: sum(1 for _, _, c in docs if t in c) for t in set(terms)}
+    words = {t: {t} for t in set(terms)}
+    unmatched = [t for t in words if len(t) >= MIN_INFIX and not any(t in c for _, _, c in docs)]
+    if unmatched:
+        vocabulary = set().union(*(c for _, _, c in docs))
+        for t in unmatched[:MAX_INFIX_TERMS]:
+            words[t] = {w for w in vocabulary if t in w}
+    df = {t: sum(1 for _, _, c in docs if any(w in c for w in ws)) for t, ws in words.items()}
     scored = []
     for key, m, c in docs:
         length = sum(c.values()) or 1
         score = 0.0
         for t in terms:
-            tf = c.get(t, 0)
+            tf = sum(c.get(w, 0) for w in words[t])
             if tf:
                 idf = math.log(1 + (len(docs) - df[t] + 0.5) / (df[t] + 0.5))
                 score += idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * length / avg))
+        if key in exact:
+            score += PHRASE_BONUS
         if score > 0:
             scored.append((score, key, m))
     scored.sort(key=lambda s: -s[0])
