@@ -114,6 +114,11 @@ class Policy(_Strict):
         None, description="the configured upstream (by name) the summary model's calls go to, "
                           "with its own api_key (default: the tenant's upstream and key)")
     summary_max_tokens: int = Field(1_000, ge=64, le=16_000)
+    summary_lines: bool = Field(
+        True, description='with summary_model = "extractive": a question → answer line per loop '
+                          'left out besides their identifiers; false: the identifiers alone, '
+                          'for short-turn agents, where every token of the past rides in every '
+                          'later request')
     summary_timeout_s: float = Field(30, gt=0)
     summary_backoff_s: float = Field(300, ge=0, description="pause after 3 failures in a row")
 

@@ -18,6 +18,7 @@ from runloop_proxy.window.digest import (
     parse,
     render,
     roll,
+    strength,
 )
 from runloop_proxy.window.retention import Conversation, candidates
 
@@ -276,6 +277,38 @@ def test_loop_digest_joins_questions_names_tools_and_takes_the_last_final() -> N
     assert ids == ["ask-1", "v-22", "row-7"]  # users, arguments, finals, then results
     line, _ = loop_digest([{"role": "user", "content": "q"}])  # type: ignore[arg-type]
     assert line == "- Q: q → A: (no answer)"
+
+
+@pytest.mark.parametrize(("ident", "rank"), [
+    ("#W2378156", 0), ("gift_card_6490722", 0), ("HAT023", 0), ("item-7", 0),
+    ("2024-05-20", 1), ("/src/app.py", 1), ("a@b.io", 1), ("8293011", 1), ("12345", 1),
+    ("1234", 2), ("253", 2), ("$142", 2), ("54.04", 2), ("11:00:00", 2),
+    ("2024-05-03T06:57:21", 2), ("10:30", 2),
+])
+def test_strength_ranks_codes_before_dates_before_quantities_and_clocks(
+        ident: str, rank: int) -> None:
+    assert strength(ident) == rank
+
+
+def test_loop_digest_keeps_what_was_said_first_then_the_strongest_results() -> None:
+    loop = [{"role": "user", "content": "change flight 1234"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                call("get", '{"reservation": "XEWRD9"}', "c1")]},
+            {"role": "tool", "tool_call_id": "c1",
+             "content": "seats 253 at 11:00:00 on 2024-05-20 price 54.04 code HAT023 user u_77"},
+            {"role": "assistant", "content": "done: 1234 moved"}]
+    _, ids = loop_digest(loop)  # type: ignore[arg-type]
+    assert ids == ["1234", "XEWRD9", "HAT023", "u_77", "2024-05-20", "253", "11:00:00",
+                   "54.04"]
+
+
+def test_roll_without_lines_keeps_the_identifiers_alone() -> None:
+    loops = [[{"role": "user", "content": "q id-1"}, {"role": "assistant", "content": "a"}],
+             [{"role": "user", "content": "q id-2 id-1"}, {"role": "assistant", "content": "b"}]]
+    one = roll(None, loops[:1], 1000, len, lines_too=False)  # type: ignore[arg-type]
+    assert one == f"Turns left out (extractive digest):\n{IDS_HEADER} id-1"
+    two = roll(one, loops[1:], 1000, len, lines_too=False)  # type: ignore[arg-type]
+    assert two == f"{one}\n{IDS_HEADER} id-2" and parse(two) == ([], ["id-1", "id-2"])
 
 
 def test_roll_carries_the_previous_summary_and_its_identifiers() -> None:

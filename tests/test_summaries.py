@@ -13,6 +13,7 @@ import orjson
 import pytest
 
 from runloop_proxy.scripted import ScriptedUpstream
+from runloop_proxy.window.digest import VERSION as EXTRACTIVE
 
 from .conftest import ProxyServer, until
 from .test_config import ACME_KEY, write_config
@@ -31,9 +32,9 @@ def keys(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def config(tmp_path: Path, upstream: ScriptedUpstream, model: str = "extractive",
-           timeout: float = 30) -> str:
+           timeout: float = 30, extra: str = "") -> str:
     root = write_config(tmp_path / "cfg", upstream.url,
-                        acme_policy=POLICY.format(model=model, timeout=timeout))
+                        acme_policy=POLICY.format(model=model, timeout=timeout) + extra)
     return str(root)
 
 
@@ -107,10 +108,23 @@ def test_an_extractive_summary_enters_at_the_omission_event_and_stays_put(
     assert shown and shown[0]["loops"] == [0, 2] and "#W1000" in shown[0]["text"]
     (rec, *_) = [r for r in view["compression_records"] if r.get("kind") == "summary"]
     assert rec["text"] == shown[0]["text"] and rec["loops"] == [0, 2] and rec["in_time"]
-    assert rec["summarizer"] == "extractive-3" and rec["latency_ms"] >= 0
+    assert rec["summarizer"] == EXTRACTIVE and rec["latency_ms"] >= 0
     metrics = httpx.get(proxy.base + "/metrics").text
     assert 'runloop_summaries_total{outcome="ok",tenant="acme"}' in metrics
     assert 'runloop_summaries_total{outcome="ok",tenant="acme"} 0.0' not in metrics
+
+
+def test_an_extractive_summary_without_lines_keeps_the_identifiers_alone(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """``summary_lines = false``: the marker's digest lists what the omitted loops produced
+    and no question → answer line (what costs a short-turn agent most)."""
+    upstream.responder = model()
+    proxy = make_proxy(config_dir=config(tmp_path, upstream, extra="summary_lines = false\n"))
+    converse(proxy, "ids-only", 9, after=lambda k: proxy.settle())
+    asked = [b for b in upstream.requests if not is_summary_call(b)]
+    text = next(m for m in map(marker, asked) if m)
+    assert "#W1000" in text and "carrier-17" in text and "#W2000" in text
+    assert "- Q:" not in text and "where is order 1" not in text
 
 
 def test_a_slow_llm_summary_never_holds_a_request(

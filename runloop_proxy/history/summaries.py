@@ -309,7 +309,7 @@ class SummaryService:
         try:
             if policy.summary_model == "extractive":
                 text = roll(prev_text, [messages[lp.start:lp.end] for lp in new],
-                            policy.summary_max_tokens, count)
+                            policy.summary_max_tokens, count, policy.summary_lines)
                 usage: dict[str, int] = {}
                 summarizer = EXTRACTIVE
             else:

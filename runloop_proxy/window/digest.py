@@ -2,7 +2,9 @@
 
 Per loop left out: the question, the answer, and the identifiers the loop produced — ids,
 paths, numbers, e-mail addresses, names with digits — taken from the user's words first, then
-the calls' arguments, then the tool results; deduplicated across the whole summary.
+the calls' arguments and the agent's replies, then the tool results, strongest first (codes
+mixing letters and digits, then paths, addresses, dates and long numbers, then the rest:
+quantities, prices, clock times, timestamps); deduplicated across the whole summary.
 
 Rolling and append-only: the digest of loops [e, e') is a block (their lines, then the
 identifiers they add) appended to the summary of [0, e), so while it fits in ``max_tokens`` the
@@ -19,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from ..conversation.messages import Message, text_of, tool_calls_of
 
-VERSION = "extractive-3"
+VERSION = "extractive-4"
 HEADER = "Turns left out (extractive digest):"
 IDS_HEADER = "Identifiers from them:"
 QUESTION_CHARS = 80
@@ -28,6 +30,8 @@ IDS_PER_LOOP = 12
 CONDENSE_SHARE = 0.5  # of the budget, after a rewrite: the next batches append again
 _TOKEN = re.compile(r"[^\s,;()\[\]{}<>=\"'`|]+")
 _TRIM = ".:!?*"
+_DATE = re.compile(r"\d{4}-\d\d-\d\d")
+_CLOCK = re.compile(r"\d:\d\d")
 
 
 def identifiers(text: str) -> list[str]:
@@ -38,6 +42,22 @@ def identifiers(text: str) -> list[str]:
         if 3 <= len(t) <= 80 and any(ch.isdigit() or ch in "/@" for ch in t):
             out.append(t)
     return out
+
+
+def strength(ident: str) -> int:
+    """How surely a tool result's identifier names a thing a later turn may come back to,
+    0 (surest) to 2: what the agent did not repeat is ranked by its look. Codes mixing letters
+    and digits (order ids, user names with numbers, SKUs) come first; then dates, paths,
+    addresses and long numbers; then short numbers, prices, clock times and timestamps, which
+    measure a record more often than they name one."""
+    if _DATE.fullmatch(ident):
+        return 1
+    if _CLOCK.search(ident):
+        return 2
+    digits = sum(ch.isdigit() for ch in ident)
+    if digits and any(ch.isalpha() for ch in ident):
+        return 0
+    return 1 if digits >= 5 or "/" in ident or "@" in ident else 2
 
 
 def _clip(text: str, n: int) -> str:
@@ -56,12 +76,15 @@ def loop_digest(messages: Sequence[Message]) -> tuple[str, list[str]]:
         names = sorted({str((c.get("function") or {}).get("name") or "") for c in calls})
         line += f" [tools: {', '.join(n for n in names if n)}]"
     line += f" → A: {_clip(finals[-1] if finals else '(no answer)', ANSWER_CHARS)}"
-    found: list[str] = []
+    said: list[str] = []  # what the user and the agent wrote: kept first, in order
     for text in users + [str((c.get("function") or {}).get("arguments") or "") for c in calls] \
-            + finals + [text_of(m.get("content")) for m in messages if m.get("role") == "tool"]:
-        found += identifiers(text)
+            + finals:
+        said += identifiers(text)
+    results = [x for m in messages if m.get("role") == "tool"
+               for x in identifiers(text_of(m.get("content")))]
     seen: set[str] = set()
-    ids = [x for x in found if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]
+    ids = [x for x in said + sorted(results, key=strength)
+           if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]
     return line, ids[:IDS_PER_LOOP]
 
 
@@ -89,16 +112,18 @@ def render(lines: list[str], ids: list[str]) -> str:
 
 
 def roll(previous: str | None, loops: Sequence[Sequence[Message]], max_tokens: int,
-         count: Callable[[str], int]) -> str:
+         count: Callable[[str], int], lines_too: bool = True) -> str:
     """The summary of what ``previous`` covered and ``loops`` after it, within ``max_tokens``
     (``count`` tells a text's tokens): ``previous`` with a block appended while that fits,
-    else everything rewritten into ``CONDENSE_SHARE`` of the budget."""
+    else everything rewritten into ``CONDENSE_SHARE`` of the budget. Without ``lines_too``
+    the blocks hold the identifiers alone (no question → answer line per loop)."""
     lines, ids = parse(previous)
     seen = set(ids)
     new_lines, new_ids = [], []
     for loop in loops:
         line, found = loop_digest(loop)
-        new_lines.append(line)
+        if lines_too:
+            new_lines.append(line)
         for x in found:
             if x not in seen:
                 seen.add(x)
