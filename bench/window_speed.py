@@ -1,6 +1,6 @@
 """Time building the window for a long session at steady state (warm caches).
 
-    python bench/window_speed.py [--messages 300] [--repeat 200]
+    python bench/window_speed.py [--messages 300] [--repeat 200] [--summary-model extractive]
 
 Steady state is what the proxy does on every request of a long session: the client resends
 the conversation with a new message or two. The proxy hashes and counts only what is new (its
@@ -34,12 +34,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--summary-model", default=None,
+                        help="a policy with summaries (the window then digests what it drops)")
     args = parser.parse_args()
     msgs = agent_session(args.messages)
     counter = TokenCounter()
     enc, _ = counter.encoding("gpt-4o-mini")
     ops = WindowTokens(counter, enc, ByteLRU(256 << 20))
-    policy = Policy()
+    policy = Policy(summary_model=args.summary_model)
     budget = Budget(hard=120_000, working=24_000)
     memo: ByteLRU[tuple[str, ...], object] = ByteLRU(64 << 20)
     keys: list[str] = []

@@ -13,9 +13,11 @@ from runloop_proxy.window.digest import (
     IDS_HEADER,
     _clip,
     condensed,
+    found_in,
     identifiers,
     loop_digest,
     parse,
+    pick,
     render,
     roll,
     strength,
@@ -357,3 +359,34 @@ def test_every_hidden_reference_is_classified_one_by_one() -> None:
     assert (only_current.current, only_current.past) == (5, 0)
     none = conv.retention(1, 0, [], refs, lambda q, upto: [])  # type: ignore[arg-type]
     assert none.total == 0 and none.measured and none.as_dict()["lost"] == 0
+
+
+_words = st.sampled_from(["order", "#W2378156", "HAT023", "2024-05-20", "253", "11:00:00",
+                          "/src/app.py", "u_77", "54.04", "a@b.io", "12345", "done"])
+_messages = st.lists(st.builds(
+    lambda role, words: {"role": role, "content": " ".join(words)} if role != "call" else
+    {"role": "assistant", "content": "", "tool_calls": [call("f", f'{{"x": "{words[0]}"}}')]},
+    st.sampled_from(["user", "assistant", "tool", "call"]), st.lists(_words, min_size=1,
+                                                                      max_size=8)),
+    max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_messages, st.integers(1, 14))
+def test_picking_from_found_identifiers_lazily_matches_the_digest(
+        msgs: list[dict[str, Any]], cap: int) -> None:
+    """The window reads a span's tool results only as far as the cap needs them: the same
+    identifiers as a digest that reads every message."""
+    found = [found_in(m) for m in msgs]  # type: ignore[arg-type]
+    said = [f for f, m in zip(found, msgs, strict=True) if m["role"] != "tool"]
+    read: list[int] = []
+
+    def results() -> Any:
+        for k, m in enumerate(msgs):
+            if m["role"] == "tool":
+                read.append(k)
+                yield found[k]
+    assert pick(said, results(), cap) == pick(found, cap=cap)
+    if len(pick(said, (), cap)) == cap:  # what was said fills the cap: no result is read
+        assert not read
+    assert pick(found) == loop_digest(msgs)[1]  # type: ignore[arg-type]

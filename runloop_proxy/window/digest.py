@@ -17,7 +17,8 @@ first, and the identifiers stay longest (they are what a later reply quotes).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from ..conversation.messages import Message, text_of, tool_calls_of
 
@@ -30,6 +31,7 @@ IDS_PER_LOOP = 12
 CONDENSE_SHARE = 0.5  # of the budget, after a rewrite: the next batches append again
 _TOKEN = re.compile(r"[^\s,;()\[\]{}<>=\"'`|]+")
 _TRIM = ".:!?*"
+_MARK = re.compile(r"[\d/@]")
 _DATE = re.compile(r"\d{4}-\d\d-\d\d")
 _CLOCK = re.compile(r"\d:\d\d")
 
@@ -38,9 +40,10 @@ def identifiers(text: str) -> list[str]:
     """Identifier-like tokens of ``text``, in order: with a digit, a path separator or an @."""
     out = []
     for t in _TOKEN.findall(text):
-        t = t.strip(_TRIM)
-        if 3 <= len(t) <= 80 and any(ch.isdigit() or ch in "/@" for ch in t):
-            out.append(t)
+        if _MARK.search(t):  # the trimmed characters are none of these
+            t = t.strip(_TRIM)
+            if 3 <= len(t) <= 80:
+                out.append(t)
     return out
 
 
@@ -65,8 +68,71 @@ def _clip(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def loop_digest(messages: Sequence[Message]) -> tuple[str, list[str]]:
-    """One loop as a line (question → answer) and the identifiers it produced."""
+class Found(NamedTuple):
+    """The identifiers one message holds, by where they stand in a digest's order."""
+
+    user: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    final: tuple[str, ...] = ()
+    results: tuple[tuple[str, ...], ...] = ((), (), ())  # a tool result's, by strength
+
+
+def found_in(m: Message) -> Found:
+    """What ``pick`` needs of a message (the regex runs once per message, so a caller that
+    keeps these picks over any span of messages without reading their texts again)."""
+    role = m.get("role")
+    if role == "user":
+        return Found(user=tuple(identifiers(text_of(m.get("content")))))
+    if role == "tool":
+        ranked: tuple[list[str], list[str], list[str]] = ([], [], [])
+        for x in identifiers(text_of(m.get("content"))):
+            ranked[strength(x)].append(x)
+        return Found(results=tuple(map(tuple, ranked)))
+    if role != "assistant":
+        return Found()
+    calls = tool_calls_of(m)
+    if calls:
+        return Found(args=tuple(x for c in calls for x in identifiers(
+            str((c.get("function") or {}).get("arguments") or ""))))
+    return Found(final=tuple(identifiers(text_of(m.get("content")))))
+
+
+def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
+         cap: int = IDS_PER_LOOP) -> list[str]:
+    """Up to ``cap`` identifiers of a span of messages, without repeats: the users' words,
+    the calls' arguments and the final replies first, in order; then the tool results',
+    strongest first. ``results``, when given, holds the tool results' (``found`` then need
+    not): it is read lazily, only as far as the cap needs."""
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def full(ids: tuple[str, ...]) -> bool:
+        for x in ids:
+            if x not in seen:
+                seen.add(x)
+                out.append(x)
+                if len(out) >= cap:
+                    return True
+        return False
+
+    for field in ("user", "args", "final"):
+        if any(full(getattr(f, field)) for f in found):
+            return out
+    read: list[Found] = []
+    for f in found if results is None else results:
+        read.append(f)
+        if full(f.results[0]):
+            return out
+    for s in (1, 2):
+        if any(full(f.results[s]) for f in read):
+            return out
+    return out
+
+
+def loop_digest(messages: Sequence[Message], found: Sequence[Found] | None = None
+                ) -> tuple[str, list[str]]:
+    """One loop as a line (question → answer) and the identifiers it produced (``found``:
+    its messages' identifiers, when the caller has them already)."""
     users = [text_of(m.get("content")) for m in messages if m.get("role") == "user"]
     finals = [text_of(m.get("content")) for m in messages
               if m.get("role") == "assistant" and not tool_calls_of(m)]
@@ -76,16 +142,7 @@ def loop_digest(messages: Sequence[Message]) -> tuple[str, list[str]]:
         names = sorted({str((c.get("function") or {}).get("name") or "") for c in calls})
         line += f" [tools: {', '.join(n for n in names if n)}]"
     line += f" → A: {_clip(finals[-1] if finals else '(no answer)', ANSWER_CHARS)}"
-    said: list[str] = []  # what the user and the agent wrote: kept first, in order
-    for text in users + [str((c.get("function") or {}).get("arguments") or "") for c in calls] \
-            + finals:
-        said += identifiers(text)
-    results = [x for m in messages if m.get("role") == "tool"
-               for x in identifiers(text_of(m.get("content")))]
-    seen: set[str] = set()
-    ids = [x for x in said + sorted(results, key=strength)
-           if not (x in seen or seen.add(x))]  # type: ignore[func-returns-value]
-    return line, ids[:IDS_PER_LOOP]
+    return line, pick([found_in(m) for m in messages] if found is None else found)
 
 
 def parse(summary: str | None) -> tuple[list[str], list[str]]:

@@ -26,7 +26,7 @@ from ..conversation.messages import (
     tool_calls_of,
 )
 from ..conversation.runloops import RunLoop, Segmenter, preamble_end
-from .digest import loop_digest
+from .digest import Found, found_in, pick
 
 TAG = "[runloop-proxy]"
 MEMO_SIZE = 50_000
@@ -135,6 +135,7 @@ class Conversation:
         self._answers: dict[int, tuple[Message | None, int]] = {}
         self._marked: dict[str | None, tuple[list[Message], int]] = {}
         self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
+        self._found: dict[int, Found] = {}  # a message's identifiers, for digests of spans
         self._lock = threading.Lock()
 
     @classmethod
@@ -418,9 +419,21 @@ class Conversation:
         if not self.policy.summary_model:
             return ""
         seen = "\n".join(message_text(m) for m in shown)
-        _, ids = loop_digest(self.messages[lp.start:lp.end])
+        ids = self.identifiers(lp.start, lp.end)
         missing = [x for x in ids if x not in seen]
         return f"{TAG} ids: {' '.join(missing)}" if missing else ""
+
+    def identifiers(self, a: int, b: int) -> list[str]:
+        """The identifiers a digest keeps of positions [a, b): each message read once per
+        conversation, however many spans (a drop grows one exchange at a time) take it, and a
+        tool result only when the cap still needs its identifiers."""
+        def found(i: int) -> Found:
+            if i not in self._found:
+                self._found[i] = found_in(self.messages[i])
+            return self._found[i]
+        tools = [i for i in range(a, b) if self.messages[i].get("role") == "tool"]
+        return pick([found(i) for i in range(a, b) if self.messages[i].get("role") != "tool"],
+                    (found(i) for i in tools))
 
     def _ledger(self, lp: RunLoop) -> str:
         """One line for the loop's tool calls: ref, tool, short arguments and the result's
@@ -471,7 +484,7 @@ class Conversation:
                     f"{self.search}(query) searches them and {self.recall}(call_id) "
                     f"returns any result.")
             if self.policy.summary_model:  # what they produced, as the digest keeps it
-                _, ids = loop_digest(self.messages[at + 1:upto])
+                ids = self.identifiers(at + 1, upto)
                 if ids:
                     note += f" Identifiers from them: {' '.join(ids)}"
             new = appended(m, note)
