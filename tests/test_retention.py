@@ -308,7 +308,7 @@ def test_roll_without_lines_keeps_the_identifiers_alone() -> None:
     loops = [[{"role": "user", "content": "q id-1"}, {"role": "assistant", "content": "a"}],
              [{"role": "user", "content": "q id-2 id-1"}, {"role": "assistant", "content": "b"}]]
     one = roll(None, loops[:1], 1000, len, lines_too=False)  # type: ignore[arg-type]
-    assert one == f"Turns left out (extractive digest):\n{IDS_HEADER} id-1"
+    assert one == f"Turns left out:\n{IDS_HEADER} id-1"
     two = roll(one, loops[1:], 1000, len, lines_too=False)  # type: ignore[arg-type]
     assert two == f"{one}\n{IDS_HEADER} id-2" and parse(two) == ([], ["id-1", "id-2"])
 
@@ -318,7 +318,7 @@ def test_roll_carries_the_previous_summary_and_its_identifiers() -> None:
     first = [[{"role": "user", "content": "q id-1"}, {"role": "assistant", "content": "a"}]]
     again = [[{"role": "user", "content": "q2 id-1 id-2"}, {"role": "assistant", "content": "b"}]]
     one = roll(None, first, 1000, count)  # type: ignore[arg-type]
-    assert one == f"Turns left out (extractive digest):\n- Q: q id-1 → A: a\n{IDS_HEADER} id-1"
+    assert one == f"Turns left out:\n- Q: q id-1 → A: a\n{IDS_HEADER} id-1"
     two = roll(one, again, 1000, count)  # type: ignore[arg-type]
     assert two == f"{one}\n- Q: q2 id-1 id-2 → A: b\n{IDS_HEADER} id-2"  # id-1 not again
     assert parse(two) == (["- Q: q id-1 → A: a", "- Q: q2 id-1 id-2 → A: b"], ["id-1", "id-2"])
@@ -390,3 +390,8 @@ def test_picking_from_found_identifiers_lazily_matches_the_digest(
     if len(pick(said, (), cap)) == cap:  # what was said fills the cap: no result is read
         assert not read
     assert pick(found) == loop_digest(msgs)[1]  # type: ignore[arg-type]
+
+
+def test_parse_reads_a_summary_an_earlier_version_stored() -> None:
+    old = "Turns left out (extractive digest):\n- Q: q → A: a\nIdentifiers from them: id-1 id-2"
+    assert parse(old) == (["- Q: q → A: a"], ["id-1", "id-2"])

@@ -58,7 +58,7 @@ def model(summary: Any = None) -> Any:
 
 
 def converse(proxy: ProxyServer, session: str, turns: int,
-             after: Any = None) -> list[dict[str, Any]]:
+             after: Any = None, edit: Any = None) -> list[dict[str, Any]]:
     c = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0,
                       default_headers={"X-Session-Id": session})
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "You track orders."}]
@@ -70,6 +70,8 @@ def converse(proxy: ProxyServer, session: str, turns: int,
             m = r.choices[0].message
             msgs.append(m.model_dump(exclude_none=True))
             if not m.tool_calls:
+                if edit is not None:
+                    msgs[-1] = edit(msgs[-1])
                 break
             for call in m.tool_calls:
                 msgs.append({"role": "tool", "tool_call_id": call.id,
@@ -80,8 +82,11 @@ def converse(proxy: ProxyServer, session: str, turns: int,
 
 
 def marker(body: dict[str, Any]) -> str | None:
-    return next((m["content"] for m in body["messages"] if m["role"] == "system"
-                 and "Earlier turns are not shown" in m["content"]), None)
+    """The omission marker and, after it, the summary the window shows (None: no marker)."""
+    texts = [str(m.get("content")) for m in body["messages"]]
+    shown = [t for t in texts if "Earlier turns are not shown" in t
+             or t.startswith("[runloop-proxy] Summary of the turns not shown")]
+    return "\n".join(shown) or None
 
 
 def test_an_extractive_summary_enters_at_the_omission_event_and_stays_put(
@@ -384,6 +389,41 @@ def test_with_max_run_loops_below_the_batch_the_summary_is_ready_at_its_event(
     assert "Turns left out" in str(markers[first]) and "#W3000" in str(markers[first])
     later = next(m for m in markers if m and "#W6000" in m)  # the second event, appended
     assert later.startswith(str(markers[first]))
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert 'runloop_summaries_total{outcome="late",tenant="acme"} 0.0' in metrics
+
+
+def test_an_extractive_summary_is_never_late_for_a_client_that_does_not_pause(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """globex's shape now (max_run_loops 1, omit_batch 2): the request after the reply that
+    closes a batch omits it, so a background summary can only start on that reply — and this
+    client sends the next request at once, with the reply as it keeps it (reformatted: not the
+    message the proxy recorded, so a summary started on the recorded one covers another
+    conversation). The extractive digest, pure and bounded, is made inline then: every
+    omission shows the identifiers of every loop it left out, and none is late."""
+    upstream.responder = model()
+    root = write_config(tmp_path / "c", upstream.url, acme_policy=(
+        'max_run_loops = 1\nomit_batch = 2\nsummary_model = "extractive"\n'
+        'summary_lines = false\n'))
+    proxy = make_proxy(config_dir=str(root))
+    converse(proxy, "no-pause", 8, edit=lambda m: {**m, "content": m["content"].capitalize()})
+    asked = [b for b in upstream.requests if not is_summary_call(b)]
+    events = 0
+    for b in asked:
+        text = marker(b)
+        if text is None:
+            continue
+        opened = int(b["messages"][-1]["content"].split()[-1]) \
+            if b["messages"][-1]["role"] == "user" else None
+        assert "Identifiers:" in text and "- Q:" not in text
+        if opened is not None:  # an event: the loops before this one, two by two
+            events += 1
+            for k in range(1, (opened - 1) // 2 * 2 + 1):
+                assert f"#W{k}000" in text, (opened, text)
+    assert events >= 3
+    proxy.settle()
+    until(lambda: 'runloop_summaries_total{outcome="ok",tenant="acme"} 0.0'
+          not in httpx.get(proxy.base + "/metrics").text, timeout=10, what="stored summaries")
     metrics = httpx.get(proxy.base + "/metrics").text
     assert 'runloop_summaries_total{outcome="late",tenant="acme"} 0.0' in metrics
 

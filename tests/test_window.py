@@ -663,8 +663,11 @@ def test_omissions_come_in_whole_batches_each_with_its_summary(
         assert_valid(w.messages)
         got_shown.append(w.reduced_loops)
         got_omitted.append(w.omitted_loops)
-        if w.omitted_loops:
-            assert f"summary of the first {w.omitted_loops} loops" in w.messages[1]["content"]
+        if w.omitted_loops:  # the marker, then the summary, as the model's own note
+            assert "Earlier turns are not shown" in w.messages[1]["content"]
+            assert w.messages[2] == {"role": "assistant", "content": (
+                f"[runloop-proxy] Summary of the turns not shown:\n"
+                f"summary of the first {w.omitted_loops} loops")}
     assert (got_shown, got_omitted) == (shown, omitted)
 
 

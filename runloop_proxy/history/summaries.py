@@ -16,8 +16,12 @@ a time (a lock with expiry).
 It enters the window only with the omission event it was made for (window/builder.py): the
 first request that omits ``e`` loops without a summary for them marks ``e`` as *late* and the
 window stays without one until the next event, so the prefix the provider caches never changes
-between events. A summary is never on the request path: a request reads what is stored (one
-Redis read when the tenant has summaries on, fail-open) and never waits for one to be made.
+between events. A model's summary is never on the request path: a request reads what is
+stored (one Redis read when the tenant has summaries on, fail-open) and never waits for one to
+be made. The extractive digest is pure and bounded (a millisecond): when its event finds none
+stored — no loop of time to make it ahead (``max_run_loops`` below the batch), a client that
+sends its next request at once, or one that keeps the reply in another form than the proxy
+recorded — the window makes it inline (``inline_digest``) and it is stored as if made ahead.
 Failures and timeouts leave the window as it would be without summaries; after three in a row a
 tenant's summaries pause for ``summary_backoff_s``.
 """
@@ -39,7 +43,7 @@ from ..conversation.messages import Message, message_text, tool_calls_of
 from ..conversation.runloops import RunLoop, segment
 from ..errors import StoreError
 from ..ops import logs
-from ..window.builder import Compactions, Summaries
+from ..window.builder import Compactions, Summaries, batch_omission
 from ..window.digest import VERSION as EXTRACTIVE
 from ..window.digest import roll
 
@@ -297,10 +301,7 @@ class SummaryService:
         except StoreError:
             return None
         started = time.perf_counter()
-        prev_e, prev_text = 0, None
-        if previous is not None:
-            prev_e = previous[0]
-            prev_text = str(orjson.loads(entries[field(*previous)])["text"])
+        prev_e, prev_text = _rolled_from(entries, previous)
         new = loops[prev_e:e]
         enc, _ = self.state.tokens.encoding(job.model, None)
 
@@ -308,8 +309,7 @@ class SummaryService:
             return self.state.tokens.text(enc, text)
         try:
             if policy.summary_model == "extractive":
-                text = roll(prev_text, [messages[lp.start:lp.end] for lp in new],
-                            policy.summary_max_tokens, count, policy.summary_lines)
+                text = digest(policy, prev_text, messages, new, count)
                 usage: dict[str, int] = {}
                 summarizer = EXTRACTIVE
             else:
@@ -334,20 +334,40 @@ class SummaryService:
                         ("completion", usage.get("completion_tokens", 0))):
             if n:
                 metrics.summary_tokens.labels(tl, kind).inc(n)
-        record = {"text": text, "summarizer": summarizer, "loops": [prev_e, e],
-                  "appended": bool(prev_text) and text.startswith(str(prev_text)),
-                  "tokens_in": usage.get("prompt_tokens"),
-                  "tokens_out": usage.get("completion_tokens"), "latency_ms": ms}
+        record = _record(text, summarizer, prev_e, e, prev_text, usage, ms)
         try:
-            in_time = await store.put_summary(ns, session_id, field(e, cover),
-                                              orjson.dumps(record).decode())
-            await store.add_record(ns, session_id, {"kind": "summary", "ts": int(
-                time.time() * 1000), **record, "summary_chars": len(text),
-                "in_time": in_time})
+            await self._put(ns, session_id, field(e, cover), record)
             await store.unlock_summary(ns, session_id)
         except StoreError:
             return None
         return text
+
+    async def _put(self, ns: str, session_id: str, name: str, record: dict[str, Any]) -> bool:
+        """Store a summary and its compression record; whether it came first (``in_time``:
+        neither it nor its lateness was there yet)."""
+        store = self.state.store
+        assert store is not None
+        in_time = await store.put_summary(ns, session_id, name, orjson.dumps(record).decode())
+        await store.add_record(ns, session_id, {"kind": "summary", "ts": int(
+            time.time() * 1000), **record, "summary_chars": len(record["text"]),
+            "in_time": in_time})
+        return in_time
+
+    def keep_inline(self, turn: Turn, session: Session, made: Made) -> None:
+        """Store an extractive summary the window made inline (``inline_digest``), as the
+        background would have; a store that fails loses only the record: the next request
+        makes the same digest again."""
+        ns, label = turn.caller.namespace, turn.caller.label
+        if ns is None or self.state.store is None:
+            return
+
+        async def put() -> None:
+            try:
+                if await self._put(ns, session.id, made.name, made.record):
+                    self.state.metrics.summaries.labels(label, "ok").inc()
+            except StoreError:
+                pass
+        self.state.spawn(put())
 
     def _failed(self, tenant: str, label: str, outcome: str, backoff_s: float) -> None:
         self.state.metrics.summaries.labels(label, outcome).inc()
@@ -412,6 +432,59 @@ class SummaryService:
         await store.put_summary(job.namespace, session_id, omit_field(e, cover[e]),
                                 str(len(messages)))
         return out, e
+
+
+@dataclass(frozen=True)
+class Made:
+    """A summary made inline: its field (what it covers) and its record."""
+
+    name: str
+    record: dict[str, Any]
+
+
+def digest(policy: Policy, previous: str | None, messages: Sequence[Message],
+           loops: Sequence[RunLoop], count: Callable[[str], int]) -> str:
+    """The extractive summary rolled from ``previous`` over ``loops``."""
+    return roll(previous, [messages[lp.start:lp.end] for lp in loops],
+                policy.summary_max_tokens, count, policy.summary_lines)
+
+
+def inline_digest(policy: Policy, entries: dict[str, str], keys: Sequence[str],
+                  loops: Sequence[RunLoop], messages: Sequence[Message],
+                  count: Callable[[str], int]) -> Made | None:
+    """The extractive summary this request's omission event needs when the store has none
+    for it (neither made nor marked late): a pure digest of loops already closed, bounded by
+    ``summary_max_tokens`` and made in a millisecond, so the window takes it now rather than
+    going without it until the next event. (A model's summary is never made on the request
+    path; the background one-loop-ahead start is all it gets.) Later requests of the same
+    event make the same text, whether or not the store has it yet."""
+    if policy.summary_model != "extractive" or not loops:
+        return None
+    e = batch_omission(policy, len(loops) - 1)
+    cover = covers(keys, loops, policy.omission_batch)
+    if e not in cover or field(e, cover[e]) in entries:
+        return None
+    started = time.perf_counter()
+    prev_e, prev_text = _rolled_from(entries, previous_of(entries, cover, e))
+    text = digest(policy, prev_text, messages, loops[prev_e:e], count)
+    ms = round((time.perf_counter() - started) * 1000, 1)
+    return Made(field(e, cover[e]), _record(text, EXTRACTIVE, prev_e, e, prev_text, {}, ms))
+
+
+def _rolled_from(entries: dict[str, str], previous: tuple[int, str] | None
+                 ) -> tuple[int, str | None]:
+    """The loop count and text of the summary a new one rolls from (none: 0, None)."""
+    if previous is None:
+        return 0, None
+    return previous[0], str(orjson.loads(entries[field(*previous)])["text"])
+
+
+def _record(text: str, summarizer: str, prev_e: int, e: int, prev_text: str | None,
+            usage: dict[str, int], ms: float) -> dict[str, Any]:
+    return {"text": text, "summarizer": summarizer, "loops": [prev_e, e],
+            "appended": bool(prev_text) and text.startswith(str(prev_text)),
+            "tokens_in": usage.get("prompt_tokens"),
+            "tokens_out": usage.get("completion_tokens"), "latency_ms": ms}
 
 
 def summaries_of(policy: Policy, entries: dict[str, str], keys: Sequence[str],

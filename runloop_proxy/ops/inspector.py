@@ -32,13 +32,14 @@ from ..history.summaries import OMIT, summaries_of
 from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
 from ..window.builder import Window, build_window
-from ..window.forms import Budget
+from ..window.forms import SUMMARY_HEAD, TAG, Budget
 from .admin import admin_key_of, compact, tenant_of_session
 
 COOKIE = "rl_admin"
 BASE = "/admin/ui"
 VALID_S = 12 * 3600
 PAGE = 25
+SUMMARY_NOTE = f"{TAG} {SUMMARY_HEAD}"  # the message the window shows a summary in
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
 header{background:#1d2330;color:#fff;padding:10px 20px}header a{color:#cfe0ff}
@@ -286,8 +287,8 @@ async def session(request: Request) -> Response:
                f"{window.tokens_in:,} tokens, upstream {window.tokens_out:,}; "
                f"{window.omitted_loops} loop(s) omitted, {window.reduced_loops} reduced, "
                f"{len(window.elided)} result(s) elided.</p>")
-    marker = next((message_text(m) for m in window.messages if m.get("role") == "system"
-                   and "Earlier turns are not shown" in message_text(m)), None)
+    marker = "\n".join(t for t in map(message_text, window.messages)
+                       if "Earlier turns are not shown" in t or t.startswith(SUMMARY_NOTE))
     if marker:
         out.append(f"<p>Marker and summary:</p><pre>{escape(marker)}</pre>")
     elided = {e.position: e for e in window.elided}

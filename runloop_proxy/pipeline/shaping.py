@@ -8,11 +8,13 @@ import time
 from collections.abc import MutableMapping
 from typing import Any
 
+import orjson
+
 from ..conversation.identity import Session
 from ..conversation.messages import Message
 from ..conversation.runloops import RunLoop, segment
 from ..errors import ContextLengthExceeded, StoreError
-from ..history.summaries import summaries_of
+from ..history.summaries import Made, inline_digest, summaries_of
 from ..ops import logs
 from ..state import AppState
 from ..window.builder import Carry, Window, build_window
@@ -43,7 +45,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     tools = ProxyTools.for_request(turn.body.get("tools"))
     stored = await state.summaries.stored(turn, session)
     try:
-        window = await offload(turn.large, lambda: compute_window(
+        window, made = await offload(turn.large, lambda: compute_window(
             state, turn, session, history, spliced, spliced_keys, protected, tools, stored))
     except Exception:  # noqa: BLE001 - a window bug must not cost the user this call
         log.exception("window failed: passing the request through uncompressed",
@@ -51,6 +53,8 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         rlog.degraded = "window"
         state.metrics.degraded.labels(turn.caller.label, "window").inc()
         return Outgoing(as_sent)
+    if made is not None:
+        state.summaries.keep_inline(turn, session, made)
     state.summaries.after(turn, session, spliced, spliced_keys, window, stored)
     tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
     for event in window.events:
@@ -99,7 +103,10 @@ def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
 
 def compute_window(state: AppState, turn: Turn, session: Session, history: History,
                    messages: list[Message], keys: list[str], protected: frozenset[str],
-                   tools: ProxyTools, stored: dict[str, str] | None = None) -> Window:
+                   tools: ProxyTools, stored: dict[str, str] | None = None
+                   ) -> tuple[Window, Made | None]:
+    """The window for this request, and the extractive summary made for it inline, if any
+    (``stored`` then holds it too)."""
     tenant = turn.caller.tenant
     enc, exact = state.tokens.encoding(turn.model, tenant.encoding_for(turn.model))
     factor = 1.0 if exact else state.tokens.factor(turn.model)
@@ -118,8 +125,14 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     now = int(time.time() * 1000)
     carried = (turn.caller.namespace or "", session.id)
     carry = state.carries.get(carried)
-    summaries, compactions = summaries_of(turn.policy, stored or {}, keys,
-                                          _loops(carry, messages, keys) if stored else None)
+    entries = stored if stored is not None else {}
+    loops = _loops(carry, messages, keys) \
+        if entries or turn.policy.summary_model == "extractive" else None
+    made = inline_digest(turn.policy, entries, keys, loops, messages,
+                         lambda t: state.tokens.text(enc, t)) if loops else None
+    if made is not None:
+        entries[made.name] = orjson.dumps(made.record).decode()
+    summaries, compactions = summaries_of(turn.policy, entries, keys, loops)
     window = build_window(messages, keys, counts, turn.policy, budget,
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
                           timestamps=FirstSeen(state.first_seen, keys, now), now_ms=now,
@@ -127,7 +140,7 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
                           carry=carry, summaries=summaries, compactions=compactions)
     if window.carry is not None:
         state.carries[carried] = window.carry
-    return window
+    return window, made
 
 
 def _loops(carry: Carry | None, messages: list[Message], keys: list[str]) -> list[RunLoop]:

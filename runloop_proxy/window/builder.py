@@ -119,7 +119,7 @@ class _Replay:
 
     @property
     def summary(self) -> str | None:
-        """The summary shown inside the marker: the one made for what is omitted now (a
+        """The summary shown after the marker: the one made for what is omitted now (a
         summary enters the window only with the omission event it was made for)."""
         return self.summaries.get(self.plan.omit_upto)
 
@@ -192,16 +192,7 @@ class _Replay:
         return True
 
     def batch_omission(self, past: int) -> int:
-        """Loops to omit when ``past`` closed loops precede the open one: beyond
-        ``max_run_loops``, a whole batch at a time (a batch larger than ``max_run_loops + 1``
-        waits until it has closed: omissions, and the summaries made for them, stay on
-        multiples of the batch — ``history.summaries.event_at``)."""
-        m = self.c.policy.max_run_loops
-        b = self.c.policy.omission_batch
-        if past <= m:
-            return 0
-        k = ((past - m - 1) // b + 1) * b
-        return k if k <= past else k - b
+        return batch_omission(self.c.policy, past)
 
     def time_omission(self, past: int) -> int:
         if self.timestamps is None or self.now_ms is None:
@@ -459,6 +450,18 @@ def _carried(carry: Carry | None, messages: list[Message], keys: list[str], coun
     return conv, index(p) + 1, carry.states[p]  # type: ignore[operator]
 
 
+def batch_omission(policy: Policy, past: int) -> int:
+    """Loops to omit when ``past`` loops precede the open one: beyond ``max_run_loops``, a
+    whole batch at a time (a batch larger than ``max_run_loops + 1`` waits until it has
+    closed: omissions, and the summaries made for them, stay on multiples of the batch —
+    ``history.summaries.event_at``)."""
+    m, b = policy.max_run_loops, policy.omission_batch
+    if past <= m:
+        return 0
+    k = ((past - m - 1) // b + 1) * b
+    return k if k <= past else k - b
+
+
 def build_window(messages: list[Message], keys: list[str], counts: list[int], policy: Policy,
                  budget: Budget, ops: TokenOps, *, timestamps: Stamps | None = None,
                  now_ms: int | None = None, summaries: Summaries = (),
@@ -466,7 +469,7 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
                  tool_names: ToolNames = DEFAULT_NAMES, carry: Carry | None = None,
                  compactions: Compactions = ()) -> Window:
     """The window for a request carrying ``messages`` (pure; ``counts`` per message).
-    ``summaries`` are shown inside the marker from the omission event each was made for
+    ``summaries`` are shown after the marker from the omission event each was made for
     (``(e, text)``: the first ``e`` loops omitted); ``compactions`` omit loops on request
     (``(n, e)``: the first ``e`` loops from request point ``n`` on). ``memo`` only caches
     derived forms and

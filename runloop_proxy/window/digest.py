@@ -23,8 +23,9 @@ from typing import NamedTuple
 from ..conversation.messages import Message, text_of, tool_calls_of
 
 VERSION = "extractive-4"
-HEADER = "Turns left out (extractive digest):"
-IDS_HEADER = "Identifiers from them:"
+HEADER = "Turns left out:"
+IDS_HEADER = "Identifiers:"
+_IDS_HEADERS = (IDS_HEADER, "Identifiers from them:")  # and what extractive-3 wrote
 QUESTION_CHARS = 80
 ANSWER_CHARS = 120
 IDS_PER_LOOP = 12
@@ -152,8 +153,9 @@ def parse(summary: str | None) -> tuple[list[str], list[str]]:
     lines: list[str] = []
     ids: list[str] = []
     for ln in summary.splitlines():
-        if ln.startswith(IDS_HEADER):
-            ids += ln[len(IDS_HEADER):].split()
+        head = next((h for h in _IDS_HEADERS if ln.startswith(h)), None)
+        if head is not None:
+            ids += ln[len(head):].split()
         elif ln.startswith("- "):
             lines.append(ln)
     return lines, ids

@@ -29,6 +29,7 @@ from ..conversation.runloops import RunLoop, Segmenter, preamble_end
 from .digest import Found, found_in, pick
 
 TAG = "[runloop-proxy]"
+SUMMARY_HEAD = "Summary of the turns not shown:"
 MEMO_SIZE = 50_000
 Memo = MutableMapping[tuple[str, ...], Any]
 ToolNames = tuple[str, str]  # (recall, search) as the model sees them
@@ -492,26 +493,37 @@ class Conversation:
         return self._noted[key]
 
     def marked_preamble(self, summary: str | None) -> tuple[list[Message], int]:
-        """The system prompt with the omission marker after it, and the tokens the marker
-        adds: a system message of its own, or (``strict_roles``) its text appended to the
-        client's last system message, for chat templates that allow one system message.
+        """The system prompt with the omission marker after it, then the summary of what is
+        omitted, and the tokens they add. The marker is a system message of its own, or
+        (``strict_roles``) its text appended to the client's last system message, for chat
+        templates that allow one system message.
 
         The marker reads the same whatever was omitted: it sits right after the system prompt,
         and a text that changed with each omission would make the provider re-read it and
-        everything after it (the turns still shown) at full price every time."""
+        everything after it (the turns still shown) at full price every time. The summary,
+        which does change at each omission, follows as an assistant message (the model's own
+        notes, not the user's words nor the operator's), so that where a provider renders the
+        tool schemas after the system messages — OpenAI's order — they stay cached when it
+        changes. With ``strict_roles`` it joins the marker's text."""
         if summary not in self._marked:
             text = (f"{TAG} Earlier turns are not shown: {self.search}(query) searches them "
                     f"and {self.recall}(call_id) returns their tool results.")
-            if summary:
-                text += f"\nSummary of those turns:\n{summary}"
+            notes: list[Message] = []
+            if summary and self.policy.strict_roles:
+                text += f"\n{SUMMARY_HEAD}\n{summary}"
+            elif summary:
+                notes = [{"role": "assistant", "content": f"{TAG} {SUMMARY_HEAD}\n{summary}"}]
             pre = self.messages[: self.pre]
+            extra = sum(self.ops.count(m) for m in notes)
             if not self.policy.strict_roles or not pre:
                 marker: Message = {"role": "system", "content": text}
-                self._marked[summary] = ([*pre, marker], self.ops.count(marker))
+                self._marked[summary] = ([*pre, marker, *notes],
+                                         self.ops.count(marker) + extra)
             else:
                 merged = appended(pre[-1], text)
-                self._marked[summary] = ([*pre[:-1], merged],
-                                self.ops.count(merged) - self.counts[self.pre - 1])
+                self._marked[summary] = ([*pre[:-1], merged, *notes],
+                                         self.ops.count(merged) - self.counts[self.pre - 1]
+                                         + extra)
         return self._marked[summary]
 
     def bridge(self, j: int) -> tuple[list[Message], int]:
