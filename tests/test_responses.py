@@ -349,3 +349,26 @@ def test_every_cut_output_comes_back_byte_for_byte_and_items_stay_valid(
         assert c.responses.create(model="gpt-4o-mini", input=items,
                                   tools=TOOLS).output_text == "ok"
         assert got[cid] == outputs[cid], cid
+
+
+def test_a_stateless_session_shows_its_summary_after_the_marker(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """With extractive summaries, a Responses conversation that arrives long (twelve tasks,
+    so the first request already omits five) shows the digest of what it omits right after
+    the marker, as an assistant item: made inline, since no earlier request could make it."""
+    proxy = make_proxy(summary_model="extractive")
+    upstream.responder = lambda body: {"content": "ok"}
+    items = agent_turns(12) + [{"role": "user", "content": "next"}]
+    sdk(proxy, "sum-resp").responses.create(model="gpt-4o-mini", input=items, tools=TOOLS,
+                                            store=False)
+    sent = upstream.requests[-1]["input"]
+    at = next(i for i, item in enumerate(sent)
+              if "Earlier turns are not shown" in str(item.get("content")))
+    summary = sent[at + 1]
+    assert summary["role"] == "assistant"
+    text = str(summary["content"])
+    assert text.startswith("[runloop-proxy] Summary of the turns not shown:\n")
+    assert "- Q: task 0: look at f0 [tools: shell] → A: f0 looks fine" in text
+    assert "task 4: look at f4" in text and "task 5: look at f5" not in text  # loops 0-4
+    assert "0-0" in text  # an identifier of an omitted output
+    assert sent[-1] == {"role": "user", "content": "next"}
