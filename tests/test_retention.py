@@ -302,6 +302,9 @@ def test_loop_digest_keeps_what_was_said_first_then_the_strongest_results() -> N
     _, ids = loop_digest(loop)  # type: ignore[arg-type]
     assert ids == ["1234", "XEWRD9", "HAT023", "u_77", "2024-05-20", "253", "11:00:00",
                    "54.04"]
+    loop[-1] = {"role": "assistant", "content": "moved to seat 14C on 2024-05-20"}
+    _, ids = loop_digest(loop)  # type: ignore[arg-type]  # the reply's before the results'
+    assert ids[:4] == ["1234", "XEWRD9", "14C", "2024-05-20"] and ids[4] == "HAT023"
 
 
 def test_roll_without_lines_keeps_the_identifiers_alone() -> None:

@@ -130,10 +130,8 @@ def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
     return out
 
 
-def loop_digest(messages: Sequence[Message], found: Sequence[Found] | None = None
-                ) -> tuple[str, list[str]]:
-    """One loop as a line (question → answer) and the identifiers it produced (``found``:
-    its messages' identifiers, when the caller has them already)."""
+def loop_digest(messages: Sequence[Message]) -> tuple[str, list[str]]:
+    """One loop as a line (question → answer) and the identifiers it produced."""
     users = [text_of(m.get("content")) for m in messages if m.get("role") == "user"]
     finals = [text_of(m.get("content")) for m in messages
               if m.get("role") == "assistant" and not tool_calls_of(m)]
@@ -143,7 +141,7 @@ def loop_digest(messages: Sequence[Message], found: Sequence[Found] | None = Non
         names = sorted({str((c.get("function") or {}).get("name") or "") for c in calls})
         line += f" [tools: {', '.join(n for n in names if n)}]"
     line += f" → A: {_clip(finals[-1] if finals else '(no answer)', ANSWER_CHARS)}"
-    return line, pick([found_in(m) for m in messages] if found is None else found)
+    return line, pick([found_in(m) for m in messages])
 
 
 def parse(summary: str | None) -> tuple[list[str], list[str]]:
