@@ -444,12 +444,14 @@ class Made:
 
 def digest(policy: Policy, previous: str | None, messages: Sequence[Message],
            loops: Sequence[RunLoop], count: Callable[[str], int]) -> str:
-    """The extractive summary rolled from ``previous`` over ``loops``."""
+    """The extractive summary rolled from ``previous`` over ``loops`` (for a model's
+    summary, what replay shows in its place: ``summary_lines`` is the extractive one's)."""
+    lines_too = policy.summary_lines or policy.summary_model != "extractive"
     return roll(previous, [messages[lp.start:lp.end] for lp in loops],
-                policy.summary_max_tokens, count, policy.summary_lines)
+                policy.summary_max_tokens, count, lines_too)
 
 
-def inline_digest(policy: Policy, entries: dict[str, str], keys: Sequence[str],
+def inline_digest(policy: Policy, entries: dict[str, str], cover: dict[int, str],
                   loops: Sequence[RunLoop], messages: Sequence[Message],
                   count: Callable[[str], int]) -> Made | None:
     """The extractive summary this request's omission event needs when the store has none
@@ -461,7 +463,6 @@ def inline_digest(policy: Policy, entries: dict[str, str], keys: Sequence[str],
     if policy.summary_model != "extractive" or not loops:
         return None
     e = batch_omission(policy, len(loops) - 1)
-    cover = covers(keys, loops, policy.omission_batch)
     if e not in cover or field(e, cover[e]) in entries:
         return None
     started = time.perf_counter()
@@ -487,11 +488,10 @@ def _record(text: str, summarizer: str, prev_e: int, e: int, prev_text: str | No
             "tokens_out": usage.get("completion_tokens"), "latency_ms": ms}
 
 
-def summaries_of(policy: Policy, entries: dict[str, str], keys: Sequence[str],
-                 loops: Sequence[RunLoop] | None) -> tuple[Summaries, Compactions]:
-    """What a request's window may show: the stored summaries of its lineage, and the
-    omissions asked for it."""
-    if not policy.summary_model or not entries or loops is None:
+def summaries_of(policy: Policy, entries: dict[str, str], cover: dict[int, str] | None
+                 ) -> tuple[Summaries, Compactions]:
+    """What a request's window may show: the stored summaries of its lineage (``cover``:
+    what each loop count covers, ``covers``), and the omissions asked for it."""
+    if not policy.summary_model or not entries or cover is None:
         return (), ()
-    cover = covers(keys, loops, policy.omission_batch)
     return pick(entries, cover), compactions(entries, cover)

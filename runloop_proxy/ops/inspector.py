@@ -28,7 +28,7 @@ from ..conversation.messages import Message, message_text
 from ..conversation.runloops import preview, segment
 from ..errors import ProxyError, StoreError
 from ..history.store import SessionView
-from ..history.summaries import OMIT, summaries_of
+from ..history.summaries import OMIT, covers, summaries_of
 from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
 from ..window.builder import Window, build_window
@@ -213,7 +213,8 @@ def window_of(state: AppState, tenant: str, view: SessionView,
                                 1.0 if exact else state.tokens.factor(model))
     from ..pipeline.tokens import WindowTokens
 
-    summaries, compactions = summaries_of(spec.policy, stored, keys, segment(messages))
+    summaries, compactions = summaries_of(spec.policy, stored, covers(
+        keys, segment(messages), spec.policy.omission_batch))
     return build_window(messages, keys, counts, spec.policy, budget,
                         WindowTokens(state.tokens, enc, state.cuts), protected=protected,
                         summaries=summaries, compactions=compactions), messages

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,11 +27,10 @@ from ..conversation.items import to_items, to_messages, tool_to_chat
 from ..conversation.messages import Message, message_hash, message_refs, text_of
 from ..conversation.runloops import preamble_end, segment
 from ..errors import ConfigError
-from ..history.summaries import due
+from ..history.summaries import digest, due
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
-from ..pipeline.tools import ProxyTools, bag, definitions_tokens, query_terms, rank_bags
+from ..pipeline.tools import Doc, ProxyTools, definitions_tokens, doc, query_terms, rank_docs
 from ..window.builder import build_window
-from ..window.digest import roll
 from ..window.forms import Budget
 from ..window.retention import Conversation as RetentionMeter
 from ..window.retention import Retention
@@ -161,15 +159,14 @@ class Replayer:
             [text_of(m.get("content")) for m in messages[:pre]] +
             [orjson.dumps(tools).decode() if tools else ""]))
         mrefs = message_refs(keys)
-        bags: list[Counter[str]] = []
+        docs: list[Doc] = []
 
         def search(query: str, upto: int) -> list[int]:
             """The positions search_history returns for ``query`` in messages[:upto] (the
             tool ranks the request's whole conversation, system prompt included)."""
-            if not bags:
-                bags.extend(bag(m) for m in messages)
-            docs = [(str(k), messages[k], bags[k]) for k in range(upto)]
-            hits = rank_bags(query_terms(query), docs, self.tenant.policy.search_results,
+            if not docs:
+                docs.extend(doc(str(k), m) for k, m in enumerate(messages))
+            hits = rank_docs(query_terms(query), docs[:upto], self.tenant.policy.search_results,
                              query)
             return [int(key) for _, key, _ in hits]
 
@@ -271,10 +268,8 @@ class SummariesAhead:
         while due(self.policy, (len(self.made) + 1) * b, done, pressed):
             e = (len(self.made) + 1) * b
             previous = self.made[-1][1] if self.made else None
-            loops = [self.messages[lp.start:lp.end] for lp in self.closed[e - b:e]]
-            lines_too = self.policy.summary_lines or self.policy.summary_model != "extractive"
-            self.made.append((e, roll(previous, loops, self.policy.summary_max_tokens,
-                                      self.count, lines_too)))
+            self.made.append((e, digest(self.policy, previous, self.messages,
+                                        self.closed[e - b:e], self.count)))
             tally.summaries += 1
             if self.policy.summary_model != "extractive":
                 # the net saving pays for the summary calls, at full price

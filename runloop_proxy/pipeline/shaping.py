@@ -14,7 +14,7 @@ from ..conversation.identity import Session
 from ..conversation.messages import Message
 from ..conversation.runloops import RunLoop, segment
 from ..errors import ContextLengthExceeded, StoreError
-from ..history.summaries import Made, inline_digest, summaries_of
+from ..history.summaries import Made, covers, inline_digest, summaries_of
 from ..ops import logs
 from ..state import AppState
 from ..window.builder import Carry, Window, build_window
@@ -128,11 +128,12 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     entries = stored if stored is not None else {}
     loops = _loops(carry, messages, keys) \
         if entries or turn.policy.summary_model == "extractive" else None
-    made = inline_digest(turn.policy, entries, keys, loops, messages,
-                         lambda t: state.tokens.text(enc, t)) if loops else None
+    cover = covers(keys, loops, turn.policy.omission_batch) if loops is not None else None
+    made = inline_digest(turn.policy, entries, cover, loops, messages,
+                         lambda t: state.tokens.text(enc, t)) if loops and cover else None
     if made is not None:
         entries[made.name] = orjson.dumps(made.record).decode()
-    summaries, compactions = summaries_of(turn.policy, entries, keys, loops)
+    summaries, compactions = summaries_of(turn.policy, entries, cover)
     window = build_window(messages, keys, counts, turn.policy, budget,
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
                           timestamps=FirstSeen(state.first_seen, keys, now), now_ms=now,

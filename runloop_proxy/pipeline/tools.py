@@ -13,7 +13,7 @@ import re
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import tiktoken
@@ -302,39 +302,48 @@ def searchable(m: Message) -> str:
     return "\n".join([message_text(m), *calls]) if calls else message_text(m)
 
 
-def bag(m: Message) -> Counter[str]:
-    """A message's words, counted (what ``rank`` scores)."""
-    return Counter(t.lower() for t in _WORD.findall(searchable(m)))
+class Doc(NamedTuple):
+    """A message as search_history reads it: its words, counted, and its text (whitespace
+    runs as one space, lower case) for verbatim matches — each read once per message."""
+
+    key: str
+    message: Message
+    words: Counter[str]
+    text: str
+
+
+def doc(key: str, m: Message) -> Doc:
+    text = searchable(m)
+    return Doc(key, m, Counter(t.lower() for t in _WORD.findall(text)),
+               " ".join(text.split()).lower())
 
 
 def rank(terms: list[str], corpus: list[tuple[str, Message]], k: int, phrase: str = ""
          ) -> list[tuple[float, str, Message]]:
     """BM25-style ranking of messages for the query terms (pure); the messages that hold
     ``phrase`` (the query as typed) verbatim, case aside, rank first."""
-    return rank_bags(terms, [(key, m, bag(m)) for key, m in corpus], k, phrase)
+    return rank_docs(terms, [doc(key, m) for key, m in corpus], k, phrase)
 
 
-def rank_bags(terms: list[str], docs: list[tuple[str, Message, Counter[str]]], k: int,
-              phrase: str = "") -> list[tuple[float, str, Message]]:
-    """``rank`` over messages whose words are counted already. A term no message has as a
-    word matches the words that contain it (``7091239`` finds ``gift_card_7091239``, ``1239``
-    a card number ending in it), if it has ``MIN_INFIX`` characters."""
+def rank_docs(terms: list[str], docs: list[Doc], k: int, phrase: str = ""
+              ) -> list[tuple[float, str, Message]]:
+    """``rank`` over messages read already. A term no message has as a word matches the
+    words that contain it (``7091239`` finds ``gift_card_7091239``, ``1239`` a card number
+    ending in it), if it has ``MIN_INFIX`` characters."""
     if not docs:
         return []
     phrase = " ".join(phrase.split()).lower()
-    exact = {key for key, m, _ in docs
-             if " ".join(searchable(m).split()).lower().find(phrase) >= 0} \
-        if len(phrase) >= MIN_PHRASE else set()
-    avg = sum(sum(c.values()) for _, _, c in docs) / len(docs) or 1.0
+    exact = {d.key for d in docs if phrase in d.text} if len(phrase) >= MIN_PHRASE else set()
+    avg = sum(sum(d.words.values()) for d in docs) / len(docs) or 1.0
     words = {t: {t} for t in set(terms)}
-    unmatched = [t for t in words if len(t) >= MIN_INFIX and not any(t in c for _, _, c in docs)]
+    unmatched = [t for t in words if len(t) >= MIN_INFIX and not any(t in d.words for d in docs)]
     if unmatched:
-        vocabulary = set().union(*(c for _, _, c in docs))
+        vocabulary = set().union(*(d.words for d in docs))
         for t in unmatched[:MAX_INFIX_TERMS]:
             words[t] = {w for w in vocabulary if t in w}
-    df = {t: sum(1 for _, _, c in docs if any(w in c for w in ws)) for t, ws in words.items()}
+    df = {t: sum(1 for d in docs if any(w in d.words for w in ws)) for t, ws in words.items()}
     scored = []
-    for key, m, c in docs:
+    for key, m, c, _ in docs:
         length = sum(c.values()) or 1
         score = 0.0
         for t in terms:

@@ -191,9 +191,6 @@ class _Replay:
         plan.answer_of = loop - 1 if kept else -1
         return True
 
-    def batch_omission(self, past: int) -> int:
-        return batch_omission(self.c.policy, past)
-
     def time_omission(self, past: int) -> int:
         if self.timestamps is None or self.now_ms is None:
             return 0
@@ -237,7 +234,7 @@ class _Replay:
                 and self.reduce_to(current):
             self._event(record, CompactionKind.PAST_LOOPS, before, p, "past run loops")
         before = self.tokens(p)
-        if self.omit_to(max(self.batch_omission(current), self.time_omission(current)),
+        if self.omit_to(max(batch_omission(pol, current), self.time_omission(current)),
                         current):
             self._event(record, CompactionKind.OMISSION, before, p, "max_run_loops/max_time_range")
         asked = max((e for n, e in self.compactions if p >= n), default=0)
