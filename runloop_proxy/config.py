@@ -71,7 +71,7 @@ class Policy(_Strict):
     """How a tenant's windows are compressed. Token amounts are in the model's tokens."""
 
     enabled: bool = True
-    max_run_loops: int = Field(10, ge=1)
+    max_run_loops: int = Field(10, ge=0)
     omit_batch: int | None = Field(
         None, ge=1, description="loops omitted per omission event (default max_run_loops/2)")
     max_message_length: int = Field(

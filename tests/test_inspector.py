@@ -94,7 +94,7 @@ def test_the_session_page_shows_what_the_window_did(inspected: ProxyServer) -> N
     assert "class='omitted'" in html and "class='reduced'" in html
     marker = html[html.index("Marker and summary"):html.index("<table", html.index(
         "Marker and summary"))]
-    assert "Turns left out" in marker and "#W1000" in marker  # the summary in the marker
+    assert "Summary of the turns not shown" in marker and "#W1000" in marker  # the summary
     assert "where is order 1" in html and "#W1000" in html
     assert "script-src" not in page.headers["content-security-policy"]  # no script at all
     markup = c.get("/admin/ui/session", params={"id": "markup"}).text

@@ -12,13 +12,14 @@ from hypothesis import strategies as st
 from runloop_proxy.window.digest import (
     IDS_HEADER,
     _clip,
+    argument_values,
+    block,
     condensed,
     found_in,
     identifiers,
     loop_digest,
     parse,
     pick,
-    render,
     roll,
     strength,
 )
@@ -207,14 +208,14 @@ def test_clip_keeps_n_characters_with_the_ellipsis() -> None:
 def test_condensed_trims_oldest_lines_then_oldest_ids_then_the_newest_line() -> None:
     count = len  # a character is a token here
     lines, ids = ["- one", "- two", "- three"], [f"id{k}" for k in range(16)]
-    whole = render(lines, ids)
+    whole = block(lines, ids)
     assert condensed(lines, ids, len(whole), count) == whole  # exactly the budget: kept
-    assert condensed(lines, ids, len(whole) - 1, count) == render(lines[1:], ids)
-    one = render(lines[2:], ids)
+    assert condensed(lines, ids, len(whole) - 1, count) == block(lines[1:], ids)
+    one = block(lines[2:], ids)
     assert condensed(lines, ids, len(one), count) == one  # two oldest lines out, ids whole
-    assert condensed(lines, ids, len(one) - 1, count) == render(lines[2:], ids[3:])  # 16//8+1
+    assert condensed(lines, ids, len(one) - 1, count) == block(lines[2:], ids[3:])  # 16//8+1
     long = ["- " + "x" * 100]
-    assert condensed([*lines[:1], *long], [], 20, count) == render([], [])
+    assert condensed([*lines[:1], *long], [], 20, count) == block([], [])
 
 
 def test_message_text_shows_calls_by_name_and_arguments() -> None:
@@ -300,18 +301,75 @@ def test_loop_digest_keeps_what_was_said_first_then_the_strongest_results() -> N
              "content": "seats 253 at 11:00:00 on 2024-05-20 price 54.04 code HAT023 user u_77"},
             {"role": "assistant", "content": "done: 1234 moved"}]
     _, ids = loop_digest(loop)  # type: ignore[arg-type]
-    assert ids == ["1234", "XEWRD9", "HAT023", "u_77", "2024-05-20", "253", "11:00:00",
-                   "54.04"]
+    # a result's short numbers, clock times and prices measure a record: left out
+    assert ids == ["1234", "XEWRD9", "HAT023", "u_77", "2024-05-20"]
     loop[-1] = {"role": "assistant", "content": "moved to seat 14C on 2024-05-20"}
     _, ids = loop_digest(loop)  # type: ignore[arg-type]  # the reply's before the results'
     assert ids[:4] == ["1234", "XEWRD9", "14C", "2024-05-20"] and ids[4] == "HAT023"
+
+
+def test_a_tool_call_passes_identifiers_whole_and_a_result_names_none_by_its_fields() -> None:
+    """What the agent passed a tool is an identifier whatever its look (a booking code of
+    letters, an airport, a surname); a JSON result's field names are not."""
+    assert argument_values('{"reservation_id": "HXDUBJ", "origin": "SEA", "n": 2, '
+                           '"ok": true, "thought": "try flight HAT102 on 2024-05-20 first", '
+                           '"passengers": [{"last_name": "Smith"}]}') == [
+        "HXDUBJ", "SEA", "HAT102", "2024-05-20", "Smith"]
+    assert argument_values("not json id-42") == ["id-42"]
+    loop = [{"role": "user", "content": "my booking"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                call("get", '{"reservation_id": "HXDUBJ"}', "c1")]},
+            {"role": "tool", "tool_call_id": "c1",
+             "content": '{"address1": "Main St", "user_id": "mia_li_3668", "zip": "78750"}'},
+            {"role": "assistant", "content": "found it"}]
+    assert loop_digest(loop)[1] == ["HXDUBJ", "mia_li_3668", "78750"]  # no "address1"
+    plain = [*loop[:2], {**loop[2], "content": "address1: Main St, user mia_li_3668"}]
+    assert loop_digest(plain)[1] == ["HXDUBJ", "address1", "mia_li_3668"]  # text: no fields
+
+
+def test_an_identifier_inside_a_longer_one_or_the_system_prompt_is_not_repeated() -> None:
+    """``7091239`` adds nothing beside ``gift_card_7091239`` (a window that shows the longer
+    shows the shorter), whichever comes first; nor does what the system prompt says."""
+    loop = [{"role": "user", "content": "use card 7091239, policy P-100"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                call("pay", '{"payment_id": "gift_card_7091239"}', "c1")]},
+            {"role": "tool", "tool_call_id": "c1", "content": "charged gift_card_7091239"},
+            {"role": "assistant", "content": "paid with 7091239"}]
+    assert loop_digest(loop)[1] == ["P-100", "gift_card_7091239"]
+    assert loop_digest(loop, known="Policy P-100 applies.")[1] == ["gift_card_7091239"]
+    longer_first = [{"role": "user", "content": "pay with my card"}, *loop[1:]]
+    assert loop_digest(longer_first)[1] == ["gift_card_7091239"]
+    count = len
+    one = roll(None, [loop], 1000, count, lines_too=False)  # type: ignore[list-item]
+    later = [{"role": "user", "content": "and 7091239 again, with #W55"},
+             {"role": "assistant", "content": "ok"}]
+    assert roll(one, [later], 1000, count, lines_too=False) == f"{one}\n{IDS_HEADER} #W55"
+    # the summariser reads the system prompt off the conversation itself
+    from runloop_proxy.config import Policy
+    from runloop_proxy.conversation.runloops import segment
+    from runloop_proxy.history.summaries import digest
+
+    msgs = [{"role": "system", "content": "Policy P-100 applies."}, *loop]
+    assert digest(Policy(summary_model="extractive", summary_lines=False), None,
+                  msgs, segment(msgs), count) == f"{IDS_HEADER} gift_card_7091239"  # type: ignore[arg-type]
+
+
+def test_a_summary_with_nothing_to_say_is_empty_and_adds_no_empty_block() -> None:
+    """The window shows no summary for "" (a heading over nothing costs every later request),
+    and a batch that adds nothing leaves the text as it was (its prefix stays cached)."""
+    chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    assert roll(None, [chat], 1000, len, lines_too=False) == ""  # type: ignore[list-item]
+    one = roll(None, [[{"role": "user", "content": "q id-1"}, *chat[1:]]], 1000, len,
+               lines_too=False)  # type: ignore[list-item]
+    assert roll(one, [chat], 1000, len, lines_too=False) == one  # type: ignore[list-item]
+    assert roll(one, [chat], 1000, len).endswith("- Q: hello → A: hi")  # lines: a block
 
 
 def test_roll_without_lines_keeps_the_identifiers_alone() -> None:
     loops = [[{"role": "user", "content": "q id-1"}, {"role": "assistant", "content": "a"}],
              [{"role": "user", "content": "q id-2 id-1"}, {"role": "assistant", "content": "b"}]]
     one = roll(None, loops[:1], 1000, len, lines_too=False)  # type: ignore[arg-type]
-    assert one == f"Turns left out:\n{IDS_HEADER} id-1"
+    assert one == f"{IDS_HEADER} id-1"  # the window's heading says what it is: none here
     two = roll(one, loops[1:], 1000, len, lines_too=False)  # type: ignore[arg-type]
     assert two == f"{one}\n{IDS_HEADER} id-2" and parse(two) == ([], ["id-1", "id-2"])
 
@@ -321,14 +379,14 @@ def test_roll_carries_the_previous_summary_and_its_identifiers() -> None:
     first = [[{"role": "user", "content": "q id-1"}, {"role": "assistant", "content": "a"}]]
     again = [[{"role": "user", "content": "q2 id-1 id-2"}, {"role": "assistant", "content": "b"}]]
     one = roll(None, first, 1000, count)  # type: ignore[arg-type]
-    assert one == f"Turns left out:\n- Q: q id-1 → A: a\n{IDS_HEADER} id-1"
+    assert one == f"- Q: q id-1 → A: a\n{IDS_HEADER} id-1"
     two = roll(one, again, 1000, count)  # type: ignore[arg-type]
     assert two == f"{one}\n- Q: q2 id-1 id-2 → A: b\n{IDS_HEADER} id-2"  # id-1 not again
     assert parse(two) == (["- Q: q id-1 → A: a", "- Q: q2 id-1 id-2 → A: b"], ["id-1", "id-2"])
     assert roll(one, again, len(two), count) == two  # exactly the budget still appends
     squeezed = roll(one, again, len(two) - 1, count)  # type: ignore[arg-type]
     assert not squeezed.startswith(one) and len(squeezed) <= (len(two) - 1) // 2
-    assert "\n" + IDS_HEADER not in render(["- Q: x"], [])  # no identifiers, no line
+    assert "\n" + IDS_HEADER not in block(["- Q: x"], [])  # no identifiers, no line
     twice = roll(None, [*first, *first], 1000, count)  # type: ignore[arg-type]
     assert parse(twice)[1] == ["id-1"]  # one batch's loops share an identifier: listed once
 

@@ -12,7 +12,9 @@ import openai
 import orjson
 import pytest
 
+from runloop_proxy.config import Policy
 from runloop_proxy.scripted import ScriptedUpstream
+from runloop_proxy.window.builder import batch_omission
 from runloop_proxy.window.digest import VERSION as EXTRACTIVE
 
 from .conftest import ProxyServer, until
@@ -99,7 +101,7 @@ def test_an_extractive_summary_enters_at_the_omission_event_and_stays_put(
     first = next(i for i, m in enumerate(markers) if m)
     # from the first omission on, a summary of the loops left out, with their identifiers
     text = markers[first]
-    assert text is not None and "Turns left out" in text
+    assert text is not None and "Summary of the turns not shown" in text
     assert "#W1000" in text and "carrier-17" in text and "where is order 1" in text
     # between events the marker is the same text: the cached prefix holds
     changes = sum(1 for a, b in zip(markers[first:], markers[first + 1:], strict=False)
@@ -230,7 +232,7 @@ def test_unset_summaries_change_nothing(tmp_path: Path, make_proxy: Any,
     proxy = make_proxy(config_dir=str(root))
     converse(proxy, "plain", 8, after=lambda k: proxy.settle())
     text = orjson.dumps(upstream.requests[-1]).decode()
-    assert ("Turns left out" in text or "ids:" in text) == bool(policy)
+    assert ("Summary of the turns not shown" in text or "ids:" in text) == bool(policy)
 
 
 def test_pass_through_mode_takes_the_summary_model_from_serve() -> None:
@@ -344,7 +346,7 @@ def test_compact_now_summarises_and_omits_from_the_next_request(
                 msgs.append({"role": "tool", "tool_call_id": call.id, "content": f"#W{k}000"})
         proxy.settle()
     text = marker({"messages": sent[0]})
-    assert text is not None and "Turns left out" in text and "#W4000" in text
+    assert text is not None and "Summary of the turns not shown" in text and "#W4000" in text
     users = [m["content"] for m in sent[0] if m["role"] == "user"]
     assert users == ["where is order 5", "where is order 6"]
     for before, after in zip(sent, sent[1:], strict=False):
@@ -365,7 +367,6 @@ def test_compact_now_summarises_and_omits_from_the_next_request(
 ])
 def test_a_summary_is_made_one_loop_before_its_event(
         max_run_loops: int, batch: int, e: int, closed: int, pressed: bool, made: bool) -> None:
-    from runloop_proxy.config import Policy
     from runloop_proxy.history.summaries import due
 
     policy = Policy(max_run_loops=max_run_loops, omit_batch=batch)
@@ -386,16 +387,20 @@ def test_with_max_run_loops_below_the_batch_the_summary_is_ready_at_its_event(
     markers = [marker(b) for b in asked]
     first = next(i for i, m in enumerate(markers) if m)
     assert asked[first]["messages"][-1]["content"] == "where is order 4"  # the event
-    assert "Turns left out" in str(markers[first]) and "#W3000" in str(markers[first])
+    assert "Summary of the turns not shown" in str(markers[first])
+    assert "#W3000" in str(markers[first])
     later = next(m for m in markers if m and "#W6000" in m)  # the second event, appended
     assert later.startswith(str(markers[first]))
     metrics = httpx.get(proxy.base + "/metrics").text
     assert 'runloop_summaries_total{outcome="late",tenant="acme"} 0.0' in metrics
 
 
+@pytest.mark.parametrize(("max_run_loops", "batch"), [(1, 2), (0, 1)])
 def test_an_extractive_summary_is_never_late_for_a_client_that_does_not_pause(
-        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
-    """globex's shape now (max_run_loops 1, omit_batch 2): the request after the reply that
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream, max_run_loops: int,
+        batch: int) -> None:
+    """Omissions with no loop of time ahead (max_run_loops 1, omit_batch 2; and globex's
+    shape, 0 and 1: every turn omits the one before): the request after the reply that
     closes a batch omits it, so a background summary can only start on that reply — and this
     client sends the next request at once, with the reply as it keeps it (reformatted: not the
     message the proxy recorded, so a summary started on the recorded one covers another
@@ -403,8 +408,8 @@ def test_an_extractive_summary_is_never_late_for_a_client_that_does_not_pause(
     omission shows the identifiers of every loop it left out, and none is late."""
     upstream.responder = model()
     root = write_config(tmp_path / "c", upstream.url, acme_policy=(
-        'max_run_loops = 1\nomit_batch = 2\nsummary_model = "extractive"\n'
-        'summary_lines = false\n'))
+        f'max_run_loops = {max_run_loops}\nomit_batch = {batch}\n'
+        'summary_model = "extractive"\nsummary_lines = false\n'))
     proxy = make_proxy(config_dir=str(root))
     converse(proxy, "no-pause", 8, edit=lambda m: {**m, "content": m["content"].capitalize()})
     asked = [b for b in upstream.requests if not is_summary_call(b)]
@@ -416,9 +421,11 @@ def test_an_extractive_summary_is_never_late_for_a_client_that_does_not_pause(
         opened = int(b["messages"][-1]["content"].split()[-1]) \
             if b["messages"][-1]["role"] == "user" else None
         assert "Identifiers:" in text and "- Q:" not in text
-        if opened is not None:  # an event: the loops before this one, two by two
+        if opened is not None:  # an event: the loops before this one, a batch at a time
             events += 1
-            for k in range(1, (opened - 1) // 2 * 2 + 1):
+            omitted = batch_omission(Policy(max_run_loops=max_run_loops, omit_batch=batch),
+                                     opened - 1)
+            for k in range(1, omitted + 1):
                 assert f"#W{k}000" in text, (opened, text)
     assert events >= 3
     proxy.settle()
@@ -429,11 +436,11 @@ def test_an_extractive_summary_is_never_late_for_a_client_that_does_not_pause(
 
 
 @pytest.mark.parametrize(("max_run_loops", "batch", "e", "at"), [
-    (10, 5, 5, 11), (10, 5, 10, 16), (4, 2, 2, 5), (2, 3, 3, 3), (2, 3, 6, 6), (1, 1, 1, 2)])
+    (10, 5, 5, 11), (10, 5, 10, 16), (4, 2, 2, 5), (2, 3, 3, 3), (2, 3, 6, 6), (1, 1, 1, 2),
+    (0, 1, 1, 1), (0, 1, 3, 3), (0, 2, 2, 2), (0, 2, 4, 4)])
 def test_the_event_that_omits_e_loops(max_run_loops: int, batch: int, e: int, at: int) -> None:
     """Where the window's batch omission reaches e loops (the closed loops at that request):
     what decides whether a summary can wait for the next request or must start on the reply."""
-    from runloop_proxy.config import Policy
     from runloop_proxy.history.summaries import event_at
 
     policy = Policy(max_run_loops=max_run_loops, omit_batch=batch)

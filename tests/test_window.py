@@ -365,7 +365,7 @@ def conversations(draw: Any) -> list[Message]:
 
 
 policies = st.builds(
-    Policy, max_run_loops=st.integers(1, 6), keep_recent_tool_results=st.integers(0, 4),
+    Policy, max_run_loops=st.integers(0, 6), keep_recent_tool_results=st.integers(0, 4),
     clear_at_least=st.sampled_from([0, 100, 500]), max_message_length=st.integers(16, 80),
     reduce_past_loops=st.sampled_from(list(ReducePastLoops)),
     reasoning_keep_tokens=st.integers(16, 40), reduce_at_least=st.sampled_from([0, 64, 300]),
@@ -650,6 +650,9 @@ def loops_of(n: int, result: int = 50) -> list[Message]:
     # stay on multiples of the batch, where the summaries made for them are
     (1, 3, [1, 2, 0, 1, 2, 0, 1], [0, 0, 3, 3, 3, 6, 6]),
     (1, 5, [1, 2, 3, 4, 0, 1, 2], [0, 0, 0, 0, 5, 5, 5]),
+    # no past loop shown: each turn omits the one before (its final reply stays)
+    (0, 1, [0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7]),
+    (0, 2, [1, 0, 1, 0, 1, 0, 1], [0, 2, 2, 4, 4, 6, 6]),
 ])
 def test_omissions_come_in_whole_batches_each_with_its_summary(
         max_run_loops: int, batch: int, shown: list[int], omitted: list[int]) -> None:

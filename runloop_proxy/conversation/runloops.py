@@ -8,6 +8,7 @@ preamble and belong to no loop; every later message belongs to exactly one loop,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -40,7 +41,7 @@ def is_final(msg: Message) -> bool:
     return msg.get("role") == "assistant" and not tool_calls_of(msg)
 
 
-def preamble_end(messages: list[Message]) -> int:
+def preamble_end(messages: Sequence[Message]) -> int:
     i = 0
     while i < len(messages) and messages[i].get("role") in PREAMBLE_ROLES:
         i += 1

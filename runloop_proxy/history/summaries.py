@@ -39,8 +39,8 @@ import xxhash
 
 from ..caches import ByteLRU
 from ..config import Policy
-from ..conversation.messages import Message, message_text, tool_calls_of
-from ..conversation.runloops import RunLoop, segment
+from ..conversation.messages import Message, message_text, text_of, tool_calls_of
+from ..conversation.runloops import RunLoop, preamble_end, segment
 from ..errors import StoreError
 from ..ops import logs
 from ..window.builder import Compactions, Summaries, batch_omission
@@ -445,10 +445,12 @@ class Made:
 def digest(policy: Policy, previous: str | None, messages: Sequence[Message],
            loops: Sequence[RunLoop], count: Callable[[str], int]) -> str:
     """The extractive summary rolled from ``previous`` over ``loops`` (for a model's
-    summary, what replay shows in its place: ``summary_lines`` is the extractive one's)."""
+    summary, what replay shows in its place: ``summary_lines`` is the extractive one's).
+    Identifiers the system prompt holds are left out: the model sees them anyway."""
     lines_too = policy.summary_lines or policy.summary_model != "extractive"
+    known = "\n".join(text_of(m.get("content")) for m in messages[:preamble_end(messages)])
     return roll(previous, [messages[lp.start:lp.end] for lp in loops],
-                policy.summary_max_tokens, count, lines_too)
+                policy.summary_max_tokens, count, lines_too, known)
 
 
 def inline_digest(policy: Policy, entries: dict[str, str], cover: dict[int, str],

@@ -2,33 +2,42 @@
 
 Per loop left out: the question, the answer, and the identifiers the loop produced — ids,
 paths, numbers, e-mail addresses, names with digits — taken from the user's words first, then
-the calls' arguments and the agent's replies, then the tool results, strongest first (codes
-mixing letters and digits, then paths, addresses, dates and long numbers, then the rest:
-quantities, prices, clock times, timestamps); deduplicated across the whole summary.
+the calls' arguments (every short value the agent passed a tool, digits or not: a booking code,
+an airport, a surname), the agent's replies, then the values of the tool results (not their
+field names), strongest first: codes mixing letters and digits, then paths, addresses, dates
+and long numbers. A result's short numbers, prices and clock times are left out: they measure
+a record more often than they name one, and the replay shows a later reply almost never quotes
+them. Deduplicated across the whole summary; an identifier inside a longer one kept
+(``7091239`` in ``gift_card_7091239``) or in the system prompt, which the model always sees,
+is not repeated.
 
 Rolling and append-only: the digest of loops [e, e') is a block (their lines, then the
-identifiers they add) appended to the summary of [0, e), so while it fits in ``max_tokens`` the
-summary's text only grows and a provider's prefix cache keeps serving what the marker already
-showed. Past ``max_tokens`` it is rewritten once as a single block, condensed to
-``CONDENSE_SHARE`` of the budget so that the next batches append again: the oldest loop lines go
-first, and the identifiers stay longest (they are what a later reply quotes).
+identifiers they add; none when they add nothing) appended to the summary of [0, e), so while
+it fits in ``max_tokens`` the summary's text only grows and a provider's prefix cache keeps
+serving what the window already showed. A summary with nothing to say is "" (the window then
+shows none: a heading over nothing would ride in every later request). Past ``max_tokens``
+it is rewritten once as a single block, condensed to ``CONDENSE_SHARE`` of the budget so that
+the next batches append again: the oldest loop lines go first, and the identifiers stay
+longest (they are what a later reply quotes).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import orjson
 
 from ..conversation.messages import Message, text_of, tool_calls_of
 
-VERSION = "extractive-4"
-HEADER = "Turns left out:"
+VERSION = "extractive-5"
 IDS_HEADER = "Identifiers:"
 _IDS_HEADERS = (IDS_HEADER, "Identifiers from them:")  # and what extractive-3 wrote
 QUESTION_CHARS = 80
 ANSWER_CHARS = 120
-IDS_PER_LOOP = 12
+IDS_PER_LOOP = 14
+ARG_CHARS = 80  # an argument value longer than this, or with spaces, is read for identifiers
 CONDENSE_SHARE = 0.5  # of the budget, after a rewrite: the next batches append again
 _TOKEN = re.compile(r"[^\s,;()\[\]{}<>=\"'`|]+")
 _TRIM = ".:!?*"
@@ -46,6 +55,52 @@ def identifiers(text: str) -> list[str]:
             if 3 <= len(t) <= 80:
                 out.append(t)
     return out
+
+
+def _leaves(value: Any) -> list[str]:
+    """The scalar values of parsed JSON, in order (not its keys, nor booleans and nulls)."""
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _leaves(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in _leaves(v)]
+    if isinstance(value, bool) or value is None:
+        return []
+    return [str(value)]
+
+
+def _json(text: str) -> list[str] | None:
+    """The values of ``text`` when it is a JSON object or array, else None."""
+    if not text.lstrip().startswith(("{", "[")):
+        return None
+    try:
+        return _leaves(orjson.loads(text))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def argument_values(arguments: str) -> list[str]:
+    """What a tool call passed: each short value whole (``HXDUBJ``, ``SEA``, ``Smith``, ids),
+    and the identifiers of longer or spaced ones (a thought, an expression, a query)."""
+    values = _json(arguments)
+    if values is None:
+        return identifiers(arguments)
+    out: list[str] = []
+    for v in values:
+        v = v.strip()
+        if 3 <= len(v) <= ARG_CHARS and not any(ch.isspace() for ch in v):
+            out.append(v)
+        else:
+            out += identifiers(v)
+    return out
+
+
+def result_identifiers(text: str) -> list[str]:
+    """A tool result's identifiers: of its values when it is JSON (a field name such as
+    ``address1`` names no record), else of its text."""
+    values = _json(text)
+    if values is None:
+        return identifiers(text)
+    return [x for v in values for x in identifiers(v)]
 
 
 def strength(ident: str) -> int:
@@ -75,7 +130,7 @@ class Found(NamedTuple):
     user: tuple[str, ...] = ()
     args: tuple[str, ...] = ()
     final: tuple[str, ...] = ()
-    results: tuple[tuple[str, ...], ...] = ((), (), ())  # a tool result's, by strength
+    results: tuple[tuple[str, ...], ...] = ((), ())  # a tool result's, by strength (0, 1)
 
 
 def found_in(m: Message) -> Found:
@@ -85,35 +140,45 @@ def found_in(m: Message) -> Found:
     if role == "user":
         return Found(user=tuple(identifiers(text_of(m.get("content")))))
     if role == "tool":
-        ranked: tuple[list[str], list[str], list[str]] = ([], [], [])
-        for x in identifiers(text_of(m.get("content"))):
-            ranked[strength(x)].append(x)
+        ranked: tuple[list[str], list[str]] = ([], [])
+        for x in result_identifiers(text_of(m.get("content"))):
+            s = strength(x)
+            if s < 2:
+                ranked[s].append(x)
         return Found(results=tuple(map(tuple, ranked)))
     if role != "assistant":
         return Found()
     calls = tool_calls_of(m)
     if calls:
-        return Found(args=tuple(x for c in calls for x in identifiers(
+        return Found(args=tuple(x for c in calls for x in argument_values(
             str((c.get("function") or {}).get("arguments") or ""))))
     return Found(final=tuple(identifiers(text_of(m.get("content")))))
 
 
 def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
-         cap: int = IDS_PER_LOOP) -> list[str]:
+         cap: int = IDS_PER_LOOP, known: str = "") -> list[str]:
     """Up to ``cap`` identifiers of a span of messages, without repeats: the users' words,
     the calls' arguments and the final replies first, in order; then the tool results',
     strongest first. ``results``, when given, holds the tool results' (``found`` then need
-    not): it is read lazily, only as far as the cap needs."""
+    not): it is read lazily, only as far as the cap needs. What ``known`` holds (the system
+    prompt) is skipped, and so is one inside a longer identifier taken: the longer one
+    shows it (``7091239`` in ``gift_card_7091239``), whichever came first."""
     out: list[str] = []
     seen: set[str] = set()
 
     def full(ids: tuple[str, ...]) -> bool:
         for x in ids:
-            if x not in seen:
-                seen.add(x)
-                out.append(x)
-                if len(out) >= cap:
-                    return True
+            if x in seen or x in known:
+                continue
+            seen.add(x)
+            if any(x in y for y in out):
+                continue
+            inside = [y for y in out if y in x]
+            for y in inside:
+                out.remove(y)
+            out.append(x)
+            if len(out) >= cap:
+                return True
         return False
 
     for field in ("user", "args", "final"):
@@ -124,14 +189,14 @@ def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
         read.append(f)
         if full(f.results[0]):
             return out
-    for s in (1, 2):
-        if any(full(f.results[s]) for f in read):
-            return out
+    if any(full(f.results[1]) for f in read):
+        return out
     return out
 
 
-def loop_digest(messages: Sequence[Message]) -> tuple[str, list[str]]:
-    """One loop as a line (question → answer) and the identifiers it produced."""
+def loop_digest(messages: Sequence[Message], known: str = "") -> tuple[str, list[str]]:
+    """One loop as a line (question → answer) and the identifiers it produced (none that
+    ``known`` holds)."""
     users = [text_of(m.get("content")) for m in messages if m.get("role") == "user"]
     finals = [text_of(m.get("content")) for m in messages
               if m.get("role") == "assistant" and not tool_calls_of(m)]
@@ -141,7 +206,7 @@ def loop_digest(messages: Sequence[Message]) -> tuple[str, list[str]]:
         names = sorted({str((c.get("function") or {}).get("name") or "") for c in calls})
         line += f" [tools: {', '.join(n for n in names if n)}]"
     line += f" → A: {_clip(finals[-1] if finals else '(no answer)', ANSWER_CHARS)}"
-    return line, pick([found_in(m) for m in messages])
+    return line, pick([found_in(m) for m in messages], known=known)
 
 
 def parse(summary: str | None) -> tuple[list[str], list[str]]:
@@ -160,34 +225,37 @@ def parse(summary: str | None) -> tuple[list[str], list[str]]:
 
 
 def block(lines: list[str], ids: list[str]) -> str:
-    """Loop lines and the identifiers they add, as the lines of one block."""
+    """Loop lines and the identifiers they add, as the lines of one block (the window shows
+    a summary under a heading of its own: a digest carries none)."""
     return "\n".join([*lines, *([f"{IDS_HEADER} {' '.join(ids)}"] if ids else [])])
 
 
-def render(lines: list[str], ids: list[str]) -> str:
-    return f"{HEADER}\n{block(lines, ids)}"
-
-
 def roll(previous: str | None, loops: Sequence[Sequence[Message]], max_tokens: int,
-         count: Callable[[str], int], lines_too: bool = True) -> str:
+         count: Callable[[str], int], lines_too: bool = True, known: str = "") -> str:
     """The summary of what ``previous`` covered and ``loops`` after it, within ``max_tokens``
     (``count`` tells a text's tokens): ``previous`` with a block appended while that fits,
-    else everything rewritten into ``CONDENSE_SHARE`` of the budget. Without ``lines_too``
-    the blocks hold the identifiers alone (no question → answer line per loop)."""
-    lines, ids = parse(previous)
-    seen = set(ids)
+    else everything rewritten into ``CONDENSE_SHARE`` of the budget; ``previous`` unchanged
+    when the loops add nothing, and "" for a summary with nothing to say. Without
+    ``lines_too`` the blocks hold the identifiers alone (no question → answer line per
+    loop). An identifier the summary or ``known`` (the system prompt) shows is not added."""
+    previous = previous or ""
     new_lines, new_ids = [], []
+    shown = previous
     for loop in loops:
-        line, found = loop_digest(loop)
+        line, found = loop_digest(loop, known)
         if lines_too:
             new_lines.append(line)
         for x in found:
-            if x not in seen:
-                seen.add(x)
+            if x not in shown:
                 new_ids.append(x)
-    text = f"{previous or HEADER}\n{block(new_lines, new_ids)}"
+                shown += f" {x}"
+    added = block(new_lines, new_ids)
+    if not added:
+        return previous
+    text = f"{previous}\n{added}" if previous else added
     if count(text) <= max_tokens:
         return text
+    lines, ids = parse(previous)
     return condensed([*lines, *new_lines], [*ids, *new_ids],
                      max(1, int(max_tokens * CONDENSE_SHARE)), count)
 
@@ -196,14 +264,14 @@ def condensed(lines: list[str], ids: list[str], max_tokens: int,
               count: Callable[[str], int]) -> str:
     """One block within ``max_tokens``: the oldest loop lines leave first, the identifiers
     stay longest."""
-    text = render(lines, ids)
+    text = block(lines, ids)
     while count(text) > max_tokens and len(lines) > 1:
         lines = lines[1:]  # the oldest loop's line first: its identifiers stay
-        text = render(lines, ids)
+        text = block(lines, ids)
     while count(text) > max_tokens and ids:
         ids = ids[len(ids) // 8 + 1:]  # then the oldest identifiers
-        text = render(lines, ids)
+        text = block(lines, ids)
     while count(text) > max_tokens and lines:
         lines = lines[:-1]  # a newest line longer than the whole budget
-        text = render(lines, ids)
+        text = block(lines, ids)
     return text
