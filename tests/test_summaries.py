@@ -4,6 +4,7 @@ replicas, failures counted and backed off, and never a wait on the request path.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -431,6 +432,63 @@ def test_an_extractive_summary_is_never_late_for_a_client_that_does_not_pause(
     proxy.settle()
     until(lambda: 'runloop_summaries_total{outcome="ok",tenant="acme"} 0.0'
           not in httpx.get(proxy.base + "/metrics").text, timeout=10, what="stored summaries")
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert 'runloop_summaries_total{outcome="late",tenant="acme"} 0.0' in metrics
+
+
+def test_an_omission_by_age_shows_the_digest_of_what_it_left_out(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Loops older than ``max_time_range`` leave where the clock says, off the batches the
+    summaries are planned for (here 1, then 2, with a batch of 4): the digest of what each
+    such omission left out is made inline and shown with it, stays put while nothing more
+    ages, and the next omission by age appends to it (before: no summary at all)."""
+    upstream.responder = model()
+    root = write_config(tmp_path / "c", upstream.url, acme_policy=(
+        'max_run_loops = 8\nomit_batch = 4\nsummary_model = "extractive"\n'
+        'summary_lines = false\nmax_time_range_s = 1.5\n'))
+    proxy = make_proxy(config_dir=str(root))
+
+    def shown(turn: int) -> list[str | None]:
+        """The summaries the requests of turn ``turn`` showed (None: no marker)."""
+        return [marker(b) for b in upstream.requests if not is_summary_call(b)
+                and any(m.get("content") == f"where is order {turn}" for m in b["messages"]
+                        if m["role"] == "user")
+                and not any(m.get("content") == f"where is order {turn + 1}"
+                            for m in b["messages"] if m["role"] == "user")]
+
+    converse(proxy, "aging", 2)  # a replica dates a loop when a window first looks at it
+    assert all(marker(b) is None for b in upstream.requests)
+    upstream.requests.clear()
+    time.sleep(1.7)  # loops 1 and 2 are old now; the session resumes from its start
+    converse(proxy, "aging", 3)
+    second = shown(2)
+    assert len(second) == 2 and second[0] == second[1]  # stays put within the turn
+    assert second[0] is not None and "#W1000" in second[0] and "carrier-17" in second[0]
+    assert "Summary of the turns not shown" in second[0] and "#W2000" not in second[0]
+    third = shown(3)
+    assert third[0] is not None and "#W2000" in third[0]
+    # rolled on from the first, a block appended (not the two loops digested afresh)
+    assert third[0].startswith(second[0]) and third[0].count("Identifiers:") == 2
+    last = [b for b in upstream.requests if not is_summary_call(b)][-1]
+    users = [m["content"] for m in last["messages"] if m["role"] == "user"]
+    assert users == ["where is order 3"]  # 1 and 2 omitted, by age
+
+
+def test_after_an_omission_by_age_a_model_summary_is_still_made_ahead(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """An omission by age stops off the batch (2 loops, batch 3); the next batch's summary is
+    still planned from there (the next multiple, 3) and made on the reply that closes it, so
+    the model's summary is in the window at its event, not late."""
+    upstream.responder = model()
+    root = write_config(tmp_path / "c", upstream.url, acme_policy=(
+        'max_run_loops = 2\nomit_batch = 3\nsummary_model = "gpt-4o-mini"\n'
+        'max_time_range_s = 1.5\n'))
+    proxy = make_proxy(config_dir=str(root))
+    converse(proxy, "aging-llm", 2)  # dates loops 1 and 2
+    time.sleep(1.7)
+    converse(proxy, "aging-llm", 4, after=lambda k: proxy.settle())
+    asked = [b for b in upstream.requests if not is_summary_call(b)]
+    assert "SUMMARY" in str(marker(asked[-1]))  # the event that omits loops 1-3
     metrics = httpx.get(proxy.base + "/metrics").text
     assert 'runloop_summaries_total{outcome="late",tenant="acme"} 0.0' in metrics
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -90,9 +90,11 @@ PENDING_BYTES = 8 << 20  # the summaries waiting for a reply, over all sessions
 OMIT = "omit:"  # a compaction's field: omit:<e>:<cover> -> the request point it applies from
 
 
-def covers(keys: Sequence[str], loops: Sequence[RunLoop], batch: int) -> dict[int, str]:
-    """For each loop count ``e`` (a multiple of ``batch``) whose loops are all closed, the
-    hash of what a summary of them covers: the messages up to the end of loop e−1."""
+def covers(keys: Sequence[str], loops: Sequence[RunLoop], batch: int,
+           also: Collection[int] = ()) -> dict[int, str]:
+    """For each loop count ``e`` (a multiple of ``batch``, or one of ``also``: where an
+    omission by age stopped) whose loops are all closed, the hash of what a summary of them
+    covers: the messages up to the end of loop e−1."""
     out: dict[int, str] = {}
     closed = done = 0
     h = xxhash.xxh3_128()  # content_hash of the keys so far, one pass (not a join per cover)
@@ -100,7 +102,7 @@ def covers(keys: Sequence[str], loops: Sequence[RunLoop], batch: int) -> dict[in
         if lp.final_position is None:
             break
         closed += 1
-        if closed % batch == 0:
+        if closed % batch == 0 or closed in also:
             h.update("".join(keys[done:lp.end]).encode())
             done = lp.end
             out[closed] = h.hexdigest()
@@ -135,6 +137,17 @@ def event_at(policy: Policy, e: int) -> int:
 
 def field(e: int, cover: str) -> str:
     return f"{e}:{cover}"
+
+
+def counts_of(entries: dict[str, str]) -> set[int]:
+    """The loop counts the stored summaries were made for (any branch's): where omissions
+    by age stopped are among them, and a later summary rolls on from those."""
+    out = set()
+    for name in entries:
+        e, sep, _ = name.partition(":")
+        if sep and e.isdigit():
+            out.add(int(e))
+    return out
 
 
 def omit_field(e: int, cover: str) -> str:
@@ -237,16 +250,16 @@ class SummaryService:
         policy, ns = turn.policy, turn.caller.namespace
         if not policy.summary_model or ns is None or self.state.store is None:
             return
-        loops = window.carry.conv.loops if window.carry is not None else None
-        if loops is None:
-            return
+        # no carry while some loop is older than max_time_range (the clock decides too):
+        # segment afresh then, or sessions with an old loop would never plan a summary
+        loops = window.carry.conv.loops if window.carry is not None else segment(messages)
         cover = covers(keys, loops, policy.omission_batch)
         e = window.omitted_loops
         tl = turn.caller.label
         if e in cover and field(e, cover[e]) not in entries:
             self.state.metrics.summaries.labels(tl, "late").inc()
             self.state.spawn(self._late(ns, session.id, field(e, cover[e])))
-        nxt = e + policy.omission_batch
+        nxt = (e // policy.omission_batch + 1) * policy.omission_batch  # an age may stop off it
         closed = sum(1 for lp in loops if lp.final_position is not None)
         pressed = window.budget is not None \
             and window.tokens_out > policy.target * window.budget.working
@@ -455,16 +468,17 @@ def digest(policy: Policy, previous: str | None, messages: Sequence[Message],
 
 def inline_digest(policy: Policy, entries: dict[str, str], cover: dict[int, str],
                   loops: Sequence[RunLoop], messages: Sequence[Message],
-                  count: Callable[[str], int]) -> Made | None:
+                  count: Callable[[str], int], aged: int = 0) -> Made | None:
     """The extractive summary this request's omission event needs when the store has none
     for it (neither made nor marked late): a pure digest of loops already closed, bounded by
     ``summary_max_tokens`` and made in a millisecond, so the window takes it now rather than
     going without it until the next event. (A model's summary is never made on the request
     path; the background one-loop-ahead start is all it gets.) Later requests of the same
-    event make the same text, whether or not the store has it yet."""
+    event make the same text, whether or not the store has it yet. ``aged``: the loops an
+    omission by age leaves out (``window.builder.aged_loops``), which no batch plans for."""
     if policy.summary_model != "extractive" or not loops:
         return None
-    e = batch_omission(policy, len(loops) - 1)
+    e = max(batch_omission(policy, len(loops) - 1), aged)
     if e not in cover or field(e, cover[e]) in entries:
         return None
     started = time.perf_counter()

@@ -14,10 +14,10 @@ from ..conversation.identity import Session
 from ..conversation.messages import Message
 from ..conversation.runloops import RunLoop, segment
 from ..errors import ContextLengthExceeded, StoreError
-from ..history.summaries import Made, covers, inline_digest, summaries_of
+from ..history.summaries import Made, counts_of, covers, inline_digest, summaries_of
 from ..ops import logs
 from ..state import AppState
-from ..window.builder import Carry, Window, build_window
+from ..window.builder import Carry, Window, aged_loops, build_window
 from ..window.forms import Budget
 from .accounting import RequestLog
 from .offload import offload
@@ -128,15 +128,20 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     entries = stored if stored is not None else {}
     loops = _loops(carry, messages, keys) \
         if entries or turn.policy.summary_model == "extractive" else None
-    cover = covers(keys, loops, turn.policy.omission_batch) if loops is not None else None
+    stamps = FirstSeen(state.first_seen, keys, now)
+    # an omission by age stops where the clock says, off the batches summaries are planned
+    # for: its summary is made inline (extractive) and kept under that count
+    aged = aged_loops(turn.policy, loops[:-1], stamps, now) if loops else 0
+    cover = covers(keys, loops, turn.policy.omission_batch, {aged, *counts_of(entries)}) \
+        if loops is not None else None
     made = inline_digest(turn.policy, entries, cover, loops, messages,
-                         lambda t: state.tokens.text(enc, t)) if loops and cover else None
+                         lambda t: state.tokens.text(enc, t), aged) if loops and cover else None
     if made is not None:
         entries[made.name] = orjson.dumps(made.record).decode()
     summaries, compactions = summaries_of(turn.policy, entries, cover)
     window = build_window(messages, keys, counts, turn.policy, budget,
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
-                          timestamps=FirstSeen(state.first_seen, keys, now), now_ms=now,
+                          timestamps=stamps, now_ms=now,
                           memo=state.window_memo, tool_names=tools.window_names,
                           carry=carry, summaries=summaries, compactions=compactions)
     if window.carry is not None:

@@ -15,13 +15,14 @@ when a threshold is crossed — by at least ``clear_at_least`` tokens and down t
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Protocol
 
 from ..config import Policy, ProxyToolsMode, ReducePastLoops
 from ..conversation.messages import Message, content_hash, tool_calls_of
-from ..conversation.runloops import segment
+from ..conversation.runloops import RunLoop, segment
 from .forms import (
     DEFAULT_NAMES,
     TAG,
@@ -192,16 +193,7 @@ class _Replay:
         return True
 
     def time_omission(self, past: int) -> int:
-        if self.timestamps is None or self.now_ms is None:
-            return 0
-        horizon = self.now_ms - int(self.c.policy.max_time_range_s * 1000)
-        k = 0
-        for lp in self.c.loops[:past]:
-            ts = self.timestamps[lp.start]
-            if ts is None or ts >= horizon:
-                break
-            k = lp.index + 1
-        return k
+        return aged_loops(self.c.policy, self.c.loops[:past], self.timestamps, self.now_ms)
 
     def snapshot(self) -> tuple[int, ...]:
         """The plan and the running sum it implies, without the events (those are recorded
@@ -445,6 +437,22 @@ def _carried(carry: Carry | None, messages: list[Message], keys: list[str], coun
         return None
     p = max(resumable)
     return conv, index(p) + 1, carry.states[p]  # type: ignore[operator]
+
+
+def aged_loops(policy: Policy, past: Sequence[RunLoop], timestamps: Stamps | None,
+               now_ms: int | None) -> int:
+    """How many of the ``past`` loops (those before the open one), oldest first, started
+    longer than ``max_time_range`` ago: what an omission by age leaves out."""
+    if timestamps is None or now_ms is None:
+        return 0
+    horizon = now_ms - int(policy.max_time_range_s * 1000)
+    k = 0
+    for lp in past:
+        ts = timestamps[lp.start]
+        if ts is None or ts >= horizon:
+            break
+        k = lp.index + 1
+    return k
 
 
 def batch_omission(policy: Policy, past: int) -> int:
