@@ -17,9 +17,11 @@ from runloop_proxy.window.digest import (
     condensed,
     found_in,
     identifiers,
+    leaves,
     loop_digest,
     parse,
     pick,
+    result_identifiers,
     roll,
     strength,
 )
@@ -325,6 +327,23 @@ def test_a_tool_call_passes_identifiers_whole_and_a_result_names_none_by_its_fie
     assert loop_digest(loop)[1] == ["HXDUBJ", "mia_li_3668", "78750"]  # no "address1"
     plain = [*loop[:2], {**loop[2], "content": "address1: Main St, user mia_li_3668"}]
     assert loop_digest(plain)[1] == ["HXDUBJ", "address1", "mia_li_3668"]  # text: no fields
+
+
+def test_json_nested_deep_is_read_without_exhausting_the_stack() -> None:
+    """A tool's output is a string: the request's nesting bound never sees inside it, and a
+    recursive walk of a thousand-deep array raised RecursionError on the request path."""
+    deep = "[" * 1000 + '{"id": "HXDUBJ7", "n": [true, null, 2.5]}' + "]" * 1000
+    assert result_identifiers(deep) == ["HXDUBJ7", "2.5"]
+    assert argument_values(deep) == ["HXDUBJ7", "2.5"]
+    assert leaves({"a": [1, {"b": "x", "c": [True, None]}], "d": "y"}) == ["1", "x", "y"]
+    loop = [{"role": "user", "content": "go"},
+            {"role": "assistant", "content": "", "tool_calls": [call("get", deep, "c1")]},
+            {"role": "tool", "tool_call_id": "c1", "content": deep},
+            {"role": "assistant", "content": "done"}]
+    assert loop_digest(loop)[1] == ["HXDUBJ7", "2.5"]  # type: ignore[arg-type]
+    conv = Conversation([{"role": "user", "content": "HXDUBJ7"}, loop[1]],  # type: ignore[list-item]
+                        fixed="")
+    assert conv.references(1, 0) == (["HXDUBJ7"], [])  # the replay's reading of a reply too
 
 
 def test_an_identifier_inside_a_longer_one_or_the_system_prompt_is_not_repeated() -> None:

@@ -57,15 +57,21 @@ def identifiers(text: str) -> list[str]:
     return out
 
 
-def _leaves(value: Any) -> list[str]:
-    """The scalar values of parsed JSON, in order (not its keys, nor booleans and nulls)."""
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _leaves(v)]
-    if isinstance(value, list):
-        return [x for v in value for x in _leaves(v)]
-    if isinstance(value, bool) or value is None:
-        return []
-    return [str(value)]
+def leaves(value: Any) -> list[str]:
+    """The scalar values of parsed JSON, in order (not its keys, nor booleans and nulls).
+    Walked with a stack of its own: a tool's output nested a thousand deep is a string the
+    request's own bounds never see, and must not exhaust Python's."""
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            stack.extend(reversed(list(v.values())))
+        elif isinstance(v, list):
+            stack.extend(reversed(v))
+        elif not (isinstance(v, bool) or v is None):
+            out.append(str(v))
+    return out
 
 
 def _json(text: str) -> list[str] | None:
@@ -73,7 +79,7 @@ def _json(text: str) -> list[str] | None:
     if not text.lstrip().startswith(("{", "[")):
         return None
     try:
-        return _leaves(orjson.loads(text))
+        return leaves(orjson.loads(text))
     except orjson.JSONDecodeError:
         return None
 

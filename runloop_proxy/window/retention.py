@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from ..conversation.messages import Message, text_of
+from .digest import leaves
 
 MIN_CHARS = 3
 MAX_CHARS = 200
@@ -53,7 +54,7 @@ def candidates(reply: Message) -> list[str]:
         fn: Any = c.get("function") or c.get("custom") or {}
         args = fn.get("arguments") if "arguments" in fn else fn.get("input")
         try:
-            found += _leaves(orjson.loads(args)) if isinstance(args, str) else []
+            found += leaves(orjson.loads(args)) if isinstance(args, str) else []
         except orjson.JSONDecodeError:
             found.append(str(args))
     text = text_of(reply.get("content"))
@@ -68,16 +69,6 @@ def candidates(reply: Message) -> list[str]:
             seen.add(v)
             out.append(v)
     return out[:MAX_REFS]
-
-
-def _leaves(value: Any) -> list[str]:
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _leaves(v)]
-    if isinstance(value, list):
-        return [x for v in value for x in _leaves(v)]
-    if isinstance(value, bool) or value is None:
-        return []
-    return [str(value)]
 
 
 @dataclass
