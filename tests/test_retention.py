@@ -346,6 +346,19 @@ def test_json_nested_deep_is_read_without_exhausting_the_stack() -> None:
     assert conv.references(1, 0) == (["HXDUBJ7"], [])  # the replay's reading of a reply too
 
 
+def test_a_large_result_keeps_a_bounded_number_of_identifiers_in_order() -> None:
+    """A carried session holds each result's identifiers: a bounded number per strength, the
+    first ones, each once (a digest takes at most IDS_PER_LOOP of a loop)."""
+    from runloop_proxy.window.digest import IDS_PER_LOOP, RESULT_IDS
+
+    rows = ", ".join(f'{{"code": "A{k}B", "code": "A1B", "day": "2024-05-{k % 28 + 1:02d}"}}'
+                     for k in range(1000))
+    found = found_in({"role": "tool", "content": f"[{rows}]"})
+    assert RESULT_IDS >= 2 * IDS_PER_LOOP
+    assert found.results[0] == tuple(f"A{k}B" for k in range(RESULT_IDS))
+    assert found.results[1] == tuple(f"2024-05-{d:02d}" for d in range(1, 29))
+
+
 def test_an_identifier_inside_a_longer_one_or_the_system_prompt_is_not_repeated() -> None:
     """``7091239`` adds nothing beside ``gift_card_7091239`` (a window that shows the longer
     shows the shorter), whichever comes first; nor does what the system prompt says."""

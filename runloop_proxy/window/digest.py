@@ -37,6 +37,8 @@ _IDS_HEADERS = (IDS_HEADER, "Identifiers from them:")  # and what extractive-3 w
 QUESTION_CHARS = 80
 ANSWER_CHARS = 120
 IDS_PER_LOOP = 14
+RESULT_IDS = 4 * IDS_PER_LOOP  # kept of one tool result, per strength: a carried session
+# holds these for every result it read, and a digest takes at most IDS_PER_LOOP of a loop
 ARG_CHARS = 80  # an argument value longer than this, or with spaces, is read for identifiers
 CONDENSE_SHARE = 0.5  # of the budget, after a rewrite: the next batches append again
 _TOKEN = re.compile(r"[^\s,;()\[\]{}<>=\"'`|]+")
@@ -44,6 +46,8 @@ _TRIM = ".:!?*"
 _MARK = re.compile(r"[\d/@]")
 _DATE = re.compile(r"\d{4}-\d\d-\d\d")
 _CLOCK = re.compile(r"\d:\d\d")
+_OPENS_JSON = re.compile(r"\s*[\[{]")
+_TOKEN_OR_KEY = re.compile(r"""([^\s,;()\[\]{}<>="'`|]+)("\s*:)?""")  # a key: ("...":)
 
 
 def identifiers(text: str) -> list[str]:
@@ -76,7 +80,7 @@ def leaves(value: Any) -> list[str]:
 
 def _json(text: str) -> list[str] | None:
     """The values of ``text`` when it is a JSON object or array, else None."""
-    if not text.lstrip().startswith(("{", "[")):
+    if not _OPENS_JSON.match(text):
         return None
     try:
         return leaves(orjson.loads(text))
@@ -101,12 +105,18 @@ def argument_values(arguments: str) -> list[str]:
 
 
 def result_identifiers(text: str) -> list[str]:
-    """A tool result's identifiers: of its values when it is JSON (a field name such as
-    ``address1`` names no record), else of its text."""
-    values = _json(text)
-    if values is None:
+    """A tool result's identifiers, in order, not counting a JSON result's field names
+    (``"address1":`` names no record): a token closed by a quote and a colon is a key. Read
+    as text, not parsed: a result may be megabytes, and this builds none of its objects."""
+    if not _OPENS_JSON.match(text):
         return identifiers(text)
-    return [x for v in values for x in identifiers(v)]
+    out = []
+    for t, key in _TOKEN_OR_KEY.findall(text):
+        if not key and _MARK.search(t):
+            t = t.strip(_TRIM)
+            if 3 <= len(t) <= 80:
+                out.append(t)
+    return out
 
 
 def strength(ident: str) -> int:
@@ -146,11 +156,11 @@ def found_in(m: Message) -> Found:
     if role == "user":
         return Found(user=tuple(identifiers(text_of(m.get("content")))))
     if role == "tool":
-        ranked: tuple[list[str], list[str]] = ([], [])
+        ranked: tuple[dict[str, None], dict[str, None]] = ({}, {})
         for x in result_identifiers(text_of(m.get("content"))):
             s = strength(x)
-            if s < 2:
-                ranked[s].append(x)
+            if s < 2 and len(ranked[s]) < RESULT_IDS:
+                ranked[s][x] = None
         return Found(results=tuple(map(tuple, ranked)))
     if role != "assistant":
         return Found()
