@@ -129,6 +129,8 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     loops = _loops(carry, messages, keys) \
         if entries or turn.policy.summary_model == "extractive" else None
     stamps = FirstSeen(state.first_seen, keys, now)
+    if messages and messages[-1].get("role") == "user":
+        stamps.date(len(messages) - 1)  # a loop is dated by the request that opens it
     # an omission by age stops where the clock says, off the batches summaries are planned
     # for: its summary is made inline (extractive) and kept under that count
     aged = aged_loops(turn.policy, loops[:-1], stamps, now) if loops else 0
@@ -181,12 +183,18 @@ def _proxy_tools_tokens(state: AppState, enc: Any) -> int:
 
 class FirstSeen:
     """When this replica first saw the message at each position (for max_time_range),
-    looked up only where the window asks: at the first message of each run loop."""
+    looked up only where the window asks — the first message of each run loop — and at the
+    user message a request ends with, so that a loop is dated by the request that opens it
+    (a one-loop conversation's window asks nothing)."""
 
     def __init__(self, seen: MutableMapping[str, int], keys: list[str], now: int):
         self.seen, self.keys, self.now = seen, keys, now
 
     def __getitem__(self, position: int) -> int | None:
+        return self.date(position)
+
+    def date(self, position: int) -> int:
+        """When the message at ``position`` was first seen, now if not before."""
         key = self.keys[position]
         t = self.seen.get(key)
         if t is None:
