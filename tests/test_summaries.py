@@ -494,6 +494,24 @@ def test_after_an_omission_by_age_a_model_summary_is_still_made_ahead(
     assert 'runloop_summaries_total{outcome="late",tenant="acme"} 0.0' in metrics
 
 
+def test_a_failure_planning_a_summary_never_costs_the_call(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever goes wrong deciding which summary to make next, the request is answered and
+    the failure is counted (``runloop_summaries_total{outcome="error"}``)."""
+    from runloop_proxy.history.summaries import SummaryService
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("planted")
+    monkeypatch.setattr(SummaryService, "after", broken)
+    upstream.responder = model()
+    proxy = make_proxy(config_dir=config(tmp_path, upstream))
+    msgs = converse(proxy, "broken-plan", 2)
+    assert msgs[-1]["content"].startswith("order ")  # both turns answered
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert 'runloop_summaries_total{outcome="error",tenant="acme"} 4.0' in metrics
+
+
 @pytest.mark.parametrize(("max_run_loops", "batch", "e", "at"), [
     (10, 5, 5, 11), (10, 5, 10, 16), (4, 2, 2, 5), (2, 3, 3, 3), (2, 3, 6, 6), (1, 1, 1, 2),
     (0, 1, 1, 1), (0, 1, 3, 3), (0, 2, 2, 2), (0, 2, 4, 4)])

@@ -55,7 +55,12 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         return Outgoing(as_sent)
     if made is not None:
         state.summaries.keep_inline(turn, session, made)
-    state.summaries.after(turn, session, spliced, spliced_keys, window, stored)
+    try:
+        state.summaries.after(turn, session, spliced, spliced_keys, window, stored)
+    except Exception:  # noqa: BLE001 - planning a summary must not cost the user this call
+        log.exception("summary planning failed: the window goes without the next one",
+                      extra={"tenant": turn.caller.tenant.name, "session": session.id})
+        state.metrics.summaries.labels(turn.caller.label, "error").inc()
     tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
     for event in window.events:
         state.metrics.compactions.labels(tl, ml, event.kind.value).inc()
