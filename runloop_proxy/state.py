@@ -26,7 +26,7 @@ from .window.builder import Carry
 
 log = logs.get("state")
 RELOAD_POLL_S = 2.0
-FIRST_SEEN_ENTRY_BYTES = 180  # a message hash and a timestamp
+FIRST_SEEN_ENTRY_BYTES = 320  # a session, a position, a message hash and a timestamp
 CLOSE_STALE_AFTER_S = 60.0
 
 

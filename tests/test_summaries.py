@@ -475,6 +475,24 @@ def test_an_omission_by_age_shows_the_digest_of_what_it_left_out(
     assert users == ["where is order 3"]  # 1 and 2 omitted, by age
 
 
+def test_a_loop_is_dated_in_its_own_conversation_not_by_the_same_words_elsewhere(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Another session (here: the same tenant, the same words) that said "where is order 1"
+    long ago does not make this session's new loop old: it is not omitted by age."""
+    upstream.responder = model()
+    root = write_config(tmp_path / "c", upstream.url, acme_policy=(
+        'max_run_loops = 8\nomit_batch = 4\nmax_time_range_s = 1.5\n'))
+    proxy = make_proxy(config_dir=str(root))
+    converse(proxy, "first-session", 2)
+    time.sleep(1.7)
+    upstream.requests.clear()
+    converse(proxy, "second-session", 2)
+    assert all(marker(b) is None for b in upstream.requests)  # nothing omitted
+    upstream.requests.clear()
+    converse(proxy, "first-session", 2)  # its own loop 1 is old: omitted there
+    assert marker(upstream.requests[-1]) is not None
+
+
 def test_after_an_omission_by_age_a_model_summary_is_still_made_ahead(
         tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """An omission by age stops off the batch (2 loops, batch 3); the next batch's summary is

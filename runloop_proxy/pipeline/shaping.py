@@ -133,7 +133,7 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     entries = stored if stored is not None else {}
     loops = _loops(carry, messages, keys) \
         if entries or turn.policy.summary_model == "extractive" else None
-    stamps = FirstSeen(state.first_seen, keys, now)
+    stamps = FirstSeen(state.first_seen, keys, now, "\0".join(carried))
     if messages and messages[-1].get("role") == "user":
         stamps.date(len(messages) - 1)  # a loop is dated by the request that opens it
     # an omission by age stops where the clock says, off the batches summaries are planned
@@ -192,15 +192,17 @@ class FirstSeen:
     user message a request ends with, so that a loop is dated by the request that opens it
     (a one-loop conversation's window asks nothing)."""
 
-    def __init__(self, seen: MutableMapping[str, int], keys: list[str], now: int):
-        self.seen, self.keys, self.now = seen, keys, now
+    def __init__(self, seen: MutableMapping[str, int], keys: list[str], now: int, scope: str):
+        self.seen, self.keys, self.now, self.scope = seen, keys, now, scope
 
     def __getitem__(self, position: int) -> int | None:
         return self.date(position)
 
     def date(self, position: int) -> int:
-        """When the message at ``position`` was first seen, now if not before."""
-        key = self.keys[position]
+        """When the message at ``position`` was first seen, now if not before: in this
+        conversation, at this position. (Keyed by the text alone, another session's "yes"
+        of a week ago made this session's new "yes" old, and its loop was omitted at once.)"""
+        key = f"{self.scope}\0{position}\0{self.keys[position]}"
         t = self.seen.get(key)
         if t is None:
             t = self.seen[key] = self.now
