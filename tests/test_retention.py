@@ -32,6 +32,15 @@ def call(name: str, args: str, cid: str = "c1") -> dict[str, Any]:
     return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
 
 
+def one_loop(user: str, tool: str, args: str, result: str, final: str
+             ) -> list[dict[str, Any]]:
+    """A run loop: the user's question, one tool call and its result, the final answer."""
+    return [{"role": "user", "content": user},
+            {"role": "assistant", "content": "", "tool_calls": [call(tool, args)]},
+            {"role": "tool", "tool_call_id": "c1", "content": result},
+            {"role": "assistant", "content": final}]
+
+
 @pytest.mark.parametrize(("reply", "want"), [
     ({"role": "assistant", "content": "Order #W2378156 ships to /home/mia on 2024-05-20."},
      ["#W2378156", "/home/mia", "2024-05-20"]),
@@ -296,12 +305,9 @@ def test_strength_ranks_codes_before_dates_before_quantities_and_clocks(
 
 
 def test_loop_digest_keeps_what_was_said_first_then_the_strongest_results() -> None:
-    loop = [{"role": "user", "content": "change flight 1234"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                call("get", '{"reservation": "XEWRD9"}', "c1")]},
-            {"role": "tool", "tool_call_id": "c1",
-             "content": "seats 253 at 11:00:00 on 2024-05-20 price 54.04 code HAT023 user u_77"},
-            {"role": "assistant", "content": "done: 1234 moved"}]
+    loop = one_loop("change flight 1234", "get", '{"reservation": "XEWRD9"}',
+                    "seats 253 at 11:00:00 on 2024-05-20 price 54.04 code HAT023 user u_77",
+                    "done: 1234 moved")
     _, ids = loop_digest(loop)  # type: ignore[arg-type]
     # a result's short numbers, clock times and prices measure a record: left out
     assert ids == ["1234", "XEWRD9", "HAT023", "u_77", "2024-05-20"]
@@ -318,12 +324,9 @@ def test_a_tool_call_passes_identifiers_whole_and_a_result_names_none_by_its_fie
                            '"passengers": [{"last_name": "Smith"}]}') == [
         "HXDUBJ", "SEA", "HAT102", "2024-05-20", "Smith"]
     assert argument_values("not json id-42") == ["id-42"]
-    loop = [{"role": "user", "content": "my booking"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                call("get", '{"reservation_id": "HXDUBJ"}', "c1")]},
-            {"role": "tool", "tool_call_id": "c1",
-             "content": '{"address1": "Main St", "user_id": "mia_li_3668", "zip": "78750"}'},
-            {"role": "assistant", "content": "found it"}]
+    loop = one_loop("my booking", "get", '{"reservation_id": "HXDUBJ"}',
+                    '{"address1": "Main St", "user_id": "mia_li_3668", "zip": "78750"}',
+                    "found it")
     assert loop_digest(loop)[1] == ["HXDUBJ", "mia_li_3668", "78750"]  # no "address1"
     plain = [*loop[:2], {**loop[2], "content": "address1: Main St, user mia_li_3668"}]
     assert loop_digest(plain)[1] == ["HXDUBJ", "address1", "mia_li_3668"]  # text: no fields
@@ -336,10 +339,7 @@ def test_json_nested_deep_is_read_without_exhausting_the_stack() -> None:
     assert result_identifiers(deep) == ["HXDUBJ7", "2.5"]
     assert argument_values(deep) == ["HXDUBJ7", "2.5"]
     assert leaves({"a": [1, {"b": "x", "c": [True, None]}], "d": "y"}) == ["1", "x", "y"]
-    loop = [{"role": "user", "content": "go"},
-            {"role": "assistant", "content": "", "tool_calls": [call("get", deep, "c1")]},
-            {"role": "tool", "tool_call_id": "c1", "content": deep},
-            {"role": "assistant", "content": "done"}]
+    loop = one_loop("go", "get", deep, deep, "done")
     assert loop_digest(loop)[1] == ["HXDUBJ7", "2.5"]  # type: ignore[arg-type]
     conv = Conversation([{"role": "user", "content": "HXDUBJ7"}, loop[1]],  # type: ignore[list-item]
                         fixed="")
@@ -362,11 +362,9 @@ def test_a_large_result_keeps_a_bounded_number_of_identifiers_in_order() -> None
 def test_an_identifier_inside_a_longer_one_or_the_system_prompt_is_not_repeated() -> None:
     """``7091239`` adds nothing beside ``gift_card_7091239`` (a window that shows the longer
     shows the shorter), whichever comes first; nor does what the system prompt says."""
-    loop = [{"role": "user", "content": "use card 7091239, policy P-100"},
-            {"role": "assistant", "content": "", "tool_calls": [
-                call("pay", '{"payment_id": "gift_card_7091239"}', "c1")]},
-            {"role": "tool", "tool_call_id": "c1", "content": "charged gift_card_7091239"},
-            {"role": "assistant", "content": "paid with 7091239"}]
+    loop = one_loop("use card 7091239, policy P-100", "pay",
+                    '{"payment_id": "gift_card_7091239"}', "charged gift_card_7091239",
+                    "paid with 7091239")
     assert loop_digest(loop)[1] == ["P-100", "gift_card_7091239"]
     assert loop_digest(loop, known="Policy P-100 applies.")[1] == ["gift_card_7091239"]
     longer_first = [{"role": "user", "content": "pay with my card"}, *loop[1:]]

@@ -52,8 +52,12 @@ _TOKEN_OR_KEY = re.compile(r"""([^\s,;()\[\]{}<>="'`|]+)("\s*:)?""")  # a key: (
 
 def identifiers(text: str) -> list[str]:
     """Identifier-like tokens of ``text``, in order: with a digit, a path separator or an @."""
+    return _identifiers(_TOKEN.findall(text))
+
+
+def _identifiers(tokens: Iterable[str]) -> list[str]:
     out = []
-    for t in _TOKEN.findall(text):
+    for t in tokens:
         if _MARK.search(t):  # the trimmed characters are none of these
             t = t.strip(_TRIM)
             if 3 <= len(t) <= 80:
@@ -110,13 +114,7 @@ def result_identifiers(text: str) -> list[str]:
     as text, not parsed: a result may be megabytes, and this builds none of its objects."""
     if not _OPENS_JSON.match(text):
         return identifiers(text)
-    out = []
-    for t, key in _TOKEN_OR_KEY.findall(text):
-        if not key and _MARK.search(t):
-            t = t.strip(_TRIM)
-            if 3 <= len(t) <= 80:
-                out.append(t)
-    return out
+    return _identifiers(t for t, key in _TOKEN_OR_KEY.findall(text) if not key)
 
 
 def strength(ident: str) -> int:
@@ -189,9 +187,7 @@ def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
             seen.add(x)
             if any(x in y for y in out):
                 continue
-            inside = [y for y in out if y in x]
-            for y in inside:
-                out.remove(y)
+            out[:] = [y for y in out if y not in x]  # the shorter ones x shows
             out.append(x)
             if len(out) >= cap:
                 return True
@@ -205,8 +201,9 @@ def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
         read.append(f)
         if full(f.results[0]):
             return out
-    if any(full(f.results[1]) for f in read):
-        return out
+    for f in read:
+        if full(f.results[1]):
+            break
     return out
 
 
