@@ -1,12 +1,12 @@
 """The session inspector (/admin/ui): its security over plain HTTP, and its pages in a real
-browser — Debian's chromium, headless, driven by Selenium through the system chromedriver
-(nothing downloaded; skipped with a reason where either is missing)."""
+browser — Debian's chromium, headless, driven through the system chromedriver over the
+WebDriver protocol (tests/webdriver.py; nothing downloaded; skipped with a reason where either
+is missing)."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,10 @@ import pytest
 
 from runloop_proxy.scripted import ScriptedUpstream
 
-from .conftest import ProxyServer
+from .conftest import ProxyServer, until
 from .test_config import ACME_KEY, write_config
 from .test_summaries import TOOLS, converse, model
+from .webdriver import Browser
 
 ADMIN_KEY = "admin-0123456789abcdef"
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -138,75 +139,31 @@ def test_an_ambiguous_session_id_is_a_409_naming_the_tenants(
     assert r.json()["error"]["message"].count("pt-") == 2
 
 
-def browser() -> Any:
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    driver_bin = shutil.which("chromedriver")
-    if not chromium or not driver_bin:
-        pytest.skip("no chromium/chromedriver: apt-get install chromium chromium-driver")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
-                "--window-size=1280,1400", "--disable-gpu"):
-        opts.add_argument(arg)
-    return webdriver.Chrome(service=Service(executable_path=driver_bin), options=opts)
-
-
-def navigate(drv: Any, clicked: Any, text: str) -> None:
-    """Click ``clicked`` and wait for the next page, headed ``text``: the old page must go
-    stale first (the session page's form posts back to a page of the same heading)."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    old = drv.find_element(By.TAG_NAME, "html")
-    clicked.click()
-    WebDriverWait(drv, 10).until(expected_conditions.staleness_of(old), "the page to change")
-    heading(drv, text)
-
-
-def heading(drv: Any, text: str) -> None:
-    """Wait for the page whose h1 is ``text``."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    def shown(d: Any) -> bool:
-        try:
-            return bool(d.find_element(By.TAG_NAME, "h1").text == text)
-        except Exception:  # noqa: BLE001 - the old page went stale mid-read: look again
-            return False
-    WebDriverWait(drv, 10).until(shown, f"a page headed {text!r}")
-
-
 def test_in_a_real_browser(inspected: ProxyServer) -> None:
-    from selenium.webdriver.common.by import By
-
-    drv = browser()
+    drv = Browser.start_or_skip()
+    shots = os.environ.get("RUNLOOP_SCREENSHOTS")
     try:
         drv.get(inspected.base + "/admin/ui")
         assert drv.current_url.endswith("/admin/ui/login")
-        drv.find_element(By.NAME, "key").send_keys(ADMIN_KEY)
-        navigate(drv, drv.find_element(By.CSS_SELECTOR, "button[type=submit]"), "Sessions")
-        assert not drv.execute_script("return document.cookie")  # HttpOnly: not readable
-        links = [a.text for a in drv.find_elements(By.CSS_SELECTOR, "td a")]
+        drv.css("input[name=key]").send_keys(ADMIN_KEY)
+        drv.navigate(drv.css("button[type=submit]"), "Sessions")
+        assert not drv.script("return document.cookie")  # HttpOnly: not readable
+        links = [a.text for a in drv.css_all("td a")]
         assert set(links) == {"order-desk-7", "markup"}
-        if os.environ.get("RUNLOOP_SCREENSHOTS"):
-            drv.save_screenshot(str(DOCS / "inspector-sessions.png"))
-        navigate(drv, drv.find_element(By.LINK_TEXT, "order-desk-7"), "Session order-desk-7")
-        assert drv.find_elements(By.CSS_SELECTOR, "svg polyline")
-        assert drv.find_elements(By.CSS_SELECTOR, "tr.omitted")
-        if os.environ.get("RUNLOOP_SCREENSHOTS"):
-            drv.save_screenshot(str(DOCS / "inspector-session.png"))
-        navigate(drv, drv.find_element(By.XPATH, "//button[text()='Compact now']"),
-                 "Session order-desk-7")
-        navigate(drv, drv.find_element(By.CSS_SELECTOR, "td a[href*='message']"),
-                 "Message 3 (tool)")
-        assert "carrier-" in drv.find_element(By.TAG_NAME, "pre").text
+        if shots:
+            drv.screenshot(DOCS / "inspector-sessions.png")
+        drv.navigate(drv.find("link text", "order-desk-7"), "Session order-desk-7")
+        assert drv.css_all("svg polyline")
+        assert drv.css_all("tr.omitted")
+        if shots:
+            drv.screenshot(DOCS / "inspector-session.png")
+        drv.navigate(drv.find("xpath", "//button[text()='Compact now']"),
+                     "Session order-desk-7")
+        drv.navigate(drv.css("td a[href*='message']"), "Message 3 (tool)")
+        assert "carrier-" in drv.css("pre").text
         drv.get(inspected.base + "/admin/ui/session?id=markup")
-        heading(drv, "Session markup")
-        assert "<script>" in drv.find_element(By.TAG_NAME, "body").text  # shown as text
+        until(lambda: drv.heading() == "Session markup", what="the markup session's page")
+        assert "<script>" in drv.css("body").text  # shown as text
     finally:
         drv.quit()
 
