@@ -11,6 +11,7 @@ import openai
 import orjson
 import pytest
 
+from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.conversation.messages import message_hash, message_refs
 from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner, rank
 from runloop_proxy.scripted import ScriptedUpstream
@@ -138,7 +139,7 @@ def test_mixed_calls_client_gets_its_own_and_proxy_part_is_spliced_back(
     assert first.choices[0].finish_reason == "tool_calls"
     msgs.append(first.choices[0].message.model_dump(exclude_none=True))
     msgs.append({"role": "tool", "tool_call_id": "client_1", "content": "file_a file_b"})
-    until(lambda: proxy.state.store.cached_internal(_tenant(), "mixed-1"),
+    until(lambda: proxy.state.store.cached_internal(_tenant(), named_key("mixed-1")),
           what="the proxy's part of the turn kept")
     second = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=CLIENT_TOOLS)
     assert second.choices[0].message.content == "all done"
