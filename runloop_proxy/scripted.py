@@ -380,9 +380,15 @@ class ScriptedUpstream:
                 sent += 1
             for i, call in enumerate(reply.get("tool_calls") or []):
                 c = _call(call)
-                yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
-                                             "function": {"name": c["function"]["name"],
-                                                          "arguments": ""}}]})
+                name, cut = c["function"]["name"], reply.get("name_pieces")
+                if cut:  # the id alone, then the name in pieces (as some providers stream)
+                    yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function"}]})
+                    for j in range(0, len(name), cut):
+                        yield chunk({"tool_calls": [{"index": i, "function":
+                                                     {"name": name[j:j + cut]}}]})
+                else:
+                    yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                                 "function": {"name": name, "arguments": ""}}]})
                 args = c["function"]["arguments"]
                 for j in range(0, len(args), 10):
                     yield chunk({"tool_calls": [{"index": i, "function":

@@ -356,6 +356,36 @@ def test_a_stream_mixing_the_proxys_and_the_clients_calls_numbers_the_clients_fr
     assert calls == {0: "bash"}
 
 
+@pytest.mark.parametrize("cut", [1, 7])
+def test_a_proxy_call_streamed_with_its_name_in_pieces_never_reaches_the_client(
+        proxy: ProxyServer, upstream: ScriptedUpstream, cut: int) -> None:
+    """The upstream sends each call's id alone, then its name in pieces ("recall_" and
+    "tool_call"), beside a call of the client's: the client sees only its own call, the
+    proxy's is answered (spliced back on the next request), whatever the pieces."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        return {"name_pieces": cut, "tool_calls": [
+            {"id": "rc_3", "name": recall_name(body), "arguments": {"call_id": "call_2"}},
+            {"id": "client_3", "name": "bash", "arguments": {"cmd": "ls"}}]}
+
+    upstream.responder = respond
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    parts = list(c.chat.completions.create(model="gpt-4o-mini", stream=True,
+                                           messages=long_session(),  # type: ignore[arg-type]
+                                           tools=CLIENT_TOOLS))  # type: ignore[arg-type]
+    calls: dict[int, dict[str, str]] = {}
+    for part in parts:
+        for tc in (part.choices[0].delta.tool_calls or []) if part.choices else []:
+            slot = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            slot["id"] += tc.id or ""
+            slot["name"] += (tc.function.name or "") if tc.function else ""
+            slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert calls == {0: {"id": "client_3", "name": "bash", "arguments": '{"cmd":"ls"}'}}
+    finishes = [p.choices[0].finish_reason for p in parts if p.choices
+                and p.choices[0].finish_reason]
+    assert finishes == ["tool_calls"]
+    assert len(upstream.requests) == 1  # mixed: the proxy's part waits for the next request
+
+
 AWKWARD = "tabs\there  and   runs of spaces\n\nblank lines\r\nCRLF \u00e9t\u00e9 \u4e2d\u6587 " \
     "\U0001f600 zero\u200bwidth " + "x " * 400
 PARTS = [{"type": "text", "text": "first part  with  spaces\n"},
