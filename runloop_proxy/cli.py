@@ -160,7 +160,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
         return 0
-    print(f"session {data['session_id']}  tenant {data['tenant']}  "
+    shown = data.get("name") or data["session_id"]
+    key = f" (stored as {data['session_id']})" if shown != data["session_id"] else ""
+    print(f"session {shown}{key}  tenant {data['tenant']}  "
           f"{data['message_count']} messages  head branch {data['head_branch']}")
     for lp in data["run_loops"]:
         ids = ", ".join(lp["tool_call_ids"][:6]) + (" …" if len(lp["tool_call_ids"]) > 6 else "")

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import gzip
 import hashlib
 import itertools
 import threading
@@ -128,6 +129,8 @@ class ScriptedUpstream:
         self.requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.raw_bodies: list[bytes] = []
+        # every other request: (method, raw path with its query, headers, body as received)
+        self.other: list[tuple[str, str, dict[str, str], bytes]] = []
         self.streams_started = 0
         self.streams_closed_early = 0
         self.abandoned = 0
@@ -147,6 +150,7 @@ class ScriptedUpstream:
         self.requests.clear()
         self.headers.clear()
         self.raw_bodies.clear()
+        self.other.clear()
         self.streams_started = self.streams_closed_early = self.abandoned = 0
         self.keep_requests = True
         self.delay = 0.0
@@ -236,7 +240,10 @@ class ScriptedUpstream:
                 media_type="application/json")
 
         async def embeddings(request: Request) -> Response:
-            body = await request.json()
+            raw = await request.body()
+            if request.headers.get("content-encoding") == "gzip":
+                raw = gzip.decompress(raw)  # as APIs that take compressed bodies do
+            body = orjson.loads(raw)
             inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
             return Response(orjson.dumps({"object": "list", "model": body.get("model"),
                                           "data": [{"object": "embedding", "index": i,
@@ -245,11 +252,22 @@ class ScriptedUpstream:
                                           "usage": {"prompt_tokens": 3, "total_tokens": 3}}),
                             media_type="application/json")
 
+        async def anything(request: Request) -> Response:
+            path = request.scope["raw_path"].decode("latin-1")
+            query = request.scope["query_string"].decode("latin-1")
+            self.other.append((request.method, path + (f"?{query}" if query else ""),
+                               dict(request.headers), await request.body()))
+            return Response(orjson.dumps({"error": {
+                "message": f"no route {request.method} {path}", "type": "invalid_request_error",
+                "param": None, "code": "unknown_url"}}), 404, media_type="application/json")
+
         return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                                  Route("/v1/responses", chat, methods=["POST"]),
                                  Route("/v1/models", models), Route("/v1/embeddings",
                                                                     embeddings,
-                                                                    methods=["POST"])])
+                                                                    methods=["POST"]),
+                                 Route("/{path:path}", anything, methods=[
+                                     "GET", "POST", "PUT", "PATCH", "DELETE"])])
 
     def _usage(self, body: dict[str, Any], reply: Reply, org: str) -> dict[str, Any]:
         prompt, cached = estimate_prompt_tokens(body), 0
@@ -362,9 +380,15 @@ class ScriptedUpstream:
                 sent += 1
             for i, call in enumerate(reply.get("tool_calls") or []):
                 c = _call(call)
-                yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
-                                             "function": {"name": c["function"]["name"],
-                                                          "arguments": ""}}]})
+                name, cut = c["function"]["name"], reply.get("name_pieces")
+                if cut:  # the id alone, then the name in pieces (as some providers stream)
+                    yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function"}]})
+                    for j in range(0, len(name), cut):
+                        yield chunk({"tool_calls": [{"index": i, "function":
+                                                     {"name": name[j:j + cut]}}]})
+                else:
+                    yield chunk({"tool_calls": [{"index": i, "id": c["id"], "type": "function",
+                                                 "function": {"name": name, "arguments": ""}}]})
                 args = c["function"]["arguments"]
                 for j in range(0, len(args), 10):
                     yield chunk({"tool_calls": [{"index": i, "function":

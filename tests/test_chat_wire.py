@@ -7,6 +7,8 @@ from typing import Any
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runloop_proxy.api.chat_wire import (
     Accumulator,
@@ -16,9 +18,9 @@ from runloop_proxy.api.chat_wire import (
     completion_problem,
 )
 from runloop_proxy.errors import UpstreamBadReply, UpstreamError
-from runloop_proxy.pipeline.sse import SSEEvent
+from runloop_proxy.pipeline.sse import SSEDecoder, SSEEvent
 from runloop_proxy.pipeline.tools import ProxyTools
-from runloop_proxy.pipeline.wire import Reply, Step, decide
+from runloop_proxy.pipeline.wire import Reply, Step, client_message, decide
 
 WIRE = ChatWire()
 TOOLS = ProxyTools.for_request(None)
@@ -247,3 +249,119 @@ def test_the_accumulator_builds_calls_by_index_and_ignores_other_choices() -> No
     assert acc.tool_calls()[0]["function"] == {"name": "f", "arguments": "{}"}
     assert acc.message() == {"role": "assistant", "tool_calls": acc.tool_calls()}
     assert acc.id == "u1" and acc.model == "m" and acc.finish_reason is None
+
+
+# -- the splitter holds for any chunking and interleaving of the upstream's deltas ------------
+
+ARGUMENTS = ["", "{}", '{"q": "a b"}', '{"call_id": "7f"}']
+NAMES = ["recall_tool_call", "search_history", "bash", "recall_tool_call_v2", "search", "recall",
+         "recall_tool_", "lookup"]
+
+
+@st.composite
+def upstream_answers(draw: st.DrawFn) -> tuple[str, list[dict[str, Any]], list[bytes]]:
+    """An upstream streamed answer: its text, its calls (the proxy's among them, client names
+    that start like the proxy's), and its bytes — each call's id, name and arguments cut into
+    pieces, the calls' deltas interleaved (each call's in order, its name before its
+    arguments; its id before, with or after its name), text, empty deltas and a usage-only
+    chunk anywhere, split at random bytes."""
+    text = draw(st.text(alphabet="ab c", max_size=12))
+    calls = []
+    for k in range(draw(st.integers(min_value=0, max_value=4))):
+        calls.append({"id": f"call_{k}{draw(st.text(alphabet='xyz', max_size=3))}",
+                      "type": "function", "function": {
+                          "name": draw(st.sampled_from(NAMES)),
+                          "arguments": draw(st.sampled_from(ARGUMENTS))}})
+
+    def pieces(s: str) -> list[str]:
+        cuts = sorted(draw(st.sets(st.integers(min_value=1, max_value=max(1, len(s) - 1)),
+                                   max_size=3))) if len(s) > 1 else []
+        return [s[a:b] for a, b in zip([0, *cuts], [*cuts, len(s)], strict=True)]
+
+    streams: list[list[dict[str, Any]]] = []
+    for k, c in enumerate(calls):
+        deltas: list[dict[str, Any]] = []
+        where = draw(st.sampled_from(["alone-first", "with-name", "last"]))  # the id's delta
+        if where == "alone-first":
+            deltas.append({"index": k, "id": c["id"], "type": "function"})
+        for j, part in enumerate(pieces(c["function"]["name"])):
+            d: dict[str, Any] = {"index": k, "function": {"name": part}}
+            if j == 0 and where == "with-name":
+                d.update(id=c["id"], type="function")
+            deltas.append(d)
+        deltas += [{"index": k, "function": {"arguments": part}}
+                   for part in pieces(c["function"]["arguments"])]
+        if where == "last":
+            deltas[-1] = {**deltas[-1], "id": c["id"], "type": "function"}
+        streams.append(deltas)
+    texts = [{"content": part} for part in pieces(text)] if text else []
+    order: list[dict[str, Any]] = []
+    queues = [*streams, texts, [{}], [{"usage": True}]]  # {}: an empty delta
+    opened = 0  # a call's index is the order it opens in (how providers number them)
+    while any(queues):
+        ready = [q for k, q in enumerate(queues) if q and (k >= len(streams) or k <= opened)]
+        q = draw(st.sampled_from(ready))
+        if next(k for k, x in enumerate(queues) if x is q) == opened < len(streams):
+            opened += 1
+        order.append(q.pop(0))
+    chunks = []
+    for d in order:
+        if d.get("usage"):
+            chunks.append({"id": "s", "choices": [], "usage": {"prompt_tokens": 3}})
+        elif "index" in d:
+            chunks.append({"id": "s", "choices": [{"index": 0, "delta": {"tool_calls": [d]},
+                                                   "finish_reason": None}]})
+        else:
+            chunks.append({"id": "s", "choices": [{"index": 0, "delta": d,
+                                                   "finish_reason": None}]})
+    chunks.append({"id": "s", "choices": [{"index": 0, "delta": {},
+                                           "finish_reason": "tool_calls" if calls else "stop"}]})
+    raw = b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    cuts = sorted(draw(st.sets(st.integers(min_value=1, max_value=len(raw) - 1), max_size=8)))
+    return text, calls, [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
+
+
+def reassembled(out: list[bytes]) -> tuple[str, list[dict[str, Any]], list[str]]:
+    """What a client builds from the stream it got (as the SDKs do: deltas merged by index)."""
+    acc = Accumulator()
+    finishes = []
+    decoder = SSEDecoder()
+    for ev in [*decoder.feed(b"".join(out)), *decoder.flush()]:
+        if ev.is_done:
+            continue
+        chunk = orjson.loads(ev.data)
+        acc.add(chunk)
+        finishes += [c["finish_reason"] for c in chunk["choices"] if c.get("finish_reason")]
+    return "".join(acc.content), acc.tool_calls(), finishes
+
+
+@settings(max_examples=400, deadline=None)
+@given(answer=upstream_answers())
+def test_the_client_gets_the_upstream_answer_less_the_proxys_calls(
+        answer: tuple[str, list[dict[str, Any]], list[bytes]]) -> None:
+    text, calls, pieces = answer
+    relay = WIRE.relay({"model": "m", "stream": True})
+    rnd = relay.round(TOOLS)
+    decoder = SSEDecoder()
+    out: list[bytes] = []
+    for piece in pieces:
+        for ev in decoder.feed(piece):
+            out += rnd.feed(ev)
+    for ev in decoder.flush():
+        out += rnd.feed(ev)
+    assert rnd.complete
+    reply = rnd.reply()
+    assert reply.calls == calls  # the proxy read the upstream's answer whole
+    decision = decide(reply.calls, TOOLS, 0, 4)
+    theirs = [c for c in calls if not TOOLS.owns(c)]
+    if decision.step is Step.ANSWER:  # only the proxy's: the next round follows, nothing shown
+        assert reassembled(out)[1] == []
+        return
+    out += rnd.close(decision)
+    out += relay.end(reply.usage or {})
+    got_text, got_calls, finishes = reassembled(out)
+    assert (got_text, got_calls) == (text, theirs)
+    assert finishes == ["tool_calls" if theirs else "stop"] if decision.step is not \
+        Step.WITHDRAWN else finishes == ["stop"]
+    shown = relay.shown(client_message(reply, decision))
+    assert shown.get("tool_calls", []) == got_calls  # what the client will echo is recorded

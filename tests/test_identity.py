@@ -1,20 +1,25 @@
-"""Which requests form one conversation (pure): explicit ids, fingerprints, their scope, and how
-a trimmed history finds the conversation it continues."""
+"""Which requests form one conversation (pure): explicit ids, fingerprints, their scope, the
+keys each kind is stored under, and how a trimmed history finds where it is stored."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from runloop_proxy.conversation.identity import (
     DEFAULT_SOURCES,
     SessionKind,
     anchor,
     anchors,
+    chained_key,
     check_source,
     continued,
     identify,
+    named_key,
+    stored_id,
 )
 from runloop_proxy.conversation.messages import Message
 from runloop_proxy.errors import InvalidRequest
@@ -53,7 +58,8 @@ def test_explicit_sources_in_order(headers: dict[str, str], extra: dict[str, Any
     if expected is None:
         assert s.kind is SessionKind.FINGERPRINT and s.id.startswith("fp-")
     else:
-        assert (s.id, s.kind) == (expected, SessionKind.EXPLICIT)
+        assert (s.label, s.id, s.kind) == (expected, "n:" + expected, SessionKind.EXPLICIT)
+        assert s.header_value == expected and s.reaches_store
 
 
 def test_fingerprint_covers_namespace_scope_system_prompt_and_first_user_message() -> None:
@@ -81,8 +87,41 @@ def test_fingerprint_covers_namespace_scope_system_prompt_and_first_user_message
 
 def test_ids_beyond_visible_ascii_are_kept_and_echoed_percent_encoded() -> None:
     s = ident({**BODY, "user": "山田"}, sources=("user",))
-    assert s.id == "山田" and s.header_value == "%E5%B1%B1%E7%94%B0"
+    assert s.label == "山田" and s.header_value == "%E5%B1%B1%E7%94%B0"
+    assert s.id == named_key("山田") and s.id.startswith("h:")
     assert ident(headers={"X-Session-Id": "plain-1"}).header_value == "plain-1"
+
+
+def test_a_fingerprint_reaches_only_its_request_and_shows_its_own_key() -> None:
+    s = ident()
+    assert s.label == s.id and not s.reaches_store
+    assert ident(headers={"X-Session-Id": s.id}).reaches_store  # named: it does
+
+
+# Every id a client can give, every id the proxy shows or derives: what a client names must
+# land in the named namespace, injectively, and never on a key the proxy derived.
+CLIENT_IDS = st.one_of(
+    st.text(min_size=1, max_size=40),
+    st.from_regex(r"(n:|h:|fp-|chain-|h-|x-)[0-9a-f]{1,40}", fullmatch=True),
+    st.from_regex(r"[A-Za-z0-9._:-]{1,140}", fullmatch=True))
+
+
+@given(a=CLIENT_IDS, b=CLIENT_IDS)
+def test_named_keys_are_injective_and_apart_from_derived_ones(a: str, b: str) -> None:
+    ka, kb = named_key(a), named_key(b)
+    assert (ka == kb) == (a == b)
+    assert ka.startswith(("n:", "h:")) and not ka.startswith(("fp-", "chain-"))
+    assert stored_id(ka) == ka  # an operator's name for a listed key is that key
+
+
+@given(given_id=CLIENT_IDS)
+def test_a_derived_id_sent_back_names_a_new_session(given_id: str) -> None:
+    """The fingerprint the proxy echoed, a chained conversation's key, a named key itself:
+    sent back as a session id, each lands on a key of its own."""
+    fp = ident().id
+    for shown in (fp, chained_key("resp_1"), named_key(given_id)):
+        claimed = ident(headers={"X-Session-Id": shown})
+        assert claimed.id != shown and claimed.id == named_key(shown)
 
 
 @pytest.mark.parametrize("bad", ["a\x00b", "line\nbreak", "tab\tin", "x" * 257, "\u2028"])

@@ -14,6 +14,7 @@ import openai
 import orjson
 import pytest
 
+from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, until
@@ -300,7 +301,7 @@ def test_mixed_calls_the_client_gets_its_own_and_the_proxys_are_spliced_back(
     assert [(o.call_id, o.name) for o in calls] == [("client_1", "shell")]
     items += [o.model_dump(exclude_none=True) for o in first.output]
     items.append({"type": "function_call_output", "call_id": "client_1", "output": "a b"})
-    until(lambda: proxy.state.store.cached_internal(TENANT, f"mixed-{stream}"),
+    until(lambda: proxy.state.store.cached_internal(TENANT, named_key(f"mixed-{stream}")),
           what="the proxy's part of the turn kept")
     assert c.responses.create(**{**kw, "input": items}).output_text == "all done"
     sent = upstream.requests[-1]["input"]

@@ -4,6 +4,8 @@ scripted upstream."""
 from __future__ import annotations
 
 import asyncio
+import gzip
+import http.client
 import socket
 import time
 
@@ -12,6 +14,8 @@ import openai
 import orjson
 import pytest
 
+from runloop_proxy.api.routes import v1_subpath
+from runloop_proxy.errors import InvalidRequest
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, free_port
@@ -339,3 +343,67 @@ def test_client_disconnect_cancels_a_non_streaming_call(proxy: ProxyServer,
     metrics = httpx.get(proxy.base + "/metrics").text
     assert 'status="499"' in metrics
     assert time.monotonic() - started < 5
+
+
+# -- pass-through paths stay below /v1/ -------------------------------------------------
+
+@pytest.mark.parametrize(("raw", "upstream_path"), [
+    (b"/v1/models", "/models"),
+    (b"/v1/files/file-abc/content", "/files/file-abc/content"),
+    (b"/v1/models/ft:gpt-4o:org:x", "/models/ft:gpt-4o:org:x"),
+    (b"/v1/vector_stores/vs_1/files/", "/vector_stores/vs_1/files/"),
+    (b"/v1/a%20b", "/a%20b"),
+    (b"/v1/a%252e%252e/x", "/a%252e%252e/x"),  # decoded once: a literal %2e, sent re-encoded
+    (b"/v1/caf%C3%A9", "/caf%C3%A9"),
+    (b"/v1/a..b/.well", "/a..b/.well"),
+])
+def test_a_pass_through_path_below_v1_is_kept(raw: bytes, upstream_path: str) -> None:
+    assert v1_subpath(raw) == upstream_path
+
+
+@pytest.mark.parametrize("raw", [
+    b"/v1/../secret", b"/v1/%2e%2e/%2e%2e/secret", b"/v1/..%2f..%2fsecret",
+    b"/v1/models/..%2F..%2Fother", b"/v1/%2E%2E", b"/v1/.", b"/v1/a/./b", b"/v1//etc",
+    b"/v1/a%5c..%5cb", b"/v1/a\\b", b"/v1/a%00b", b"/v1/a%0d%0aX-Injected:%201",
+    b"/v1/%ff", b"/v2/models", b"/v1",
+])
+def test_a_pass_through_path_that_leaves_v1_is_refused(raw: bytes) -> None:
+    with pytest.raises(InvalidRequest):
+        v1_subpath(raw)
+
+
+def raw_request(proxy: ProxyServer, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    """A request whose path goes on the wire exactly as written (no client normalises it)."""
+    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers={
+            "Authorization": "Bearer sk-test-client-key", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+def test_pass_through_paths_never_leave_v1_upstream(proxy: ProxyServer,
+                                                    upstream: ScriptedUpstream) -> None:
+    for path in ("/v1/%2e%2e/%2e%2e/secret", "/v1/..%2f..%2fsecret",
+                 "/v1/models/..%2F..%2Fother", "/v1/%2e%2e/v1/models"):
+        status, body = raw_request(proxy, "GET", path)
+        assert status == 400, path
+        assert "below /v1/" in orjson.loads(body)["error"]["message"]
+    assert upstream.other == []
+    status, _ = raw_request(proxy, "GET", "/v1/files/file-1/content?purpose=x%2Fy")
+    assert status == 404  # the scripted upstream has no such file; it saw the request:
+    method, path, headers, _ = upstream.other[-1]
+    assert (method, path) == ("GET", "/v1/files/file-1/content?purpose=x%2Fy")
+    assert headers["authorization"] == "Bearer sk-test-client-key"
+
+
+def test_a_compressed_pass_through_body_keeps_its_encoding(proxy: ProxyServer,
+                                                           upstream: ScriptedUpstream) -> None:
+    body = gzip.compress(orjson.dumps({"model": "text-embedding-3-small", "input": ["a", "b"]}))
+    status, answer = raw_request(proxy, "POST", "/v1/embeddings", body, {
+        "Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert status == 200, answer
+    assert [d["index"] for d in orjson.loads(answer)["data"]] == [0, 1]

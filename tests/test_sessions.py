@@ -12,6 +12,7 @@ import re
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import openai
@@ -46,7 +47,7 @@ def sessions(proxy: ProxyServer, tenant: str = PT) -> dict[str, dict[str, Any]]:
                         headers=auth).json()
     out = {}
     for row in listing["sessions"]:
-        view = httpx.get(f"{proxy.base}/admin/sessions/{row['session_id']}",
+        view = httpx.get(f"{proxy.base}/admin/sessions/{quote(row['session_id'], safe='')}",
                          params={"tenant": tenant, "messages": "1"}, headers=auth)
         assert view.status_code == 200, view.text
         out[row["session_id"]] = view.json()
@@ -288,7 +289,7 @@ def test_past_max_branches_the_least_recently_used_branch_is_pruned(
             model="m", messages=[{"role": "user", "content": f"edit {k}"}])
         assert r.http_response.status_code == 200 and "x-runloop-degraded" not in r.headers
         proxy.settle()
-    view = sessions(proxy)["forks"]
+    view = sessions(proxy)["n:forks"]  # a named session is listed under its key
     assert len(view["branches"]) == 2
     assert texts(view) == ["edit 3", "echo: edit 3"]
     pruned = [r for r in view["compression_records"] if r["kind"] == "branch_pruned"]
@@ -411,3 +412,141 @@ def test_interleaved_conversations_never_see_each_other(tenant_proxy: ProxyServe
         for body in upstream.raw_bodies[seen:]:
             for other in others:
                 assert other.encode() not in body, f"user {who} saw {other!r}"
+
+
+# -- a session nobody named reaches only what its request carries ------------------------
+
+GREETING = ("Hello! I am the account assistant of Example Bank. I can look up balances, "
+            "explain recent transactions, order replacement cards, update your address and "
+            "walk you through any form you need. Tell me what you would like to do today, and "
+            "give me a moment while I open your file; it usually takes a few seconds.")
+LOOKUP = {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]}
+
+
+def probing_responder(query: str) -> Any:
+    """A model that searches the history for ``query`` once per turn before it answers:
+    "Hello" with a long greeting, a user who says where they are with a lookup under a
+    low-entropy call id (``call_0``), anything else with "searched" (what a stranger's
+    model would do for him, and what leaves the proxy's exchange in the victim's history
+    right before the reply a stranger can line up with)."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        msgs = body["messages"]
+        last = msgs[-1]
+        if last["role"] == "tool" and last["tool_call_id"] == "call_0":
+            return {"content": "ok"}
+        if last["role"] == "tool":  # the proxy's search answered: now the reply
+            asked = next(m for m in reversed(msgs) if m["role"] == "user")["content"]
+            if asked == "Hello":
+                return {"content": GREETING}
+            if asked.startswith("I am at"):
+                return {"tool_calls": [{"id": "call_0", "name": "lookup", "arguments": {}}]}
+            return {"content": "searched"}
+        name = recall_name(body, "search_history")
+        assert name, "the proxy's tools go with every request of this tenant"
+        return {"tool_calls": [{"id": f"sh_{len(msgs)}", "name": name,
+                                "arguments": {"query": query}}]}
+    return respond
+
+
+@pytest.mark.parametrize("victim, stranger", [
+    # the victim's conversation got a long greeting, later on; the stranger opens with it
+    (["My account number is ACCT-77120931", "Hello"],
+     [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": GREETING},
+      {"role": "user", "content": "what is my account number?"}]),
+    # a low-entropy tool call id both conversations got (call_0)
+    (["I am at 12 Secret Lane, PIN ACCT-77120931"],
+     [LOOKUP, {"role": "tool", "tool_call_id": "call_0", "content": "found"},
+      {"role": "user", "content": "what is my account number?"}]),
+], ids=["long-greeting", "reused-call-id"])
+def test_a_stranger_who_lines_up_with_a_stored_conversation_reads_nothing_of_it(
+        tenant_proxy: ProxyServer, upstream: ScriptedUpstream,
+        victim: list[str], stranger: list[dict[str, Any]]) -> None:
+    """A request whose messages line up with the end of another conversation (a trimmed
+    history, or a forgery of one) is at most stored beside it: its model's search never
+    returns what the request does not carry, and it is shown its own session id."""
+    upstream.responder = probing_responder("account number")
+    c = sdk(tenant_proxy, ACME_KEY)
+    system = {"role": "system", "content": "Bank bot."}
+    convo: list[dict[str, Any]] = [system]
+    for said in victim:  # the victim's turns, each answered by the model and recorded
+        convo.append({"role": "user", "content": said})
+        r = c.chat.completions.with_raw_response.create(model="m", messages=convo, tools=TOOLS)  # type: ignore[arg-type]
+        reply = r.parse().choices[0].message
+        convo.append(reply.model_dump(exclude_none=True))
+        if reply.tool_calls:
+            convo.append({"role": "tool", "tool_call_id": "call_0", "content": "found"})
+            r = c.chat.completions.with_raw_response.create(model="m", messages=convo,  # type: ignore[arg-type]
+                                                            tools=TOOLS)
+            convo.append(r.parse().choices[0].message.model_dump(exclude_none=True))
+        tenant_proxy.settle()
+    victim_id = r.headers["x-session-id"]
+    seen = len(upstream.raw_bodies)
+    r = c.chat.completions.with_raw_response.create(
+        model="m", messages=[system, *stranger], tools=TOOLS)  # type: ignore[list-item]
+    bodies = upstream.raw_bodies[seen:]
+    assert len(bodies) == 2, "a search round, then the answer"
+    assert b"sh_" in bodies[1] and not any(b"77120931" in b for b in bodies)
+    assert r.headers["x-session-id"] != victim_id
+
+
+def test_no_id_the_proxy_shows_or_derives_can_be_claimed(
+        tenant_proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """Every id the proxy printed or derived for one client's sessions — the fingerprint
+    echoed in X-Session-Id, the keys the admin API lists, the spellings earlier versions
+    stored under — sent back as a session id by another client names a session of its own:
+    its model's search finds nothing of the first client's, its turns are not stored there,
+    and the first client's later turns do not reach it."""
+    upstream.responder = searching_responder("card number")
+    c = sdk(tenant_proxy, ACME_KEY)
+    opening = [{"role": "system", "content": "Bank bot."}, {"role": "user", "content": "Hi"}]
+    r = c.chat.completions.with_raw_response.create(
+        model="m", tools=TOOLS, messages=[*opening, {"role": "assistant", "content": "ok"},  # type: ignore[list-item]
+                                          {"role": "user", "content": SECRET}])
+    fp = r.headers["x-session-id"]
+    assert fp.startswith("fp-")
+    named = "alice's chat #1"
+    c.chat.completions.create(model="m", tools=TOOLS, messages=[  # type: ignore[list-item]
+        {"role": "user", "content": f"{SECRET} (named)"}], extra_headers={"X-Session-Id": named})
+    tenant_proxy.settle()
+    before = sessions(tenant_proxy, "acme")
+    derived = {fp, *before, "h-" + hashlib.sha256(named.encode()).hexdigest()[:32],
+               *(v.get("name", k) for k, v in before.items())} - {named}
+    assert fp in derived and len(derived) >= 2  # fp-…, h:… (listed), h-… (the old spelling)
+    for claimed in sorted(derived):
+        seen = len(upstream.raw_bodies)
+        r = c.chat.completions.with_raw_response.create(
+            model="m", tools=TOOLS, extra_headers={"X-Session-Id": claimed},
+            messages=[{"role": "user", "content": "what do you know about my card number?"}])
+        assert r.headers["x-session-id"] == claimed
+        bodies = upstream.raw_bodies[seen:]
+        assert b"sh_" in bodies[-1] and not any(b"4111" in b for b in bodies), claimed
+    # the first client goes on; then a claimant searches again
+    c.chat.completions.create(model="m", tools=TOOLS, messages=[  # type: ignore[list-item]
+        *opening, {"role": "assistant", "content": "ok"}, {"role": "user", "content": SECRET},
+        {"role": "assistant", "content": "searched"},
+        {"role": "user", "content": "and my card number 5500-0000-0000-0004"}])
+    tenant_proxy.settle()
+    seen = len(upstream.raw_bodies)
+    c.chat.completions.create(model="m", tools=TOOLS, extra_headers={"X-Session-Id": fp},
+                              messages=[{"role": "user", "content": "card number again?"}])
+    assert not any(b"5500" in b or b"4111" in b for b in upstream.raw_bodies[seen:])
+    after = sessions(tenant_proxy, "acme")
+    for key, view in before.items():  # nothing of the claimants was stored in them
+        assert texts(after[key]) == texts(view) or key == fp and all(
+            "what do you know" not in t and "again?" not in t for t in texts(after[key]))
+
+
+def test_server_history_mode_needs_a_named_session(aproxy: ProxyServer,
+                                                   upstream: ScriptedUpstream) -> None:
+    """The proxy supplies the stored conversation in server-history mode: a fingerprint of
+    the new messages ("Hello") could be anyone's, so such a request is refused, and nothing
+    of another's history reaches its model."""
+    c = sdk(aproxy, **{"X-Runloop-History": "server"})
+    seen = len(upstream.raw_bodies)
+    for said in ("Hello", SECRET, "Hello"):
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": said}])
+        assert "named session" in str(err.value)
+    assert upstream.raw_bodies[seen:] == []
+    assert sessions(aproxy) == {}

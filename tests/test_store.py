@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from runloop_proxy.config import Settings, StoreSection
+from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.conversation.messages import canonical_json
 from runloop_proxy.history.store import RedisStore, prepare
 from runloop_proxy.ops.metrics import Metrics
@@ -73,7 +74,7 @@ def test_three_turn_tool_conversation_stored_and_segmented(aproxy: ProxyServer,
     settle(aproxy)
     view = admin(aproxy, "/admin/sessions/s-three2").json()
     assert view["message_count"] == len(msgs) == 13
-    assert view["session_id"] == "s-three2" and view["tenant"] == TENANT
+    assert view["session_id"] == named_key("s-three2") and view["tenant"] == TENANT
     loops = view["run_loops"]
     assert [(lp["status"], lp["tool_call_ids"]) for lp in loops] == \
         [("closed", [f"call_{t}_a"]) for t in range(3)]
@@ -83,7 +84,8 @@ def test_three_turn_tool_conversation_stored_and_segmented(aproxy: ProxyServer,
     # stored exactly, in the canonical form the client's echo matches
     assert [canonical_json(m) for m in full] == [canonical_json(m) for m in msgs]  # type: ignore[arg-type]
     listing = admin(aproxy, "/admin/sessions").json()
-    assert {"s-three", "s-three2"} <= {s["session_id"] for s in listing["sessions"]}
+    assert {"s-three", "s-three2"} <= {s["name"] for s in listing["sessions"]}
+    assert {named_key("s-three")} <= {s["session_id"] for s in listing["sessions"]}
 
 
 def test_regenerated_answer_forks_and_keeps_old_branch(aproxy: ProxyServer,
@@ -170,7 +172,7 @@ def test_concurrent_full_resends_keep_every_message(aproxy: ProxyServer,
     settle(aproxy)
     r = redis.Redis.from_url(aproxy.state.store.client.connection_pool.connection_kwargs
                              and _url(aproxy))
-    prefix = aproxy.state.store.prefix(TENANT, "s-par")
+    prefix = aproxy.state.store.prefix(TENANT, named_key("s-par"))
     bodies = [v.decode() for v in r.hvals(prefix + ":msg")]
     for i in range(20):
         assert sum(f'"v{i}"' in b for b in bodies) == 1
@@ -356,7 +358,7 @@ def test_token_counts_are_stored_with_messages(aproxy: ProxyServer,
         model="gpt-4o-mini", messages=[{"role": "user", "content": "count my tokens"}])
     settle(aproxy)
     r = redis.Redis.from_url(_url(aproxy))
-    counts = r.hvals(aproxy.state.store.prefix(TENANT, "s-tok") + ":tok")
+    counts = r.hvals(aproxy.state.store.prefix(TENANT, named_key("s-tok")) + ":tok")
     # "<encoding>:<count>": a count is only reused with the encoding it was made with
     assert counts and all(c.decode().startswith("cl100k_base") and int(c.split(b":")[1]) > 0
                           for c in counts)

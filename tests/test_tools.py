@@ -11,6 +11,7 @@ import openai
 import orjson
 import pytest
 
+from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.conversation.messages import message_hash, message_refs
 from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner, rank
 from runloop_proxy.scripted import ScriptedUpstream
@@ -138,7 +139,7 @@ def test_mixed_calls_client_gets_its_own_and_proxy_part_is_spliced_back(
     assert first.choices[0].finish_reason == "tool_calls"
     msgs.append(first.choices[0].message.model_dump(exclude_none=True))
     msgs.append({"role": "tool", "tool_call_id": "client_1", "content": "file_a file_b"})
-    until(lambda: proxy.state.store.cached_internal(_tenant(), "mixed-1"),
+    until(lambda: proxy.state.store.cached_internal(_tenant(), named_key("mixed-1")),
           what="the proxy's part of the turn kept")
     second = c.chat.completions.create(model="gpt-4o-mini", messages=msgs, tools=CLIENT_TOOLS)
     assert second.choices[0].message.content == "all done"
@@ -353,6 +354,36 @@ def test_a_stream_mixing_the_proxys_and_the_clients_calls_numbers_the_clients_fr
             calls[tc.index] = calls.get(tc.index, "") + (tc.function.name or "" if tc.function
                                                          else "")
     assert calls == {0: "bash"}
+
+
+@pytest.mark.parametrize("cut", [1, 7])
+def test_a_proxy_call_streamed_with_its_name_in_pieces_never_reaches_the_client(
+        proxy: ProxyServer, upstream: ScriptedUpstream, cut: int) -> None:
+    """The upstream sends each call's id alone, then its name in pieces ("recall_" and
+    "tool_call"), beside a call of the client's: the client sees only its own call, the
+    proxy's is answered (spliced back on the next request), whatever the pieces."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        return {"name_pieces": cut, "tool_calls": [
+            {"id": "rc_3", "name": recall_name(body), "arguments": {"call_id": "call_2"}},
+            {"id": "client_3", "name": "bash", "arguments": {"cmd": "ls"}}]}
+
+    upstream.responder = respond
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    parts = list(c.chat.completions.create(model="gpt-4o-mini", stream=True,
+                                           messages=long_session(),  # type: ignore[arg-type]
+                                           tools=CLIENT_TOOLS))  # type: ignore[arg-type]
+    calls: dict[int, dict[str, str]] = {}
+    for part in parts:
+        for tc in (part.choices[0].delta.tool_calls or []) if part.choices else []:
+            slot = calls.setdefault(tc.index, {"id": "", "name": "", "arguments": ""})
+            slot["id"] += tc.id or ""
+            slot["name"] += (tc.function.name or "") if tc.function else ""
+            slot["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert calls == {0: {"id": "client_3", "name": "bash", "arguments": '{"cmd":"ls"}'}}
+    finishes = [p.choices[0].finish_reason for p in parts if p.choices
+                and p.choices[0].finish_reason]
+    assert finishes == ["tool_calls"]
+    assert len(upstream.requests) == 1  # mixed: the proxy's part waits for the next request
 
 
 AWKWARD = "tabs\there  and   runs of spaces\n\nblank lines\r\nCRLF \u00e9t\u00e9 \u4e2d\u6587 " \

@@ -281,16 +281,88 @@ class ChatRelay:
         return encode_json(body)
 
 
+class CallSplit:
+    """Which of a stream's tool calls are the proxy's, for any chunking and interleaving of
+    the upstream's deltas. A call is decided once its name is complete — its arguments have
+    begun, or no delta can follow — or as soon as its name so far cannot become one of the
+    proxy's; until then its deltas are held (merged). The client's calls are released in the
+    order the upstream opened them (what the client reassembles is what the proxy records),
+    renumbered from the relay's next index."""
+
+    def __init__(self, relay: ChatRelay, tools: ProxyTools):
+        self.relay = relay
+        self.names = tuple(tools.names)
+        self.owner: dict[int, bool] = {}  # upstream index -> the proxy's call? (decided)
+        self.client_index: dict[int, int] = {}  # released: upstream index -> client index
+        self.held: dict[int, dict[str, Any]] = {}  # not yet released: the deltas, merged
+        self.queue: list[int] = []  # indexes not yet released, in the order they opened
+
+    def feed(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The client's tool-call deltas for these upstream ones."""
+        out: list[dict[str, Any]] = []
+        for tc in calls:
+            idx = tc.get("index", 0)
+            if idx in self.client_index:
+                out.append({**tc, "index": self.client_index[idx]})
+                continue
+            if self.owner.get(idx) is True:
+                continue
+            if idx not in self.held:
+                self.queue.append(idx)
+            merged = self.held[idx] = _merged(self.held.get(idx), tc)
+            if idx not in self.owner:
+                self._decide(idx, complete=bool(merged["function"].get("arguments")))
+            out += self._release()
+        return out
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The held client calls, now that no delta can follow."""
+        for idx in self.queue:
+            if idx not in self.owner:
+                self._decide(idx, complete=True)
+        return self._release()
+
+    def _decide(self, idx: int, complete: bool) -> None:
+        name = self.held[idx]["function"].get("name") or ""
+        if complete:
+            self.owner[idx] = name in self.names
+        elif not any(n.startswith(name) for n in self.names):
+            self.owner[idx] = False
+
+    def _release(self) -> list[dict[str, Any]]:
+        out = []
+        while self.queue and self.queue[0] in self.owner:
+            idx = self.queue.pop(0)
+            merged = self.held.pop(idx)
+            if not self.owner[idx]:
+                self.client_index[idx] = self.relay.next_index
+                self.relay.next_index += 1
+                out.append({**merged, "index": self.client_index[idx]})
+        return out
+
+
+def _merged(held: dict[str, Any] | None, tc: dict[str, Any]) -> dict[str, Any]:
+    """One tool-call delta made of ``held`` and the next one for the same index."""
+    fn = tc.get("function") or {}
+    if held is None:
+        return {**tc, "function": {**fn}}
+    out = {**held, **{k: v for k, v in tc.items() if k != "function" and v is not None}}
+    joined = dict(held["function"])
+    for key in ("name", "arguments"):
+        if fn.get(key):
+            joined[key] = (joined.get(key) or "") + fn[key]
+    out["function"] = joined
+    return out
+
+
 class ChatRound:
     """One upstream stream: the client's deltas pass (its calls renumbered), the proxy's calls
     and the usage chunk are absorbed, the finish chunk is held until the round's fate is known."""
 
     def __init__(self, relay: ChatRelay, tools: ProxyTools):
         self.relay = relay
-        self.tools = tools
         self.acc = Accumulator()
-        self.owner: dict[int, bool] = {}  # upstream index -> the proxy's call?
-        self.client_index: dict[int, int] = {}
+        self.split = CallSplit(relay, tools)
         self.held: dict[str, Any] | None = None
         self.done = False
 
@@ -317,11 +389,18 @@ class ChatRound:
         return Reply(self.acc.message(), self.acc.usage)
 
     def close(self, decision: Decision) -> list[bytes]:
-        if self.held is None:
-            return []
-        if decision.step is Step.WITHDRAWN:
-            self.held["choices"][0]["finish_reason"] = "stop"
-        return [encode_json(self.held)]
+        out = []
+        rest = self.split.finish()  # a stream that ended without a finish chunk
+        if rest:
+            t = self.relay.template
+            out.append(encode_json({**{k: v for k, v in t.items() if k != "choices"},
+                                    "choices": [{"index": 0, "delta": {"tool_calls": rest},
+                                                 "finish_reason": None}]}))
+        if self.held is not None:
+            if decision.step is Step.WITHDRAWN:
+                self.held["choices"][0]["finish_reason"] = "stop"
+            out.append(encode_json(self.held))
+        return out
 
     def _rewrite(self, chunk: dict[str, Any]) -> dict[str, Any] | None:
         relay = self.relay
@@ -335,23 +414,14 @@ class ChatRound:
         chunk.pop("usage", None)
         for choice in choices:
             delta = choice.get("delta") or {}
-            calls = delta.get("tool_calls")
-            if calls:
-                kept = []
-                for tc in calls:
-                    idx = tc.get("index", 0)
-                    if idx not in self.owner:
-                        name = (tc.get("function") or {}).get("name")
-                        self.owner[idx] = name in self.tools.names
-                        if not self.owner[idx]:
-                            self.client_index[idx] = relay.next_index
-                            relay.next_index += 1
-                    if not self.owner[idx]:
-                        kept.append({**tc, "index": self.client_index[idx]})
-                if kept:
-                    delta["tool_calls"] = kept
-                else:
-                    delta.pop("tool_calls")
+            kept = self.split.feed(delta.get("tool_calls") or [])
+            if choice.get("finish_reason"):
+                kept += self.split.finish()
+            if kept:
+                delta["tool_calls"] = kept
+                choice["delta"] = delta
+            else:
+                delta.pop("tool_calls", None)
             if choice.get("finish_reason"):
                 self.held = {**chunk, "choices": [{**choice, "delta": {}}]}
                 choice["finish_reason"] = None

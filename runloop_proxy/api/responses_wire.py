@@ -194,7 +194,10 @@ class ResponsesRelay:
 
 class ResponsesRound:
     """One upstream stream: the client's items pass (renumbered), the proxy's calls and
-    everything about them are dropped, the end is held until the round's fate is known."""
+    everything about them are dropped, the end is held until the round's fate is known. An
+    item is judged by its name once the name is known — at ``output_item.added``, or for a
+    call added without one (or an item whose events come before it is added) at its
+    ``output_item.done`` or the response's end — and its events are held until then."""
 
     def __init__(self, relay: ResponsesRelay, tools: ProxyTools):
         self.relay = relay
@@ -202,6 +205,7 @@ class ResponsesRound:
         self.first = relay.rounds == 0
         relay.rounds += 1
         self.index: dict[int, int | None] = {}  # upstream output_index -> the client's
+        self.held: dict[int, list[dict[str, Any]]] = {}  # undecided: its events so far
         self.response: dict[str, Any] | None = None
 
     @property
@@ -223,24 +227,40 @@ class ResponsesRound:
                 raise bad_reply("a completed response", data)
             self.response = data["response"]
             relay.last = {k: v for k, v in self.response.items() if k != "output"}
+            output = self.response.get("output") or []
+            return [out for at in list(self.held) for out in self._decide(
+                at, output[at] if isinstance(at, int) and 0 <= at < len(output) else {})]
+        if "output_index" not in data:
+            return [relay.emit(data)]
+        at = data["output_index"]
+        if at not in self.index:
+            self.held.setdefault(at, []).append(data)
+            item = data.get("item") if isinstance(data.get("item"), dict) else None
+            if item is not None and (kind == "response.output_item.done" or
+                                     item.get("type") != "function_call" or item.get("name")):
+                return self._decide(at, item)
             return []
-        if "output_index" in data:
-            at = data["output_index"]
-            if kind == "response.output_item.added" and at not in self.index:
-                item = data.get("item") or {}
-                mine = item.get("type") == "function_call" and item.get("name") in self.tools.names
-                if mine:
-                    self.index[at] = None
-                else:
-                    self.index[at] = relay.next_index
-                    relay.next_index += 1
-            client = self.index.get(at)
-            if client is None:
-                return []  # the proxy's call: the client never sees it
-            data["output_index"] = client
-            if kind == "response.output_item.done" and isinstance(data.get("item"), dict):
-                relay.shown_items.append(data["item"])
-        return [relay.emit(data)]
+        return self._send(at, data)
+
+    def _decide(self, at: Any, item: dict[str, Any]) -> list[bytes]:
+        """Whose item ``at`` is, now that its name is known; its held events, if the
+        client's."""
+        mine = item.get("type") == "function_call" and item.get("name") in self.tools.names
+        if mine:
+            self.index[at] = None
+        else:
+            self.index[at] = self.relay.next_index
+            self.relay.next_index += 1
+        return [out for data in self.held.pop(at, []) for out in self._send(at, data)]
+
+    def _send(self, at: Any, data: dict[str, Any]) -> list[bytes]:
+        client = self.index[at]
+        if client is None:
+            return []  # the proxy's call: the client never sees it
+        data["output_index"] = client
+        if data["type"] == "response.output_item.done" and isinstance(data.get("item"), dict):
+            self.relay.shown_items.append(data["item"])
+        return [self.relay.emit(data)]
 
     def reply(self) -> Reply:
         assert self.response is not None

@@ -3,12 +3,14 @@ and every other ``/v1`` endpoint passed through untouched."""
 
 from __future__ import annotations
 
+import urllib.parse
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
+from ..errors import InvalidRequest
 from ..ops.admin import admin_routes
 from ..ops.inspector import inspector_routes
 from ..pipeline.upstream import upstream_headers
@@ -27,17 +29,41 @@ from .responses import PATH as RESPONSES_PATH
 from .responses import responses
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+PREFIX = "/v1/"
+# what a path segment may carry unencoded on the way upstream (RFC 3986 pchar, less "%")
+_SEGMENT_SAFE = "/:@!$&'()*+,;=-._~"
+
+
+def v1_subpath(raw_path: bytes) -> str:
+    """The path a pass-through request asks for below ``/v1``, percent-encoded for the
+    upstream URL — or InvalidRequest when, decoded, it would leave ``/v1/``: a dot segment
+    (``%2e%2e``, ``..%2f``), a backslash, an empty segment or a control character. Decoded
+    once, as the router does; whatever is left encoded (``%252e``) is sent re-encoded, so
+    the upstream's one decoding cannot make it a dot segment either."""
+    try:
+        path = urllib.parse.unquote_to_bytes(raw_path).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequest("the request path is not UTF-8 once percent-decoded") from exc
+    segments = path[len(PREFIX):].split("/")
+    if not path.startswith(PREFIX) or "\\" in path \
+            or any(ord(c) < 0x20 or ord(c) == 0x7F for c in path) \
+            or any(seg in ("", ".", "..") for seg in segments[:-1]) \
+            or segments[-1] in (".", ".."):
+        raise InvalidRequest(f"the request path must stay below {PREFIX} once percent-decoded "
+                             f"(no '.' or '..' segments, empty segments or backslashes)")
+    return urllib.parse.quote(path[len(PREFIX) - 1:], safe=_SEGMENT_SAFE)
 
 
 @openai_errors
 async def passthrough(request: Request) -> ASGIResponse:
-    """Any other /v1 endpoint (models, embeddings, files, …) goes through untouched."""
+    """Any other /v1 endpoint (models, embeddings, files, …) goes through untouched: body,
+    its Content-Encoding, the query string; the path only when it stays below /v1/."""
     state = state_of(request)
     caller = authenticate(state, request)
+    path = v1_subpath(request.scope.get("raw_path") or request.scope["path"].encode())
     raw = await read_body(request, state.config.server.max_body_bytes)
-    path = "/" + request.path_params["path"]
     headers = upstream_headers(request.headers.items(), caller.upstream_auth,
-                               caller.drop_headers)
+                               caller.drop_headers, body_as_sent=True)
     client = state.upstream(caller.tenant.upstream)
     resp = await client.request(request.method, path, headers, raw or None,
                                 query=request.url.query)

@@ -9,14 +9,23 @@ cache group the request names (``user``, ``prompt_cache_key``: they scope the fi
 do not name a conversation — unless the tenant lists them as sources), the system prompt and
 the first user message.
 
-A fingerprint can join strangers who open alike (one app, one system prompt, "Hello"): their
-conversations become branches of one session, and in such a session the proxy's tools reach
-only the lineage of the request they serve (pipeline/tools.py), never a sibling branch.
+Where a session is stored is its *key* (``Session.id``), and each kind has a namespace of its
+own, so no id the proxy prints or derives can be claimed by a client: a named session is kept
+under ``n:<id>`` (a plain id) or ``h:<hash of the id>`` (any other), a fingerprint under
+``fp-<hash>``, a chained Responses conversation under ``chain-…``. A client that sends back an
+``fp-…`` it was shown names a new session ``n:fp-…``; two different client ids never share one.
+What the client is shown in ``X-Session-Id`` is its own id, or the fingerprint.
+
+A fingerprint can join strangers who open alike (one app, one system prompt, "Hello"), and any
+guess that a request continues a stored conversation can be forged by someone who knows a reply
+it got. So a session nobody named reaches only what its request carries (``reaches_store``):
+guessing may decide where a turn is stored, never what a model can read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import re
 import unicodedata
 import urllib.parse
 from collections.abc import Iterable
@@ -34,30 +43,75 @@ ANCHORS_TRIED = 3
 DEFAULT_SOURCES = ("header", "header:session-id", "header:session_id",
                    "header:conversation_id", "metadata.session_id")
 SCOPE_FIELDS = ("user", "prompt_cache_key")
+_PLAIN = re.compile(r"[A-Za-z0-9._-]{1,128}")
+NAMED_PREFIXES = ("n:", "h:")  # every named session's key starts so; no derived key does
 
 
 class SessionKind(StrEnum):
     EXPLICIT = "explicit"  # the client named it
     FINGERPRINT = "fingerprint"  # derived from the conversation's opening
+    CHAINED = "chained"  # found from a Responses previous_response_id
 
 
 @dataclass(frozen=True)
 class Session:
-    id: str
+    id: str  # the key it is stored under (named_key, fingerprint, chained_key)
     kind: SessionKind
     source: str  # where the id came from: "header:x-session-id", "metadata.session_id", …
     scope: tuple[str, ...] = ()  # what scopes a fingerprint: the end user, the cache group
+    label: str = ""  # what the client is shown: the id it gave, or the fingerprint
 
     @property
     def header_value(self) -> str:
-        """The id as a response header can carry it (percent-encoded beyond visible ASCII)."""
-        if all(0x20 < ord(c) < 0x7F for c in self.id):
-            return self.id
-        return urllib.parse.quote(self.id, safe="")
+        """The label as a response header can carry it (percent-encoded beyond visible
+        ASCII)."""
+        shown = self.label or self.id
+        if all(0x20 < ord(c) < 0x7F for c in shown):
+            return shown
+        return urllib.parse.quote(shown, safe="")
 
     @property
     def explicit(self) -> bool:
         return self.kind is SessionKind.EXPLICIT
+
+    @property
+    def reaches_store(self) -> bool:
+        """Whether the proxy's tools may read stored messages the request does not carry
+        (the session's other branches): only where the client named the session itself.
+        The one rule every reader goes through (pipeline/relay.py builds the tools' reach
+        from it)."""
+        return self.kind is SessionKind.EXPLICIT
+
+
+def named_key(client_id: str) -> str:
+    """Where a session the client named is stored: ``n:<id>`` for a plain id, ``h:<hash>``
+    for any other — injective, and never a key the proxy derives (``fp-``, ``chain-``)."""
+    if _PLAIN.fullmatch(client_id):
+        return "n:" + client_id
+    return "h:" + hashlib.sha256(client_id.encode()).hexdigest()[:32]
+
+
+def named(client_id: str, source: str) -> Session:
+    return Session(named_key(client_id), SessionKind.EXPLICIT, source, label=client_id)
+
+
+def name_of(key: str) -> str:
+    """What a client calls the session stored under ``key``, where the key shows it (a
+    plain named id); else the key itself (a hashed id is not kept)."""
+    return key[2:] if key.startswith("n:") else key
+
+
+def chained_key(response_id: str) -> str:
+    """Where a conversation chained on a response nobody recorded is stored."""
+    return "chain-" + hashlib.sha256(response_id.encode()).hexdigest()[:32]
+
+
+def stored_id(given: str) -> str:
+    """An operator's name for a session (admin API, inspector, ``inspect``) as a key: a key
+    as it is (``n:…``, ``h:…``, ``fp-…``, ``chain-…``), else the id a client named."""
+    if given.startswith((*NAMED_PREFIXES, "fp-", "chain-")):
+        return given
+    return named_key(given)
 
 
 def check_source(source: str) -> str:
@@ -79,11 +133,11 @@ def identify(headers: Iterable[tuple[str, str]], body: dict[str, Any],
     for source in sources:
         value, where = _lookup(source, lowered, body, session_header)
         if isinstance(value, str) and value:
-            return Session(_checked(value, where), SessionKind.EXPLICIT, where)
+            return named(_checked(value, where), where)
     scope = tuple(f"{f}={body.get(f)}" for f in SCOPE_FIELDS
                   if f not in sources and isinstance(body.get(f), str))
-    return Session(fingerprint(namespace, scope, messages), SessionKind.FINGERPRINT,
-                   "fingerprint", scope)
+    key = fingerprint(namespace, scope, messages)
+    return Session(key, SessionKind.FINGERPRINT, "fingerprint", scope, label=key)
 
 
 def fingerprint(namespace: str, scope: tuple[str, ...], messages: list[Message]) -> str:

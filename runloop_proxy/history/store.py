@@ -60,7 +60,7 @@ from .writes import Job, Prepared, WriteBehind, chain_hashes, lost_message, prep
 
 __all__ = ["Prepared", "RedisStore", "prepare"]
 log = logs.get("store")
-_SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+_SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,160}")
 SESSION_CACHE_SIZE = 50_000
 MAX_POINTS = 500
 MAX_RECORDS = 1_000
@@ -106,9 +106,12 @@ class SessionView:
 
 
 def session_slug(session_id: str) -> str:
+    """A session key as its Redis keys spell it. Keys come from conversation/identity.py
+    (``n:``/``h:`` named, ``fp-``, ``chain-``), all plain; anything else (an operator's typo)
+    is hashed under a prefix none of those uses, so it can only miss."""
     if _SAFE_ID.fullmatch(session_id):
         return session_id
-    return "h-" + hashlib.sha256(session_id.encode()).hexdigest()[:32]
+    return "x-" + hashlib.sha256(session_id.encode()).hexdigest()[:32]
 
 
 class RedisStore:

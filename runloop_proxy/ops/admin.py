@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from ..api.http import bearer, json_response, openai_errors
+from ..conversation.identity import name_of, stored_id
 from ..conversation.runloops import preview, segment
 from ..errors import (
     AuthenticationFailed,
@@ -63,7 +64,8 @@ def session_summary(view: SessionView) -> dict[str, Any]:
                       "status": lp.status.value, "tool_call_ids": list(lp.tool_call_ids),
                       "user_preview": preview(users[0] if users else None),
                       "final_preview": preview(final)})
-    return {"session_id": view.session_id, "tenant": view.tenant, "head_branch": view.head,
+    return {"session_id": view.session_id, "name": name_of(view.session_id),
+            "tenant": view.tenant, "head_branch": view.head,
             "message_count": len(messages), "created_ms": view.created_ms,
             "updated_ms": view.updated_ms, "run_loops": loops, "branches": view.branches,
             "compression_records": view.records, "proxy_tool_exchanges": len(view.internal)}
@@ -135,12 +137,13 @@ def _admin_key_checked(state: AppState, request: Request) -> None:
 
 
 def _session_request(request: Request) -> tuple[AppState, str]:
-    """An admin request about one session: the key checked, a store there; the session id."""
+    """An admin request about one session: the key checked, a store there; the session's
+    key (``stored_id``: a key as listed, or the id a client named)."""
     state = state_of(request)
     _admin_key_checked(state, request)
     if state.store is None:
         raise NotFound("no store configured")
-    return state, request.path_params["session_id"]
+    return state, stored_id(request.path_params["session_id"])
 
 
 @openai_errors
@@ -215,7 +218,8 @@ async def admin_sessions(request: Request) -> Response:
     except StoreError as exc:
         return _store_unavailable(exc)
     return json_response({"tenant": tenant, "total": total, "offset": offset, "limit": limit,
-                          "sessions": [{"session_id": s, "updated_ms": t} for s, t in rows]})
+                          "sessions": [{"session_id": s, "name": name_of(s), "updated_ms": t}
+                                       for s, t in rows]})
 
 
 def admin_routes() -> list[BaseRoute]:

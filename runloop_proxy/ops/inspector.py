@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from ..conversation.identity import stored_id
 from ..conversation.messages import Message, message_text
 from ..conversation.runloops import preview, segment
 from ..errors import ProxyError, StoreError
@@ -251,7 +252,7 @@ async def _viewed(request: Request) -> tuple[AppState, str, str, str, SessionVie
         return guard
     state, cookie = guard
     assert state.store is not None
-    sid = request.query_params.get("id", "")
+    sid = stored_id(request.query_params.get("id", ""))
     try:
         tenant = await tenant_of_session(state, request, sid)
         view = await state.store.session(tenant, sid)
@@ -404,7 +405,7 @@ async def compact_now(request: Request) -> Response:
     if not hmac.compare_digest(form.get("csrf", ""), _csrf(state, cookie)):
         return _page("refused", "<p class='err'>The form has expired; reload the page.</p>",
                      403)
-    tenant, sid = form.get("tenant", ""), form.get("id", "")
+    tenant, sid = form.get("tenant", ""), stored_id(form.get("id", ""))
     try:
         await compact(state, tenant, sid)
     except (StoreError, ProxyError) as exc:

@@ -9,11 +9,11 @@ import time
 from typing import Any
 
 from ..conversation.identity import (
-    MAX_ID_CHARS,
     Session,
     SessionKind,
     anchor,
     anchors,
+    chained_key,
     continued,
 )
 from ..conversation.messages import Message, content_hash
@@ -75,6 +75,12 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
     if turn.server_history and ns is None:
         raise InvalidRequest("server-history mode needs an API key: the history is kept per "
                              "key, and a request without one has none")
+    if turn.server_history and not session.reaches_store:
+        # the stored conversation goes to the model: only a session the client named may
+        # reach it (a fingerprint of the new messages could be anyone's)
+        raise InvalidRequest("server-history mode needs a named session (the X-Session-Id "
+                             "header or metadata.session_id): the proxy supplies the stored "
+                             "conversation, and only a session you named can reach it")
     known = None if turn.server_history else _known(state, turn, session)
     k = len(known.prepared) if known is not None else 0
     new = await offload(turn.large, lambda: [prepare(m) for m in messages[k:]])
@@ -148,8 +154,8 @@ async def _chained(state: AppState, turn: Turn, session: Session, store: RedisSt
     assert turn.chained is not None
     if session.kind is SessionKind.FINGERPRINT:
         found = await store.anchored(ns, response_anchor(turn.chained))
-        session = Session(found or f"chain-{turn.chained}"[:MAX_ID_CHARS],
-                          SessionKind.EXPLICIT, "previous_response_id")
+        key = found or chained_key(turn.chained)
+        session = Session(key, SessionKind.CHAINED, "previous_response_id", label=key)
     prepared = await _counted(state, turn, turn.messages, hashed)
     return session, History(turn.messages, prepared, appended=(prepared, 0))
 
@@ -158,8 +164,10 @@ async def _continuation(turn: Turn, session: Session, store: RedisStore,
                         ns: str) -> tuple[Session, list[Message]]:
     """A fingerprinted request its fingerprint does not know, carrying replies recorded in
     another session of the namespace: a client that trimmed its history (or restarted it
-    under a new system prompt). It continues that session when its messages line up with it;
-    what it no longer sends is its ``earlier`` lineage."""
+    under a new system prompt). It is *stored* in that session when its messages line up with
+    it (what it no longer sends is stored before it: ``History.earlier``); it reads nothing
+    of it — its label stays its own fingerprint, and the window and the proxy's tools see
+    only what the request carries. Anyone who knows a reply can forge such a line-up."""
     if session.kind is not SessionKind.FINGERPRINT:
         return session, []
     keys = anchors(turn.messages, session.scope)
@@ -174,7 +182,8 @@ async def _continuation(turn: Turn, session: Session, store: RedisStore,
         return session, []
     log.info("trimmed history continues its session", extra={
         "tenant": turn.caller.tenant.name, "session": other, "earlier": at})
-    return (Session(other, SessionKind.FINGERPRINT, "continuation", session.scope),
+    return (Session(other, SessionKind.FINGERPRINT, "continuation", session.scope,
+                    label=session.label),
             stored[preamble_end(stored):at])
 
 
@@ -191,11 +200,13 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         return
     answer = await offload(large, lambda: counted(state, turn, [reply], reply=True)) \
         if reply is not None else []
-    conversation = [*history.conversation(), *answer]
+    conversation = [*history.to_store(), *answer]
     if reply is not None and answer:
         state.summaries.replied(ns, session.id, reply, answer[0].hash)
     if kept is not None and reply is not None:
-        at = store.chains(ns, session.id, conversation)[-1]  # the reply, in its lineage
+        # the reply, in the lineage the request carries (what the next request's window
+        # splices by: never what it trimmed, see shaping._chains_at)
+        at = store.chains(ns, session.id, [*history.prepared, *answer])[-1]
         state.spawn(_keep_internal(store, ns, session.id, at, kept))
     retention = turn.caller.tenant.retention_days
     # the prompt as sent and as forwarded (the inspector's chart), written with the turn

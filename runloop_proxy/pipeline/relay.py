@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from ..conversation.identity import Session, SessionKind
+from ..conversation.identity import Session
 from ..errors import UpstreamError
 from ..ops import logs
 from ..state import AppState
@@ -144,11 +144,10 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
             rlog: RequestLog) -> Rounds:
     assert out.tools is not None and isinstance(out.body, dict)
     store, ns = state.store, turn.caller.namespace
-    named = session.kind is SessionKind.EXPLICIT and store is not None and ns is not None \
+    named = session.reaches_store and store is not None and ns is not None \
         and not history.degraded
     runner = ToolRunner(
         out.tools, out.conversation, out.keys, turn.policy.search_results,
-        earlier=history.earlier,
         # the session's other branches: only where the client named the session itself
         branches=(lambda: store.all_messages(ns, session.id)) if named else None,  # type: ignore[union-attr,arg-type]
         branch_results=(lambda cid: store.tool_results(ns, session.id, cid))  # type: ignore[union-attr,arg-type]

@@ -92,11 +92,13 @@ def _explained(window: Window) -> str:
 
 def _chains_at(state: AppState, turn: Turn, session: Session, history: History) -> list[str]:
     """The chain hash at each message (what the proxy's stored exchanges are keyed by: a
-    message in its lineage), computed only when there is something to splice."""
+    message in its lineage), computed only when there is something to splice. The lineage
+    is what the request carries, from its first message: an exchange kept after a prefix
+    the request does not send (what a trimmed history left out) is never spliced in."""
     if not history.internal or state.store is None or turn.caller.namespace is None:
         return [""] * len(history.messages)
-    chains = state.store.chains(turn.caller.namespace, session.id, history.conversation())
-    return [chains[history.whole_position(i) + 1] for i in range(len(history.messages))]
+    chains = state.store.chains(turn.caller.namespace, session.id, history.prepared)
+    return chains[1:]
 
 
 def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:

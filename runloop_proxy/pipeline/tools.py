@@ -166,23 +166,22 @@ def spliced_stored(messages: list[Message], internal: dict[str, Any]
 class ToolRunner:
     """Executes the proxy's calls against the request's conversation.
 
-    What they can reach is the *lineage* of the request: the conversation it carries (the
-    proxy's own exchanges spliced back) and what the store holds of the same conversation that
-    the client no longer sends (``earlier``: a trimmed history). Only in a session the client
-    named itself (``branches``: the store, for that session) do they reach the session's other
-    branches too; a fingerprinted session can join strangers, and one end user's data never
-    reaches another's model.
+    What they can reach is what the request carries (the proxy's own exchanges spliced back,
+    and so what the window cut from it). Only in a session the client named itself
+    (``branches``: the store, for that session; ``Session.reaches_store``) do they reach the
+    session's other branches too: a fingerprinted session can join strangers, and a guess
+    that a request continues a stored conversation can be forged, so one end user's data
+    never reaches another's model.
     """
 
     def __init__(self, tools: ProxyTools, messages: list[Message], keys: list[str],
-                 max_results: int, earlier: list[Message] | None = None,
+                 max_results: int,
                  branches: Callable[[], Awaitable[list[tuple[str, Message]]]] | None = None,
                  branch_results: Callable[[str], Awaitable[list[Message]]] | None = None):
         self.tools = tools
         self.messages = messages
         self.keys = keys
         self.max_results = max_results
-        self.earlier = [(message_hash(m), m) for m in earlier or []]
         self.branches = branches
         self.branch_results = branch_results
         self.outcomes: list[tuple[str, str]] = []  # (tool, outcome) for metrics
@@ -205,7 +204,7 @@ class ToolRunner:
         return _tool_message(call, content)
 
     def _lineage(self) -> list[tuple[str, Message]]:
-        return [*self.earlier, *zip(self.keys, self.messages, strict=True)]
+        return list(zip(self.keys, self.messages, strict=True))
 
     async def recall(self, ref: str) -> tuple[Any, str]:
         """A message by the short ref a note shows (a tool result as it was, content parts
@@ -262,15 +261,13 @@ class ToolRunner:
             known = {k for k, _ in corpus}
             corpus += [(k, m) for k, m in stored if k not in known]
         loop_of = _loop_index(self.messages, self.keys)
-        earlier = {k for k, _ in self.earlier}
         ref_of = dict(zip(self.keys, message_refs(self.keys), strict=True))
         hits = rank(terms, corpus, self.max_results, query)
         if not hits:
             return f"no match for {query!r} in this conversation's history", "miss"
         lines = [f"{len(hits)} best match(es) for {query!r}:"]
         for score, key, m in hits:
-            where = f"turn {loop_of[key]}" if key in loop_of else \
-                "an earlier turn" if key in earlier else "another branch"
+            where = f"turn {loop_of[key]}" if key in loop_of else "another branch"
             ids = ""
             if m.get("role") == "tool":
                 ids = f" id={ref_of.get(key) or m.get('tool_call_id')}"

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 
 import aiohttp
 from multidict import CIMultiDict
+from yarl import URL
 
 from ..config import UpstreamSpec
 from ..errors import UpstreamTimeout, UpstreamUnreachable
@@ -109,7 +110,9 @@ class UpstreamClient:
                       body: bytes | None, query: str = "") -> UpstreamResponse:
         """Send with retries (connect errors, 429, 5xx) while nothing reached the client yet."""
         assert self._session is not None, "UpstreamClient.start() was not called"
-        url = self.url(path) + (f"?{query}" if query else "")
+        # encoded as given: the path is the proxy's own or v1_subpath's (re-encoded), the
+        # query the client's raw one; parsed again, %2e%2e would become a dot segment
+        url = URL(self.url(path) + (f"?{query}" if query else ""), encoded=True)
         attempt = 0
         while True:
             started = time.perf_counter()
@@ -164,13 +167,16 @@ def parse_retry_after(value: str) -> float | None:
 
 
 def upstream_headers(client_headers: Iterable[tuple[str, str]], authorization: str | None,
-                     drop: frozenset[str] = frozenset()) -> CIMultiDict[str]:
+                     drop: frozenset[str] = frozenset(), body_as_sent: bool = False
+                     ) -> CIMultiDict[str]:
     """The client's headers minus hop-by-hop and proxy-control ones (and ``drop``), with the
-    upstream's auth."""
+    upstream's auth. ``body_as_sent``: the client's body goes upstream byte for byte, so the
+    header that says how it is encoded goes with it (a rewritten body is sent plain)."""
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in client_headers:
         lk = k.lower()
-        if lk in _DROP_REQUEST or lk in drop or lk.startswith("x-runloop-"):
+        if lk in drop or lk.startswith("x-runloop-") or (
+                lk in _DROP_REQUEST and not (body_as_sent and lk == "content-encoding")):
             continue
         out.add(k, v)
     if authorization:

@@ -64,9 +64,11 @@ class History:
     ``messages`` is the conversation the window works on (what the client sent; in
     server-history mode the stored conversation with the new messages after it), ``prepared``
     the same hashed and counted. ``earlier`` is what the store holds of this conversation that
-    the client no longer sends (it trimmed its history): part of the lineage the proxy's tools
-    may show, and stored before ``prepared``. ``appended`` (server-history mode): what this turn
-    adds to the stored conversation, and how many of those are its system prompt.
+    the client no longer sends (it trimmed its history): stored before ``prepared``, and read
+    by nothing that reaches a model (the window, splicing and the proxy's tools see only
+    ``messages``: a session nobody named reaches only what its request carries).
+    ``appended`` (server-history mode): what this turn adds to the stored conversation, and
+    how many of those are its system prompt.
     """
 
     messages: list[Message]
@@ -78,14 +80,11 @@ class History:
     earlier_at: int = 0  # where ``earlier`` goes in ``messages``: after the system prompt
     appended: tuple[list[Prepared], int] | None = None
 
-    def conversation(self) -> list[Prepared]:
-        """The whole conversation, in order: what the client sent, with what it trimmed."""
+    def to_store(self) -> list[Prepared]:
+        """The whole conversation as it is stored: what the client sent, with what it
+        trimmed (for the record only)."""
         at = self.earlier_at
         return [*self.prepared[:at], *self.earlier_prepared, *self.prepared[at:]]
-
-    def whole_position(self, i: int) -> int:
-        """Where ``messages[i]`` stands in ``conversation()``."""
-        return i if i < self.earlier_at else i + len(self.earlier_prepared)
 
 
 @dataclass(frozen=True)
