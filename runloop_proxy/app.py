@@ -18,6 +18,7 @@ from .api.http import ClientGone
 from .api.routes import CONVERSATIONS, routes
 from .caches import SHARES
 from .config import ProxyConfig, Settings, load_config
+from .environment import settings_from_env
 from .errors import error_bytes
 from .history.embedded import EmbeddedRedis
 from .history.store import RedisStore
@@ -118,8 +119,6 @@ class FastPath:
 
 def app_from_env() -> FastPath:
     """Factory for uvicorn worker processes (``serve --workers N``)."""
-    from .cli import settings_from_env
-
     settings = settings_from_env()
     logs.configure(settings.log_level, settings.log_format)
     return create_app(settings)

@@ -1,4 +1,4 @@
-"""`runloop-proxy serve | check-config | inspect | replay`.
+"""The ``runloop-proxy`` command: serve, check-config, inspect, replay, demo.
 
 Every ``serve`` option can also come from the environment as ``RUNLOOP_<NAME>``
 (``--redis-url`` also from ``REDIS_URL``); the command line wins.
@@ -15,59 +15,27 @@ import orjson
 
 from . import __version__
 from .config import Settings, describe, load_config
+from .environment import SERVE_OPTIONS, env_name, env_value, settings_to_env
 from .errors import ConfigError
+from .ops.views import branch_origin, loop_span, record_line
 
-ENV_PREFIX = "RUNLOOP_"
-
-
-def _env(name: str, default: Any = None) -> Any:
-    return os.environ.get(ENV_PREFIX + name.upper(), default)
-
-
-def settings_from_env() -> Settings:
-    """Settings for a worker process started by uvicorn (``--workers N``)."""
-    port = _env("port")
-    cw = _env("context_window")
-    cache = _env("cache_mb")
-    return Settings(host=_env("host"), port=int(port) if port else None,
-                    upstream=_env("upstream"), config_dir=_env("config"),
-                    redis_url=_env("redis_url") or os.environ.get("REDIS_URL"),
-                    data_dir=_env("data_dir", ".runloop"), log_level=_env("log_level", "info"),
-                    log_format=_env("log_format", "json"),
-                    context_window=int(cw) if cw else None, admin_key=_env("admin_key"),
-                    cache_mb=int(cache) if cache else None,
-                    summary_model=_env("summary_model"),
-                    workers=int(_env("workers", "1")))
+DESCRIPTION = ("An OpenAI-compatible reverse proxy that keeps long LLM agent sessions inside "
+               "the context window and cheap.")
 
 
 def _serve_parser(sub: Any) -> None:
-    p = sub.add_parser("serve", help="run the proxy")
-    p.add_argument("--host", default=_env("host"), help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=_env("port"), help="listen port (default 8080)")
-    p.add_argument("--upstream", default=_env("upstream"),
-                   help="upstream base URL, e.g. https://api.openai.com/v1 (pass-through mode)")
-    p.add_argument("--config", default=_env("config"), metavar="DIR",
-                   help="config directory (runloop.toml + tenants/*.toml)")
-    p.add_argument("--redis-url", default=_env("redis_url") or os.environ.get("REDIS_URL"),
-                   help="Redis URL (redis://, rediss://, unix://, redis+cluster://); "
-                        "none: an embedded redis-server under --data-dir")
-    p.add_argument("--data-dir", default=_env("data_dir", ".runloop"),
-                   help="where the embedded Redis keeps its data (default .runloop)")
-    p.add_argument("--log-level", default=_env("log_level", "info"),
-                   choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default=_env("log_format", "json"), choices=["json", "text"])
-    p.add_argument("--default-context-window", "--context-window", dest="context_window",
-                   type=int, default=_env("context_window"),
-                   help="context window assumed for models neither the config nor the proxy "
-                        "knows (known models keep their own); --context-window is the old "
-                        "spelling")
-    p.add_argument("--summary-model", default=_env("summary_model"),
-                   help='pass-through mode: "extractive" or a model that summarises the loops '
-                        "an omission leaves out (tenant files set policy.summary_model)")
-    p.add_argument("--cache-mb", type=int, default=_env("cache_mb"),
-                   help="memory the per-process caches may use in all (default 512)")
-    p.add_argument("--workers", type=int, default=int(_env("workers", "1")),
-                   help="uvicorn worker processes (default 1)")
+    names = ", ".join(env_name(o) for o in SERVE_OPTIONS)
+    p = sub.add_parser(
+        "serve", help="run the proxy",
+        description="Run the proxy. Every option can also be set in the environment: "
+                    f"{names} (REDIS_URL too); the command line wins.")
+    for o in SERVE_OPTIONS:
+        extra: dict[str, Any] = {"choices": o.choices} if o.choices else {"metavar": o.metavar}
+        env = env_name(o) + (f" or {o.fallback_env}" if o.fallback_env else "")
+        raw = env_value(o)
+        p.add_argument(*o.flags, dest=o.field, type=o.kind,
+                       default=o.default if raw is None else raw,
+                       help=f"{o.help}; env {env}", **extra)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -78,14 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .ops import logs
 
     logs.configure(args.log_level, args.log_format)
-    settings = Settings(host=args.host, port=args.port, upstream=args.upstream,
-                        config_dir=args.config, redis_url=args.redis_url,
-                        data_dir=args.data_dir, log_level=args.log_level,
-                        log_format=args.log_format,
-                        context_window=args.context_window, workers=args.workers,
-                        admin_key=_env("admin_key"),
-                        cache_mb=int(args.cache_mb) if args.cache_mb else None,
-                        summary_model=args.summary_model)
+    settings = Settings(**{o.field: getattr(args, o.field) for o in SERVE_OPTIONS})
     try:
         config = load_config(settings)
     except ConfigError as exc:
@@ -105,10 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     host, port = config.server.host, config.server.port
     try:
         if settings.workers > 1:
-            for field, value in settings.__dict__.items():
-                if value is not None:
-                    os.environ[ENV_PREFIX + field.upper().replace("CONFIG_DIR", "CONFIG")] = \
-                        str(value)
+            os.environ.update(settings_to_env(settings))
             uvicorn.run("runloop_proxy.app:app_from_env", factory=True, host=host, port=port,
                         workers=settings.workers, log_level="warning", access_log=False,
                         timeout_graceful_shutdown=30)
@@ -127,7 +85,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     try:
         config = load_config(settings)
     except ConfigError as exc:
-        print(f"invalid config: {exc}", file=sys.stderr)
+        problems = str(exc).splitlines()
+        print(f"invalid config: {problems[0]}" if len(problems) == 1 else
+              f"invalid config, {len(problems)} problems:\n  " + "\n  ".join(problems),
+              file=sys.stderr)
         return 1
     sys.stdout.write(orjson.dumps(describe(config), option=orjson.OPT_INDENT_2).decode() + "\n")
     return 0
@@ -136,7 +97,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     import httpx
 
-    key = args.admin_key or _env("admin_key")
+    key = args.admin_key or os.environ.get("RUNLOOP_ADMIN_KEY")
     if not key:
         print("inspect needs the admin key: --admin-key or RUNLOOP_ADMIN_KEY", file=sys.stderr)
         return 2
@@ -173,14 +134,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             print(f"       reply: {lp['final_preview']}")
     print(f"  branches: {len(data['branches'])}")
     for bid, b in data["branches"].items():
-        print(f"    {bid}: {b.get('length')} messages, forked from {b.get('parent')} "
-              f"at {b.get('fork_at')}")
+        print(f"    {bid}: {b.get('length')} messages, {branch_origin(b)}")
     for summary in data.get("summaries") or []:
-        loops = summary["loops"]
+        span = loop_span(summary["covers"])
         if summary.get("late"):
-            print(f"  summary of loops {loops[0]}-{loops[1]}: late (arrived after its event)")
+            print(f"  summary of {span}: late (arrived after its event)")
         else:
-            print(f"  summary of loops {loops[0]}-{loops[1]} ({summary.get('summarizer')}):")
+            print(f"  summary of {span} ({summary.get('summarizer')}):")
             for line in str(summary.get("text", "")).splitlines()[:12]:
                 print(f"    {line}")
     for asked in data.get("compactions") or []:
@@ -188,8 +148,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
               f"{asked['from_message']} on")
     print(f"  compression records: {len(data['compression_records'])}")
     for rec in data["compression_records"][-10:]:
-        print(f"    {rec.get('kind')}: {rec.get('tokens_before')} -> {rec.get('tokens_after')} "
-              f"tokens ({rec.get('reason')})")
+        print(f"    {record_line(rec)}")
     return 0
 
 
@@ -200,7 +159,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="runloop-proxy", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="runloop-proxy", description=DESCRIPTION,
+        epilog="runloop-proxy COMMAND --help tells a command's options.")
     parser.add_argument("--version", action="version", version=f"runloop-proxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
@@ -210,8 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="show a stored session")
     i.add_argument("session_id")
     i.add_argument("--tenant", default=None)
-    i.add_argument("--url", default=f"http://127.0.0.1:{_env('port', '8080')}")
-    i.add_argument("--admin-key", default=None)
+    i.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('RUNLOOP_PORT', '8080')}",
+                   help="the proxy's address (default http://127.0.0.1:$RUNLOOP_PORT or 8080)")
+    i.add_argument("--admin-key", default=None, help="default: $RUNLOOP_ADMIN_KEY")
     i.add_argument("--json", action="store_true")
     r = sub.add_parser("replay", help="measure the window on recorded conversations")
     r.add_argument("file")

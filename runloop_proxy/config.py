@@ -279,23 +279,26 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def _resolve_env(value: Any, where: str, file: str, secrets: bool = True) -> Any:
-    """``${NAME}`` from the environment; without ``secrets`` (tools that only read the
-    policies, like ``replay``) an unset one becomes a placeholder unique to its place."""
+def _resolve_env(value: Any, where: str, file: str, unset: list[ConfigError] | None) -> Any:
+    """``${NAME}`` from the environment. An unset one becomes a placeholder unique to its
+    place, and with ``unset`` given (a config that needs its secrets) the error naming it is
+    added there: every missing variable is reported at once, not one per run. ``replay``,
+    which reads only the policies, passes None."""
     if isinstance(value, str):
         def sub(m: re.Match[str]) -> str:
             name = m.group(1)
             if name not in os.environ:
-                if not secrets:
-                    return f"unset-{name}-{hash_key(file + where)[:16]}"
-                raise ConfigError(file, where, f"environment variable {name} is not set")
+                if unset is not None:
+                    unset.append(ConfigError(file, where,
+                                             f"environment variable {name} is not set"))
+                return f"unset-{name}-{hash_key(file + where)[:16]}"
             return os.environ[name]
         return _ENV_REF.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _resolve_env(v, f"{where}.{k}" if where else k, file, secrets)
+        return {k: _resolve_env(v, f"{where}.{k}" if where else k, file, unset)
                 for k, v in value.items()}
     if isinstance(value, list):
-        return [_resolve_env(v, f"{where}[{i}]", file, secrets) for i, v in enumerate(value)]
+        return [_resolve_env(v, f"{where}[{i}]", file, unset) for i, v in enumerate(value)]
     return value
 
 
@@ -358,17 +361,23 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
     raw: dict[str, Any] = {}
     sources: list[Path] = []
     tenant_files: list[Path] = []
+    unset: list[ConfigError] | None = [] if secrets else None
     if settings.config_dir:
         root = Path(settings.config_dir)
         if not root.is_dir():
             raise ConfigError(str(root), "", "config directory does not exist")
         gpath = root / GLOBAL_FILE
         if gpath.exists():
-            raw = _resolve_env(_read_toml(gpath), "", str(gpath), secrets)
+            raw = _resolve_env(_read_toml(gpath), "", str(gpath), unset)
             sources.append(gpath)
         tdir = root / TENANTS_DIR
         if tdir.is_dir():
             tenant_files = sorted(tdir.glob("*.toml"))
+    tenant_data = [(path, _resolve_env(_read_toml(path), "", str(path), unset))
+                   for path in tenant_files]
+    if unset:
+        first = unset[0]
+        raise ConfigError(first.file, first.field, first.why, also=unset[1:])
     gfile: GlobalFile = _validate(GlobalFile, raw, str(sources[0]) if sources else "<defaults>")
 
     server_over = {k: v for k, v in (("host", settings.host), ("port", settings.port),
@@ -386,8 +395,7 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
 
     tenants: dict[str, TenantSpec] = {}
     key_index: dict[str, str] = {}
-    for path in tenant_files:
-        data = _resolve_env(_read_toml(path), "", str(path), secrets)
+    for path, data in tenant_data:
         data.setdefault("name", path.stem)
         tenant: TenantSpec = _validate(TenantSpec, _deep_merge(defaults, data), str(path))
         if tenant.name in tenants:

@@ -20,6 +20,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -129,11 +130,15 @@ class StoreLimitExceeded(StoreError):
 
 
 class ConfigError(ProxyError):
-    def __init__(self, file: str, field: str, why: str):
-        super().__init__(f"{file}: {field}: {why}" if field else f"{file}: {why}")
+    """``file: field: why``; ``also``: more problems found in the same pass, one a line."""
+
+    def __init__(self, file: str, field: str, why: str, also: Sequence[ConfigError] = ()):
+        lines = [f"{file}: {field}: {why}" if field else f"{file}: {why}", *map(str, also)]
+        super().__init__("\n".join(lines))
         self.file = file
         self.field = field
         self.why = why
+        self.also = list(also)
 
 
 def error_body(

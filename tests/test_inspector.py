@@ -168,23 +168,6 @@ def test_in_a_real_browser(inspected: ProxyServer) -> None:
         drv.quit()
 
 
-def test_demo_runs_start_to_finish(redis_url: str, tmp_path: Path) -> None:
-    """`runloop-proxy demo --once`: the sample session through a real proxy, savings printed,
-    and the inspector's address (which answers)."""
-    import subprocess
-    import sys
-
-    r = subprocess.run([sys.executable, "-m", "runloop_proxy", "demo", "--once", "--port", "0",
-                        "--redis-url", redis_url, "--data-dir", str(tmp_path)],
-                       capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr[-2000:]
-    saved = re.search(r"sent ([\d,]+), the upstream got ([\d,]+) — (\d+)% saved", r.stdout)
-    assert saved, r.stdout
-    sent, got = (int(saved.group(k).replace(",", "")) for k in (1, 2))
-    assert got < sent / 2 and "36 requests" in r.stdout
-    assert re.search(r"inspector: http://127\.0\.0\.1:\d+/admin/ui\s+\(admin key: demo-", r.stdout)
-
-
 def test_inspect_names_its_own_flag_when_the_id_is_ambiguous(
         make_proxy: Any, upstream: ScriptedUpstream) -> None:
     import subprocess

@@ -25,6 +25,7 @@ from ..history.store import SessionView
 from ..history.summaries import OMIT, Job
 from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
+from . import params
 
 
 def admin_key_of(state: AppState) -> str:
@@ -41,7 +42,7 @@ def _admin(state: AppState, request: Request) -> str:
 
 
 def _tenant_param(state: AppState, request: Request) -> str:
-    tenant = request.query_params.get("tenant")
+    tenant = params.text(request, "tenant")
     if tenant:
         return tenant
     if len(state.config.tenants) == 1:
@@ -86,10 +87,13 @@ async def _summaries(state: Any, tenant: str, session_id: str
             asked.append({"loops": [0, int(e)], "cover": cover, "from_message": int(raw)})
             continue
         e, _, cover = name.partition(":")
+        # "loops" is the batch's range, end excluded; a rolling summary's text covers every
+        # loop before its end ("covers": first and last, both included)
+        covered = [0, int(e) - 1]
         if raw == "late":
-            out.append({"loops": [0, int(e)], "cover": cover, "late": True})
+            out.append({"loops": [0, int(e)], "covers": covered, "cover": cover, "late": True})
         else:
-            out.append({**orjson.loads(raw), "cover": cover})
+            out.append({**orjson.loads(raw), "covers": covered, "cover": cover})
     return sorted(out, key=lambda s: (s["loops"][1], s["cover"])), \
         sorted(asked, key=lambda s: s["from_message"])
 
@@ -143,7 +147,7 @@ def _session_request(request: Request) -> tuple[AppState, str]:
     _admin_key_checked(state, request)
     if state.store is None:
         raise NotFound("no store configured")
-    return state, stored_id(request.path_params["session_id"])
+    return state, stored_id(params.path(request, "session_id"))
 
 
 @openai_errors
@@ -197,7 +201,7 @@ async def admin_session(request: Request) -> Response:
         raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
     out = session_summary(view)
     out["summaries"], out["compactions"] = await _summaries(state, tenant, session_id)
-    if request.query_params.get("messages") in ("1", "true"):
+    if params.flag(request, "messages"):
         out["messages"] = view.messages
     return json_response(out)
 
@@ -208,11 +212,7 @@ async def admin_sessions(request: Request) -> Response:
     tenant = _admin(state, request)
     if state.store is None:
         raise NotFound("no store configured")
-    try:
-        offset = max(0, int(request.query_params.get("offset", "0")))
-        limit = min(500, max(1, int(request.query_params.get("limit", "50"))))
-    except ValueError as exc:
-        raise InvalidRequest("offset and limit must be integers") from exc
+    offset, limit = params.integer(request, "offset", 0), params.integer(request, "limit", 50)
     try:
         rows, total = await state.store.list_sessions(tenant, offset, limit)
     except StoreError as exc:

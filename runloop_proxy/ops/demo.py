@@ -4,7 +4,8 @@ Starts the scripted upstream and the proxy (embedded Redis unless ``--redis-url`
 bundled support-agent conversation through it — twelve customer questions, each answered
 after order lookups whose results are long JSON — request by request as an agent would send
 them, prints what the window saved and the inspector's address, and keeps both servers up
-until Ctrl-C (``--once``: stop after printing).
+until Ctrl-C. ``--once`` stops after printing the savings: it prints no inspector address,
+since that would be gone when the command returns.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def sample_conversation(questions: int = 12) -> list[Message]:
     msgs: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     for q in range(1, questions + 1):
         ids = [f"#W{q}{k}4{q}7{k}" for k in (1, 2)]
+        tracking = [f"1Z{q:02d}{k}9{q * 7919 % 100000:05d}" for k in (0, 1)]
         msgs.append({"role": "user", "content": f"Hi, where are my orders {ids[0]} and "
                                                 f"{ids[1]}? (question {q})"})
         for k, oid in enumerate(ids):
@@ -43,7 +45,7 @@ def sample_conversation(questions: int = 12) -> list[Message]:
                 {"id": cid, "type": "function", "function": {
                     "name": "get_order", "arguments": json.dumps({"order_id": oid})}}]})
             order = {"order_id": oid, "status": "shipped", "carrier": f"carrier-{q}{k}",
-                     "tracking": f"1Z{q:02d}{k}9{q * 7919 % 100000:05d}",
+                     "tracking": tracking[k],
                      "items": [{"sku": f"SKU-{q}-{i}", "name": f"item {i} of order {oid}",
                                 "price": round(9.99 + i * q, 2), "options": {
                                     "color": "blue", "size": "M", "gift": i % 2 == 0}}
@@ -53,8 +55,8 @@ def sample_conversation(questions: int = 12) -> list[Message]:
                                  for i in range(16)]}
             msgs.append({"role": "tool", "tool_call_id": cid, "content": json.dumps(order)})
         msgs.append({"role": "assistant", "content": f"Both orders ({ids[0]}, {ids[1]}) have "
-                                                     f"shipped; tracking 1Z{q:02d}09… and "
-                                                     f"1Z{q:02d}19…."})
+                                                     f"shipped; tracking {tracking[0]} and "
+                                                     f"{tracking[1]}."})
     return msgs  # type: ignore[return-value]
 
 
@@ -109,16 +111,19 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"  prompt tokens: the client sent {client_total:,}, the upstream got "
               f"{forwarded_total:,} — {saved:.0%} saved")
         print(f"  last request: {sent:,} tokens sent, {forwarded:,} forwarded")
+        if args.once:
+            print("stopped (--once): run `runloop-proxy demo` without --once to browse the "
+                  "session in the inspector")
+            return 0
         print(f"inspector: {base}/admin/ui  (admin key: {admin_key})")
         print(f"  this session: {base}/admin/ui/session?id={session}")
         print(f"the proxy stays up at {base}/v1 (scripted upstream at {upstream.url}); "
-              f"Ctrl-C stops both" if not args.once else "stopping (--once)")
-        if not args.once:
-            try:
-                while True:
-                    time.sleep(3600)
-            except KeyboardInterrupt:
-                pass
+              f"Ctrl-C stops both", flush=True)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
         return 0
     finally:
         server.stop()

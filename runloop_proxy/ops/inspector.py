@@ -13,10 +13,12 @@ another origin is refused.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import time
 import urllib.parse
+from collections.abc import Awaitable, Callable
 from html import escape
 from typing import Any
 
@@ -24,18 +26,21 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ..conversation.identity import stored_id
+from ..conversation.identity import name_of, stored_id
 from ..conversation.messages import Message, message_text
 from ..conversation.runloops import preview, segment
-from ..errors import ProxyError, StoreError
+from ..errors import InvalidRequest, ProxyError, StoreError
 from ..history.store import SessionView
 from ..history.summaries import OMIT, covers, summaries_of
 from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
 from ..window.builder import Window, build_window
 from ..window.forms import SUMMARY_HEAD, TAG, Budget
+from . import params
 from .admin import admin_key_of, compact, tenant_of_session
+from .views import pretty
 
+Handler = Callable[[Request], Awaitable[Response]]
 COOKIE = "rl_admin"
 BASE = "/admin/ui"
 VALID_S = 12 * 3600
@@ -116,7 +121,7 @@ async def login(request: Request) -> Response:
     except ProxyError as exc:
         return _page("disabled", f"<p class='err'>{escape(str(exc))}</p>", 404, user=False)
     form = await _form(request)
-    given = form.get("key", "")
+    given = params.form_text(form, "key")
     if not hmac.compare_digest(given.encode(), key.encode()):
         return _login("That is not the admin key.", 401)
     exp = str(int(time.time()) + VALID_S)
@@ -162,15 +167,15 @@ async def sessions(request: Request) -> Response:
     except StoreError as exc:
         return _page("store unavailable", f"<p class='err'>{escape(str(exc))}</p>", 503)
     tenants = sorted(set(state.config.tenants) | set(stored))
-    tenant = request.query_params.get("tenant") or (tenants[0] if tenants else "")
-    search = request.query_params.get("q", "").strip()
-    page = max(0, int(request.query_params.get("page", "0") or 0))
+    tenant = params.text(request, "tenant") or (tenants[0] if tenants else "")
+    search = params.text(request, "q").strip()
+    page = params.integer(request, "page", 0)
     options = "".join(f"<option value='{escape(t)}'{' selected' if t == tenant else ''}>"
                       f"{escape(t)} ({stored.get(t, 0)})</option>" for t in tenants)
     rows, total = await state.store.list_sessions(tenant, 0 if search else page * PAGE,
                                                   5000 if search else PAGE)
     if search:
-        rows = [r for r in rows if search.lower() in r[0].lower()]
+        rows = [r for r in rows if search.lower() in name_of(r[0]).lower()]
         total = len(rows)
         rows = rows[page * PAGE:(page + 1) * PAGE]
     body = [f"<h1>Sessions</h1><form method='get' action='{BASE}'>"
@@ -181,7 +186,7 @@ async def sessions(request: Request) -> Response:
             f"</th><th>last used</th></tr>"]
     for sid, ts in rows:
         link = f"{BASE}/session?{_q(tenant=tenant, id=sid)}"
-        body.append(f"<tr><td><a href='{escape(link)}'>{escape(sid)}</a></td>"
+        body.append(f"<tr><td><a href='{escape(link)}'>{escape(name_of(sid))}</a></td>"
                     f"<td>{escape(_when(ts))}</td></tr>")
     body.append("</table>")
     pages = []
@@ -252,7 +257,7 @@ async def _viewed(request: Request) -> tuple[AppState, str, str, str, SessionVie
         return guard
     state, cookie = guard
     assert state.store is not None
-    sid = stored_id(request.query_params.get("id", ""))
+    sid = stored_id(params.text(request, "id"))
     try:
         tenant = await tenant_of_session(state, request, sid)
         view = await state.store.session(tenant, sid)
@@ -262,7 +267,7 @@ async def _viewed(request: Request) -> tuple[AppState, str, str, str, SessionVie
         return _page("not found", f"<p class='err'>{escape(str(exc))}</p>",
                      int(getattr(exc, "status", 404)))
     if view is None:
-        return _page("not found", f"<p class='err'>No session {escape(sid)}.</p>", 404)
+        return _page("not found", f"<p class='err'>No session {escape(name_of(sid))}.</p>", 404)
     return state, cookie, tenant, sid, view
 
 
@@ -279,7 +284,7 @@ async def session(request: Request) -> Response:
         return _page("store unavailable", f"<p class='err'>{escape(str(exc))}</p>", 503)
     window, messages = window_of(state, tenant, view, stored)
     loops = segment(messages)
-    out = [f"<h1>Session {escape(sid)}</h1><p class='muted'>tenant {escape(tenant)} · "
+    out = [f"<h1>Session {escape(name_of(sid))}</h1><p class='muted'>tenant {escape(tenant)} · "
            f"{len(messages)} messages · {len(loops)} run loops · {len(view.branches)} "
            f"branch(es) · created {_when(view.created_ms)} · last used "
            f"{_when(view.updated_ms)}</p>", "<h2>Prompt tokens per request</h2>",
@@ -340,7 +345,7 @@ async def session(request: Request) -> Response:
                    f"{escape(str(rec.get('tokens_after')))}</td>"
                    f"<td>{escape(str(rec.get('reason') or ''))}</td></tr>")
     out.append("</table>")
-    return _page(f"session {sid}", "".join(out))
+    return _page(f"session {name_of(sid)}", "".join(out))
 
 
 def _summaries(state: AppState, tenant: str, sid: str, stored: dict[str, str],
@@ -382,15 +387,27 @@ async def message(request: Request) -> Response:
     if isinstance(viewed, Response):
         return viewed
     _, _, tenant, sid, view = viewed
-    pos = request.query_params.get("pos", "")
+    pos = params.integer(request, "pos", -1)
     messages = spliced_stored(view.messages, view.internal)[0]
-    if not pos.isdigit() or int(pos) >= len(messages):
+    if not 0 <= pos < len(messages):
         return _page("not found", "<p class='err'>No such message.</p>", 404)
-    m = messages[int(pos)]  # numbered as the session page shows them: the proxy's too
+    m = messages[pos]  # numbered as the session page shows them: the proxy's too
     back = f"{BASE}/session?{_q(tenant=tenant, id=sid)}"
-    return _page("message", f"<p><a href='{escape(back)}'>← session {escape(sid)}</a></p>"
-                            f"<h1>Message {escape(pos)} ({escape(str(m.get('role')))})</h1>"
-                            f"<pre>{escape(message_text(m))}</pre>")
+    facts = [f"<dt>{label}</dt><dd><code>{escape(str(value))}</code></dd>"
+             for label, value in (("name", m.get("name")),
+                                  ("answers the call", m.get("tool_call_id"))) if value]
+    out = [f"<p><a href='{escape(back)}'>← session {escape(name_of(sid))}</a></p>"
+           f"<h1>Message {pos} ({escape(str(m.get('role')))})</h1>",
+           f"<dl>{''.join(facts)}</dl>" if facts else ""]
+    text = message_text(m)
+    if text:
+        out.append(f"<h2>Content</h2><pre>{escape(pretty(text))}</pre>")
+    for call in m.get("tool_calls") or []:
+        fn = (call.get("function") if isinstance(call, dict) else None) or {}
+        out.append(f"<h2>Calls {escape(str(fn.get('name')))} "
+                   f"<code>{escape(str(call.get('id')))}</code></h2>"
+                   f"<pre>{escape(pretty(str(fn.get('arguments') or '')))}</pre>")
+    return _page("message", "".join(out))
 
 
 async def compact_now(request: Request) -> Response:
@@ -402,10 +419,10 @@ async def compact_now(request: Request) -> Response:
     if origin and urllib.parse.urlsplit(origin).netloc != request.url.netloc:
         return _page("refused", "<p class='err'>A form from another site.</p>", 403)
     form = await _form(request)
-    if not hmac.compare_digest(form.get("csrf", ""), _csrf(state, cookie)):
+    if not hmac.compare_digest(params.form_text(form, "csrf"), _csrf(state, cookie)):
         return _page("refused", "<p class='err'>The form has expired; reload the page.</p>",
                      403)
-    tenant, sid = form.get("tenant", ""), stored_id(form.get("id", ""))
+    tenant, sid = params.form_text(form, "tenant"), stored_id(params.form_text(form, "id"))
     try:
         await compact(state, tenant, sid)
     except (StoreError, ProxyError) as exc:
@@ -413,11 +430,22 @@ async def compact_now(request: Request) -> Response:
     return RedirectResponse(f"{BASE}/session?{_q(tenant=tenant, id=sid)}", 303)
 
 
+def _bad_parameters_answered(handler: Handler) -> Handler:
+    """A page whose parameter does not parse (``params``) answers 400 and says which."""
+    @functools.wraps(handler)
+    async def page(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except InvalidRequest as exc:
+            return _page("bad request", f"<p class='err'>{escape(str(exc))}</p>", 400)
+    return page
+
+
 def inspector_routes() -> list[BaseRoute]:
-    return [Route(BASE, sessions, methods=["GET"]),
-            Route(f"{BASE}/login", login_form, methods=["GET"]),
-            Route(f"{BASE}/login", login, methods=["POST"]),
-            Route(f"{BASE}/logout", logout, methods=["POST"]),
-            Route(f"{BASE}/session", session, methods=["GET"]),
-            Route(f"{BASE}/message", message, methods=["GET"]),
-            Route(f"{BASE}/compact", compact_now, methods=["POST"])]
+    pages: list[tuple[str, Handler, str]] = [
+        (BASE, sessions, "GET"), (f"{BASE}/login", login_form, "GET"),
+        (f"{BASE}/login", login, "POST"), (f"{BASE}/logout", logout, "POST"),
+        (f"{BASE}/session", session, "GET"), (f"{BASE}/message", message, "GET"),
+        (f"{BASE}/compact", compact_now, "POST")]
+    return [Route(path, _bad_parameters_answered(h), methods=[method])
+            for path, h, method in pages]

@@ -1,0 +1,88 @@
+"""``serve``'s options, each also a ``RUNLOOP_<NAME>`` environment variable: one table read by
+the command line (``cli``) and by the worker processes ``serve --workers N`` starts
+(``app.app_from_env``), so neither imports the other."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from .config import Settings
+
+ENV_PREFIX = "RUNLOOP_"
+
+
+class Option(NamedTuple):
+    flags: tuple[str, ...]  # the first is the option's name; the rest are old spellings
+    field: str  # the Settings field
+    env: str  # RUNLOOP_<env>
+    kind: type[Any]  # str or int
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    fallback_env: str | None = None  # a variable read when RUNLOOP_<env> is unset
+
+
+SERVE_OPTIONS: tuple[Option, ...] = (
+    Option(("--host",), "host", "HOST", str, None, "listen address (default 127.0.0.1)"),
+    Option(("--port",), "port", "PORT", int, None, "listen port (default 8080)"),
+    Option(("--upstream",), "upstream", "UPSTREAM", str, None,
+           "upstream base URL, e.g. https://api.openai.com/v1 (pass-through mode)",
+           metavar="URL"),
+    Option(("--config",), "config_dir", "CONFIG", str, None,
+           "config directory (runloop.toml + tenants/*.toml)", metavar="DIR"),
+    Option(("--redis-url",), "redis_url", "REDIS_URL", str, None,
+           "Redis URL (redis://, rediss://, unix://, redis+cluster://); none: an embedded "
+           "redis-server under --data-dir", metavar="URL", fallback_env="REDIS_URL"),
+    Option(("--data-dir",), "data_dir", "DATA_DIR", str, ".runloop",
+           "where the embedded Redis keeps its data (default .runloop)", metavar="DIR"),
+    Option(("--admin-key",), "admin_key", "ADMIN_KEY", str, None,
+           "the key of the admin API and the session inspector (/admin/ui); none: both are "
+           "off unless the config file sets server.admin_key", metavar="KEY"),
+    Option(("--log-level",), "log_level", "LOG_LEVEL", str, "info", "default info",
+           choices=("debug", "info", "warning", "error")),
+    Option(("--log-format",), "log_format", "LOG_FORMAT", str, "json", "default json",
+           choices=("json", "text")),
+    Option(("--default-context-window", "--context-window"), "context_window",
+           "CONTEXT_WINDOW", int, None,
+           "context window assumed for models neither the config nor the proxy knows (known "
+           "models keep their own); --context-window is the old spelling", metavar="N"),
+    Option(("--summary-model",), "summary_model", "SUMMARY_MODEL", str, None,
+           'pass-through mode: "extractive" or a model that summarises the loops an omission '
+           "leaves out (tenant files set policy.summary_model)", metavar="M"),
+    Option(("--cache-mb",), "cache_mb", "CACHE_MB", int, None,
+           "memory the per-process caches may use in all (default 512)", metavar="N"),
+    Option(("--workers",), "workers", "WORKERS", int, 1, "uvicorn worker processes (default 1)",
+           metavar="N"),
+)
+
+
+def env_name(option: Option) -> str:
+    return ENV_PREFIX + option.env
+
+
+def env_value(option: Option, environ: Mapping[str, str] | None = None) -> str | None:
+    """The option's value in the environment, as a string (None: unset)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(env_name(option))
+    if value is None and option.fallback_env:
+        value = environ.get(option.fallback_env)
+    return value
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> Settings:
+    """Settings from ``RUNLOOP_*`` alone: what a worker process started by uvicorn
+    (``--workers N``) reads. Raises ValueError on a value that is not a number."""
+    values: dict[str, Any] = {}
+    for option in SERVE_OPTIONS:
+        raw = env_value(option, environ)
+        values[option.field] = option.default if raw is None else option.kind(raw)
+    return Settings(**values)
+
+
+def settings_to_env(settings: Settings) -> dict[str, str]:
+    """The variables that give a worker process these settings."""
+    return {env_name(o): str(getattr(settings, o.field)) for o in SERVE_OPTIONS
+            if getattr(settings, o.field) is not None}

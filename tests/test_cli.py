@@ -1,0 +1,161 @@
+"""The command line as a user meets it: help, serve's options and environment, check-config,
+inspect, demo — each run as a process, against real servers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from runloop_proxy.environment import SERVE_OPTIONS, env_name, settings_from_env
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer, free_port, until
+
+ADMIN_KEY = "admin-0123456789abcdef"
+CONFIG = Path(__file__).resolve().parent.parent / "config"
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120
+        ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "runloop_proxy", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env or dict(os.environ))
+
+
+def test_help_names_every_command_in_plain_words() -> None:
+    out = cli("--help")
+    assert out.returncode == 0
+    assert "`" not in out.stdout
+    for command in ("serve", "check-config", "inspect", "replay", "demo"):
+        assert re.search(rf"^\s+{command}\s+\w", out.stdout, re.M), command
+
+
+def test_serve_help_names_each_option_s_environment_variable() -> None:
+    out = cli("serve", "--help")
+    text = " ".join(out.stdout.split())
+    for option in SERVE_OPTIONS:
+        assert f"{option.flags[0]}" in text and env_name(option) in text, option.flags[0]
+    assert "--admin-key KEY" in text and "REDIS_URL" in text
+
+
+def test_settings_from_the_environment_are_the_command_line_s() -> None:
+    env = {"RUNLOOP_PORT": "9123", "RUNLOOP_ADMIN_KEY": "k" * 20, "REDIS_URL": "redis://r/1",
+           "RUNLOOP_CONTEXT_WINDOW": "4096", "RUNLOOP_WORKERS": "3"}
+    s = settings_from_env(env)
+    assert (s.port, s.admin_key, s.redis_url, s.context_window, s.workers) == \
+        (9123, "k" * 20, "redis://r/1", 4096, 3)
+    assert s.data_dir == ".runloop" and s.log_format == "json"
+    bad = cli("serve", env={**os.environ, "RUNLOOP_PORT": "eighty"})
+    assert bad.returncode == 2 and "--port: invalid int value: 'eighty'" in bad.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_serve_takes_the_admin_key(how: str, upstream: ScriptedUpstream, redis_url: str,
+                                   tmp_path: Path) -> None:
+    port = free_port()
+    args = ["serve", "--upstream", upstream.url, "--redis-url", redis_url, "--port", str(port),
+            "--data-dir", str(tmp_path), "--log-level", "warning"]
+    env = dict(os.environ)
+    if how == "flag":
+        args += ["--admin-key", ADMIN_KEY]
+    else:
+        env["RUNLOOP_ADMIN_KEY"] = ADMIN_KEY
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(base + "/healthz").status_code == 200
+            except httpx.HTTPError:
+                return False
+        until(up, timeout=60, what="serve to answer")
+        ok = httpx.get(base + "/admin/tenants", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert ok.status_code == 200 and "tenants" in ok.json()
+        assert httpx.get(base + "/admin/tenants",
+                         headers={"Authorization": "Bearer wrong"}).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+
+
+def test_check_config_reports_every_missing_variable_at_once() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.endswith(("_KEY", "PROXY_KEY"))}
+    out = cli("check-config", str(CONFIG), env=env)
+    assert out.returncode == 1
+    missing = re.findall(r"environment variable (\w+) is not set", out.stderr)
+    assert sorted(missing) == sorted({"OPENAI_API_KEY", "ACME_PROXY_KEY", "ACME_OPENAI_KEY",
+                                      "GLOBEX_PROXY_KEY", "GLOBEX_OPENAI_KEY"})
+    assert "5 problems" in out.stderr and "acme.toml: keys[0]:" in out.stderr
+    full = {**env, "OPENAI_API_KEY": "sk-x", "ACME_PROXY_KEY": "acme-key-0123456789",
+            "ACME_OPENAI_KEY": "sk-a", "GLOBEX_PROXY_KEY": "globex-key-0123456789",
+            "GLOBEX_OPENAI_KEY": "sk-g"}
+    assert cli("check-config", str(CONFIG), env=full).returncode == 0
+
+
+def test_inspect_says_where_each_branch_comes_from(make_proxy: Any,
+                                                   upstream: ScriptedUpstream) -> None:
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY)
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-inspect", max_retries=0,
+                      default_headers={"X-Session-Id": "forked"})
+    upstream.push({"content": "first answer"}, {"content": "second"}, {"content": "again"})
+    q = [{"role": "user", "content": "question"}]
+    c.chat.completions.create(model="gpt-4o", messages=q)  # type: ignore[arg-type]
+    c.chat.completions.create(model="gpt-4o", messages=[  # type: ignore[arg-type]
+        *q, {"role": "assistant", "content": "first answer"}, {"role": "user", "content": "more"}])
+    c.chat.completions.create(model="gpt-4o", messages=[  # type: ignore[arg-type]
+        *q, {"role": "assistant", "content": "an edited answer"},
+        {"role": "user", "content": "more"}])
+    proxy.settle()
+    out = cli("inspect", "forked", "--url", proxy.base, "--admin-key", ADMIN_KEY)
+    assert out.returncode == 0, out.stderr
+    assert "None" not in out.stdout
+    branches = re.findall(r"^    (\S+): (\d+) messages, (.+)$", out.stdout, re.M)
+    assert len(branches) == 2
+    assert branches[0][2] == "the session's first branch"
+    assert branches[1][2] == f"forked from {branches[0][0]} at message 1"
+
+
+def test_demo_once_prints_no_address_it_takes_down(redis_url: str, tmp_path: Path) -> None:
+    r = cli("demo", "--once", "--port", "0", "--redis-url", redis_url, "--data-dir",
+            str(tmp_path), timeout=180)
+    assert r.returncode == 0, r.stderr[-2000:]
+    saved = re.search(r"sent ([\d,]+), the upstream got ([\d,]+) — (\d+)% saved", r.stdout)
+    assert saved, r.stdout
+    sent, got = (int(saved.group(k).replace(",", "")) for k in (1, 2))
+    assert got < sent / 2 and "36 requests" in r.stdout
+    assert "http://" not in r.stdout and "without --once" in r.stdout
+
+
+def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", "demo", "--port", "0",
+                             "--redis-url", redis_url, "--data-dir", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        while not any("Ctrl-C" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, f"demo ended early: {''.join(lines)}"
+            lines.append(line)
+        text = "".join(lines)
+        found = re.search(r"inspector: (http://127\.0\.0\.1:\d+/admin/ui)\s+\(admin key: "
+                          r"(demo-\w+)\)", text)
+        session = re.search(r"this session: (\S+)", text)
+        assert found and session, text
+        c = httpx.Client(follow_redirects=False)
+        login = c.post(found.group(1) + "/login", data={"key": found.group(2)})
+        assert login.status_code == 303
+        page = c.get(session.group(1))
+        assert page.status_code == 200 and "36 requests" in page.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
