@@ -39,8 +39,7 @@ def _serve_parser(sub: Any) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from . import serving
     from .app import create_app
     from .history.embedded import EmbeddedRedis
     from .ops import logs
@@ -63,17 +62,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
         settings = Settings(**{**settings.__dict__, "redis_url": url})
         config = load_config(settings)
-    host, port = config.server.host, config.server.port
     try:
         if settings.workers > 1:
             os.environ.update(settings_to_env(settings))
-            uvicorn.run("runloop_proxy.app:app_from_env", factory=True, host=host, port=port,
-                        workers=settings.workers, log_level="warning", access_log=False,
-                        timeout_graceful_shutdown=30)
+            serving.run(serving.server_config(
+                "runloop_proxy.app:app_from_env", config.server, factory=True,
+                workers=settings.workers, timeout_graceful_shutdown=30))
         else:
-            app = create_app(settings, config)
-            uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                        timeout_graceful_shutdown=30)
+            serving.run(serving.server_config(create_app(settings, config), config.server,
+                                              timeout_graceful_shutdown=30))
     finally:
         if embedded is not None:
             embedded.stop()

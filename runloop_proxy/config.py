@@ -163,6 +163,16 @@ class ServerSection(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    max_answer_bytes: int = Field(
+        64 * 1024 * 1024, ge=1024, description="an upstream answer the proxy must hold whole "
+        "(to answer its own tools, or an error), at most, decompressed; larger ones stream")
+    header_timeout_s: float = Field(
+        10.0, gt=0, description="a request's headers must arrive within this, from its first "
+        "byte or the connection's opening")
+    body_timeout_s: float = Field(
+        60.0, gt=0, description="a request's body must arrive within this, after its headers")
+    keep_alive_s: int = Field(5, ge=1, description="an idle keep-alive connection's life (s)")
+    max_header_bytes: int = Field(65_536, ge=4096)
     session_header: str = "X-Session-Id"
     admin_key: str | None = None
     cache_mb: int = Field(512, ge=16, description="memory the per-process caches may use "

@@ -29,6 +29,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from . import serving
+from .config import ServerSection
 from .conversation.items import to_messages, tool_to_chat
 from .conversation.messages import Message, message_hash
 from .pipeline import encodings
@@ -407,9 +409,15 @@ class ScriptedUpstream:
 class ThreadedServer:
     """An ASGI app under a real uvicorn server on a loopback port, in a daemon thread."""
 
-    def __init__(self, app: Any, lifespan: Literal["auto", "on", "off"] = "on"):
-        self.config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
-                                     lifespan=lifespan, access_log=False)
+    def __init__(self, app: Any, lifespan: Literal["auto", "on", "off"] = "on",
+                 server: ServerSection | None = None):
+        # the proxy runs as it runs in production (serving's protocol and deadlines); the
+        # scripted upstream under uvicorn's defaults
+        self.config = serving.server_config(app, server, host="127.0.0.1", port=0,
+                                            log_level="error", lifespan=lifespan) \
+            if server is not None else \
+            uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
+                           lifespan=lifespan, access_log=False)
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -158,7 +158,8 @@ class ProxyServer:
             "the write-behind queue did not drain"
 
     def start(self) -> ProxyServer:
-        self.server = ThreadedServer(self.app)
+        config = self.config or load_config(self.settings)
+        self.server = ThreadedServer(self.app, server=config.server)
         self.port = self.server.start()
         return self
 
@@ -167,11 +168,13 @@ class ProxyServer:
             self.server.stop()
 
 
-def unique_config(settings: Settings, **store: Any) -> ProxyConfig:
+def unique_config(settings: Settings, server: dict[str, Any] | None = None,
+                  **store: Any) -> ProxyConfig:
     config = load_config(settings)
     prefix = "t" + uuid.uuid4().hex[:10]
-    return dataclasses.replace(config, store=config.store.model_copy(
-        update={"key_prefix": prefix, **store}))
+    return dataclasses.replace(
+        config, store=config.store.model_copy(update={"key_prefix": prefix, **store}),
+        server=config.server.model_copy(update=server or {}))
 
 
 @pytest.fixture
@@ -180,10 +183,11 @@ def make_proxy(upstream: ScriptedUpstream, redis_url: str, tmp_path: Path) -> It
 
     def make(config_dir: str | None = None, redis: str | None = None, **kw: Any) -> ProxyServer:
         store_kw = kw.pop("store", {})
+        server_kw = kw.pop("server", {})
         settings = Settings(upstream=None if config_dir else upstream.url,
                             config_dir=config_dir, redis_url=redis or redis_url,
                             data_dir=str(tmp_path / "data"), **kw)
-        proxy = ProxyServer(settings, unique_config(settings, **store_kw)).start()
+        proxy = ProxyServer(settings, unique_config(settings, server_kw, **store_kw)).start()
         started.append(proxy)
         return proxy
 

@@ -88,7 +88,8 @@ def run_demo(args: argparse.Namespace) -> int:
     admin_key = args.admin_key or "demo-" + secrets.token_hex(12)
     settings = Settings(upstream=upstream.url, redis_url=redis_url, data_dir=args.data_dir,
                         admin_key=admin_key, summary_model="extractive", port=args.port)
-    server = ThreadedServer(create_app(settings, load_config(settings)))
+    config = load_config(settings)
+    server = ThreadedServer(create_app(settings, config), server=config.server)
     try:
         port = server.start(args.port)
         base = f"http://127.0.0.1:{port}"

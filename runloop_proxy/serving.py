@@ -1,0 +1,136 @@
+"""The HTTP server the proxy runs under: uvicorn, with deadlines on what a client sends.
+
+uvicorn times out only idle keep-alive connections: a client that opens a connection and
+sends its headers (or its body) a byte at a time holds a connection, a parser and a task
+forever, and a few hundred of them exhaust a process. ``GuardedHttpTools`` gives every
+request a deadline for its headers (from its first byte, or from the connection's opening)
+and one for its body (from the end of the headers), and bounds the bytes of its headers; a
+request past a deadline gets a 408 (431 for headers too large) and its connection closed.
+The CLI, the worker processes and the tests all build their server with ``server_config``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .config import ServerSection
+
+
+class GuardedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol with header and body deadlines and a header size bound.
+    The limits are read from the uvicorn config (``server_config`` puts them there), so the
+    class itself is picklable for ``--workers``."""
+
+    def __init__(self, config: uvicorn.Config, *args: Any, **kwargs: Any):
+        super().__init__(config, *args, **kwargs)
+        self.header_timeout: float = getattr(config, "runloop_header_timeout", 10.0)
+        self.body_timeout: float = getattr(config, "runloop_body_timeout", 60.0)
+        self.max_header_bytes: int = getattr(config, "runloop_max_header_bytes", 65_536)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._in_headers = True  # reading a request's head (or waiting for one)
+        self._header_bytes = 0
+
+    # -- deadlines ------------------------------------------------------------------------
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expired(self) -> None:
+        self._deadline = None
+        self._refuse(408, "request timeout: the request was not received in time")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer ``status`` if nothing was answered on this request yet, then close."""
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete or not cycle.response_started:
+            reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+            body = message.encode()
+            self.transport.write(
+                b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                % (status, reason, len(body), body))
+            if cycle is not None and not cycle.response_complete:
+                cycle.response_complete = True  # the app's answer, if any, has no one to go to
+                cycle.disconnected = True
+                cycle.message_event.set()
+        self.transport.close()
+
+    # -- uvicorn's callbacks ----------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm(self.header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._in_headers:
+            self._header_bytes += len(data)
+            if self._header_bytes > self.max_header_bytes:
+                self._refuse(431, "request headers too large")
+                return
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._in_headers = True
+        self._header_bytes = 0
+        if self._deadline is None:
+            self._arm(self.header_timeout)
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        self._arm(self.body_timeout)
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._disarm()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # arms uvicorn's keep-alive timeout for an idle wait
+        self._in_headers = True
+        self._header_bytes = 0
+
+
+def server_config(app: Any, server: ServerSection, host: str | None = None,
+                  port: int | None = None, **kwargs: Any) -> uvicorn.Config:
+    """The uvicorn config every runloop-proxy server runs with (the CLI, its workers, the
+    tests): the guarded protocol and its limits from ``server``."""
+    config = uvicorn.Config(app, host=host if host is not None else server.host,
+                            port=port if port is not None else server.port,
+                            http=GuardedHttpTools, timeout_keep_alive=server.keep_alive_s,
+                            log_level=kwargs.pop("log_level", "warning"),
+                            access_log=False, **kwargs)
+    config.runloop_header_timeout = server.header_timeout_s  # type: ignore[attr-defined]
+    config.runloop_body_timeout = server.body_timeout_s  # type: ignore[attr-defined]
+    config.runloop_max_header_bytes = server.max_header_bytes  # type: ignore[attr-defined]
+    return config
+
+
+def run(config: uvicorn.Config) -> None:
+    """``uvicorn.run`` for a config built here, with its worker processes when it has them."""
+    server = uvicorn.Server(config)
+    try:
+        if config.workers > 1:
+            from uvicorn.supervisors import Multiprocess
+
+            Multiprocess(config, sockets=[config.bind_socket()]).run()
+        else:
+            server.run()
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,111 @@
+"""The server's deadlines on what a client sends (serving.py), through a real proxy: a client
+that dribbles its headers or its body, or sends headers without end, loses its connection
+with a 408 (431), while everyone else is served."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+LIMITS = {"header_timeout_s": 0.6, "body_timeout_s": 0.6, "max_header_bytes": 4096}
+
+
+def _dribble(port: int, parts: list[bytes], gap: float, until: float) -> tuple[bytes, float]:
+    """Send ``parts`` one every ``gap`` seconds (no longer than ``until``); what the server
+    answered and when the connection closed (seconds after opening)."""
+    started = time.monotonic()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(0.05)
+    got = b""
+    try:
+        for part in parts:
+            if time.monotonic() - started > until:
+                break
+            try:
+                sock.sendall(part)
+            except OSError:
+                break
+            deadline = time.monotonic() + gap
+            while time.monotonic() < deadline:
+                try:
+                    chunk = sock.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    chunk = b""
+                if not chunk:
+                    return got, time.monotonic() - started
+                got += chunk
+        sock.settimeout(max(0.1, until - (time.monotonic() - started)))
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except (TimeoutError, OSError):
+            pass
+        return got, time.monotonic() - started
+    finally:
+        sock.close()
+
+
+HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer sk-test\r\n")
+
+
+@pytest.mark.parametrize("name, parts", [
+    ("silent", [b""]),
+    ("headers a byte at a time", [bytes([b]) for b in HEAD]),
+    ("body a byte at a time", [HEAD + b"Content-Length: 500\r\n\r\n"] + [b"{"] * 500),
+])
+def test_a_slow_client_is_cut_off_and_told_why(make_proxy: Any, name: str,
+                                                parts: list[bytes]) -> None:
+    proxy = make_proxy(server=LIMITS)
+    got, took = _dribble(proxy.port, parts, gap=0.1, until=6.0)
+    assert took < 4.0, f"{name}: the connection was still open after {took:.1f} s"
+    if name != "silent":
+        assert got.startswith(b"HTTP/1.1 408 "), got[:200]
+        assert b"request timeout" in got
+
+
+def test_headers_without_end_are_refused(make_proxy: Any) -> None:
+    proxy = make_proxy(server=LIMITS)
+    flood = [HEAD] + [b"X-Filler: " + b"a" * 1000 + b"\r\n"] * 20
+    got, _ = _dribble(proxy.port, flood, gap=0.0, until=3.0)
+    assert got.startswith(b"HTTP/1.1 431 "), got[:200]
+
+
+def test_slow_clients_do_not_hold_up_the_others(make_proxy: Any, upstream: Any) -> None:
+    """Forty dribbling connections at once; a normal client is answered meanwhile, and once
+    the deadline has passed none of the dribblers is still connected."""
+    proxy = make_proxy(server=LIMITS)
+    results: list[float] = []
+
+    def slow() -> None:
+        results.append(_dribble(proxy.port, [bytes([b]) for b in HEAD], 0.2, 8.0)[1])
+
+    threads = [threading.Thread(target=slow) for _ in range(40)]
+    for t in threads:
+        t.start()
+    r = httpx.post(proxy.url + "/chat/completions", headers={"Authorization": "Bearer sk-a"},
+                   json={"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]},
+                   timeout=10)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    for t in threads:
+        t.join(15)
+    assert len(results) == 40 and max(results) < 4.0, sorted(results)[-3:]
+
+
+def test_a_kept_alive_connection_serves_its_next_request(make_proxy: Any) -> None:
+    """The deadlines are per request: a client that sends its requests promptly on one
+    connection is served each time, however long the connection lives."""
+    proxy = make_proxy(server=LIMITS)
+    with httpx.Client(base_url=proxy.base, timeout=5) as client:
+        for _ in range(4):
+            assert client.get("/healthz").json() == {"status": "ok"}
+            time.sleep(0.3)  # under keep_alive_s, above nothing: the deadline is re-armed
