@@ -10,6 +10,7 @@
     ├── UpstreamError               the upstream is at fault (5xx or its own status)
     │   ├── UpstreamUnreachable     502
     │   ├── UpstreamBadReply        502 an answer of the wrong shape, or one cut short
+    │   ├── UpstreamTooLarge        502 an answer larger than the proxy may hold whole
     │   └── UpstreamTimeout         504
     ├── Unavailable                 503: this request cannot be served now (Retry-After)
     │   └── StoreUnavailable        server-history mode while the store is away
@@ -97,6 +98,11 @@ class UpstreamUnreachable(UpstreamError):
 class UpstreamBadReply(UpstreamError):
     status = 502
     code = "upstream_bad_response"
+
+
+class UpstreamTooLarge(UpstreamError):
+    status = 502
+    code = "upstream_answer_too_large"
 
 
 class UpstreamTimeout(UpstreamError):

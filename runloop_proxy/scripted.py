@@ -221,8 +221,8 @@ class ScriptedUpstream:
                     "message": "scripted failure", "type": "server_error", "param": None,
                     "code": None}}), reply["status"], media_type="application/json",
                     headers=reply.get("headers"))
-            if "raw_body" in reply:  # exactly these bytes, whatever they are
-                return Response(reply["raw_body"], 200, media_type="application/json")
+            if "raw_body" in reply:
+                return _raw(reply)
             if responses:
                 if body.get("stream"):
                     return StreamingResponse(self._response_events(body, reply, org),
@@ -259,6 +259,8 @@ class ScriptedUpstream:
             query = request.scope["query_string"].decode("latin-1")
             self.other.append((request.method, path + (f"?{query}" if query else ""),
                                dict(request.headers), await request.body()))
+            if self.script and "raw_body" in self.script[0]:
+                return _raw(self.script.popleft())
             return Response(orjson.dumps({"error": {
                 "message": f"no route {request.method} {path}", "type": "invalid_request_error",
                 "param": None, "code": "unknown_url"}}), 404, media_type="application/json")
@@ -434,6 +436,26 @@ class ThreadedServer:
     def stop(self, timeout: float = 15) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=timeout)
+
+
+def _raw(reply: Reply) -> Response:
+    """Exactly ``raw_body``'s bytes, whatever they are, with ``headers`` (a
+    ``Content-Encoding: gzip`` for a body given compressed); ``cut_after``: the headers
+    promise the whole body, the bytes stop there and, after ``hang`` seconds, the connection
+    breaks (an answer cut part-way)."""
+    data: bytes = reply["raw_body"]
+    headers = dict(reply.get("headers") or {})
+    cut = reply.get("cut_after")
+    if cut is None:
+        return Response(data, 200, media_type="application/json", headers=headers)
+
+    async def cut_short() -> AsyncIterator[bytes]:
+        yield data[:cut]
+        await asyncio.sleep(reply.get("hang", 0))
+        raise ConnectionAbortedError("scripted death mid-body")
+
+    return StreamingResponse(cut_short(), 200, media_type="application/json",
+                             headers={**headers, "Content-Length": str(len(data))})
 
 
 def _call(c: dict[str, Any]) -> dict[str, Any]:

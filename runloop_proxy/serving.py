@@ -31,8 +31,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.body_timeout: float = getattr(config, "runloop_body_timeout", 60.0)
         self.max_header_bytes: int = getattr(config, "runloop_max_header_bytes", 65_536)
         self._deadline: asyncio.TimerHandle | None = None
-        self._in_headers = True  # reading a request's head (or waiting for one)
-        self._header_bytes = 0
+        self._header_bytes = 0  # of the request being read: its URL and header lines
 
     # -- deadlines ------------------------------------------------------------------------
 
@@ -78,22 +77,25 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._in_headers:
-            self._header_bytes += len(data)
-            if self._header_bytes > self.max_header_bytes:
-                self._refuse(431, "request headers too large")
-                return
         super().data_received(data)
+        if self._header_bytes > self.max_header_bytes:
+            self._refuse(431, "request headers too large")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_headers = True
         self._header_bytes = 0
         if self._deadline is None:
             self._arm(self.header_timeout)
 
+    def on_url(self, url: bytes) -> None:
+        self._header_bytes += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_bytes += len(name) + len(value) + 4
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
-        self._in_headers = False
         self._arm(self.body_timeout)
         super().on_headers_complete()
 
@@ -103,8 +105,6 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # arms uvicorn's keep-alive timeout for an idle wait
-        self._in_headers = True
-        self._header_bytes = 0
 
 
 def server_config(app: Any, server: ServerSection, host: str | None = None,

@@ -4,6 +4,7 @@ upstream, a redis-server the test kills and restarts)."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import subprocess
@@ -361,3 +362,86 @@ def test_one_date_and_one_server_header(proxy: ProxyServer, upstream: ScriptedUp
     r = post(proxy, {"model": "m", "messages": [{"role": "user", "content": "x"}]})
     names = [k.lower() for k, _ in r.headers.multi_items()]
     assert names.count("date") == 1 and names.count("server") == 1
+
+
+# -- upstream answers: never inflated whole, never cut short as if whole -------------------
+
+@pytest.fixture
+def impatient_proxy(redis_url: str, upstream: ScriptedUpstream) -> Any:
+    """A proxy whose upstream read times out after 0.5 s, holding answers of 4 MiB at most."""
+    import dataclasses
+
+    from runloop_proxy.config import Settings
+
+    from .conftest import unique_config
+
+    settings = Settings(upstream=upstream.url, redis_url=redis_url)
+    config = unique_config(settings, {"max_answer_bytes": 4 << 20})
+    spec = config.upstreams["default"].model_copy(update={"read_timeout": 0.5,
+                                                          "max_retries": 0})
+    proxy = ProxyServer(settings, dataclasses.replace(config, upstreams={"default": spec}))
+    yield proxy.start()
+    proxy.stop()
+
+
+def _completion(text: str) -> bytes:
+    return orjson.dumps({"id": "x", "object": "chat.completion", "model": "m", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": text},
+         "finish_reason": "stop"}]})
+
+
+BIG = _completion("z" * (40 << 20))
+BIG_GZ = gzip.compress(BIG, 9)  # 40 MiB in ~40 KB: a Content-Length far under "large"
+
+
+def test_a_compressed_answer_is_relayed_as_it_inflates(impatient_proxy: ProxyServer,
+                                                       upstream: ScriptedUpstream) -> None:
+    """A small compressed answer is streamed through as it inflates (no Content-Length from
+    the proxy: it never held the answer whole), and arrives whole."""
+    upstream.push({"raw_body": BIG_GZ, "headers": {"Content-Encoding": "gzip"}})
+    result: list[httpx.Response] = []
+    slowest, _ = _healthz_during(impatient_proxy, lambda: result.append(
+        post(impatient_proxy, {"model": "m", "messages": [{"role": "user", "content": "x"}]})))
+    r = result[0]
+    assert r.status_code == 200 and "content-length" not in r.headers
+    assert len(r.content) == len(BIG) and r.content == BIG
+    print(f"\n40 MiB inflating from {len(BIG_GZ) >> 10} KB: slowest /healthz {slowest:.3f}s")
+
+
+def test_a_compressed_answer_the_proxy_must_hold_is_bounded(impatient_proxy: ProxyServer,
+                                                            upstream: ScriptedUpstream) -> None:
+    """On the tools path the proxy reads the answer whole: past max_answer_bytes (inflated)
+    it stops reading and says so, a 502 in the proxy's words."""
+    upstream.push({"raw_body": BIG_GZ, "headers": {"Content-Encoding": "gzip"}})
+    r = post(impatient_proxy, {"model": "m", "messages": long_session(),
+                               "tools": CLIENT_TOOLS})
+    assert r.status_code == 502, r.text[:300]
+    err = r.json()["error"]
+    assert err["code"] == "upstream_answer_too_large" and str(4 << 20) in err["message"]
+
+
+@pytest.mark.parametrize("where", ["chat, large", "chat, small", "tools path",
+                                   "pass-through route"])
+def test_an_answer_cut_part_way_never_looks_whole(impatient_proxy: ProxyServer,
+                                                  upstream: ScriptedUpstream,
+                                                  where: str) -> None:
+    """The upstream promises a whole body and stops half-way (its read times out). A client
+    that already has part of it sees the body end incomplete (the connection closed
+    mid-body); one that has nothing gets an error status. Never a 200 that ends cleanly."""
+    body = BIG[: 4 << 20] if where == "chat, large" else _completion("y" * 200_000)
+    upstream.push({"raw_body": body, "cut_after": len(body) // 2, "hang": 3})
+    if where == "pass-through route":
+        send = lambda: HTTP.get(impatient_proxy.url + "/files/file-1/content",  # noqa: E731
+                                headers={"Authorization": f"Bearer {KEY}"})
+    else:
+        request = {"model": "m", "messages": [{"role": "user", "content": "x"}]} \
+            if where.startswith("chat") else \
+            {"model": "m", "messages": long_session(), "tools": CLIENT_TOOLS}
+        send = lambda: post(impatient_proxy, request)  # noqa: E731
+    try:
+        r = send()
+    except httpx.RemoteProtocolError as exc:  # the body ended before what it promised
+        assert where in ("chat, large", "pass-through route"), exc
+        return
+    assert where in ("chat, small", "tools path"), f"{r.status_code}: {len(r.content)} bytes"
+    assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"

@@ -175,18 +175,24 @@ async def answer_turn(request: Request, api: str, make_turn: TurnMaker) -> ASGIR
 
 
 class LiveStreamResponse:
+    """A body relayed as it arrives. An event stream (``sse``) gets the headers that keep
+    proxies from buffering it. A body whose source fails part-way (``UpstreamError``) is left
+    unfinished: the connection is closed before the body's end, so the client sees an
+    incomplete answer, never a short one that looks whole."""
+
     media_type = "text/event-stream"
 
     def __init__(self, body: AsyncIterator[bytes], status_code: int = 200,
-                 headers: Mapping[str, str] | None = None):
+                 headers: Mapping[str, str] | None = None, sse: bool = True):
         self.body = body
         self.status_code = status_code
         raw = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-               for k, v in (headers or {}).items() if k.lower() != "content-length"]
-        if not any(k == b"content-type" for k, _ in raw):
-            raw.append((b"content-type", b"text/event-stream; charset=utf-8"))
-        raw.append((b"cache-control", b"no-cache"))
-        raw.append((b"x-accel-buffering", b"no"))
+               for k, v in (headers or {}).items() if not sse or k.lower() != "content-length"]
+        if sse:
+            if not any(k == b"content-type" for k, _ in raw):
+                raw.append((b"content-type", b"text/event-stream; charset=utf-8"))
+            raw.append((b"cache-control", b"no-cache"))
+            raw.append((b"x-accel-buffering", b"no"))
         self.raw_headers = raw
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -199,11 +205,15 @@ class LiveStreamResponse:
                 if not task.done():
                     task.cancel()
             for task in (pump, listener):
-                with contextlib.suppress(asyncio.CancelledError, OSError):
+                with contextlib.suppress(asyncio.CancelledError, OSError, UpstreamError):
                     await task
             aclose = getattr(self.body, "aclose", None)
             if aclose is not None:
                 await aclose()
+        if pump.done() and not pump.cancelled() and isinstance(pump.exception(), UpstreamError):
+            # returning with the body unfinished: the server closes the connection mid-body
+            log.warning("answer cut: the upstream failed part-way",
+                        extra={"error": str(pump.exception())})
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,

@@ -56,28 +56,32 @@ def v1_subpath(raw_path: bytes) -> str:
 
 @openai_errors
 async def passthrough(request: Request) -> ASGIResponse:
-    """Any other /v1 endpoint (models, embeddings, files, …) goes through untouched: body,
-    its Content-Encoding, the query string; the path only when it stays below /v1/."""
+    """Any other /v1 endpoint (models, embeddings, files, …) goes through untouched both ways:
+    bodies and their Content-Encoding, the query string; the path only when it stays below
+    /v1/."""
     state = state_of(request)
     caller = authenticate(state, request)
     path = v1_subpath(request.scope.get("raw_path") or request.scope["path"].encode())
     raw = await read_body(request, state.config.server.max_body_bytes)
     headers = upstream_headers(request.headers.items(), caller.upstream_auth,
                                caller.drop_headers, body_as_sent=True)
+    # the answer comes back as the upstream encodes it, so only in what the client accepts
+    headers["Accept-Encoding"] = request.headers.get("accept-encoding", "identity")
     client = state.upstream(caller.tenant.upstream)
     resp = await client.request(request.method, path, headers, raw or None,
-                                query=request.url.query)
+                                query=request.url.query, raw=True)
     state.metrics.passthrough_requests.labels(caller.label, str(resp.status)).inc()
-    fwd = dict(resp.forward_headers())
-    if resp.headers.get("content-type", "").startswith("text/event-stream"):
-        async def relay() -> Any:
-            try:
-                async for chunk in resp.iter_chunks():
-                    yield chunk
-            finally:
-                resp.close()
-        return LiveStreamResponse(relay(), resp.status, fwd)
-    return Response(await resp.read(), resp.status, headers=fwd)
+
+    async def relay() -> Any:
+        try:
+            async for chunk in resp.iter_chunks():
+                yield chunk
+        finally:
+            resp.close()
+
+    # relayed as it arrives, as the upstream encoded it: never held whole, never inflated
+    sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+    return LiveStreamResponse(relay(), resp.status, dict(resp.forward_headers()), sse=sse)
 
 
 async def healthz(request: Request) -> Response:

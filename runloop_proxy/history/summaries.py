@@ -85,6 +85,7 @@ CONDENSE_SHARE = 0.5  # of summary_max_tokens, for a merged summary: the next ba
 MIN_APPEND_SHARE = 0.25  # less room than this left in the budget: merge instead
 LOOP_CHARS = 6_000  # of each loop's text in a summary call: its input stays bounded
 FAILURES_BEFORE_BACKOFF = 3
+SUMMARY_ANSWER_BYTES = 4 << 20  # a summary model's answer, at most (it asks for ~1k tokens)
 LATE = "late"
 PENDING_BYTES = 8 << 20  # the summaries waiting for a reply, over all sessions
 OMIT = "omit:"  # a compaction's field: omit:<e>:<cover> -> the request point it applies from
@@ -409,7 +410,7 @@ class SummaryService:
         headers = json_headers(upstream_headers([], auth, job.drop_headers))
         resp = await self.state.upstream(name).request("POST", "/chat/completions", headers,
                                                        orjson.dumps(body))
-        data: Any = orjson.loads(await resp.read())
+        data: Any = orjson.loads(await resp.read(SUMMARY_ANSWER_BYTES))
         if resp.status != 200 or not isinstance(data, dict):
             raise RuntimeError(f"the summary call answered {resp.status}")
         text = data["choices"][0]["message"]["content"]

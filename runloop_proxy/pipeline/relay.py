@@ -42,10 +42,10 @@ async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
         rlog.upstream_took(started)
 
 
-async def read(resp: UpstreamResponse, rlog: RequestLog) -> bytes:
+async def read(state: AppState, resp: UpstreamResponse, rlog: RequestLog) -> bytes:
     started = time.perf_counter()
     try:
-        return await resp.read()
+        return await resp.read(state.config.server.max_answer_bytes)
     finally:
         rlog.upstream_took(started)
 
@@ -58,22 +58,22 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     large answer passes through as it arrives, never held whole."""
     headers = response_headers(resp, session, rlog)
     if resp.status >= 400:
-        raw = await read(resp, rlog)
+        raw = await read(state, resp, rlog)
         rlog.finish(resp.status)
         return Answer(resp.status, headers, raw)
     if turn.stream:
         return Answer(resp.status, headers,
                       stream=_streamed(state, turn, session, history, out, resp, rlog))
     if out.tools is None:
-        size = resp.content_length
+        size = resp.body_size  # unknown for a compressed answer: streamed, never inflated whole
         if size is None or is_large(size):
             return Answer(resp.status, headers,
                           stream=_passed_through(state, turn, session, history, resp, rlog))
-        raw = await read(resp, rlog)
+        raw = await read(state, resp, rlog)
         _answered(state, turn, session, history, rlog, _parsed_reply(turn.wire, raw), False)
         rlog.finish(resp.status)
         return Answer(resp.status, headers, raw)
-    raw = await read(resp, rlog)
+    raw = await read(state, resp, rlog)
     rounds = _rounds(state, turn, session, history, out, rlog)
     try:
         data, outcome = await answer_json(rounds, raw)
@@ -118,9 +118,11 @@ async def _passed_through(state: AppState, turn: Turn, session: Session, history
             reply = await offload(is_large(size), lambda: _parsed_reply(turn.wire, raw))
             _answered(state, turn, session, history, rlog, reply, is_large(size))
     except UpstreamError as exc:
-        status = exc.status  # the connection broke mid-answer: the client has a cut body
+        # the connection broke mid-answer: the client's body must end cut, never as whole
+        status = exc.status
         log.warning("upstream failed mid-answer", extra={"tenant": turn.caller.tenant.name,
                                                          "error": str(exc)})
+        raise
     except (GeneratorExit, asyncio.CancelledError):
         status = CLIENT_CLOSED
         raise
@@ -158,7 +160,7 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
 
     return Rounds(turn.wire, out.tools, out.body,
                   out.window.messages if out.window else out.conversation, runner,
-                  turn.policy.max_tool_rounds, send)
+                  turn.policy.max_tool_rounds, send, state.config.server.max_answer_bytes)
 
 
 def _count_calls(state: AppState, turn: Turn, rounds: Rounds) -> None:

@@ -12,6 +12,7 @@ import orjson
 
 from ..conversation.messages import Message
 from ..errors import UpstreamBadReply, UpstreamError
+from .offload import is_large, offload
 from .sse import SSEDecoder
 from .tools import ProxyTools, ToolRunner
 from .upstream import UpstreamResponse
@@ -42,6 +43,7 @@ class Rounds:
     runner: ToolRunner
     max_rounds: int
     send: Send  # one upstream call, timed
+    max_answer: int  # bytes of an upstream answer the rounds may hold whole
 
     async def again(self, convo: list[Message], rounds: int) -> UpstreamResponse:
         """The next round; on the last one allowed the proxy's tools are withdrawn, so the
@@ -49,7 +51,7 @@ class Rounds:
         withdraw = frozenset(self.tools.names) if rounds >= self.max_rounds else frozenset()
         resp = await self.send(self.wire.next_round(self.sent, convo, withdraw))
         if resp.status >= 400:
-            body = await resp.read()
+            body = await resp.read(self.max_answer)
             raise UpstreamError(f"the upstream answered {resp.status} to a proxy tool round: "
                                 f"{body[:300].decode(errors='replace')}",
                                 status=resp.status if resp.status >= 500 else 502)
@@ -80,9 +82,14 @@ def parse_json(raw: bytes) -> Any:
         raise UpstreamBadReply("the upstream's answer is not JSON") from exc
 
 
+async def parsed(raw: bytes) -> Any:
+    """An answer's JSON, parsed off the event loop when it is large."""
+    return await offload(is_large(len(raw)), lambda: parse_json(raw))
+
+
 async def answer_json(r: Rounds, raw: bytes) -> tuple[dict[str, Any], Outcome]:
     """A JSON answer, with the proxy's rounds run until the model answers the client."""
-    data = parse_json(raw)
+    data = await parsed(raw)
     usage: dict[str, Any] = {}
     convo = list(r.window)
     before: list[Message] = []
@@ -97,7 +104,7 @@ async def answer_json(r: Rounds, raw: bytes) -> tuple[dict[str, Any], Outcome]:
         before += [reply.message, *results]
         convo += [reply.message, *results]
         rounds += 1
-        data = parse_json(await (await r.again(convo, rounds)).read())
+        data = await parsed(await (await r.again(convo, rounds)).read(r.max_answer))
     out = r.wire.client_json(data, decision, usage)
     return out, await _finish(r, reply, decision, before, client_message(reply, decision), usage,
                               reply.id)

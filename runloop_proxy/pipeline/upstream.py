@@ -18,7 +18,7 @@ from multidict import CIMultiDict
 from yarl import URL
 
 from ..config import UpstreamSpec
-from ..errors import UpstreamTimeout, UpstreamUnreachable
+from ..errors import UpstreamTimeout, UpstreamTooLarge, UpstreamUnreachable
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 HOP_BY_HOP = frozenset({
@@ -33,38 +33,54 @@ _DROP_RESPONSE = HOP_BY_HOP | {"date", "server"}
 
 
 class UpstreamResponse:
-    """An upstream answer whose body is read or streamed; always closed by its consumer."""
+    """An upstream answer whose body is read or streamed; always closed by its consumer.
 
-    def __init__(self, resp: aiohttp.ClientResponse, started: float):
+    Its body is never read unbounded: ``read`` takes the most it may hold (decompressed: a
+    gzip answer of 100 KB can inflate to gigabytes) and ``iter_chunks`` yields what arrives
+    in the pieces aiohttp decompresses, each bounded. A body cut short (a broken connection, a
+    read timeout) raises, so a relay can end its own answer as cut and never as whole."""
+
+    def __init__(self, resp: aiohttp.ClientResponse, started: float, raw: bool = False):
         self._resp = resp
         self.status = resp.status
         self.started = started
         self.first_byte_at: float | None = None
+        self.raw = raw  # the body as the upstream encoded it (pass-through), not decompressed
 
     @property
     def headers(self) -> Mapping[str, str]:
         return self._resp.headers
 
     @property
-    def content_length(self) -> int | None:
-        return self._resp.content_length
+    def body_size(self) -> int | None:
+        """The size of the body as it will be read, when known before reading it: the
+        Content-Length, unless the body is compressed and will be read decompressed."""
+        encoded = self._resp.headers.get("content-encoding", "identity").lower() != "identity"
+        return None if encoded and not self.raw else self._resp.content_length
 
     def forward_headers(self) -> list[tuple[str, str]]:
+        """The answer's headers for the client: hop-by-hop ones dropped; a raw body keeps the
+        headers that say how it is encoded and how long it is."""
+        keep = {"content-encoding", "content-length"} if self.raw else set()
         return [(k, v) for k, v in self._resp.headers.items()
-                if k.lower() not in _DROP_RESPONSE]
+                if k.lower() not in _DROP_RESPONSE or k.lower() in keep]
 
-    async def read(self) -> bytes:
+    async def read(self, limit: int) -> bytes:
+        """The whole body, at most ``limit`` bytes of it as read (UpstreamTooLarge beyond)."""
+        chunks: list[bytes] = []
+        size = 0
         try:
-            body = await self._resp.read()
-        except TimeoutError as exc:
-            raise UpstreamTimeout("upstream timed out while sending its answer") from exc
-        except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable("the upstream's connection broke while it was sending "
-                                      "its answer") from exc
+            async for chunk in self.iter_chunks():
+                size += len(chunk)
+                if size > limit:
+                    raise UpstreamTooLarge(
+                        f"the upstream's answer exceeds {limit} bytes "
+                        f"(server.max_answer_bytes), more than the proxy holds whole")
+                chunks.append(chunk)
         finally:
             self.close()
-        self.first_byte_at = time.perf_counter()
-        return body
+        self.first_byte_at = self.first_byte_at or time.perf_counter()
+        return b"".join(chunks)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         try:
@@ -75,8 +91,8 @@ class UpstreamResponse:
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream stopped sending (read timeout)") from exc
         except aiohttp.ClientError as exc:
-            raise UpstreamUnreachable("the upstream's connection broke in the middle of its "
-                                      "stream") from exc
+            raise UpstreamUnreachable("the upstream's connection broke while it was sending "
+                                      "its answer") from exc
 
     def close(self) -> None:
         self._resp.release() if self._resp.content.at_eof() else self._resp.close()
@@ -107,8 +123,10 @@ class UpstreamClient:
         return self.spec.url + path
 
     async def request(self, method: str, path: str, headers: CIMultiDict[str] | dict[str, str],
-                      body: bytes | None, query: str = "") -> UpstreamResponse:
-        """Send with retries (connect errors, 429, 5xx) while nothing reached the client yet."""
+                      body: bytes | None, query: str = "", raw: bool = False
+                      ) -> UpstreamResponse:
+        """Send with retries (connect errors, 429, 5xx) while nothing reached the client yet.
+        ``raw``: the answer's body is kept as the upstream encoded it (pass-through)."""
         assert self._session is not None, "UpstreamClient.start() was not called"
         # encoded as given: the path is the proxy's own or v1_subpath's (re-encoded), the
         # query the client's raw one; parsed again, %2e%2e would become a dot segment
@@ -118,7 +136,8 @@ class UpstreamClient:
             started = time.perf_counter()
             try:
                 resp = await self._session.request(method, url, headers=headers, data=body,
-                                                   allow_redirects=False)
+                                                   allow_redirects=False,
+                                                   auto_decompress=not raw)
             except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError,
                     aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt >= self.spec.max_retries:
@@ -141,7 +160,7 @@ class UpstreamClient:
                     await asyncio.sleep(wait)
                     attempt += 1
                     continue
-            return UpstreamResponse(resp, started)
+            return UpstreamResponse(resp, started, raw)
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:
         if retry_after is not None:
