@@ -34,13 +34,13 @@ from .config import ServerSection
 from .conversation.items import to_messages, tool_to_chat
 from .conversation.messages import Message, message_hash
 from .pipeline import encodings
+from .pipeline.schemas import render_tools
 from .pipeline.tokens import (
     FALLBACK_ENCODING,
     FRAME,
     REPLY_PRIMING,
     TOOLS_OVERHEAD,
     billed_tokens,
-    render_tools,
 )
 
 Reply = dict[str, Any]

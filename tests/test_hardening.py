@@ -445,3 +445,41 @@ def test_an_answer_cut_part_way_never_looks_whole(impatient_proxy: ProxyServer,
         return
     assert where in ("chat, small", "tools path"), f"{r.status_code}: {len(r.content)} bytes"
     assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+
+
+def test_a_small_hostile_tool_schema_does_not_stall_other_requests(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """Finding: 1,015 bytes of tool schema (type lists nested, each kind re-rendering the
+    node) held the event loop 11.5 s while its tokens were counted, with no key at all."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(13):
+        schema = {"type": ["array", "array", "array", "null"], "items": schema}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": schema}}}}]
+    body = {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert len(orjson.dumps(body)) < 1024
+    result: list[httpx.Response] = []
+    slowest, took = _healthz_during(proxy, lambda: result.append(HTTP.post(
+        proxy.url + "/chat/completions", json=body)))  # no key, as found
+    assert result[0].status_code == 200, result[0].text[:300]
+    print(f"\n{len(orjson.dumps(body))} B schema: answered in {took:.3f}s, "
+          f"slowest /healthz {slowest:.3f}s")
+    assert slowest < 2.0 and took < 5.0, f"stalled: {slowest:.2f}s (7+ s before the fix)"
+
+
+def test_too_many_tools_are_named_as_the_reason(proxy: ProxyServer,
+                                                upstream: ScriptedUpstream) -> None:
+    """Finding: 5,000 tools got a 400 saying the request 'needs 5 prompt tokens'. What does
+    not fit is the tools: the answer says so, points at the tools and calls nothing."""
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": "Looks a thing up in the catalogue " * 4,
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+        for i in range(5000)]
+    r = post(proxy, {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}],
+                     "tools": tools})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["code"] == "context_length_exceeded" and err["param"] == "tools"
+    assert "before any message" in err["message"] and "tool schemas" in err["message"]
+    assert "needs" not in err["message"]
+    assert upstream.requests == []

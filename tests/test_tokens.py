@@ -17,12 +17,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runloop_proxy.pipeline import encodings
+from runloop_proxy.pipeline.schemas import render_tools
 from runloop_proxy.pipeline.tokens import (
     COUNT_ENTRY_BYTES,
     FALLBACK_ENCODING,
     TokenCounter,
     _shipped,
-    render_tools,
 )
 
 ROOT = Path(__file__).resolve().parent.parent

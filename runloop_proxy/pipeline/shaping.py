@@ -67,11 +67,8 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     if not window.fits:
         state.metrics.rejections.labels(tl, ml).inc()
         log_events(state, turn, session, window)
-        raise ContextLengthExceeded(
-            f"This conversation needs {window.tokens_out} prompt tokens after compression, "
-            f"more than {turn.model} allows here: {_explained(window)}. Shorten the "
-            f"latest messages or tool results, or ask for fewer output tokens.",
-            param="messages")
+        raise ContextLengthExceeded(_too_long(turn, window), param=(
+            "tools" if window.budget is not None and window.budget.hard == 0 else "messages"))
     if any(e.kind.value == "hard_truncation" for e in window.events):
         state.metrics.truncations.labels(tl, ml).inc()
     offer = window.offers_tools(turn.policy, bool(turn.body.get("tools"))) \
@@ -86,8 +83,18 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys)
 
 
-def _explained(window: Window) -> str:
-    return window.budget.explained() if window.budget is not None else "the budget"
+def _too_long(turn: Turn, window: Window) -> str:
+    """Why a request cannot fit, naming what does not: the messages, or — when nothing is
+    left for any message — the tool schemas and the output reserve."""
+    budget = window.budget
+    explained = budget.explained() if budget is not None else "the budget"
+    if budget is not None and budget.hard == 0:
+        return (f"This request does not fit {turn.model}'s context before any message: "
+                f"{explained}. Send fewer or shorter tool schemas, or ask for fewer output "
+                f"tokens.")
+    return (f"This conversation needs {window.tokens_out} prompt tokens after compression, "
+            f"more than {turn.model} allows here: {explained}. Shorten the latest messages "
+            f"or tool results, or ask for fewer output tokens.")
 
 
 def _chains_at(state: AppState, turn: Turn, session: Session, history: History) -> list[str]:

@@ -28,6 +28,7 @@ from ..conversation.messages import Message, content_hash, message_hash, text_of
 from ..ops import logs
 from ..window.forms import Cut
 from . import encodings
+from .schemas import render_tools
 
 log = logs.get("tokens")
 FALLBACK_ENCODING = "cl100k_base"
@@ -158,10 +159,11 @@ class TokenCounter:
         return self._rendered(enc, [])
 
     def _rendered(self, enc: tiktoken.Encoding, tools: list[dict[str, Any]]) -> int:
-        ck = (enc.name, "tools:" + content_hash(orjson.dumps(tools)))
+        raw = orjson.dumps(tools)
+        ck = (enc.name, "tools:" + content_hash(raw))
         hit = self._cache.get(ck)
         if hit is None:
-            hit = self.text(enc, render_tools(tools)) + TOOLS_OVERHEAD
+            hit = self.text(enc, render_tools(tools, len(raw))) + TOOLS_OVERHEAD
             self._cache[ck] = hit
         return int(hit)
 
@@ -250,60 +252,6 @@ def count_text(enc: tiktoken.Encoding, text: str) -> int:
         return len(enc.encode_ordinary(text)) if text else 0
     sample = text[:SAMPLE_CHARS] + text[-SAMPLE_CHARS:]
     return round(len(enc.encode_ordinary(sample)) * len(text) / len(sample))
-
-
-def render_tools(tools: list[dict[str, Any]]) -> str:
-    """The tool schemas in the shape the model reads them (what the API bills for tools)."""
-    out = ["# Tools", "", "## functions", "", "namespace functions {", ""]
-    for tool in tools:
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(fn, dict):
-            out.append(orjson.dumps(tool).decode())  # another tool type: as sent
-            continue
-        if fn.get("description"):
-            out.append(f"// {fn['description']}")
-        params = fn.get("parameters") or {}
-        props = params.get("properties") if isinstance(params, dict) else None
-        if props:
-            out.append(f"type {fn.get('name', '')} = (_: {_ts_object(params, 0)}) => any;")
-        else:
-            out.append(f"type {fn.get('name', '')} = () => any;")
-        out.append("")
-    out.append("} // namespace functions")
-    return "\n".join(out)
-
-
-def _ts_type(schema: Any, depth: int) -> str:
-    if not isinstance(schema, dict):
-        return "any"
-    if "enum" in schema and isinstance(schema["enum"], list):
-        return " | ".join(orjson.dumps(v).decode() for v in schema["enum"]) or "any"
-    for key in ("anyOf", "oneOf"):
-        if isinstance(schema.get(key), list):
-            return " | ".join(_ts_type(s, depth) for s in schema[key]) or "any"
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        return " | ".join(_ts_type({**schema, "type": k}, depth) for k in kind) or "any"
-    if kind == "object" and isinstance(schema.get("properties"), dict):
-        return _ts_object(schema, depth + 1)
-    if kind == "array":
-        return f"{_ts_type(schema.get('items'), depth)}[]"
-    if kind == "integer":
-        return "number"
-    return str(kind) if kind in ("string", "number", "boolean", "null") else "any"
-
-
-def _ts_object(schema: dict[str, Any], depth: int) -> str:
-    required = set(schema.get("required") or [])
-    pad = "  " * depth
-    lines = ["{"]
-    for name, prop in (schema.get("properties") or {}).items():
-        if isinstance(prop, dict) and prop.get("description"):
-            lines.append(f"{pad}// {prop['description']}")
-        mark = "" if name in required else "?"
-        lines.append(f"{pad}{name}{mark}: {_ts_type(prop, depth)},")
-    lines.append(pad + "}")
-    return "\n".join(lines)
 
 
 class WindowTokens:
