@@ -10,13 +10,24 @@ import httpx
 import openai
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.conversation.messages import message_hash, message_refs
-from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner, rank
+from runloop_proxy.pipeline.tools import (
+    MAX_CALLS,
+    MAX_QUERY_CHARS,
+    MAX_QUERY_TERMS,
+    ProxyTools,
+    ToolRunner,
+    query_terms,
+    rank,
+)
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, until
+from .work import calls
 
 CLIENT_TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {
     "type": "object", "properties": {"cmd": {"type": "string"}}}}}]
@@ -471,3 +482,81 @@ def test_search_history_finds_an_id_inside_a_longer_word_and_a_phrase_verbatim()
     text, _ = _search(msgs, "gift")
     assert "7091239" not in text.splitlines()[1]
     assert _search(msgs, "2.")[1] == "bad_arguments"  # no word and too short to look for
+
+
+# -- a search costs what its corpus weighs, whatever the model asks -----------------------
+
+SEARCH_CALLS_PER_BYTE = 3  # measured 0.7-1.2 at this scale; terms x messages is far past
+SEARCH_CALLS_FLOOR = 20_000  # asyncio.run and the search set-up
+
+words_st = st.text("ab01_", min_size=1, max_size=12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(words_st, min_size=1, max_size=30), min_size=1, max_size=20),
+       st.lists(words_st, min_size=1, max_size=100))
+def test_search_work_is_linear_in_what_it_reads(corpus_words: list[list[str]],
+                                                query_words: list[str]) -> None:
+    """Counted, not timed: a query of any length (terms repeated, distinct, or matching
+    inside thousands of words) over any corpus makes calls linear in the corpus' and the
+    query's bytes (the finding: 30k terms over 1,500 messages held the event loop 24 s). The
+    drawn corpus and query are scaled tenfold — each message and term repeated under ten
+    suffixes, every message holding words that contain the query's 'zzzz' — so that a cost
+    of terms times messages, or messages times matching words, shows."""
+    scale = 10
+    msgs: list[dict[str, Any]] = [
+        {"role": "user" if i % 2 else "assistant",
+         "content": " ".join([f"{w}{j}" for w in ws] + [f"k{i}zzzz{j}y{n}" for n in range(8)])}
+        for j in range(scale) for i, ws in enumerate(corpus_words)]
+    query = " ".join(["zzzz"] + [f"{w}{j}" for j in range(scale) for w in query_words])
+    size = len(orjson.dumps(msgs)) + len(query)
+    (_, outcome), work = calls(_search, msgs, query)
+    assert outcome in ("hit", "miss")
+    assert work <= SEARCH_CALLS_FLOOR + SEARCH_CALLS_PER_BYTE * size, (work, size)
+
+
+def test_a_query_is_read_to_its_bound_and_the_answer_says_so() -> None:
+    msgs = long_session(steps=3, size=20)
+    text, outcome = _search(msgs, "line1_7 " + "zz " * 5000)
+    assert outcome == "hit" and f"(the first {MAX_QUERY_CHARS} characters)" in text
+    assert len(query_terms("a1 " * 100 + " ".join(f"t{i}" for i in range(100)))) \
+        == MAX_QUERY_TERMS
+    assert query_terms("Line line LINE two") == ["line", "two"]
+
+
+def test_calls_past_the_per_request_bound_are_refused_without_work() -> None:
+    msgs = long_session(steps=3, size=20)
+    runner = ToolRunner(ProxyTools.for_request(None), msgs,  # type: ignore[arg-type]
+                        [message_hash(m) for m in msgs], 5)  # type: ignore[arg-type]
+    call = {"id": "s", "type": "function",
+            "function": {"name": "search_history", "arguments": '{"query": "line1_7"}'}}
+    answers = [asyncio.run(runner.run(call)) for _ in range(MAX_CALLS + 5)]  # type: ignore[arg-type]
+    assert all("best match" in str(a["content"]) for a in answers[:MAX_CALLS])
+    assert all("more than 32 calls" in str(a["content"]) for a in answers[MAX_CALLS:])
+    assert [o for _, o in runner.outcomes].count("refused") == 5
+
+
+def test_a_huge_query_does_not_stall_other_requests(proxy: ProxyServer,
+                                                    upstream: ScriptedUpstream) -> None:
+    """Finding 5 through real servers: a model's search of 30,000 terms (90 KB) over a long
+    session is answered at once (its first terms), and /healthz is served meanwhile."""
+    from .test_hardening import _healthz_during
+
+    query = " ".join(f"w{i}x" for i in range(30_000))
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last.get("tool_call_id") == "sh_big":
+            return {"content": str(last["content"])}
+        return {"tool_calls": [{"id": "sh_big", "name": recall_name(body, "search_history"),
+                                "arguments": {"query": query}}]}
+
+    upstream.responder = respond
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0, timeout=60)
+    answers: list[str] = []
+    slowest, took = _healthz_during(proxy, lambda: answers.append(
+        c.chat.completions.create(model="gpt-4o-mini", messages=long_session(120, 60),
+                                  tools=CLIENT_TOOLS).choices[0].message.content or ""))
+    assert f"(the first {MAX_QUERY_CHARS} characters)" in answers[0]
+    print(f"\n90 KB query: answered in {took:.3f}s, slowest /healthz {slowest:.3f}s")
+    assert slowest < 2.0, f"/healthz waited {slowest:.2f}s (24 s before the fix)"

@@ -1,5 +1,6 @@
 """Counting work instead of timing it: the calls (Python and C) a function makes, read with
-a profiler hook of this thread (coverage's tracer is a separate hook and keeps running).
+a profiler hook in this thread and in the threads it starts (work offloaded to a worker
+thread counts too; coverage's tracer is a separate hook and keeps running).
 A property that the calls grow linearly with the input catches an exponential or quadratic
 path on any machine, however loaded."""
 
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
@@ -23,10 +25,12 @@ def calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, int]:
 
     previous = sys.getprofile()
     sys.setprofile(hook)
+    threading.setprofile(hook)  # asyncio.run's executor starts its threads afresh
     try:
         result = fn(*args, **kwargs)
         if asyncio.iscoroutine(result):
             result = asyncio.run(result)
     finally:
         sys.setprofile(previous)
+        threading.setprofile(None)  # type: ignore[arg-type]
     return result, count

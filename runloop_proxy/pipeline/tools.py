@@ -28,6 +28,7 @@ from ..conversation.messages import (
 )
 from ..conversation.runloops import segment
 from ..errors import StoreError
+from .offload import is_large, offload
 from .tokens import TokenCounter
 
 RECALL = "recall_tool_call"
@@ -38,6 +39,11 @@ MIN_INFIX = 4  # a query term this long matches inside longer words when none is
 MIN_PHRASE = 3  # a query this long is also looked for verbatim ("2.0", "n>1")
 PHRASE_BONUS = 1000.0  # above any sum of term scores: verbatim matches first
 MAX_INFIX_TERMS = 8  # of a query's terms, looked for inside words (each scans the vocabulary)
+# The model's arguments are request content too: what one search may cost is bounded by the
+# corpus it reads (each message read once per request), whatever the query.
+MAX_QUERY_CHARS = 1_000  # of a query, read; the answer says when the rest was not
+MAX_QUERY_TERMS = 32  # distinct terms ranked by (the first ones)
+MAX_CALLS = 32  # of the proxy's tools, answered per request; later calls are refused
 
 
 def _function(name: str, kind: str) -> dict[str, Any]:
@@ -185,10 +191,15 @@ class ToolRunner:
         self.branches = branches
         self.branch_results = branch_results
         self.outcomes: list[tuple[str, str]] = []  # (tool, outcome) for metrics
+        self._docs: list[Doc] | None = None  # the corpus as search reads it, read once
 
     async def run(self, call: ToolCall) -> Message:
         fn = call.get("function") or {}
         kind = self.tools.names.get(str(fn.get("name")), "")
+        if len(self.outcomes) >= MAX_CALLS:
+            self.outcomes.append((kind, "refused"))
+            return _tool_message(call, f"error: more than {MAX_CALLS} calls of the proxy's "
+                                       f"tools in one request; answer with what you have")
         try:
             args = orjson.loads(fn.get("arguments") or "{}")
             if not isinstance(args, dict):
@@ -248,24 +259,37 @@ class ToolRunner:
                     return str((call.get("function") or {}).get("arguments", "")), "hit"
         return f"error: no tool call with id {call_id!r} in this conversation", "not_found"
 
+    async def _corpus(self) -> list[Doc]:
+        """What search reads: the request's messages, and in a named session the session's
+        other branches; each message read once per request, off the event loop when many."""
+        if self._docs is None:
+            corpus = self._lineage()
+            if self.branches is not None:
+                try:
+                    stored = await self.branches()
+                except StoreError:
+                    stored = []
+                known = {k for k, _ in corpus}
+                corpus += [(k, m) for k, m in stored if k not in known]
+            self._docs = await offload(is_large(0, len(corpus) * 8),
+                                       lambda: [doc(k, m) for k, m in corpus])
+        return self._docs
+
     async def search(self, query: str) -> tuple[str, str]:
+        cut = len(query) > MAX_QUERY_CHARS
+        query = query[:MAX_QUERY_CHARS]
         terms = query_terms(query)
         if not terms and len(" ".join(query.split())) < MIN_PHRASE:
             return "error: query must contain words", "bad_arguments"
-        corpus = self._lineage()
-        if self.branches is not None:
-            try:
-                stored = await self.branches()
-            except StoreError:
-                stored = []
-            known = {k for k, _ in corpus}
-            corpus += [(k, m) for k, m in stored if k not in known]
+        docs = await self._corpus()
         loop_of = _loop_index(self.messages, self.keys)
         ref_of = dict(zip(self.keys, message_refs(self.keys), strict=True))
-        hits = rank(terms, corpus, self.max_results, query)
+        hits = await offload(is_large(0, len(docs) * 8),
+                             lambda: rank_docs(terms, docs, self.max_results, query))
+        said = f"{query!r}" + (f" (the first {MAX_QUERY_CHARS} characters)" if cut else "")
         if not hits:
-            return f"no match for {query!r} in this conversation's history", "miss"
-        lines = [f"{len(hits)} best match(es) for {query!r}:"]
+            return f"no match for {said} in this conversation's history", "miss"
+        lines = [f"{len(hits)} best match(es) for {said}:"]
         for score, key, m in hits:
             where = f"turn {loop_of[key]}" if key in loop_of else "another branch"
             ids = ""
@@ -287,8 +311,9 @@ def _loop_index(messages: list[Message], keys: list[str]) -> dict[str, int]:
 
 
 def query_terms(query: str) -> list[str]:
-    """The words search_history ranks by."""
-    return [t.lower() for t in _WORD.findall(query) if t.strip() and len(t) > 1]
+    """The words search_history ranks by: distinct, the first ``MAX_QUERY_TERMS``."""
+    terms = dict.fromkeys(t.lower() for t in _WORD.findall(query) if t.strip() and len(t) > 1)
+    return list(terms)[:MAX_QUERY_TERMS]
 
 
 def searchable(m: Message) -> str:
@@ -332,19 +357,22 @@ def rank_docs(terms: list[str], docs: list[Doc], k: int, phrase: str = ""
     phrase = " ".join(phrase.split()).lower()
     exact = {d.key for d in docs if phrase in d.text} if len(phrase) >= MIN_PHRASE else set()
     avg = sum(sum(d.words.values()) for d in docs) / len(docs) or 1.0
-    words = {t: {t} for t in set(terms)}
+    words = {t: {t} for t in terms}
     unmatched = [t for t in words if len(t) >= MIN_INFIX and not any(t in d.words for d in docs)]
     if unmatched:
         vocabulary = set().union(*(d.words for d in docs))
         for t in unmatched[:MAX_INFIX_TERMS]:
             words[t] = {w for w in vocabulary if t in w}
-    df = {t: sum(1 for d in docs if any(w in d.words for w in ws)) for t, ws in words.items()}
+    # each document's frequency of each term, read once: work per term bounded by the
+    # smaller of the document and the term's words (an infix term can match thousands)
+    tfs = [{t: _tf(d.words, ws) for t, ws in words.items()} for d in docs]
+    df = {t: sum(1 for tf in tfs if tf[t]) for t in words}
     scored = []
-    for key, m, c, _ in docs:
+    for (key, m, c, _), tf_of in zip(docs, tfs, strict=True):
         length = sum(c.values()) or 1
         score = 0.0
         for t in terms:
-            tf = sum(c.get(w, 0) for w in words[t])
+            tf = tf_of[t]
             if tf:
                 idf = math.log(1 + (len(docs) - df[t] + 0.5) / (df[t] + 0.5))
                 score += idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * length / avg))
@@ -354,6 +382,13 @@ def rank_docs(terms: list[str], docs: list[Doc], k: int, phrase: str = ""
             scored.append((score, key, m))
     scored.sort(key=lambda s: -s[0])
     return scored[:k]
+
+
+def _tf(counts: Counter[str], words: set[str]) -> int:
+    """How often a document holds any of ``words``."""
+    if len(words) <= len(counts):
+        return sum(counts.get(w, 0) for w in words)
+    return sum(n for w, n in counts.items() if w in words)
 
 
 def snippet(text: str, terms: list[str]) -> str:
