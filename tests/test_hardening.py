@@ -483,3 +483,71 @@ def test_too_many_tools_are_named_as_the_reason(proxy: ProxyServer,
     assert "before any message" in err["message"] and "tool schemas" in err["message"]
     assert "needs" not in err["message"]
     assert upstream.requests == []
+
+
+def _loop_calls(proxy: ProxyServer, work: Any) -> int:
+    """The calls made on the proxy's event-loop thread while ``work`` runs (a profiler hook
+    set in that thread only: what a worker thread does is not counted)."""
+    import sys
+
+    count = [0]
+
+    def hook(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" or event == "c_call":
+            count[0] += 1
+
+    async def set_hook(h: Any) -> None:
+        sys.setprofile(h)
+
+    proxy.run(set_hook(hook))
+    try:
+        work()
+        proxy.settle()  # the write-behind flush runs on the loop too
+    finally:
+        proxy.run(set_hook(None))
+    return count[0]
+
+
+def _many(kind: str, n: int) -> tuple[str, dict[str, Any]]:
+    if kind == "responses items":
+        return "/responses", {"model": "gpt-4o", "store": False, "input": [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"item {i}"}
+            for i in range(n + 1)]}
+    if kind == "tool calls":
+        return "/chat/completions", {"model": "gpt-4o", "tools": CLIENT_TOOLS, "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"k{i}", "type": "function",
+                 "function": {"name": "bash", "arguments": "{}"}} for i in range(n // 2)]},
+            *[{"role": "tool", "tool_call_id": f"k{i}", "content": "ok"}
+              for i in range(n // 2)]]}
+    return "/chat/completions", {"model": "gpt-4o", "messages": [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": str(i)}
+        for i in range(n + 1)]}
+
+
+@pytest.mark.parametrize("kind", ["chat messages", "responses items", "tool calls"])
+def test_a_large_request_leaves_little_work_on_the_event_loop(
+        proxy: ProxyServer, upstream: ScriptedUpstream, kind: str) -> None:
+    """A large body's walks (parsing, checking, converting, hashing, counting, the window,
+    chaining and packing it for Redis) run in a worker thread: what the event loop does for a
+    request of 18,000 messages, its write-behind included, stays under 6 calls a message,
+    where the walks cost 40 to 120 (counted, not timed; 1.4 to 2.3 million calls before)."""
+    upstream.keep_requests = False
+
+    def send(n: int, sid: str) -> None:
+        path, body = _many(kind, n)
+        r = post_to(proxy, path, body, sid)
+        assert r.status_code == 200, r.text[:300]
+
+    send(200, "warm")  # the first request of a process loads what later ones reuse
+    n = 18_000
+    calls = _loop_calls(proxy, lambda: send(n, f"{kind}-large"))
+    print(f"\n{kind}: {calls:,} event-loop calls for {n:,} messages")
+    assert calls < 6 * n, f"{calls / n:.1f} calls per message on the event loop"
+
+
+def post_to(proxy: ProxyServer, path: str, body: Any, session: str) -> httpx.Response:
+    return HTTP.post(proxy.url + path, content=orjson.dumps(body),
+                     headers={"Authorization": f"Bearer {KEY}", "X-Session-Id": session,
+                              "Content-Type": "application/json"})

@@ -14,7 +14,7 @@ from ..pipeline.accounting import RequestLog
 from ..pipeline.values import Turn
 from ..state import AppState
 from .chat_wire import ChatWire
-from .http import ASGIResponse, answer_turn, authenticate, parse_json, read_body
+from .http import ASGIResponse, answer_turn, authenticate, read_request
 
 PATH = "/v1/chat/completions"
 HISTORY_HEADER = "x-runloop-history"
@@ -27,8 +27,7 @@ async def chat_completions(request: Request) -> ASGIResponse:
 
 async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
     caller = authenticate(state, request)
-    raw = await read_body(request, state.config.server.max_body_bytes)
-    body = validate_chat_request(parse_json(raw))
+    raw, body = await read_request(state, request, validate_chat_request)
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
     headers = list(request.headers.items())
     return Turn(caller, WIRE, body, raw, body["messages"], headers,

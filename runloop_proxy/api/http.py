@@ -14,7 +14,7 @@ import contextlib
 import functools
 import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -32,6 +32,7 @@ from ..errors import (
 )
 from ..ops import logs
 from ..pipeline.accounting import CLIENT_CLOSED, RequestLog
+from ..pipeline.offload import is_large, offload
 from ..pipeline.turn import serve
 from ..pipeline.upstream import PROXY_KEY_HEADERS
 from ..pipeline.values import Answer, Caller, Turn
@@ -40,6 +41,7 @@ from ..state import AppState, state_of
 log = logs.get("http")
 Handler = Callable[[Request], Awaitable[Any]]
 ASGIResponse: TypeAlias = "Response | LiveStreamResponse"
+T = TypeVar("T")
 
 
 class ClientGone(Exception):
@@ -81,6 +83,15 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_request(state: AppState, request: Request, check: Callable[[Any], T]
+                       ) -> tuple[bytes, T]:
+    """The body, read within the size bound, parsed and checked by ``check`` (which may also
+    convert it) — off the event loop when it is large: a check walks every message and item,
+    and a large body's walk must not hold up the other requests."""
+    raw = await read_body(request, state.config.server.max_body_bytes)
+    return raw, await offload(is_large(len(raw)), lambda: check(parse_json(raw)))
 
 
 def parse_json(raw: bytes) -> Any:

@@ -12,12 +12,13 @@ from typing import Any
 from starlette.requests import Request
 
 from ..conversation.items import is_output, to_messages
+from ..conversation.messages import Message
 from ..errors import InvalidRequest
 from ..pipeline.accounting import RequestLog
 from ..pipeline.values import Turn
 from ..state import AppState
 from .chat import bounded
-from .http import ASGIResponse, answer_turn, authenticate, parse_json, read_body
+from .http import ASGIResponse, answer_turn, authenticate, read_request
 from .responses_wire import ResponsesWire
 
 PATH = "/v1/responses"
@@ -31,14 +32,18 @@ async def responses(request: Request) -> ASGIResponse:
 
 async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
     caller = authenticate(state, request)
-    raw = await read_body(request, state.config.server.max_body_bytes)
-    body = validate_responses_request(parse_json(raw))
+    raw, (body, messages) = await read_request(state, request, _checked)
     chained = body.get("previous_response_id")
     if chained:
         rlog.api = "responses_chained"
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
-    return Turn(caller, WIRE, body, raw, to_messages(body["input"], body.get("instructions")),
-                list(request.headers.items()), chained=chained)
+    return Turn(caller, WIRE, body, raw, messages, list(request.headers.items()),
+                chained=chained)
+
+
+def _checked(body: Any) -> tuple[dict[str, Any], list[Message]]:
+    body = validate_responses_request(body)
+    return body, to_messages(body["input"], body.get("instructions"))
 
 
 def validate_responses_request(body: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ turns tool calls into text) replaces that reply in place instead of forking on e
 Past ``max_branches`` the least recently used branch is pruned, and a record says so. The client
 side sends chain hashes and bodies from the length it last saw; when that hint is stale the
 script answers "need" with the stored length. APPEND adds messages to the head whatever it holds
-(server-history mode).
+(server-history mode). LOAD reads what a replica needs of a session it has not seen.
 
 Per message the client side sends a kind: ``c`` a client's message, ``a`` an assistant message
 the client sent, ``r`` a reply the proxy recorded from the upstream.
@@ -69,6 +69,18 @@ local function touch(p, head, now, ttl)
     end
   end
 end
+"""
+
+# A session's stored tool exchanges, and the token counts of messages by their content hashes
+# (joined, 32 characters each: one argument however many there are; redis-py packs each
+# argument in Python on the event loop). KEYS: the session's :int and :tok hashes.
+LOAD_LUA = r"""
+local hs = ARGV[1]
+local counts = {}
+for i = 1, #hs, 32 do
+  counts[#counts + 1] = redis.call('HGET', KEYS[2], string.sub(hs, i, i + 31)) or false
+end
+return {redis.call('HGETALL', KEYS[1]), counts}
 """
 
 SYNC_LUA = COMMON + r"""
@@ -140,10 +152,18 @@ if common < 0 then
   end
 end
 local tipk = nil
+-- the new messages' bodies arrive joined in one argument, with a JSON array of
+-- [length, tool call id, tokens] per message (a few arguments, whatever their number)
+local blob = ARGV[13]
+local items = cjson.decode(ARGV[14])
+local starts = {}
+local off = 0
+for k = 1, #items do starts[k] = off; off = off + items[k][1] end
 for i = common + 1, n do
   local h = hash_at(i)
-  local j = 13 + (i - hint - 1) * 3
-  store_message(p, h, ARGV[j], ARGV[j + 1], ARGV[j + 2], now)
+  local it = items[i - hint]
+  local at = starts[i - hint]
+  store_message(p, h, string.sub(blob, at + 1, at + it[1]), it[2], it[3], now)
   redis.call('RPUSH', bl, h)
   redis.call('RPUSH', cl, chain_at(i))
   L = i; tip = chain_at(i); tipk = kind_at(i)

@@ -55,7 +55,7 @@ from ..conversation.messages import Message
 from ..errors import StoreError, StoreLimitExceeded
 from ..ops import logs
 from ..ops.metrics import Metrics
-from .scripts import APPEND_LUA, SYNC_LUA
+from .scripts import APPEND_LUA, LOAD_LUA, SYNC_LUA
 from .writes import Job, Prepared, WriteBehind, chain_hashes, lost_message, prepare
 
 __all__ = ["Prepared", "RedisStore", "prepare"]
@@ -63,6 +63,7 @@ log = logs.get("store")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,160}")
 SESSION_CACHE_SIZE = 50_000
 MAX_POINTS = 500
+LARGE_JOB = 2_000  # messages in a write job whose arguments are made off the event loop
 MAX_RECORDS = 1_000
 INDEX_EVERY_S = 60.0
 PROBE_EVERY_S = 0.25
@@ -136,6 +137,7 @@ class RedisStore:
             self.client = aioredis.Redis(connection_pool=self._pool, retry=Retry(NoBackoff(), 0))
         self._sync = self.client.register_script(SYNC_LUA)
         self._append = self.client.register_script(APPEND_LUA)
+        self._load = self.client.register_script(LOAD_LUA)
         self._sessions: ByteLRU[tuple[str, str], _Cached] = ByteLRU(
             cache_bytes[0], lambda k, v: 300 + approx_size(v.internal))
         self._chains: ByteLRU[tuple[str, str], tuple[list[str], list[str]]] = ByteLRU(
@@ -335,15 +337,26 @@ class RedisStore:
                 "".join(it.hash for it in items[hint:]), _now_ms(),
                 self._ttl_ms(job.retention_days), self.cfg.max_messages_per_session,
                 self.cfg.max_branches, job.session_id, chains[hint],
-                "".join(it.kind for it in items[hint:])]
-        for it in items[hint:]:
-            args += [it.body, it.tool_call_id, _tokens_field(it)]
+                "".join(it.kind for it in items[hint:]),
+                # the bodies joined, and what the script needs to part them: packing a
+                # command costs per argument (redis-py packs on the event loop), so a sync
+                # of 20,000 new messages costs three arguments, not 60,000
+                b"".join(it.body for it in items[hint:]),
+                orjson.dumps([[len(it.body), it.tool_call_id, _tokens_field(it)]
+                              for it in items[hint:]])]
         job.hint = hint
         return args
 
+    async def _job_args(self, job: Job) -> list[Any]:
+        """``_args``, made off the event loop for a job of many messages (a new session of
+        thousands: each message's body, id and count read into the arguments)."""
+        if len(job.items) > LARGE_JOB:
+            return await asyncio.to_thread(self._args, job)
+        return self._args(job)
+
     async def _run_one(self, job: Job) -> Any:
         script = self._append if job.append else self._sync
-        args = self._args(job)
+        args = await self._job_args(job)
         reply = await script(keys=[args[0] + ":meta"], args=args)
         await self._index(job.namespace, job.session_id)
         if job.points:
@@ -396,7 +409,7 @@ class RedisStore:
         errors: dict[int, Exception] = {}
         for i, job in enumerate(batch):
             try:
-                args = self._args(job)
+                args = await self._job_args(job)
             except StoreLimitExceeded as exc:
                 errors[i] = exc
                 continue
@@ -543,22 +556,15 @@ class RedisStore:
         """One round trip for a session this replica has not seen: the proxy's stored tool
         exchanges, and the token counts of these messages made with ``encoding``."""
         p = self.prefix(namespace, session_id)
-
-        async def run() -> list[Any]:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hgetall(p + ":int")
-            if hashes:
-                pipe.hmget(p + ":tok", hashes)
-            return list(await pipe.execute())
-
-        replies = await self._call("read", run)
+        internal, stored = await self._call("read", lambda: self._load(
+            keys=[p + ":int", p + ":tok"], args=["".join(hashes)]))
         counts: dict[str, int] = {}
-        for h, v in zip(hashes, replies[1] if hashes else [], strict=True):
+        for h, v in zip(hashes, stored, strict=True):
             if v is not None:
                 enc, _, n = _s(v).rpartition(":")
                 if enc == encoding and n.isdigit():
                     counts[h] = int(n)
-        return Loaded({_s(k): orjson.loads(v) for k, v in replies[0].items()}, counts)
+        return Loaded(_pairs(internal), counts)
 
     async def head(self, namespace: str, session_id: str) -> list[tuple[str, Message]]:
         """The head branch: (content hash, message) in order."""

@@ -212,6 +212,10 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     # the prompt as sent and as forwarded (the inspector's chart), written with the turn
     point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1]} \
         if tokens is not None else None
+    if turn.large and history.appended is None:
+        # a conversation's chain hashes are made once and then grown: a large new one's are
+        # made here, off the event loop, for the job below to find
+        await offload(True, lambda: store.chains(ns, session.id, conversation))
     try:
         if history.appended is not None:
             new, system = history.appended

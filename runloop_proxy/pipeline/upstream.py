@@ -11,14 +11,15 @@ import asyncio
 import email.utils
 import random
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+import zlib
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 
 import aiohttp
 from multidict import CIMultiDict
 from yarl import URL
 
 from ..config import UpstreamSpec
-from ..errors import UpstreamTimeout, UpstreamTooLarge, UpstreamUnreachable
+from ..errors import UpstreamBadReply, UpstreamTimeout, UpstreamTooLarge, UpstreamUnreachable
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 HOP_BY_HOP = frozenset({
@@ -83,11 +84,25 @@ class UpstreamResponse:
         return b"".join(chunks)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, inflated here (not by aiohttp, which inflates what one
+        read brings in one go: 64 KB of gzip became 64 MB in one call on the event loop) in
+        pieces of ``INFLATE_PIECE`` bytes, the loop served between them."""
+        encoding = self._resp.headers.get("content-encoding", "identity").lower().strip()
+        inflater = None if self.raw or encoding == "identity" else Inflater(encoding)
         try:
             async for chunk in self._resp.content.iter_any():
                 if self.first_byte_at is None:
                     self.first_byte_at = time.perf_counter()
-                yield chunk
+                if inflater is None:
+                    yield chunk
+                    continue
+                for piece in inflater.feed(chunk):
+                    yield piece
+                    await asyncio.sleep(0)
+            if inflater is not None:
+                tail = inflater.flush()
+                if tail:
+                    yield tail
         except TimeoutError as exc:
             raise UpstreamTimeout("upstream stopped sending (read timeout)") from exc
         except aiohttp.ClientError as exc:
@@ -96,6 +111,60 @@ class UpstreamResponse:
 
     def close(self) -> None:
         self._resp.release() if self._resp.content.at_eof() else self._resp.close()
+
+
+INFLATE_PIECE = 256 * 1024  # bytes inflated per step (~0.1 ms of zlib)
+ACCEPTED_ENCODINGS = "gzip, deflate"  # what the proxy inflates itself
+
+
+class Inflater:
+    """A gzip or deflate body inflated incrementally, ``INFLATE_PIECE`` bytes at a time
+    whatever the compression ratio."""
+
+    def __init__(self, encoding: str):
+        if encoding not in ("gzip", "x-gzip", "deflate"):
+            raise UpstreamBadReply(f"the upstream's answer is encoded as {encoding!r}, which "
+                                   f"the proxy did not ask for")
+        self._deflate = encoding == "deflate"
+        # gzip, or zlib-wrapped deflate (32 + window: either header); raw deflate is tried
+        # when a deflate body has no zlib header, as servers send both
+        self._z = zlib.decompressobj(32 + zlib.MAX_WBITS)
+        self._started = False
+        self._head = b""
+
+    def feed(self, data: bytes) -> Iterator[bytes]:
+        try:
+            if self._deflate and not self._started:
+                data = self._head = self._head + data  # two bytes tell zlib from raw
+                if len(data) < 2:
+                    return
+                self._started = True
+                if not _zlib_header(data):
+                    self._z = zlib.decompressobj(-zlib.MAX_WBITS)
+            while data:
+                piece = self._z.decompress(data, INFLATE_PIECE)
+                data = self._z.unconsumed_tail
+                if self._z.eof and self._z.unused_data:  # a next gzip member
+                    data = self._z.unused_data + data
+                    self._z = zlib.decompressobj(32 + zlib.MAX_WBITS)
+                if piece:
+                    yield piece
+        except zlib.error as exc:
+            raise UpstreamBadReply(f"the upstream's compressed answer is corrupt: {exc}") \
+                from exc
+
+    def flush(self) -> bytes:
+        try:
+            head = b"" if self._started else self._z.decompress(self._head)  # 1 byte held
+            return head + self._z.flush()
+        except zlib.error as exc:
+            raise UpstreamBadReply(f"the upstream's compressed answer is corrupt: {exc}") \
+                from exc
+
+
+def _zlib_header(data: bytes) -> bool:
+    """Whether ``data`` opens with a zlib header (RFC 1950), not raw deflate."""
+    return len(data) >= 2 and data[0] & 0x0F == 8 and (data[0] << 8 | data[1]) % 31 == 0
 
 
 class UpstreamClient:
@@ -111,7 +180,7 @@ class UpstreamClient:
         connector = aiohttp.TCPConnector(limit=self.spec.max_connections, limit_per_host=0,
                                          ttl_dns_cache=300, keepalive_timeout=30)
         self._session = aiohttp.ClientSession(
-            timeout=timeout, connector=connector, auto_decompress=True,
+            timeout=timeout, connector=connector, auto_decompress=False,
             skip_auto_headers=("User-Agent",), raise_for_status=False)
 
     async def close(self) -> None:
@@ -135,9 +204,11 @@ class UpstreamClient:
         while True:
             started = time.perf_counter()
             try:
+                if not raw:
+                    headers = CIMultiDict(headers)
+                    headers["Accept-Encoding"] = ACCEPTED_ENCODINGS
                 resp = await self._session.request(method, url, headers=headers, data=body,
-                                                   allow_redirects=False,
-                                                   auto_decompress=not raw)
+                                                   allow_redirects=False)
             except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError,
                     aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt >= self.spec.max_retries:

@@ -1,0 +1,239 @@
+"""Hostile bodies vs everyone else: the worst stall each one causes.
+
+    python bench/hostile.py [--only NAME ...] [--json]
+
+Starts `runloop-proxy serve` (embedded Redis) as its own process in front of a scripted
+upstream (in this process, so it can be told what to answer), then sends a corpus of small
+hostile requests one at a time — nested tool schemas, many tools, many parts and messages,
+long texts that are a tokenizer's worst case, deep tool outputs, a model's huge search
+query, a compressed answer that inflates a thousandfold — while a second client polls
+`/healthz` every few milliseconds on its own connection. For each body it prints its size,
+the proxy's answer and how long it took, and the slowest `/healthz` answered meanwhile: the
+stall it caused everyone else. The goal is no stall above 100 ms for any body under 1 MiB.
+Stalls are times on a shared machine: read them against the baseline row (a plain request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import orjson
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from runloop_proxy.scripted import ScriptedUpstream  # noqa: E402
+
+KEY = "sk-hostile"
+MiB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def chat(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": "gpt-4o", "messages": messages, **extra}
+
+
+def user(text: Any) -> dict[str, Any]:
+    return {"role": "user", "content": text}
+
+
+def tool_fn(name: str, params: dict[str, Any], description: str = "") -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "description": description,
+                                             "parameters": params}}
+
+
+def nested_kinds(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": ["array", "array", "array", "null"], "items": schema}
+    return {"type": "object", "properties": {"x": schema}}
+
+
+def session(steps: int, result: Callable[[int], str]) -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
+                                  user("start")]
+    for k in range(steps):
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{k}", "type": "function",
+             "function": {"name": "look", "arguments": json.dumps({"q": f"item {k}"})}}]})
+        msgs.append({"role": "tool", "tool_call_id": f"c{k}", "content": result(k)})
+    return msgs
+
+
+LOOK = [tool_fn("look", {"type": "object", "properties": {"q": {"type": "string"}}})]
+
+
+def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+    """(name, request body, what the scripted upstream answers first, if not an echo)."""
+    deep_json = "[" * 5000 + "]" * 5000
+    ids = " ".join(f"ORD-{i:07d} /srv/app/f{i}.py v{i}.{i % 7}" for i in range(20_000))
+    gz = gzip.compress(orjson.dumps({"id": "x", "object": "chat.completion", "model": "m",
+                                     "choices": [{"index": 0, "finish_reason": "stop",
+                                                  "message": {"role": "assistant",
+                                                              "content": "z" * (100 * MiB)}}]}),
+                       9)
+    return [
+        ("baseline: a plain request", chat([user("hello")]), None),
+        ("tool schema: type lists nested 13 deep", chat([user("hi")], tools=[
+            tool_fn("f", nested_kinds(13))]), None),
+        ("tool schema: type lists nested 40 deep, wide", chat([user("hi")], tools=[
+            tool_fn(f"f{i}", nested_kinds(40)) for i in range(60)]), None),
+        ("5,000 tools", chat([user("hi")], tools=[
+            tool_fn(f"t{i}", {"type": "object", "properties": {"q": {"type": "string"}}},
+                    "Looks a thing up in the catalogue.") for i in range(5000)]), None),
+        ("enums: 60,000 values", chat([user("hi")], tools=[tool_fn("f", {
+            "type": "object", "properties": {"x": {"enum": list(range(60_000))}}})]), None),
+        ("one message of 20,000 parts", chat([user([{"type": "text", "text": f"p{i}"}
+                                                    for i in range(20_000)])]), None),
+        ("20,000 tiny messages", chat([user(str(i)) if i % 2 == 0 else
+                                       {"role": "assistant", "content": str(i)}
+                                       for i in range(20_001)]), None),
+        ("900 KB of one letter", chat([user("a" * 900_000)]), None),
+        ("900 KB of digits without a break", chat([user("7" * 900_000)]), None),
+        ("900 KB of mixed scripts", chat([user("Zà字😀\u202e" * 120_000)]), None),
+        ("a tool output nested 5,000 deep", chat(session(3, lambda k: deep_json), tools=LOOK),
+         None),
+        ("tool outputs of 900 KB of identifiers", chat(session(2, lambda k: ids[:450_000]),
+                                                       tools=LOOK), None),
+        ("an assistant message with 3,000 calls", chat([user("go"), {
+            "role": "assistant", "content": None, "tool_calls": [
+                {"id": f"k{i}", "type": "function",
+                 "function": {"name": "look", "arguments": "{}"}} for i in range(3000)]}] + [
+            {"role": "tool", "tool_call_id": f"k{i}", "content": "ok"} for i in range(3000)],
+            tools=LOOK), None),
+        ("search_history: a 90 KB query over 1,500 messages",
+         chat(session(750, lambda k: f"result {k} " + " ".join(f"w{k}_{j}" for j in range(30))),
+              tools=LOOK),
+         {"tool_calls": [{"id": "s1", "name": "search_history",
+                          "arguments": {"query": " ".join(f"q{i}x" for i in range(30_000))}}]}),
+        ("an answer of 100 KB gzip, 100 MiB inflated", chat([user("big")]),
+         {"raw_body": gz, "headers": {"Content-Encoding": "gzip"}}),
+        ("Responses: 20,000 input items", {"model": "gpt-4o", "store": False, "input": [
+            {"role": "user" if i % 2 == 0 else "assistant", "content": f"item {i}"}
+            for i in range(20_001)]}, None),
+    ]
+
+
+POLL = """
+import sys, time, httpx
+with httpx.Client(timeout=120) as c:
+    while True:
+        start = time.monotonic()
+        c.get(sys.argv[1] + "/healthz")
+        print(start, time.monotonic() - start, flush=True)
+        time.sleep(0.002)
+"""
+
+
+class Poller:
+    """Polls /healthz on its own connection, in a process of its own (so that nothing this
+    process does — the upstream, reading the answers — delays it); the slowest answer
+    within a time span (CLOCK_MONOTONIC is one clock for every process)."""
+
+    def __init__(self, base: str):
+        self.samples: list[tuple[float, float]] = []  # (sent at, took)
+        self.proc = subprocess.Popen([sys.executable, "-c", POLL, base],
+                                     stdout=subprocess.PIPE, text=True)
+        self.thread = threading.Thread(target=self.read, daemon=True)
+        self.thread.start()
+
+    def read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            at, took = line.split()
+            self.samples.append((float(at), float(took)))
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+    def worst(self, since: float, until: float) -> float:
+        time.sleep(0.2)  # the samples of the span have arrived
+        return max((took for at, took in list(self.samples) if since <= at <= until or
+                    at <= since <= at + took), default=0.0)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="*", help="names (substrings) of the bodies to send")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    upstream = ScriptedUpstream().start()
+    upstream.keep_requests = False
+    port = free_port()
+    data = tempfile.mkdtemp(prefix="hostile-")
+    proxy = subprocess.Popen([sys.executable, "-m", "runloop_proxy.cli", "serve", "--upstream",
+                              upstream.url, "--port", str(port), "--data-dir", data,
+                              "--log-level", "error"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    rows: list[dict[str, Any]] = []
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the proxy did not start")
+            time.sleep(0.1)
+        poller = Poller(base)
+        time.sleep(0.5)
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:
+            for n, (name, body, answer) in enumerate(corpus()):
+                if args.only and not any(o in name for o in args.only):
+                    continue
+                raw = orjson.dumps(body)
+                upstream.reset()
+                upstream.keep_requests = False
+                if answer is not None:
+                    upstream.push(answer)
+                path = "/v1/responses" if "input" in body else "/v1/chat/completions"
+                time.sleep(0.05)
+                start = time.monotonic()
+                with c.stream("POST", base + path, content=raw, headers={
+                        "Content-Type": "application/json", "X-Session-Id": f"h{n}"}) as r:
+                    received = sum(len(b) for b in r.iter_raw())
+                took = time.monotonic() - start
+                time.sleep(0.05)
+                rows.append({"body": name, "bytes": len(raw), "status": r.status_code,
+                             "answer_bytes": received, "seconds": round(took, 3),
+                             "worst_stall_ms": round(poller.worst(start, start + took) * 1000,
+                                                     1)})
+        poller.close()
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
+        upstream.stop()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'body':<52} {'bytes':>9} {'status':>6} {'took s':>7} {'worst /healthz ms':>18}")
+    for row in rows:
+        print(f"{row['body']:<52} {row['bytes']:>9,} {row['status']:>6} {row['seconds']:>7} "
+              f"{row['worst_stall_ms']:>18}")
+    under = [r for r in rows if r["bytes"] < MiB]
+    print(f"worst stall for a body under 1 MiB: {max(r['worst_stall_ms'] for r in under)} ms "
+          f"({max(under, key=lambda r: r['worst_stall_ms'])['body']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
