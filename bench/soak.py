@@ -1,7 +1,7 @@
 """Memory under a long run: the proxy's RSS, sampled while it serves many requests — it must
 level off (every cache is bounded in bytes: ``serve --cache-mb``).
 
-    python bench/soak.py [--requests 200000] [--concurrency 16] [--cache-mb 64]
+    python bench/soak.py [--requests 200000] [--concurrency 16] [--cache-mb N]
 
 Starts the scripted upstream and the proxy (their own processes, embedded Redis unless
 REDIS_URL) and sends a mix that fills every cache: short conversations under many distinct
@@ -128,7 +128,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=200_000)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--cache-mb", type=int, default=64)
+    parser.add_argument("--cache-mb", type=int, default=None,
+                        help="the proxy's cache budget (default: the proxy's own, 128)")
     parser.add_argument("--sample-every", type=int, default=None)
     args = parser.parse_args()
     every = args.sample_every or max(100, args.requests // 40)
@@ -138,8 +139,9 @@ def main() -> int:
                                 stderr=subprocess.DEVNULL)
     proxy = subprocess.Popen(
         [sys.executable, "-m", "runloop_proxy", "serve", "--upstream",
-         f"http://127.0.0.1:{up_port}/v1", "--port", str(proxy_port), "--cache-mb",
-         str(args.cache_mb), "--data-dir", tempfile.mkdtemp(prefix="rl-soak-"),
+         f"http://127.0.0.1:{up_port}/v1", "--port", str(proxy_port),
+         *(["--cache-mb", str(args.cache_mb)] if args.cache_mb else []),
+         "--data-dir", tempfile.mkdtemp(prefix="rl-soak-"),
          "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{proxy_port}"
     try:
@@ -153,7 +155,8 @@ def main() -> int:
                     raise SystemExit("the proxy did not start") from None
                 time.sleep(0.1)
         time.sleep(0.5)
-        print(f"RSS at start {rss_mb(proxy.pid):.1f} MB; caches {args.cache_mb} MB")
+        print(f"RSS at start {rss_mb(proxy.pid):.1f} MB; caches "
+              f"{args.cache_mb or 'the default'} MB")
         samples = asyncio.run(run(base, proxy.pid, args.requests, args.concurrency, every))
     finally:
         proxy.terminate()

@@ -175,7 +175,7 @@ class ServerSection(_Strict):
     max_header_bytes: int = Field(65_536, ge=4096)
     session_header: str = "X-Session-Id"
     admin_key: str | None = None
-    cache_mb: int = Field(512, ge=16, description="memory the per-process caches may use "
+    cache_mb: int = Field(128, ge=16, description="memory the per-process caches may use "
                                                   "in all (window carries, forms, counts)")
 
 

@@ -53,7 +53,7 @@ SERVE_OPTIONS: tuple[Option, ...] = (
            'pass-through mode: "extractive" or a model that summarises the loops an omission '
            "leaves out (tenant files set policy.summary_model)", metavar="M"),
     Option(("--cache-mb",), "cache_mb", "CACHE_MB", int, None,
-           "memory the per-process caches may use in all (default 512)", metavar="N"),
+           "memory the per-process caches may use in all (default 128)", metavar="N"),
     Option(("--workers",), "workers", "WORKERS", int, 1, "uvicorn worker processes (default 1)",
            metavar="N"),
 )

@@ -85,8 +85,16 @@ def clean(msg: Message) -> Message:
     return {k: v for k, v in msg.items() if v is not None}  # type: ignore[return-value]
 
 
+def kept_json(obj: Any, option: int | None = None) -> bytes:
+    """``orjson.dumps`` for bytes that are kept (a stored body, a queued write): copied into
+    a buffer of their own size. orjson allocates its output for the worst case — 4 KB for a
+    small object, about ten times a long string's length — and keeps that allocation, so
+    100,000 tiny messages held 800 MB where their JSON is 3 MB."""
+    return bytes(memoryview(orjson.dumps(obj, option=option)))
+
+
 def canonical_json(msg: Message) -> bytes:
-    return orjson.dumps(canonical(msg), option=orjson.OPT_SORT_KEYS)
+    return kept_json(canonical(msg), orjson.OPT_SORT_KEYS)
 
 
 def content_hash(data: bytes) -> str:

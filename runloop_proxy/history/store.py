@@ -51,7 +51,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ..caches import ByteLRU, approx_size
 from ..config import StoreSection
-from ..conversation.messages import Message
+from ..conversation.messages import Message, kept_json
 from ..errors import StoreError, StoreLimitExceeded
 from ..ops import logs
 from ..ops.metrics import Metrics
@@ -284,7 +284,7 @@ class RedisStore:
         request's prompt tokens as sent and as forwarded, kept with it (the inspector's
         chart)."""
         job = self._job(namespace, session_id, items, retention_days)
-        job.points = [orjson.dumps(point)] if point else []
+        job.points = [kept_json(point)] if point else []
         self.writes.submit(job)
 
     def submit_append(self, namespace: str, session_id: str, items: list[Prepared],
@@ -295,7 +295,7 @@ class RedisStore:
         self._check_sizes(items)
         self._sessions.pop((namespace, session_id), None)
         self.writes.submit(Job(namespace, session_id, items, retention_days, append=True,
-                               system=system, points=[orjson.dumps(point)] if point else []))
+                               system=system, points=[kept_json(point)] if point else []))
 
     def chains(self, namespace: str, session_id: str, items: list[Prepared]) -> list[str]:
         """The chain hash after each of ``items`` (a conversation from its start; index 0 is

@@ -132,7 +132,8 @@ class WriteBehind:
 
     def submit(self, job: Job) -> None:
         job.deadline = time.monotonic() + self.retry_s
-        job.size = sum(len(it.body) for it in job.items[-64:]) + 200 * len(job.items)
+        # a queued item holds its body, two hashes and its tuple (~320 bytes beside the body)
+        job.size = sum(len(it.body) for it in job.items) + 320 * len(job.items)
         queued = None if job.append else self._queued.get(job.key)
         if queued is not None and queued.extended_by(job):
             self.bytes += job.size - queued.size
