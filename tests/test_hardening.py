@@ -551,3 +551,47 @@ def post_to(proxy: ProxyServer, path: str, body: Any, session: str) -> httpx.Res
     return HTTP.post(proxy.url + path, content=orjson.dumps(body),
                      headers={"Authorization": f"Bearer {KEY}", "X-Session-Id": session,
                               "Content-Type": "application/json"})
+
+
+def test_what_the_caches_hold_is_what_they_are_allowed(make_proxy: Any,
+                                                        upstream: ScriptedUpstream) -> None:
+    """Finding 14: ten requests of 100,000 tiny messages held 1.6 GB. Every cache is bounded
+    by the bytes it counts, so what it counts must be what it holds: after requests of 10,000
+    tiny messages each (whose JSON is ~0.3 MB), the memory the process holds (tracemalloc,
+    every thread) stays within the 64 MB the caches may use — it was over 150 MB when each
+    stored body kept orjson's 4 KB buffer and a message was counted at 374 bytes."""
+    import gc
+    import tracemalloc
+
+    upstream.keep_requests = False
+    proxy = make_proxy(cache_mb=64)
+    path, first = _many("chat messages", 10)
+    assert post_to(proxy, path, first, "warm").status_code == 200
+    proxy.settle()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(5):
+            _, body = _many("chat messages", 10_000)
+            for m in body["messages"]:
+                m["content"] = f"r{i} {m['content']}"
+            assert post_to(proxy, path, body, f"mem-{i}").status_code == 200
+            del body
+        proxy.settle()
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    state = proxy.state
+    caches = {"recent": state.recent, "carries": state.carries, "memo": state.window_memo,
+              "cuts": state.cuts, "first_seen": state.first_seen,
+              "tokens": state.tokens._cache, "sessions": state.store._sessions,
+              "chains": state.store._chains, "summaries": state.summaries.pending}
+    counted = sum(c.bytes for c in caches.values())
+    print(f"\nheld after five requests of 10,000 messages: {held / 2**20:.1f} MB; the caches "
+          f"count {counted / 2**20:.1f} MB: " + ", ".join(
+              f"{k} {c.bytes / 2**20:.1f}" for k, c in caches.items()))
+    assert held < 64 << 20, f"{held / 2**20:.0f} MB held by caches allowed 64 MB"
+    # and what they count is what they hold (the rest: a few MB of the process' own)
+    assert held < 1.4 * counted + (6 << 20), (held, counted)
