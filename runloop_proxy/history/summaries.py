@@ -32,7 +32,7 @@ import asyncio
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 import xxhash
@@ -48,10 +48,16 @@ from ..window.digest import VERSION as EXTRACTIVE
 from ..window.digest import roll
 
 if TYPE_CHECKING:
+    from collections.abc import Coroutine
+
+    from ..config import ProxyConfig
     from ..conversation.identity import Session
+    from ..ops.metrics import Metrics
+    from ..pipeline.tokens import TokenCounter
+    from ..pipeline.upstream import UpstreamClient
     from ..pipeline.values import Turn
-    from ..state import AppState
     from ..window.builder import Window
+    from .store import RedisStore
 
 log = logs.get("summaries")
 PROMPT_VERSION = "summary-prompt-2"
@@ -223,10 +229,26 @@ class _Pending:
     entries: dict[str, str]
 
 
+class Host(Protocol):
+    """What the summariser needs of the app (``state.AppState`` is one): the store, the
+    upstreams and their config, the token counter, the metrics, and a way to run work off the
+    request path."""
+
+    config: ProxyConfig
+    metrics: Metrics
+    tokens: TokenCounter
+    upstreams: dict[str, UpstreamClient]
+    store: RedisStore | None
+
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> None: ...
+
+    def upstream(self, name: str) -> UpstreamClient: ...
+
+
 class SummaryService:
     """Reads stored summaries for a request, and makes the next one in the background."""
 
-    def __init__(self, state: AppState):
+    def __init__(self, state: Host):
         self.state = state
         self.failures: dict[str, int] = {}
         self.paused_until: dict[str, float] = {}
