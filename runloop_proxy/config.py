@@ -143,6 +143,10 @@ class ModelSpec(_Strict):
 class UpstreamSpec(_Strict):
     url: str
     api_key: str | None = None
+    format: Literal["any", "anthropic", "chat"] = Field(
+        "any", description="any: every API goes upstream as it came in; anthropic: Anthropic's "
+                           "API (the key is sent as x-api-key); chat: chat completions only "
+                           "(a Messages request is translated)")
     connect_timeout: float = Field(10.0, gt=0)
     read_timeout: float = Field(600.0, gt=0)
     total_timeout: float = Field(1800.0, gt=0)

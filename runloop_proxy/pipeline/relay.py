@@ -32,8 +32,8 @@ async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
                   rlog: RequestLog) -> UpstreamResponse:
     """One upstream call, timed (the client's headers, less hop-by-hop and the proxy's own)."""
     payload = body if isinstance(body, bytes) else orjson.dumps(body)
-    headers = json_headers(upstream_headers(turn.headers, turn.caller.upstream_auth,
-                                            turn.caller.drop_headers))
+    headers = turn.caller.authorize(json_headers(upstream_headers(
+        turn.headers, turn.caller.upstream_auth, turn.caller.drop_headers)))
     started = rlog.upstream_started()
     try:
         return await state.upstream(turn.caller.tenant.upstream).request(

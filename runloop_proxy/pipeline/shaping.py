@@ -42,7 +42,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     keys = [p.hash for p in history.prepared]
     spliced, spliced_keys, protected = splice_internal(
         history.messages, keys, _chains_at(state, turn, session, history), history.internal)
-    tools = ProxyTools.for_request(turn.body.get("tools"))
+    tools = ProxyTools.for_request(turn.chat_tools)
     stored = await state.summaries.stored(turn, session)
     try:
         window, made = await offload(turn.large, lambda: compute_window(
@@ -71,7 +71,8 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
             f"This conversation needs {window.tokens_out} prompt tokens after compression, "
             f"more than {turn.model} allows here: {_explained(window)}. Shorten the "
             f"latest messages or tool results, or ask for fewer output tokens.",
-            param="messages")
+            param="messages", needed=window.tokens_out,
+            allowed=window.budget.hard if window.budget is not None else None)
     if any(e.kind.value == "hard_truncation" for e in window.events):
         state.metrics.truncations.labels(tl, ml).inc()
     offer = window.offers_tools(turn.policy, bool(turn.body.get("tools"))) \
@@ -127,7 +128,7 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     budget = Budget.for_request(
         turn.policy, tenant.context_window(turn.model),
         b.get("max_completion_tokens") or b.get("max_tokens") or b.get("max_output_tokens"),
-        state.tokens.tools(enc, b.get("tools")) + _proxy_tools_tokens(state, enc), factor,
+        state.tokens.tools(enc, turn.chat_tools) + _proxy_tools_tokens(state, enc), factor,
         REPLY_PRIMING)
     now = int(time.time() * 1000)
     carried = (turn.caller.namespace or "", session.id)
@@ -176,7 +177,7 @@ def prompt_tokens(state: AppState, turn: Turn, window: Window,
     """The whole prompt as the proxy counts it, as the client sent it and as it goes
     upstream: messages, tool schemas (the proxy's own when it adds them), reply priming."""
     enc, _ = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
-    fixed = state.tokens.tools(enc, turn.body.get("tools")) + REPLY_PRIMING
+    fixed = state.tokens.tools(enc, turn.chat_tools) + REPLY_PRIMING
     extra = _proxy_tools_tokens(state, enc) if with_proxy_tools else 0
     return window.tokens_in + fixed, window.tokens_out + fixed + extra
 

@@ -1,0 +1,252 @@
+"""``/v1/messages`` through real servers: the official ``anthropic`` SDK's ``messages.create``
+and ``messages.stream`` against the proxy, the scripted upstream speaking the Messages API
+(JSON and events, tool_use, thinking with a signature), a real Redis. Sessions are stored
+like chat ones, the request goes upstream as the client sent it when nothing needs
+compressing, and every error comes back in Anthropic's shape."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import orjson
+import pytest
+
+from runloop_proxy.api.routes import CONVERSATIONS
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer
+
+MODEL = "claude-sonnet-4-6"
+KEY = "sk-ant-test-key"
+ADMIN = "admin-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+TENANT = "pt-" + hashlib.sha256(KEY.encode()).hexdigest()[:16]
+BASH = {"name": "bash", "description": "run a shell command",
+        "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}},
+                         "required": ["cmd"]}}
+PNG = base64.b64encode(bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d4944415478da63f8cfc0f01f0005000201a5e2a4bb0000000049454e44ae426082"
+)).decode()
+
+
+def sdk(proxy: ProxyServer, **headers: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=proxy.base, api_key=KEY, max_retries=0,
+                               default_headers=headers or None)
+
+
+def stored(proxy: ProxyServer, session: str) -> dict[str, Any]:
+    proxy.settle()
+    view = httpx.get(f"{proxy.base}/admin/sessions/{session}", headers=AUTH,
+                     params={"messages": "1", "tenant": TENANT})
+    assert view.status_code == 200, view.text
+    return view.json()  # type: ignore[no-any-return]
+
+
+def test_create_is_answered_and_the_echoed_reply_is_the_same_turn(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    proxy = make_proxy(admin_key=ADMIN)
+    c = sdk(proxy, **{"X-Session-Id": "anth-plain"})
+    first = c.messages.create(model=MODEL, max_tokens=64, system="Be brief.",
+                              messages=[{"role": "user", "content": "hello"}])
+    assert [b.type for b in first.content] == ["text"]
+    assert first.content[0].text == "echo: hello"  # type: ignore[union-attr]
+    second = c.messages.create(model=MODEL, max_tokens=64, system="Be brief.", messages=[
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                          for b in first.content]},
+        {"role": "user", "content": "again"}])
+    assert second.content[0].text == "echo: again"  # type: ignore[union-attr]
+    sent = upstream.requests[-1]
+    assert sent["system"] == "Be brief." and sent["messages"][-1] == {"role": "user",
+                                                                      "content": "again"}
+    view = stored(proxy, "anth-plain")
+    assert [(m["role"], m["content"]) for m in view["messages"]] == [
+        ("system", "Be brief."), ("user", "hello"), ("assistant", "echo: hello"),
+        ("user", "again"), ("assistant", "echo: again")]
+    assert len(view["branches"]) == 1  # the SDK's echo of its answer is the same turn
+
+
+@pytest.mark.parametrize("auth", [{"x-api-key": KEY}, {"Authorization": f"Bearer {KEY}"}])
+def test_the_clients_key_and_anthropic_headers_go_upstream_as_sent(
+        proxy: ProxyServer, upstream: ScriptedUpstream, auth: dict[str, str]) -> None:
+    sent = {**auth, "anthropic-version": "2023-06-01",
+            "anthropic-beta": "interleaved-thinking-2025-05-14"}
+    r = httpx.post(proxy.url + "/messages", headers=sent, json={
+        "model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200 and r.json()["content"][0]["text"] == "echo: x"
+    got = upstream.headers[-1]
+    assert {k: got.get(k.lower()) for k in sent} == sent
+    assert ("authorization" in got) == ("Authorization" in auth)
+    assert ("x-api-key" in got) == ("x-api-key" in auth)
+    assert r.headers["x-session-id"].startswith("fp-")  # kept per key, like OpenAI keys
+
+
+def test_a_stream_with_thinking_text_and_a_tool_call_reaches_the_sdk_whole(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.push({"content": "Let me look.", "reasoning": "the user wants the listing",
+                   "tool_calls": [{"id": "toolu_01", "name": "bash",
+                                   "arguments": {"cmd": "ls -la /tmp"}}]})
+    with sdk(proxy).messages.stream(model=MODEL, max_tokens=256, tools=[BASH], messages=[
+            {"role": "user", "content": "list /tmp"}]) as stream:
+        texts = list(stream.text_stream)
+        final = stream.get_final_message()
+    assert "".join(texts) == "Let me look."
+    thinking, text, call = final.content
+    assert thinking.type == "thinking" and thinking.thinking == "the user wants the listing"
+    assert thinking.signature.startswith("sig-")
+    assert text.type == "text" and call.type == "tool_use"
+    assert (call.id, call.name, call.input) == ("toolu_01", "bash", {"cmd": "ls -la /tmp"})
+    assert final.stop_reason == "tool_use" and final.usage.input_tokens > 0
+    # the proxy's tools go with every request that carries tools, after the client's
+    names = [t["name"] for t in upstream.requests[-1]["tools"]]
+    assert names == ["bash", "recall_tool_call", "search_history"]
+
+
+def test_a_tool_loop_goes_upstream_as_the_client_sent_it(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """With nothing to compress, the turns the proxy rebuilds (it adds its tools) are the
+    client's, block for block: thinking with its signature, tool_use, a tool_result with an
+    image, an image in a user turn, cache_control where the client put it."""
+    proxy = make_proxy(admin_key=ADMIN)
+    upstream.push({"content": "Looking.", "reasoning": "plan",
+                   "tool_calls": [{"id": "toolu_7", "name": "bash", "arguments": {"cmd": "ls"}}]},
+                  {"content": "One file: a.png"})
+    c = sdk(proxy, **{"X-Claude-Code-Session-Id": "cc-loop-1"})
+    system = [{"type": "text", "text": "You are a coding agent.",
+               "cache_control": {"type": "ephemeral"}}]
+    opening = {"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}},
+        {"type": "text", "text": "what is in this folder?"}]}
+    first = c.messages.create(model=MODEL, max_tokens=256, system=system, tools=[BASH],
+                              messages=[opening])
+    turns = [opening, {"role": "assistant",
+                       "content": [b.model_dump(exclude_none=True) for b in first.content]},
+             {"role": "user", "content": [
+                 {"type": "tool_result", "tool_use_id": "toolu_7", "content": [
+                     {"type": "text", "text": "a.png"},
+                     {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                  "data": PNG}}],
+                  "cache_control": {"type": "ephemeral"}}]}]
+    second = c.messages.create(model=MODEL, max_tokens=256, system=system, tools=[BASH],
+                               messages=turns)
+    assert second.content[0].text == "One file: a.png"  # type: ignore[union-attr]
+    sent = upstream.requests[-1]
+    assert sent["messages"] == turns and sent["system"] == system
+    assert upstream.requests[0]["messages"] == [opening]
+    view = stored(proxy, "cc-loop-1")
+    assert [m["role"] for m in view["messages"]] == ["system", "user", "assistant", "tool",
+                                                     "assistant"]
+    assert view["messages"][3]["content"][1]["type"] == "image"  # the result as it came
+
+
+def test_images_in_a_user_turn_are_counted_as_images(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    c = sdk(proxy)
+    r = c.messages.with_raw_response.create(model=MODEL, max_tokens=16, messages=[
+        {"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": PNG * 200}},
+            {"type": "text", "text": "describe"}]}])
+    client, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
+    # a fixed price per image, not its base64 text (a 40 KB payload would be ~14k tokens)
+    assert client == forwarded and 765 < client < 1000
+
+
+# -- errors, in Anthropic's shape ---------------------------------------------------------------
+
+def test_a_bad_request_is_an_anthropic_400_naming_the_field(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    with pytest.raises(anthropic.BadRequestError) as err:
+        sdk(proxy).messages.create(model=MODEL, max_tokens=16, messages=[
+            {"role": "system", "content": "x"}])  # type: ignore[list-item, typeddict-item]
+    assert err.value.status_code == 400
+    assert err.value.body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "messages.0.role: must be 'user' or "
+                                                    "'assistant'"}}
+    assert not upstream.requests
+
+
+@pytest.mark.parametrize(("status", "kind", "sdk_error"), [
+    (529, "overloaded_error", anthropic.InternalServerError),
+    (429, "rate_limit_error", anthropic.RateLimitError)])
+def test_upstream_errors_pass_through_as_the_upstream_sent_them(
+        make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path, status: int, kind: str,
+        sdk_error: type[Exception]) -> None:
+    proxy = make_proxy()
+    body = {"type": "error", "error": {"type": kind, "message": "Overloaded"},
+            "request_id": "req_1"}
+    upstream.push(*[{"status": status, "body": body, "headers": {"retry-after": "0"}}] * 3)
+    with pytest.raises(sdk_error) as err:
+        sdk(proxy).messages.create(model=MODEL, max_tokens=16,
+                                   messages=[{"role": "user", "content": "x"}])
+    assert err.value.status_code == status  # type: ignore[attr-defined]
+    assert err.value.body == body  # type: ignore[attr-defined]
+
+
+def test_an_error_event_mid_stream_reaches_the_sdk_as_its_type(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    upstream.push({"content": "x", "stream_error": {"type": "overloaded_error",
+                                                    "message": "Overloaded"}})
+    with pytest.raises(anthropic.APIStatusError) as err, sdk(proxy).messages.stream(
+            model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "x"}]) as s:
+        s.get_final_message()
+    assert err.value.body == {"type": "error", "error": {"type": "overloaded_error",
+                                                         "message": "Overloaded"}}
+
+
+def test_an_unreachable_upstream_is_an_anthropic_api_error(make_proxy: Any,
+                                                          upstream: ScriptedUpstream) -> None:
+    proxy = make_proxy()
+    upstream.push({"raw_body": b"not json"})
+    with pytest.raises(anthropic.InternalServerError) as err:
+        sdk(proxy).messages.create(model=MODEL, max_tokens=16, tools=[BASH],
+                                   messages=[{"role": "user", "content": "x"}])
+    assert err.value.status_code == 502
+    assert err.value.body["type"] == "error"  # type: ignore[index]
+    assert err.value.body["error"]["type"] == "api_error"  # type: ignore[index]
+
+
+def test_a_missing_key_is_an_anthropic_401(tmp_path: Path, make_proxy: Any,
+                                          upstream: ScriptedUpstream) -> None:
+    (tmp_path / "cfg" / "tenants").mkdir(parents=True)
+    (tmp_path / "cfg" / "runloop.toml").write_text(
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'api_key = "sk-ant-upstream"\n')
+    (tmp_path / "cfg" / "tenants" / "acme.toml").write_text(
+        'keys = ["acme-proxy-key-0123456789"]\nupstream = "claude"\n')
+    proxy = make_proxy(config_dir=str(tmp_path / "cfg"))
+    anon = anthropic.Anthropic(base_url=proxy.base, api_key="wrong-key", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as err:
+        anon.messages.create(model=MODEL, max_tokens=16,
+                             messages=[{"role": "user", "content": "x"}])
+    assert err.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    # the tenant's own key: the upstream gets the tenant's upstream key as x-api-key
+    ok = anthropic.Anthropic(base_url=proxy.base, api_key="acme-proxy-key-0123456789",
+                             max_retries=0)
+    ok.messages.create(model=MODEL, max_tokens=16, messages=[{"role": "user", "content": "x"}])
+    assert upstream.headers[-1]["x-api-key"] == "sk-ant-upstream"
+    assert "authorization" not in upstream.headers[-1]
+
+
+def test_every_conversation_route_answers_errors_in_its_apis_shape(
+        proxy: ProxyServer) -> None:
+    """A sweep over the route table: a route added later is checked the day it lands."""
+    shapes = {"/v1/messages": "anthropic"}
+    for path in CONVERSATIONS:
+        for body in (b"{", b"[]", orjson.dumps({"model": 5})):
+            r = httpx.post(proxy.base + path, content=body,
+                           headers={"x-api-key": KEY, "content-type": "application/json"})
+            assert r.status_code == 400, (path, body)
+            data = r.json()
+            if shapes.get(path) == "anthropic":
+                assert data["type"] == "error" and set(data["error"]) == {"type", "message"}
+                assert data["error"]["type"] == "invalid_request_error"
+            else:
+                assert set(data) == {"error"} and data["error"]["type"] == \
+                    "invalid_request_error"
