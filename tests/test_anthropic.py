@@ -250,3 +250,152 @@ def test_every_conversation_route_answers_errors_in_its_apis_shape(
             else:
                 assert set(data) == {"error"} and data["error"]["type"] == \
                     "invalid_request_error"
+
+
+# -- the window, recall and search: the proxy's rounds hidden in JSON and in the stream -------
+
+def big(k: int) -> str:
+    return "\n".join(f"file{k}.py line {i}: value_{k}_{i} = compute({i}, {k})"
+                     for i in range(260))
+
+
+def coding_turns(n: int) -> list[dict[str, Any]]:
+    """One task worked on for ``n`` steps, as Claude Code sends it: thinking, a tool call,
+    a large result (the first with an image too)."""
+    turns: list[dict[str, Any]] = [{"role": "user", "content": "refactor the project"}]
+    for k in range(n):
+        turns.append({"role": "assistant", "content": [
+            {"type": "thinking", "thinking": f"step {k}", "signature": f"sig-{k}"},
+            {"type": "tool_use", "id": f"toolu_{k:02d}", "name": "bash",
+             "input": {"cmd": f"cat file{k}.py"}}]})
+        content: Any = big(k) if k else [
+            {"type": "text", "text": big(k)},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": PNG}}]
+        turns.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_{k:02d}", "content": content}]})
+    return turns
+
+
+def ref_in(body: dict[str, Any], call_id: str) -> str | None:
+    """The ref the window shows for the result of ``call_id``: in its cut result, or (the
+    call's own id) in the note that says which exchanges of the open loop are not shown."""
+    for turn in body["messages"]:
+        if f"(calls {call_id} \u2026" in orjson.dumps(turn).decode():
+            return call_id
+        for block in turn["content"] if isinstance(turn["content"], list) else []:
+            if block.get("type") == "tool_result" and block["tool_use_id"] == call_id:
+                text = orjson.dumps(block.get("content")).decode()
+                if 'recall_tool_call(call_id=\\"' in text:
+                    return text.split('recall_tool_call(call_id=\\"')[1].split("\\")[0]
+    return None
+
+
+def recaller(target: str) -> Any:
+    """A fake model: recalls ``target`` when the window cut it, then says what came back."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]["content"]
+        got = [b for b in last if isinstance(b, dict) and b.get("type") == "tool_result"
+               and b["tool_use_id"] == "toolu_recall"] if isinstance(last, list) else []
+        if got:
+            return {"content": "recalled: " + orjson.dumps(got[0]["content"]).decode(),
+                    "prompt_tokens": 2000}
+        ref = ref_in(body, target)
+        if ref is None:
+            return {"content": "nothing was cut"}
+        return {"content": "Let me look again.", "reasoning": "I need the first file",
+                "prompt_tokens": 1000,
+                "tool_calls": [{"id": "toolu_recall", "name": "recall_tool_call",
+                                "arguments": {"call_id": ref}}]}
+    return respond
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_cut_result_is_recalled_byte_for_byte_and_the_round_is_hidden(
+        make_proxy: Any, upstream: ScriptedUpstream, stream: bool) -> None:
+    proxy = make_proxy(admin_key=ADMIN)
+    upstream.responder = recaller("toolu_00")
+    turns = coding_turns(12)
+    c = sdk(proxy, **{"X-Claude-Code-Session-Id": f"cc-recall-{stream}"})
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 1024, "tools": [BASH],
+                          "system": "You are a coding agent.", "messages": turns}
+    if stream:
+        with c.messages.stream(**kw) as s:
+            kinds = [e.type for e in s]
+            answer = s.get_final_message()
+        assert kinds.count("message_start") == 1 and kinds.count("message_stop") == 1
+    else:
+        answer = c.messages.create(**kw)
+    first, second = upstream.requests[-2:]
+    # the window cut the old results; the model recalled the first one
+    assert ref_in(first, "toolu_00") is not None
+    assert len(orjson.dumps(first["messages"])) < 0.5 * len(orjson.dumps(turns))
+    recalled = second["messages"][-1]["content"][0]
+    assert recalled["type"] == "tool_result" and recalled["tool_use_id"] == "toolu_recall"
+    assert recalled["content"] == turns[2]["content"][0]["content"]  # text and image blocks
+    # the client sees one message: the text of both rounds, no call of the proxy's
+    assert [b.type for b in answer.content] == (["thinking", "text", "text"] if stream
+                                                else ["text"])
+    text = answer.content[-1].text  # type: ignore[union-attr]
+    assert text.startswith("recalled: ") and orjson.loads(text[10:]) == \
+        turns[2]["content"][0]["content"]
+    assert not any(b.type == "tool_use" for b in answer.content)
+    assert answer.stop_reason == "end_turn"
+    assert answer.usage.input_tokens == 1000 + 2000  # both rounds' usage, summed
+    assert proxy.metrics.registry.get_sample_value(
+        "runloop_recalls_total", {"tenant": "passthrough", "tool": "recall_tool_call",
+                                  "outcome": "hit"}) == 1
+
+
+def test_the_proxys_call_beside_the_clients_is_hidden_and_spliced_back(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    proxy = make_proxy(admin_key=ADMIN)
+    turns = coding_turns(12)
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        ref = ref_in(body, "toolu_00")
+        return {"content": "Both.", "tool_calls": [
+            {"id": "toolu_mine", "name": "recall_tool_call", "arguments": {"call_id": ref}},
+            {"id": "toolu_theirs", "name": "bash", "arguments": {"cmd": "ls"}}]}
+
+    upstream.responder = respond
+    c = sdk(proxy, **{"X-Claude-Code-Session-Id": "cc-mixed"})
+    answer = c.messages.create(model=MODEL, max_tokens=512, tools=[BASH], messages=turns)
+    assert [(b.type, getattr(b, "id", None)) for b in answer.content] == [
+        ("text", None), ("tool_use", "toolu_theirs")]
+    assert answer.stop_reason == "tool_use"
+    upstream.responder = None
+    upstream.push({"content": "done"})
+    proxy.settle()
+    c.messages.create(model=MODEL, max_tokens=512, tools=[BASH], messages=[
+        *turns, {"role": "assistant", "content": [b.model_dump(exclude_none=True)
+                                                  for b in answer.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_theirs",
+                                      "content": "a.py"}]}])
+    sent = upstream.requests[-1]["messages"]
+    # the model's own answer goes back whole, both calls answered in one user turn
+    assert [b["id"] for b in sent[-2]["content"] if b["type"] == "tool_use"] == [
+        "toolu_mine", "toolu_theirs"]
+    answered = [b["tool_use_id"] for b in sent[-1]["content"] if b["type"] == "tool_result"]
+    assert sorted(answered) == ["toolu_mine", "toolu_theirs"]
+
+
+def test_search_history_finds_a_cut_result(make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    proxy = make_proxy()
+    turns = coding_turns(12)
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]["content"]
+        got = [b for b in last if isinstance(b, dict) and b.get("tool_use_id") == "toolu_s"]
+        if got:
+            return {"content": "found: " + str(got[0]["content"])[:400]}
+        return {"content": "", "tool_calls": [{"id": "toolu_s", "name": "search_history",
+                                               "arguments": {"query": "value_1_7"}}]}
+
+    upstream.responder = respond
+    with sdk(proxy).messages.stream(model=MODEL, max_tokens=256, tools=[BASH],
+                                    messages=turns) as s:
+        answer = s.get_final_message()
+    text = "".join(b.text for b in answer.content if b.type == "text")
+    assert text.startswith("found: ") and "value_1_7" in text
+    assert [b.type for b in answer.content] == ["text"]
