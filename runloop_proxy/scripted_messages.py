@@ -23,6 +23,7 @@ Reply = dict[str, Any]
 TOKENIZER = "o200k_base"  # Anthropic's is not public: any tokenizer but the proxy's cl100k
 PER_BLOCK = 3  # framing per content block
 TOOLS_PROMPT = 346  # what a request with tools adds (Anthropic's tool-use system prompt)
+IMAGE_TOKENS = 800
 CACHE_MIN = 1024
 LOOKBACK = 20
 _ids = itertools.count(1)
@@ -44,9 +45,7 @@ class AnthropicCache:
         with self._lock:
             hit = self._counts.get(key)
         if hit is None:
-            text = block["text"] if isinstance(block, dict) and \
-                isinstance(block.get("text"), str) else raw.decode()
-            hit = PER_BLOCK + len(self.enc.encode_ordinary(text))
+            hit = PER_BLOCK + len(self.enc.encode_ordinary(_text(block)))
             with self._lock:
                 self._counts[key] = hit
                 if len(self._counts) > self.capacity:
@@ -58,18 +57,18 @@ class AnthropicCache:
         each with whether it carries a cache breakpoint."""
         out: list[tuple[Any, bool]] = []
         for tool in body.get("tools") or []:
-            out.append((tool, _marked(tool)))
+            out.append((_unmarked(tool), _marked(tool)))
         system = body.get("system")
         for block in system if isinstance(system, list) else \
                 [{"type": "text", "text": system}] if system else []:
-            out.append((block, _marked(block)))
+            out.append((_unmarked(block), _marked(block)))
         for turn in body.get("messages") or []:
             content = turn.get("content")
             parts = content if isinstance(content, list) else [{"type": "text",
                                                                  "text": content or ""}]
             for k, block in enumerate(parts):
                 out.append(({"role": turn.get("role")} if k == 0 else {}, False))
-                out.append((block, _marked(block)))
+                out.append((_unmarked(block), _marked(block)))
         return out
 
     def tokens(self, body: dict[str, Any]) -> int:
@@ -99,6 +98,34 @@ class AnthropicCache:
         written = max(0, ends[marks[-1]] - read) if marks else 0
         return {"input_tokens": total - read - written, "cache_read_input_tokens": read,
                 "cache_creation_input_tokens": written}
+
+
+def _text(block: Any) -> str:
+    """What of a block the model reads as text (images at a fixed price, as the proxy's)."""
+    if not isinstance(block, dict):
+        return orjson.dumps(block).decode()
+    kind = block.get("type")
+    if kind == "text":
+        return str(block.get("text", ""))
+    if kind == "thinking":
+        return str(block.get("thinking", ""))
+    if kind == "tool_use":
+        return f"{block.get('name')} {orjson.dumps(block.get('input')).decode()}"
+    if kind == "tool_result":
+        content = block.get("content")
+        return content if isinstance(content, str) else "\n".join(
+            _text(b) for b in content or [])
+    if kind in ("image", "document"):
+        return "image " * IMAGE_TOKENS
+    return orjson.dumps(block).decode()
+
+
+def _unmarked(block: Any) -> Any:
+    """A block as the prompt holds it: a breakpoint says where a prefix ends, it is not in
+    the prompt (the same block marked or not is the same prefix)."""
+    if isinstance(block, dict) and "cache_control" in block:
+        return {k: v for k, v in block.items() if k != "cache_control"}
+    return block
 
 
 def _marked(block: Any) -> bool:

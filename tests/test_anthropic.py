@@ -237,14 +237,13 @@ def test_a_missing_key_is_an_anthropic_401(tmp_path: Path, make_proxy: Any,
 def test_every_conversation_route_answers_errors_in_its_apis_shape(
         proxy: ProxyServer) -> None:
     """A sweep over the route table: a route added later is checked the day it lands."""
-    shapes = {"/v1/messages": "anthropic"}
     for path in CONVERSATIONS:
         for body in (b"{", b"[]", orjson.dumps({"model": 5})):
             r = httpx.post(proxy.base + path, content=body,
                            headers={"x-api-key": KEY, "content-type": "application/json"})
             assert r.status_code == 400, (path, body)
             data = r.json()
-            if shapes.get(path) == "anthropic":
+            if path.startswith("/v1/messages"):  # Anthropic's API: its shape
                 assert data["type"] == "error" and set(data["error"]) == {"type", "message"}
                 assert data["error"]["type"] == "invalid_request_error"
             else:
@@ -254,12 +253,12 @@ def test_every_conversation_route_answers_errors_in_its_apis_shape(
 
 # -- the window, recall and search: the proxy's rounds hidden in JSON and in the stream -------
 
-def big(k: int) -> str:
+def big(k: int, lines: int = 260) -> str:
     return "\n".join(f"file{k}.py line {i}: value_{k}_{i} = compute({i}, {k})"
-                     for i in range(260))
+                     for i in range(lines))
 
 
-def coding_turns(n: int) -> list[dict[str, Any]]:
+def coding_turns(n: int, lines: int = 260) -> list[dict[str, Any]]:
     """One task worked on for ``n`` steps, as Claude Code sends it: thinking, a tool call,
     a large result (the first with an image too)."""
     turns: list[dict[str, Any]] = [{"role": "user", "content": "refactor the project"}]
@@ -268,8 +267,8 @@ def coding_turns(n: int) -> list[dict[str, Any]]:
             {"type": "thinking", "thinking": f"step {k}", "signature": f"sig-{k}"},
             {"type": "tool_use", "id": f"toolu_{k:02d}", "name": "bash",
              "input": {"cmd": f"cat file{k}.py"}}]})
-        content: Any = big(k) if k else [
-            {"type": "text", "text": big(k)},
+        content: Any = big(k, lines) if k else [
+            {"type": "text", "text": big(k, lines)},
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": PNG}}]
         turns.append({"role": "user", "content": [
@@ -399,3 +398,121 @@ def test_search_history_finds_a_cut_result(make_proxy: Any, upstream: ScriptedUp
     text = "".join(b.text for b in answer.content if b.type == "text")
     assert text.startswith("found: ") and "value_1_7" in text
     assert [b.type for b in answer.content] == ["text"]
+
+
+# -- counting: count_tokens and the calibrated estimate ---------------------------------------
+
+def test_count_tokens_counts_the_window_in_the_upstreams_tokens(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """After one answer the proxy has learned the model's factor from the upstream's usage
+    (input + cache read + cache written); count_tokens then counts the window it would send
+    — not the client's whole conversation — within a few percent of the upstream's count."""
+    proxy = make_proxy()
+    turns = coding_turns(12)
+    c = sdk(proxy, **{"X-Claude-Code-Session-Id": "cc-count"})
+    kw: dict[str, Any] = {"model": MODEL, "tools": [BASH], "system": "You are a coding agent."}
+    for n in (8, 10, 12):  # a session as it grows: each answer calibrates the factor
+        c.messages.create(max_tokens=256, messages=coding_turns(n), **kw)
+    window = upstream.requests[-1]
+    upstreams_count = upstream.anthropic.tokens(window)
+    counted = c.messages.count_tokens(messages=turns, **kw)
+    assert abs(counted.input_tokens - upstreams_count) / upstreams_count < 0.03
+    whole = upstream.anthropic.tokens({**window, "messages": turns})
+    assert counted.input_tokens < 0.5 * whole  # the window's size, not the conversation's
+    assert [o[1] for o in upstream.other if o[1].endswith("count_tokens")] == []
+    assert len(upstream.requests) == 3  # counting called nobody
+
+
+def test_count_tokens_asks_the_upstream_when_the_tenant_allows(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    (tmp_path / "cfg" / "tenants").mkdir(parents=True)
+    (tmp_path / "cfg" / "runloop.toml").write_text(
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'api_key = "sk-ant-upstream"\n')
+    (tmp_path / "cfg" / "tenants" / "acme.toml").write_text(
+        'keys = ["acme-proxy-key-0123456789"]\nupstream = "claude"\n'
+        '[policy]\ncount_tokens = "upstream"\n')
+    proxy = make_proxy(config_dir=str(tmp_path / "cfg"))
+    c = anthropic.Anthropic(base_url=proxy.base, api_key="acme-proxy-key-0123456789",
+                            max_retries=0)
+    turns = coding_turns(12)
+    counted = c.messages.count_tokens(model=MODEL, tools=[BASH], messages=turns)
+    (method, path, headers, raw), = upstream.other
+    sent = orjson.loads(raw)
+    assert path == "/v1/messages/count_tokens" and headers["x-api-key"] == "sk-ant-upstream"
+    assert counted.input_tokens == upstream.anthropic.tokens(sent)
+    # the window went to be counted, with the proxy's tools: what a request would send
+    assert len(orjson.dumps(sent["messages"])) < 0.5 * len(orjson.dumps(turns))
+    assert [t["name"] for t in sent["tools"]] == ["bash", "recall_tool_call", "search_history"]
+    assert not upstream.requests
+
+
+# -- Anthropic's explicit cache: the client's breakpoints kept, the proxy's on request --------
+
+def marks_of(body: dict[str, Any]) -> list[tuple[int, int, int, str | None]]:
+    from runloop_proxy.api.breakpoints import marks
+    return marks(body)
+
+
+def tenant_proxy(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
+                 policy: str) -> anthropic.Anthropic:
+    (tmp_path / "cfg" / "tenants").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "cfg" / "runloop.toml").write_text(
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'api_key = "sk-ant-upstream"\n')
+    (tmp_path / "cfg" / "tenants" / "acme.toml").write_text(
+        f'keys = ["acme-proxy-key-0123456789"]\nupstream = "claude"\n[policy]\n{policy}\n')
+    proxy = make_proxy(config_dir=str(tmp_path / "cfg"))
+    return anthropic.Anthropic(base_url=proxy.base, api_key="acme-proxy-key-0123456789",
+                               max_retries=0,
+                               default_headers={"X-Claude-Code-Session-Id": "cc-cache"})
+
+
+def test_the_clients_breakpoints_stay_where_their_blocks_are_and_none_is_added(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    proxy = make_proxy()
+    turns = coding_turns(12)
+    system = [{"type": "text", "text": "You are a coding agent.",
+               "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    last = turns[-1]["content"][0]
+    turns[-1] = {"role": "user", "content": [{**last, "cache_control": {"type": "ephemeral"}}]}
+    sdk(proxy).messages.create(model=MODEL, max_tokens=64, tools=[BASH], system=system,
+                               messages=turns)
+    sent = upstream.requests[-1]
+    assert len(orjson.dumps(sent["messages"])) < 0.5 * len(orjson.dumps(turns))  # compressed
+    assert sent["system"] == system
+    assert marks_of(sent) == [(1, 0, 0, "1h"), (2, len(sent["messages"]) - 1, 0, None)]
+    upstream.reset()
+    sdk(proxy).messages.create(model=MODEL, max_tokens=64, tools=[BASH],
+                               messages=coding_turns(12))
+    assert marks_of(upstream.requests[-1]) == []  # the client set none: the proxy adds none
+
+
+def test_auto_breakpoints_make_a_long_session_read_the_cache(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """With cache_breakpoints = "auto", a client that marks nothing gets two marks (the end
+    of the window's stable prefix, the end of the request) and reads its prefix back from
+    the cache on every later request — through compaction events too."""
+    c = tenant_proxy(tmp_path, make_proxy, upstream, 'cache_breakpoints = "auto"')
+    reads, events = [], 0
+    for n in range(2, 40):
+        answer = c.messages.create(model=MODEL, max_tokens=64, tools=[BASH],
+                                   system="You are a coding agent.",
+                                   messages=coding_turns(n, lines=60))
+        reads.append(answer.usage.cache_read_input_tokens or 0)
+        sent = upstream.requests[-1]
+        found = marks_of(sent)
+        assert len(found) in (1, 2) and found[-1][:2] == (2, len(sent["messages"]) - 1)
+        events += len(found) == 2 and found[0][:2] != (2, 0)
+    assert events >= 2  # the window compacted on the way: the stable mark moved on
+    assert reads[0] == 0 and sum(r > 0 for r in reads[1:]) >= 0.8 * (len(reads) - 1)
+    prompts = sum(upstream.anthropic.tokens(b) for b in upstream.requests[1:])
+    assert sum(reads) > 0.6 * prompts
+    # calibrated on the whole prompt (input + cache read + cache written), not the uncached
+    # part alone: the count of the next window is the upstream's within a few percent
+    counted = c.messages.count_tokens(model=MODEL, tools=[BASH], system="You are a coding "
+                                      "agent.", messages=coding_turns(39, lines=60))
+    whole = upstream.anthropic.tokens(upstream.requests[-1])
+    # (a factor, averaged: after an event changes the window's mix of short and long
+    # messages it lags by a few percent; counting the uncached part alone is off by half)
+    assert abs(counted.input_tokens - whole) / whole < 0.08

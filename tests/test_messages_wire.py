@@ -228,3 +228,53 @@ def test_a_request_that_cannot_fit_says_so_in_anthropics_words() -> None:
     assert body["error"]["type"] == "invalid_request_error"
     assert body["error"]["message"].startswith("prompt is too long: 250000 tokens > 190000 "
                                                "maximum")
+
+
+# -- breakpoints: the proxy's, on request, at most four ----------------------------------------
+
+def test_auto_marks_the_stable_prefix_and_the_end_taking_the_next_marks_lifetime() -> None:
+    from runloop_proxy.api.breakpoints import marks, with_auto
+    body = {"system": [{"type": "text", "text": "S"}], "messages": [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": [{"type": "text", "text": "b"},
+                                          {"type": "thinking", "thinking": "t",
+                                           "signature": "s"}]},
+        {"role": "user", "content": [{"type": "text", "text": "c",
+                                      "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                                     {"type": "text", "text": "d"}]}]}
+    out = with_auto(body, 1)
+    # the stable mark skips the thinking block and takes the 1h of the mark after it
+    assert out["messages"][1]["content"][0]["cache_control"] == {"type": "ephemeral",
+                                                                  "ttl": "1h"}
+    assert out["messages"][2]["content"][1]["cache_control"] == {"type": "ephemeral"}
+    assert [m[:3] for m in marks(out)] == [(2, 1, 0), (2, 2, 0), (2, 2, 1)]
+    assert body["messages"][1]["content"][0] == {"type": "text", "text": "b"}  # not mutated
+    assert with_auto(body, -1)["system"][0]["cache_control"] == {"type": "ephemeral",
+                                                                 "ttl": "1h"}
+    plain = with_auto({"messages": [{"role": "user", "content": "hi"}]}, None)
+    assert plain["messages"][0]["content"] == [{"type": "text", "text": "hi",
+                                                "cache_control": {"type": "ephemeral"}}]
+
+
+def test_auto_never_makes_more_than_four_marks() -> None:
+    from runloop_proxy.api.breakpoints import marks, with_auto
+    cc = {"type": "ephemeral"}
+    body = {"tools": [{"name": f"t{i}", "input_schema": {}, "cache_control": cc}
+                      for i in range(3)],
+            "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                         {"role": "user", "content": "c"}]}
+    assert len(marks(with_auto(body, 0))) == 4
+    assert len(marks(with_auto({**body, "tools": [*body["tools"], body["tools"][0]]}, 0))) == 4
+
+
+@pytest.mark.parametrize(("usage", "prompt"), [
+    ({"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 40}}, (100, 40)),
+    ({"input_tokens": 100, "input_tokens_details": {"cached_tokens": 40}}, (100, 40)),
+    ({"input_tokens": 10, "cache_read_input_tokens": 60, "cache_creation_input_tokens": 30},
+     (100, 60)),
+    ({"input_tokens": 10, "cache_creation_input_tokens": 30}, (40, 0)),
+    ({}, (0, 0))])
+def test_the_whole_prompt_an_upstream_reports(usage: dict[str, Any],
+                                              prompt: tuple[int, int]) -> None:
+    from runloop_proxy.pipeline.accounting import prompt_usage
+    assert prompt_usage(usage) == prompt

@@ -141,6 +141,7 @@ async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:
 
 
 TurnMaker = Callable[[AppState, Request, RequestLog], Awaitable[Turn]]
+Stages = Callable[[AppState, Turn, RequestLog], Awaitable[Answer]]
 # An API's error shape: the status, the OpenAI-shaped body every error has, and the error
 ErrorShape = Callable[[int, dict[str, Any], Exception | None], dict[str, Any]]
 
@@ -150,16 +151,16 @@ def openai_shape(status: int, body: dict[str, Any], exc: Exception | None) -> di
 
 
 async def answer_turn(request: Request, api: str, make_turn: TurnMaker,
-                      shape: ErrorShape = openai_shape) -> ASGIResponse:
+                      shape: ErrorShape = openai_shape, run: Stages = serve) -> ASGIResponse:
     """The frame every API adapter runs in: the adapter reads and checks the request into a
     Turn, the pipeline serves it; errors come back in the API's shape (``shape``, OpenAI's
     unless the adapter says otherwise), a client that goes away cancels the work, and the
-    request is counted once whatever happens."""
+    request is counted once whatever happens. ``run``: the stages it goes through."""
     state = state_of(request)
     rlog = RequestLog(state.metrics, api)
     try:
         turn = await make_turn(state, request, rlog)
-        answer = await until_disconnect(request, serve(state, turn, rlog))
+        answer = await until_disconnect(request, run(state, turn, rlog))
     except ClientGone:
         rlog.finish(CLIENT_CLOSED, "client disconnected")
         raise

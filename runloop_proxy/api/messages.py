@@ -13,6 +13,7 @@ from starlette.requests import Request
 from ..conversation.blocks import to_messages, tool_to_chat
 from ..errors import InvalidRequest
 from ..pipeline.accounting import RequestLog
+from ..pipeline.turn import count
 from ..pipeline.values import Turn
 from ..state import AppState
 from .chat import MAX_DEPTH, bounded
@@ -20,6 +21,7 @@ from .http import ASGIResponse, answer_turn, authenticate, parse_json, read_body
 from .messages_wire import MessagesWire, error_shape
 
 PATH = "/v1/messages"
+COUNT_PATH = "/v1/messages/count_tokens"
 WIRE = MessagesWire()
 ROLES = ("user", "assistant")
 
@@ -28,15 +30,26 @@ async def messages(request: Request) -> ASGIResponse:
     return await answer_turn(request, WIRE.api, _turn, error_shape)
 
 
-async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
+async def count_tokens(request: Request) -> ASGIResponse:
+    """The prompt the proxy would send for this request, counted (pipeline.turn.count)."""
+    return await answer_turn(request, "messages_count", _counted, error_shape, count)
+
+
+async def _turn(state: AppState, request: Request, rlog: RequestLog,
+                counting: bool = False) -> Turn:
     caller = authenticate(state, request)
     raw = await read_body(request, state.config.server.max_body_bytes)
-    body = validate_messages_request(parse_json(raw))
+    body = validate_messages_request(parse_json(raw), counting)
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
     tools = body.get("tools")
-    return Turn(caller, WIRE, body, raw, to_messages(body["messages"], body.get("system")),
+    wire = MessagesWire(caller.tenant.policy.cache_breakpoints == "auto")
+    return Turn(caller, wire, body, raw, to_messages(body["messages"], body.get("system")),
                 list(request.headers.items()),
-                tools=[tool_to_chat(t) for t in tools] if tools else None)
+                tools=[tool_to_chat(t) for t in tools] if tools else None, counting=counting)
+
+
+async def _counted(state: AppState, request: Request, rlog: RequestLog) -> Turn:
+    return await _turn(state, request, rlog, counting=True)
 
 
 def validate_messages_request(body: Any, counting: bool = False) -> dict[str, Any]:

@@ -6,23 +6,32 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..conversation.blocks import assistant, chat_to_tool, to_anthropic
-from ..conversation.messages import Message
+from ..conversation.blocks import assistant, chat_to_tool, to_anthropic, to_messages
+from ..conversation.messages import Message, message_hash
 from ..errors import ContextLengthExceeded
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Reply, Step, bad_reply
+from .breakpoints import with_auto
 from .messages_stream import ERROR_TYPES, MessagesObserver, MessagesRelay, usage_of
 
 TOOL_KEYS = ("tools", "tool_choice")
 
 
 class MessagesWire:
+    """The Messages API for one request (``auto_cache``: the tenant's
+    ``cache_breakpoints = "auto"``)."""
+
     api = "messages"
     upstream_path = "/messages"
 
+    def __init__(self, auto_cache: bool = False):
+        self.auto_cache = auto_cache
+        self.stable: int | None = None  # the last message of the window's stable prefix
+
     def outgoing(self, body: dict[str, Any], messages: list[Message],
                  extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
-        system, turns = to_anthropic(messages, body.get("messages"))
+        turn_of: list[int] = []
+        system, turns = to_anthropic(messages, body.get("messages"), turn_of)
         out = {**body, "messages": turns}
         if system is None:
             out.pop("system", None)
@@ -30,7 +39,11 @@ class MessagesWire:
             out["system"] = system
         if extra_tools:
             out["tools"] = [*(body.get("tools") or []), *extra_tools]
-        return out
+        if not self.auto_cache:
+            return out
+        if self.stable is None:  # the first body: later rounds keep its stable prefix
+            self.stable = last_rewritten(body, messages)
+        return with_auto(out, turn_of[self.stable] if self.stable >= 0 else None)
 
     def next_round(self, sent: dict[str, Any], messages: list[Message],
                    withdraw: frozenset[str]) -> dict[str, Any]:
@@ -73,6 +86,15 @@ class MessagesWire:
 
     def observer(self, limit: int) -> MessagesObserver:
         return MessagesObserver(limit)
+
+
+def last_rewritten(body: dict[str, Any], messages: list[Message]) -> int:
+    """The position of the last message of the window the request does not carry as it is
+    (a cut result, a reduced loop, the marker), -1 when there is none: everything up to it
+    keeps its form until the next compaction event."""
+    sent = {message_hash(m) for m in to_messages(body.get("messages"), body.get("system"))}
+    return next((i for i in range(len(messages) - 1, -1, -1)
+                 if message_hash(messages[i]) not in sent), -1)
 
 
 def message_problem(data: Any) -> str | None:

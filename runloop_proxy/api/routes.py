@@ -25,8 +25,8 @@ from .http import (
     openai_errors,
     read_body,
 )
+from .messages import COUNT_PATH, count_tokens, messages
 from .messages import PATH as MESSAGES_PATH
-from .messages import messages
 from .responses import PATH as RESPONSES_PATH
 from .responses import responses
 
@@ -106,7 +106,7 @@ async def metrics_endpoint(request: Request) -> Response:
 # the conversation endpoints: served straight from the ASGI front (app.FastPath), past
 # Starlette's routing and middleware, which cost a measurable share of a pass-through request
 CONVERSATIONS = {CHAT_PATH: chat_completions, RESPONSES_PATH: responses,
-                 MESSAGES_PATH: messages}
+                 MESSAGES_PATH: messages, COUNT_PATH: count_tokens}
 
 
 def routes() -> list[BaseRoute]:
@@ -114,6 +114,7 @@ def routes() -> list[BaseRoute]:
         Route(CHAT_PATH, chat_completions, methods=["POST"]),
         Route(RESPONSES_PATH, responses, methods=["POST"]),
         Route(MESSAGES_PATH, messages, methods=["POST"]),
+        Route(COUNT_PATH, count_tokens, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),

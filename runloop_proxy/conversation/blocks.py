@@ -101,10 +101,11 @@ def _joined(blocks: list[Any]) -> str:
 
 # -- the way back ------------------------------------------------------------------------------
 
-def to_anthropic(messages: list[Message], sent: list[Any] | None = None
-                 ) -> tuple[Any, list[dict[str, Any]]]:
+def to_anthropic(messages: list[Message], sent: list[Any] | None = None,
+                 turn_of: list[int] | None = None) -> tuple[Any, list[dict[str, Any]]]:
     """The window's messages as a Messages ``system`` (None: none) and ``messages``. ``sent``
-    is the request's own ``messages``: a result the window cut keeps its block's fields."""
+    is the request's own ``messages``: a result the window cut keeps its block's fields.
+    ``turn_of`` gets, for each message, the turn it went into (-1: the system prompt)."""
     results = {str(b.get("tool_use_id")): b for turn in sent or [] if isinstance(turn, dict)
                and isinstance(turn.get("content"), list)
                for b in turn["content"] if _kind(b) == "tool_result"}
@@ -127,8 +128,12 @@ def to_anthropic(messages: list[Message], sent: list[Any] | None = None
         else:
             content = m.get("content")
             _add(out, "user", content if isinstance(content, list) else str(content or ""))
+        if turn_of is not None:
+            turn_of.append(-1 if role in ("system", "developer") else len(out) - 1)
     if out and out[0]["role"] != "user":
         out.insert(0, {"role": "user", "content": OPENING})
+        if turn_of is not None:
+            turn_of[:] = [t + 1 if t >= 0 else t for t in turn_of]
     if not system:
         return None, out
     if plain and len(system) == 1:

@@ -53,18 +53,10 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         rlog.degraded = "window"
         state.metrics.degraded.labels(turn.caller.label, "window").inc()
         return Outgoing(as_sent)
-    if made is not None:
-        state.summaries.keep_inline(turn, session, made)
-    try:
-        state.summaries.after(turn, session, spliced, spliced_keys, window, stored)
-    except Exception:  # noqa: BLE001 - planning a summary must not cost the user this call
-        log.exception("summary planning failed: the window goes without the next one",
-                      extra={"tenant": turn.caller.tenant.name, "session": session.id})
-        state.metrics.summaries.labels(turn.caller.label, "error").inc()
+    if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
+        _after(state, turn, session, spliced, spliced_keys, window, stored, made)
     tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
-    for event in window.events:
-        state.metrics.compactions.labels(tl, ml, event.kind.value).inc()
-    if not window.fits:
+    if not window.fits and not turn.counting:
         state.metrics.rejections.labels(tl, ml).inc()
         log_events(state, turn, session, window)
         raise ContextLengthExceeded(
@@ -83,8 +75,27 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         return Outgoing(as_sent)
     extra = turn.wire.tool_definitions(tools) if with_tools else []
     body = turn.wire.outgoing(turn.body, window.messages, extra)
-    log_events(state, turn, session, window)
+    if not turn.counting:
+        log_events(state, turn, session, window)
     return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys)
+
+
+def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message],
+           keys: list[str], window: Window, stored: dict[str, str],
+           made: Made | None) -> None:
+    """What a window leads to: its inline summary kept, the next summary planned, its
+    compaction events counted."""
+    if made is not None:
+        state.summaries.keep_inline(turn, session, made)
+    try:
+        state.summaries.after(turn, session, spliced, keys, window, stored)
+    except Exception:  # noqa: BLE001 - planning a summary must not cost the user this call
+        log.exception("summary planning failed: the window goes without the next one",
+                      extra={"tenant": turn.caller.tenant.name, "session": session.id})
+        state.metrics.summaries.labels(turn.caller.label, "error").inc()
+    tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
+    for event in window.events:
+        state.metrics.compactions.labels(tl, ml, event.kind.value).inc()
 
 
 def _explained(window: Window) -> str:

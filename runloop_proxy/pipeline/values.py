@@ -48,6 +48,7 @@ class Turn:
     server_history: bool = False
     chained: str | None = None  # a Responses previous_response_id: the state is upstream
     tools: list[dict[str, Any]] | None = None  # the request's tools in chat form, if not
+    counting: bool = False  # a count_tokens request: the window is sized, never sent
 
     @property
     def chat_tools(self) -> list[dict[str, Any]] | None:
