@@ -119,6 +119,14 @@ class Policy(_Strict):
                           'left out besides their identifiers; false: the identifiers alone, '
                           'for short-turn agents, where every token of the past rides in every '
                           'later request')
+    count_tokens: Literal["estimate", "upstream"] = Field(
+        "estimate", description="Anthropic's count_tokens: the proxy's estimate of the window "
+                                "it would send (calibrated from the upstream's reports), or the "
+                                "upstream's own count of that window")
+    cache_breakpoints: Literal["client", "auto"] = Field(
+        "client", description="Anthropic's cache_control: the client's breakpoints only, or "
+                              "(auto) one at the end of the window's stable prefix and one at "
+                              "the end of the request besides, at most four in all")
     summary_timeout_s: float = Field(30, gt=0)
     summary_backoff_s: float = Field(300, ge=0, description="pause after 3 failures in a row")
 
@@ -143,6 +151,10 @@ class ModelSpec(_Strict):
 class UpstreamSpec(_Strict):
     url: str
     api_key: str | None = None
+    format: Literal["any", "anthropic", "chat"] = Field(
+        "any", description="any: every API goes upstream as it came in; anthropic: Anthropic's "
+                           "API (the key is sent as x-api-key); chat: chat completions only "
+                           "(a Messages request is translated)")
     connect_timeout: float = Field(10.0, gt=0)
     read_timeout: float = Field(600.0, gt=0)
     total_timeout: float = Field(1800.0, gt=0)

@@ -54,6 +54,12 @@ class InvalidRequest(ClientError):
 class ContextLengthExceeded(ClientError):
     code = "context_length_exceeded"
 
+    def __init__(self, message: str, *, param: str | None = None, needed: int | None = None,
+                 allowed: int | None = None):
+        super().__init__(message, param=param)
+        self.needed = needed  # the prompt's tokens after compression
+        self.allowed = allowed  # what the model's window leaves for it
+
 
 class AuthenticationFailed(ClientError):
     status = 401

@@ -29,6 +29,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from . import scripted_messages as anthropic
 from . import serving
 from .config import ServerSection
 from .conversation.items import to_messages, tool_to_chat
@@ -140,6 +141,7 @@ class ScriptedUpstream:
         self.delay = 0.0
         self.server: ThreadedServer | None = None
         self.port = 0
+        self._anthropic: anthropic.AnthropicCache | None = None
 
     # -- control ---------------------------------------------------------------------------
 
@@ -223,6 +225,8 @@ class ScriptedUpstream:
                     headers=reply.get("headers"))
             if "raw_body" in reply:
                 return _raw(reply)
+            if request.url.path.endswith("/messages"):
+                return self._messages(body, reply, org or request.headers.get("x-api-key", ""))
             if responses:
                 if body.get("stream"):
                     return StreamingResponse(self._response_events(body, reply, org),
@@ -233,6 +237,13 @@ class ScriptedUpstream:
                 return StreamingResponse(self._stream(body, reply, org),
                                          media_type="text/event-stream")
             return Response(orjson.dumps(self._completion(body, reply, org)),
+                            media_type="application/json")
+
+        async def count_tokens(request: Request) -> Response:
+            body = orjson.loads(await request.body())
+            self.other.append(("POST", request.url.path, dict(request.headers),
+                               orjson.dumps(body)))
+            return Response(orjson.dumps({"input_tokens": self.anthropic.tokens(body)}),
                             media_type="application/json")
 
         async def models(request: Request) -> Response:
@@ -267,11 +278,42 @@ class ScriptedUpstream:
 
         return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
                                  Route("/v1/responses", chat, methods=["POST"]),
+                                 Route("/v1/messages", chat, methods=["POST"]),
+                                 Route("/v1/messages/count_tokens", count_tokens,
+                                       methods=["POST"]),
                                  Route("/v1/models", models), Route("/v1/embeddings",
                                                                     embeddings,
                                                                     methods=["POST"]),
                                  Route("/{path:path}", anything, methods=[
                                      "GET", "POST", "PUT", "PATCH", "DELETE"])])
+
+    @property
+    def anthropic(self) -> anthropic.AnthropicCache:
+        if self._anthropic is None:
+            self._anthropic = anthropic.AnthropicCache()
+        return self._anthropic
+
+    def _messages(self, body: dict[str, Any], reply: Reply, scope: str) -> Response:
+        """An answer of the Messages API (Anthropic's), in JSON or as its event stream."""
+        usage = self.anthropic.usage(body, scope)
+        if reply.get("prompt_tokens") is not None:
+            usage["input_tokens"] = reply["prompt_tokens"]
+        if not body.get("stream"):
+            return Response(orjson.dumps(anthropic.message(body, reply, usage)),
+                            media_type="application/json")
+
+        async def stream() -> AsyncIterator[bytes]:
+            self.streams_started += 1
+            done = False
+            try:
+                for chunk in anthropic.events(body, reply, usage):
+                    await asyncio.sleep(reply.get("chunk_delay", 0))
+                    yield chunk
+                done = True
+            finally:
+                if not done:
+                    self.streams_closed_early += 1
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
     def _usage(self, body: dict[str, Any], reply: Reply, org: str) -> dict[str, Any]:
         prompt, cached = estimate_prompt_tokens(body), 0

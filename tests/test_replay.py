@@ -257,3 +257,44 @@ def test_replay_reads_responses_conversations(tmp_path: Path) -> None:
     assert out["client_tokens"] == same["client_tokens"]  # one conversation model
     # kept while its loop is open, left out once the loop is past
     assert out["reasoning_items"]["client"] > out["reasoning_items"]["forwarded"] > 0
+
+
+def test_replay_reads_messages_conversations_and_prices_anthropics_cache(
+        tmp_path: Path) -> None:
+    """A Messages-format recording (system, tool_use and tool_result blocks, tools with an
+    input_schema) replays as the same conversation in chat form does, and is priced in
+    Anthropic's cache model besides: marks at the end of the system prompt and of each
+    request, writes at 1.25x, reads at 0.1x."""
+    from runloop_proxy.conversation.blocks import chat_to_tool, to_anthropic, to_messages
+    from runloop_proxy.ops import anthropic_cost
+
+    chat = conversation(40)
+    system, turns = to_anthropic(chat["messages"])  # type: ignore[arg-type]
+    line = {"system": system, "messages": turns, "tools": [
+        chat_to_tool({"name": "bash", "parameters": {"type": "object"}})]}
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps(line) + "\n")
+    out = json.loads(run(f, "--json", "--model", "claude-sonnet-4-6").stdout)
+    c = tmp_path / "c.jsonl"  # the same conversation in chat form (its calls' input as JSON)
+    plain = [{k: v for k, v in m.items() if k != "blocks"} for m in to_messages(turns, system)]
+    c.write_text(json.dumps({"messages": plain, "tools": [{"type": "function", "function": {
+        "name": "bash", "parameters": {"type": "object"}}}]}) + "\n")
+    same = json.loads(run(c, "--json", "--model", "claude-sonnet-4-6").stdout)
+    assert out["requests"] == same["requests"] == 41
+    assert out["client_tokens"] == same["client_tokens"]
+    # the same windows (refs, hashes of the messages with their blocks, tokenize apart)
+    assert abs(out["forwarded_tokens"] - same["forwarded_tokens"]) < 0.001 * out["client_tokens"]
+    assert out["compaction_events"] == same["compaction_events"]
+    a = out["anthropic_cache"]
+    assert "anthropic_cache" not in same
+    assert a["read_share_client"] > 0.8 and 0 < a["forwarded_cost"] < a["client_cost"]
+    auto = json.loads(run(f, "--json", "--model", "claude-sonnet-4-6", "--set",
+                          "cache_breakpoints=auto").stdout)["anthropic_cache"]
+    assert auto["client_cost"] == a["client_cost"]
+    # the model itself: a repeated prefix read at 0.1x, the new part written at 1.25x
+    t = anthropic_cost.CacheTally()
+    side = anthropic_cost.Conversation(t)
+    assert side.request(["a", "b"], [1000, 1000], [1]) == 2000 * 1.25
+    assert side.request(["a", "b", "c"], [1000, 1000, 500], [2]) == 200 + 500 * 1.25
+    assert side.request(["x", "b"], [1000, 1000], [1]) == 2500  # nothing shared: rewritten
+    assert side.request(["a", "b"], [100, 100], [1]) == 200  # below 1,024 tokens: no cache

@@ -66,9 +66,8 @@ def openai_errors(handler: Handler) -> Handler:
     return wrapped
 
 
-def internal_error() -> Response:
-    return json_response(error_body("internal error in runloop-proxy", "server_error", None,
-                                    "internal_error"), 500)
+INTERNAL_ERROR = error_body("internal error in runloop-proxy", "server_error", None,
+                            "internal_error")
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -124,10 +123,13 @@ def authenticate(state: AppState, request: Request) -> Caller:
     if tenant is None:
         raise AuthenticationFailed("Incorrect API key provided.")
     if tenant.forward_client_key:
-        upstream_auth = request.headers.get("authorization")
-    else:
-        secret = tenant.upstream_key or cfg.upstreams[tenant.upstream].api_key
-        upstream_auth = f"Bearer {secret}" if secret else None
+        return Caller(tenant, tenant.name, tenant.name, request.headers.get("authorization"),
+                      PROXY_KEY_HEADERS - {"x-api-key"} if cfg.upstreams[tenant.upstream]
+                      .format == "anthropic" else PROXY_KEY_HEADERS)
+    secret = tenant.upstream_key or cfg.upstreams[tenant.upstream].api_key
+    if cfg.upstreams[tenant.upstream].format == "anthropic":  # its key goes as x-api-key
+        return Caller(tenant, tenant.name, tenant.name, None, PROXY_KEY_HEADERS, secret)
+    upstream_auth = f"Bearer {secret}" if secret else None
     return Caller(tenant, tenant.name, tenant.name, upstream_auth, PROXY_KEY_HEADERS)
 
 
@@ -150,36 +152,45 @@ async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:
 
 
 TurnMaker = Callable[[AppState, Request, RequestLog], Awaitable[Turn]]
+Stages = Callable[[AppState, Turn, RequestLog], Awaitable[Answer]]
+# An API's error shape: the status, the OpenAI-shaped body every error has, and the error
+ErrorShape = Callable[[int, dict[str, Any], Exception | None], dict[str, Any]]
 
 
-async def answer_turn(request: Request, api: str, make_turn: TurnMaker) -> ASGIResponse:
+def openai_shape(status: int, body: dict[str, Any], exc: Exception | None) -> dict[str, Any]:
+    return body
+
+
+async def answer_turn(request: Request, api: str, make_turn: TurnMaker,
+                      shape: ErrorShape = openai_shape, run: Stages = serve) -> ASGIResponse:
     """The frame every API adapter runs in: the adapter reads and checks the request into a
-    Turn, the pipeline serves it; errors come back in OpenAI's shape, a client that goes away
-    cancels the work, and the request is counted once whatever happens."""
+    Turn, the pipeline serves it; errors come back in the API's shape (``shape``, OpenAI's
+    unless the adapter says otherwise), a client that goes away cancels the work, and the
+    request is counted once whatever happens. ``run``: the stages it goes through."""
     state = state_of(request)
     rlog = RequestLog(state.metrics, api)
     try:
         turn = await make_turn(state, request, rlog)
-        answer = await until_disconnect(request, serve(state, turn, rlog))
+        answer = await until_disconnect(request, run(state, turn, rlog))
     except ClientGone:
         rlog.finish(CLIENT_CLOSED, "client disconnected")
         raise
     except ClientError as exc:
         rlog.finish(exc.status, str(exc))
-        return json_response(exc.body(), exc.status)
+        return json_response(shape(exc.status, exc.body(), exc), exc.status)
     except UpstreamError as exc:
         log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
         rlog.finish(exc.status, str(exc))
-        return json_response(exc.body(), exc.status)
+        return json_response(shape(exc.status, exc.body(), exc), exc.status)
     except Unavailable as exc:
         log.warning("request refused: unavailable", extra={"error": str(exc)})
         rlog.finish(exc.status, str(exc))
-        return json_response(exc.body(), exc.status,
+        return json_response(shape(exc.status, exc.body(), exc), exc.status,
                              {"Retry-After": str(max(1, round(exc.retry_after)))})
-    except Exception:
+    except Exception as exc:
         log.exception("unexpected error")
         rlog.finish(500, "internal error")
-        return internal_error()
+        return json_response(shape(500, INTERNAL_ERROR, exc), 500)
     if answer.stream is not None:
         return LiveStreamResponse(answer.stream, answer.status, answer.headers)
     return Response(answer.body, answer.status, headers=answer.headers)

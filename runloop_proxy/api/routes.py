@@ -25,6 +25,8 @@ from .http import (
     openai_errors,
     read_body,
 )
+from .messages import COUNT_PATH, count_tokens, messages
+from .messages import PATH as MESSAGES_PATH
 from .responses import PATH as RESPONSES_PATH
 from .responses import responses
 
@@ -63,8 +65,8 @@ async def passthrough(request: Request) -> ASGIResponse:
     caller = authenticate(state, request)
     path = v1_subpath(request.scope.get("raw_path") or request.scope["path"].encode())
     raw = await read_body(request, state.config.server.max_body_bytes)
-    headers = upstream_headers(request.headers.items(), caller.upstream_auth,
-                               caller.drop_headers, body_as_sent=True)
+    headers = caller.authorize(upstream_headers(request.headers.items(), caller.upstream_auth,
+                                                caller.drop_headers, body_as_sent=True))
     # the answer comes back as the upstream encodes it, so only in what the client accepts
     headers["Accept-Encoding"] = request.headers.get("accept-encoding", "identity")
     client = state.upstream(caller.tenant.upstream)
@@ -107,13 +109,16 @@ async def metrics_endpoint(request: Request) -> Response:
 
 # the conversation endpoints: served straight from the ASGI front (app.FastPath), past
 # Starlette's routing and middleware, which cost a measurable share of a pass-through request
-CONVERSATIONS = {CHAT_PATH: chat_completions, RESPONSES_PATH: responses}
+CONVERSATIONS = {CHAT_PATH: chat_completions, RESPONSES_PATH: responses,
+                 MESSAGES_PATH: messages, COUNT_PATH: count_tokens}
 
 
 def routes() -> list[BaseRoute]:
     return [
         Route(CHAT_PATH, chat_completions, methods=["POST"]),
         Route(RESPONSES_PATH, responses, methods=["POST"]),
+        Route(MESSAGES_PATH, messages, methods=["POST"]),
+        Route(COUNT_PATH, count_tokens, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),

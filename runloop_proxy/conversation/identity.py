@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+import orjson
+
 from ..errors import InvalidRequest
 from .messages import Message, content_hash, match_hash, message_hash, message_text, tool_calls_of
 from .runloops import preamble_end
@@ -41,7 +43,8 @@ MAX_ID_CHARS = 256
 ANCHOR_TEXT_CHARS = 300  # a reply this long (or with tool calls) is one no stranger gets
 ANCHORS_TRIED = 3
 DEFAULT_SOURCES = ("header", "header:session-id", "header:session_id",
-                   "header:conversation_id", "metadata.session_id")
+                   "header:conversation_id", "metadata.session_id", "claude_code")
+CLAUDE_CODE_HEADER = "x-claude-code-session-id"
 SCOPE_FIELDS = ("user", "prompt_cache_key")
 _PLAIN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 NAMED_PREFIXES = ("n:", "h:")  # every named session's key starts so; no derived key does
@@ -116,12 +119,12 @@ def stored_id(given: str) -> str:
 
 def check_source(source: str) -> str:
     """A ``session_sources`` entry, or ValueError saying what the valid ones are."""
-    if source in ("header", "prompt_cache_key", "user") \
+    if source in ("header", "prompt_cache_key", "user", "claude_code") \
             or (source.startswith("header:") and len(source) > 7) \
             or (source.startswith("metadata.") and len(source) > 9):
         return source
     raise ValueError(f"{source!r} is not a session source: use header, header:<name>, "
-                     f"metadata.<key>, prompt_cache_key or user")
+                     f"metadata.<key>, prompt_cache_key, user or claude_code")
 
 
 def identify(headers: Iterable[tuple[str, str]], body: dict[str, Any],
@@ -202,7 +205,36 @@ def _lookup(source: str, headers: dict[str, str], body: dict[str, Any],
     if source.startswith("metadata."):
         meta = body.get("metadata")
         return (meta.get(source[9:]) if isinstance(meta, dict) else None), source
+    if source == "claude_code":
+        return claude_code_session(headers, body)
     return body.get(source), source
+
+
+def claude_code_session(headers: dict[str, str], body: dict[str, Any]) -> tuple[Any, str]:
+    """The session Claude Code names: its ``X-Claude-Code-Session-Id`` header (2.1.86 on), else
+    the ``session_id`` in ``metadata.user_id`` (a JSON object as text since 2.1.78, before that
+    ``user_<hash>_account_<uuid>_session_<uuid>``). Only for a request that carries tools: its
+    side requests (a title, the small fast model's checks) carry none and are sessions of
+    their own (fingerprinted), not branches of the conversation."""
+    if not body.get("tools"):
+        return None, "claude_code"
+    value = headers.get(CLAUDE_CODE_HEADER)
+    if isinstance(value, str) and value:
+        return value, f"header:{CLAUDE_CODE_HEADER}"
+    meta = body.get("metadata")
+    user = meta.get("user_id") if isinstance(meta, dict) else None
+    if not isinstance(user, str):
+        return None, "claude_code"
+    if user.startswith("{"):
+        try:
+            parsed = orjson.loads(user)
+        except orjson.JSONDecodeError:
+            return None, "claude_code"
+        found = parsed.get("session_id") if isinstance(parsed, dict) else None
+    else:
+        _, sep, found = user.rpartition("_session_")
+        found = found if sep else None
+    return found, "metadata.user_id"
 
 
 def _checked(value: str, where: str) -> str:

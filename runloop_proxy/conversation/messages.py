@@ -41,6 +41,8 @@ class Message(TypedDict, total=False):
     refusal: str | None
     # a message that came in as Responses items keeps them (conversation/items.py)
     items: list[dict[str, Any]]
+    # a message that came in as Messages content keeps its blocks (conversation/blocks.py)
+    blocks: list[dict[str, Any]]
     instructions: bool  # the system message that stands for a request's ``instructions``
 
 

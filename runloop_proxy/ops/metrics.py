@@ -22,7 +22,7 @@ MAX_MODEL_LABELS = 64
 OTHER_MODEL = "other"  # models past MAX_MODEL_LABELS; and the series every tenant starts with
 # The label values panels and alerts select on, exported at 0 from startup (a series that does
 # not exist yet reads as "no data", and an alert on it never fires).
-APIS = ("chat", "responses", "responses_chained")
+APIS = ("chat", "responses", "responses_chained", "messages", "messages_count")
 COMPACTION_KINDS = ("past_loop_reduction", "in_loop_elision", "in_loop_drop", "loop_omission",
                     "summary", "hard_truncation", "rejection")
 RECALL_OUTCOMES = {"recall_tool_call": ("hit", "not_found", "bad_arguments", "store_error"),

@@ -23,17 +23,20 @@ from pydantic import ValidationError
 
 from ..caches import ByteLRU
 from ..config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
+from ..conversation import blocks
 from ..conversation.items import to_items, to_messages, tool_to_chat
 from ..conversation.messages import Message, message_hash, message_refs, text_of
 from ..conversation.runloops import preamble_end, segment
 from ..errors import ConfigError
 from ..history.summaries import digest, due
+from ..pipeline.accounting import prompt_usage
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
 from ..pipeline.tools import Doc, ProxyTools, definitions_tokens, doc, query_terms, rank_docs
 from ..window.builder import build_window
 from ..window.forms import Budget
 from ..window.retention import Conversation as RetentionMeter
 from ..window.retention import Retention
+from . import anthropic_cost
 
 CACHE_MIN = 1024
 CACHE_BLOCK = 128
@@ -60,6 +63,8 @@ class Tally:
     summary_tokens: int = 0  # what the summary calls cost (--summary-cost each)
     reasoning_client: int = 0  # Responses reasoning items sent, summed over requests
     reasoning_forwarded: int = 0
+    # Messages conversations priced in Anthropic's cache model too (anthropic_cost.py)
+    anthropic: tuple[anthropic_cost.CacheTally, anthropic_cost.CacheTally] | None = None
 
     def saving(self, a: float, b: float) -> float:
         return 1 - b / a if a else 0.0
@@ -84,7 +89,17 @@ class Tally:
                 "retention_passthrough": self.retention_passthrough.as_dict(),
                 "summaries": self.summaries, "summary_tokens": self.summary_tokens,
                 "reasoning_items": {"client": self.reasoning_client,
-                                    "forwarded": self.reasoning_forwarded}}
+                                    "forwarded": self.reasoning_forwarded},
+                **({"anthropic_cache": _anthropic(*self.anthropic)} if self.anthropic else {})}
+
+
+def _anthropic(client: anthropic_cost.CacheTally, fwd: anthropic_cost.CacheTally
+               ) -> dict[str, Any]:
+    return {"client_cost": round(client.cost), "forwarded_cost": round(fwd.cost),
+            "saving": round(1 - fwd.cost / client.cost, 4) if client.cost else 0.0,
+            "read_share_client": round(client.read / client.tokens, 4) if client.tokens else 0,
+            "read_share_forwarded": round(fwd.read / fwd.tokens, 4) if fwd.tokens else 0,
+            "written_client": client.written, "written_forwarded": fwd.written}
 
 
 def cached_cost(total: int, prefix: int) -> float:
@@ -184,6 +199,7 @@ class Replayer:
         prev_fwd_counts: list[int] | None = None
         prev_fwd_tools = False
         pressed = False
+        priced = _AnthropicSides(self, conv, tools, tally) if conv.get("anthropic") else None
         for i in range(1, len(messages)):
             if messages[i].get("role") != "assistant":
                 continue
@@ -246,6 +262,38 @@ class Replayer:
                 tally.reasoning_forwarded += _reasoning_items(to_items(window.messages)[1])
             prev_client, prev_fwd, prev_fwd_tools = rkeys, wkeys, with_tools
             prev_fwd_msgs, prev_fwd_counts = window.messages, wcounts
+            if priced is not None:
+                priced.request(pre, rkeys, rcounts, wkeys, wcounts, with_tools)
+
+
+class _AnthropicSides:
+    """A Messages conversation's requests priced in Anthropic's cache model, both sides: the
+    client marks the end of its system prompt and of each request (as Claude Code does); the
+    window keeps those, and with ``cache_breakpoints = "auto"`` marks the end of its stable
+    prefix too (the last message it rewrote)."""
+
+    def __init__(self, replayer: Replayer, conv: dict[str, Any],
+                 tools: list[dict[str, Any]] | None, tally: Tally):
+        if tally.anthropic is None:
+            tally.anthropic = (anthropic_cost.CacheTally(), anthropic_cost.CacheTally())
+        self.client = anthropic_cost.Conversation(tally.anthropic[0])
+        self.forwarded = anthropic_cost.Conversation(tally.anthropic[1])
+        self.tools = replayer.counter.tools(replayer.enc, tools)
+        self.proxy_tools = replayer.proxy_tools
+        self.auto = replayer.tenant.policy.cache_breakpoints == "auto"
+
+    def request(self, pre: int, rkeys: list[str], rcounts: list[int], wkeys: list[str],
+                wcounts: list[int], with_tools: bool) -> None:
+        ends = [pre, len(rkeys)] if pre else [len(rkeys)]  # +1 for the tools part
+        self.client.request(["tools", *rkeys], [self.tools, *rcounts], ends, REPLY_PRIMING)
+        marks = [pre, len(wkeys)] if pre else [len(wkeys)]
+        if self.auto:
+            sent = set(rkeys)
+            marks.append(next((k + 1 for k in range(len(wkeys) - 1, -1, -1)
+                               if wkeys[k] not in sent), 0))
+        tools = self.tools + (self.proxy_tools if with_tools else 0)
+        self.forwarded.request([f"tools{with_tools}", *wkeys], [tools, *wcounts], marks,
+                               REPLY_PRIMING)
 
 
 class SummariesAhead:
@@ -363,10 +411,7 @@ class HttpReplay:
         """``tokens`` priced with the share of the prompt the upstream served from its cache
         (the upstream may count with another tokenizer: its share carries over, not its
         numbers)."""
-        usage = usage or {}
-        prompt = int(usage.get("prompt_tokens") or usage.get("input_tokens") or 0)
-        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        cached = int(details.get("cached_tokens") or 0)
+        prompt, cached = prompt_usage(usage or {})
         self.cached += cached
         share = cached / prompt if prompt else 0.0
         return tokens * (1 - share) + CACHED_PRICE * tokens * share
@@ -386,6 +431,10 @@ def conversation_of(line: Any) -> dict[str, Any] | None:
     the proxy builds from it, and keeps its own form for a replay through a proxy."""
     if not isinstance(line, dict):
         return None
+    if isinstance(line.get("messages"), list) and _is_messages_api(line):
+        tools = [t for t in line.get("tools") or [] if isinstance(t, dict)]
+        return {"messages": blocks.to_messages(line["messages"], line.get("system")),
+                "tools": [blocks.tool_to_chat(t) for t in tools], "anthropic": tools}
     if isinstance(line.get("messages"), list):
         return line
     if not isinstance(line.get("input"), list):
@@ -395,9 +444,27 @@ def conversation_of(line: Any) -> dict[str, Any] | None:
             "tools": [tool_to_chat(t) for t in tools], "responses_tools": tools}
 
 
+def _is_messages_api(line: dict[str, Any]) -> bool:
+    """A conversation recorded in Anthropic's Messages format: a top-level ``system``, tools
+    with an ``input_schema``, or tool_use / tool_result blocks."""
+    if line.get("format") == "anthropic" or "system" in line:
+        return True
+    if any(isinstance(t, dict) and "input_schema" in t for t in line.get("tools") or []):
+        return True
+    return any(isinstance(b, dict) and b.get("type") in ("tool_use", "tool_result")
+               for m in line["messages"] if isinstance(m, dict)
+               and isinstance(m.get("content"), list) for b in m["content"])
+
+
 def _request(model: str, conv: dict[str, Any], messages: list[Message]
              ) -> tuple[str, dict[str, Any]]:
     """The path and body of the request a client sent at this point of the conversation."""
+    if "anthropic" in conv:
+        system, turns = blocks.to_anthropic(messages)
+        request: dict[str, Any] = {"model": model, "max_tokens": 1, "messages": turns,
+                **({"system": system} if system is not None else {}),
+                **({"tools": conv["anthropic"]} if conv["anthropic"] else {})}
+        return "/messages", request
     if "responses_tools" in conv:
         instructions, items = to_items(messages)
         body: dict[str, Any] = {"model": model, "input": items, "max_output_tokens": 16}
@@ -575,4 +642,11 @@ def run_replay(args: argparse.Namespace) -> int:
     if tally.events:
         print("  compaction events: " + ", ".join(f"{k} {v}" for k, v in
                                                   sorted(tally.events.items())))
+    if tally.anthropic is not None and http is None:
+        a = out["anthropic_cache"]
+        print(f"  Anthropic's cache (marks: system, end of request"
+              f"{', stable prefix' if tenant.policy.cache_breakpoints == 'auto' else ''}; "
+              f"writes 1.25x, reads 0.1x): client {a['client_cost']:,} forwarded "
+              f"{a['forwarded_cost']:,} saving {a['saving']:.1%}; read from the cache: client "
+              f"{a['read_share_client']:.1%}, forwarded {a['read_share_forwarded']:.1%}")
     return 0

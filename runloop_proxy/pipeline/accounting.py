@@ -68,12 +68,11 @@ class RequestLog:
         if not usage or not self.identified:
             return
         b = self.bound
-        b.usage_prompt.inc(_int(usage.get("prompt_tokens", usage.get("input_tokens"))))
+        prompt, cached = prompt_usage(usage)
+        b.usage_prompt.inc(prompt)
         b.usage_completion.inc(_int(usage.get("completion_tokens",
                                               usage.get("output_tokens"))))
-        details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-        if isinstance(details, dict):
-            b.usage_cached.inc(_int(details.get("cached_tokens")))
+        b.usage_cached.inc(cached)
 
     def finish(self, status: int, error: str | None = None) -> None:
         """Count and log the request; later calls do nothing (the first outcome stands)."""
@@ -108,6 +107,20 @@ class RequestLog:
             "upstream_ms": round(self.upstream_seconds * 1000, 2),
             "proxy_ms": round(overhead * 1000, 3),
             "degraded": self.degraded, "error": error})
+
+
+def prompt_usage(usage: dict[str, Any]) -> tuple[int, int]:
+    """The whole prompt an upstream reports, and how much of it its cache served, whatever
+    the API: chat's ``prompt_tokens``, Responses' ``input_tokens`` (each with its cached
+    details), or Anthropic's, whose ``input_tokens`` leave out what the cache read and wrote
+    (``cache_read_input_tokens``, ``cache_creation_input_tokens``)."""
+    if "cache_read_input_tokens" in usage or "cache_creation_input_tokens" in usage:
+        read = _int(usage.get("cache_read_input_tokens"))
+        return (_int(usage.get("input_tokens")) + read
+                + _int(usage.get("cache_creation_input_tokens")), read)
+    prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    return prompt, _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
 
 
 def _int(v: Any) -> int:

@@ -15,7 +15,7 @@ from ..conversation.identity import Session
 from ..errors import UpstreamError
 from ..ops import logs
 from ..state import AppState
-from .accounting import CLIENT_CLOSED, RequestLog
+from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
 from .offload import is_large, offload
 from .reconcile import record
 from .sse import SSEDecoder
@@ -29,15 +29,15 @@ log = logs.get("relay")
 
 
 async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
-                  rlog: RequestLog) -> UpstreamResponse:
+                  rlog: RequestLog, suffix: str = "") -> UpstreamResponse:
     """One upstream call, timed (the client's headers, less hop-by-hop and the proxy's own)."""
     payload = body if isinstance(body, bytes) else orjson.dumps(body)
-    headers = json_headers(upstream_headers(turn.headers, turn.caller.upstream_auth,
-                                            turn.caller.drop_headers))
+    headers = turn.caller.authorize(json_headers(upstream_headers(
+        turn.headers, turn.caller.upstream_auth, turn.caller.drop_headers)))
     started = rlog.upstream_started()
     try:
         return await state.upstream(turn.caller.tenant.upstream).request(
-            "POST", turn.wire.upstream_path, headers, payload)
+            "POST", turn.wire.upstream_path + suffix, headers, payload)
     finally:
         rlog.upstream_took(started)
 
@@ -79,6 +79,7 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
         data, outcome = await answer_json(rounds, raw)
     finally:
         _count_calls(state, turn, rounds)
+    _calibrate(state, turn, rlog, outcome.first)
     rlog.usage(outcome.usage)
     state.spawn(record(state, turn, session, history, outcome.shown, outcome.kept,
                        answer_id=outcome.id, tokens=rlog.prompt_tokens))
@@ -89,7 +90,7 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
 def _answered(state: AppState, turn: Turn, session: Session, history: History,
               rlog: RequestLog, reply: Reply | None, large: bool) -> None:
     """An answer relayed unchanged: learn from its usage and record it."""
-    _calibrate(state, turn, rlog, reply)
+    _calibrate(state, turn, rlog, reply.usage if reply else None)
     rlog.usage(reply.usage if reply else None)
     state.spawn(record(state, turn, session, history, reply.message if reply else None, None,
                        large, reply.id if reply else None, rlog.prompt_tokens))
@@ -177,14 +178,15 @@ def _parsed_reply(wire: Wire, raw: bytes) -> Reply | None:
         return None
 
 
-def _calibrate(state: AppState, turn: Turn, rlog: RequestLog, reply: Reply | None) -> None:
-    """Learn a model's token factor from its upstream's usage (when counted with a fallback
-    encoding, and the prompt was the one the proxy counted)."""
-    if reply is None or not reply.usage or rlog.prompt_tokens is None:
+def _calibrate(state: AppState, turn: Turn, rlog: RequestLog,
+               usage: dict[str, Any] | None) -> None:
+    """Learn a model's token factor from its upstream's usage of the first call (when counted
+    with a fallback encoding, and the prompt was the one the proxy counted)."""
+    if not usage or rlog.prompt_tokens is None:
         return
     _, exact = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
-    reported = reply.usage.get("prompt_tokens", reply.usage.get("input_tokens"))
-    if not exact and isinstance(reported, int):
+    reported, _ = prompt_usage(usage)
+    if not exact and reported:
         state.tokens.calibrate(turn.model, rlog.prompt_tokens[1], reported)
 
 
@@ -215,6 +217,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                     yield piece
             finally:
                 _count_calls(state, turn, rounds)
+            _calibrate(state, turn, rlog, outcomes[0].first)
             rlog.usage(outcomes[0].usage)
             state.spawn(record(state, turn, session, history, outcomes[0].shown,
                                outcomes[0].kept, answer_id=outcomes[0].id,

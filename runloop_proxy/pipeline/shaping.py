@@ -42,7 +42,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     keys = [p.hash for p in history.prepared]
     spliced, spliced_keys, protected = splice_internal(
         history.messages, keys, _chains_at(state, turn, session, history), history.internal)
-    tools = ProxyTools.for_request(turn.body.get("tools"))
+    tools = ProxyTools.for_request(turn.chat_tools)
     stored = await state.summaries.stored(turn, session)
     try:
         window, made = await offload(turn.large, lambda: compute_window(
@@ -53,22 +53,17 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         rlog.degraded = "window"
         state.metrics.degraded.labels(turn.caller.label, "window").inc()
         return Outgoing(as_sent)
-    if made is not None:
-        state.summaries.keep_inline(turn, session, made)
-    try:
-        state.summaries.after(turn, session, spliced, spliced_keys, window, stored)
-    except Exception:  # noqa: BLE001 - planning a summary must not cost the user this call
-        log.exception("summary planning failed: the window goes without the next one",
-                      extra={"tenant": turn.caller.tenant.name, "session": session.id})
-        state.metrics.summaries.labels(turn.caller.label, "error").inc()
+    if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
+        _after(state, turn, session, spliced, spliced_keys, window, stored, made)
     tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
-    for event in window.events:
-        state.metrics.compactions.labels(tl, ml, event.kind.value).inc()
-    if not window.fits:
+    if not window.fits and not turn.counting:
         state.metrics.rejections.labels(tl, ml).inc()
         log_events(state, turn, session, window)
-        raise ContextLengthExceeded(_too_long(turn, window), param=(
-            "tools" if window.budget is not None and window.budget.hard == 0 else "messages"))
+        raise ContextLengthExceeded(
+            _too_long(turn, window),
+            param="tools" if window.budget is not None and window.budget.hard == 0
+            else "messages", needed=window.tokens_out,
+            allowed=window.budget.hard if window.budget is not None else None)
     if any(e.kind.value == "hard_truncation" for e in window.events):
         state.metrics.truncations.labels(tl, ml).inc()
     offer = window.offers_tools(turn.policy, bool(turn.body.get("tools"))) \
@@ -79,7 +74,8 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         return Outgoing(as_sent)
     extra = turn.wire.tool_definitions(tools) if with_tools else []
     body = turn.wire.outgoing(turn.body, window.messages, extra)
-    log_events(state, turn, session, window)
+    if not turn.counting:
+        log_events(state, turn, session, window)
     return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys)
 
 
@@ -95,6 +91,24 @@ def _too_long(turn: Turn, window: Window) -> str:
     return (f"This conversation needs {window.tokens_out} prompt tokens after compression, "
             f"more than {turn.model} allows here: {explained}. Shorten the latest messages "
             f"or tool results, or ask for fewer output tokens.")
+
+
+def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message],
+           keys: list[str], window: Window, stored: dict[str, str],
+           made: Made | None) -> None:
+    """What a window leads to: its inline summary kept, the next summary planned, its
+    compaction events counted."""
+    if made is not None:
+        state.summaries.keep_inline(turn, session, made)
+    try:
+        state.summaries.after(turn, session, spliced, keys, window, stored)
+    except Exception:  # noqa: BLE001 - planning a summary must not cost the user this call
+        log.exception("summary planning failed: the window goes without the next one",
+                      extra={"tenant": turn.caller.tenant.name, "session": session.id})
+        state.metrics.summaries.labels(turn.caller.label, "error").inc()
+    tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
+    for event in window.events:
+        state.metrics.compactions.labels(tl, ml, event.kind.value).inc()
 
 
 def _chains_at(state: AppState, turn: Turn, session: Session, history: History) -> list[str]:
@@ -134,7 +148,7 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
     budget = Budget.for_request(
         turn.policy, tenant.context_window(turn.model),
         b.get("max_completion_tokens") or b.get("max_tokens") or b.get("max_output_tokens"),
-        state.tokens.tools(enc, b.get("tools")) + _proxy_tools_tokens(state, enc), factor,
+        state.tokens.tools(enc, turn.chat_tools) + _proxy_tools_tokens(state, enc), factor,
         REPLY_PRIMING)
     now = int(time.time() * 1000)
     carried = (turn.caller.namespace or "", session.id)
@@ -183,7 +197,7 @@ def prompt_tokens(state: AppState, turn: Turn, window: Window,
     """The whole prompt as the proxy counts it, as the client sent it and as it goes
     upstream: messages, tool schemas (the proxy's own when it adds them), reply priming."""
     enc, _ = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
-    fixed = state.tokens.tools(enc, turn.body.get("tools")) + REPLY_PRIMING
+    fixed = state.tokens.tools(enc, turn.chat_tools) + REPLY_PRIMING
     extra = _proxy_tools_tokens(state, enc) if with_proxy_tools else 0
     return window.tokens_in + fixed, window.tokens_out + fixed + extra
 

@@ -37,7 +37,8 @@ PER_NAME = 1
 REPLY_PRIMING = 3
 PER_TOOL_CALL = 4
 IMAGE_PART_TOKENS = 765
-MEDIA_PARTS = ("image_url", "input_image", "input_audio")
+# a fixed price per part; "image" and "document" are the Messages API's
+MEDIA_PARTS = ("image_url", "input_image", "input_audio", "image", "document")
 FRAME = 100_264  # stands for the chat format's framing tokens (cl100k's <|im_start|>)
 TOOLS_OVERHEAD = 6  # the system turn the tools section rides in
 COUNT_ENTRY_BYTES = 260  # a cached count: the key tuple, two strings, an int, a slot

@@ -30,6 +30,7 @@ class Outcome:
     kept: dict[str, Any] | None
     usage: dict[str, Any]
     id: str | None = None  # the id the client got for the answer
+    first: dict[str, Any] | None = None  # the first call's usage (the prompt the proxy counted)
 
 
 @dataclass
@@ -67,12 +68,14 @@ def _kept(before: list[Message], decision: Decision, full: Message,
 
 
 async def _finish(r: Rounds, reply: Reply, decision: Decision, before: list[Message],
-                  shown: Message, usage: dict[str, Any], answer_id: str | None) -> Outcome:
+                  shown: Message, usage: dict[str, Any], answer_id: str | None,
+                  first: dict[str, Any] | None) -> Outcome:
     # Mixed with the client's calls, the proxy's are answered now and spliced back after the
     # client's results; withdrawn ones are never run.
     after = [await r.runner.run(c) for c in decision.mine] if decision.step is Step.MIXED \
         else []
-    return Outcome(shown, _kept(before, decision, reply.message, after), usage, answer_id)
+    return Outcome(shown, _kept(before, decision, reply.message, after), usage, answer_id,
+                   first)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -94,8 +97,10 @@ async def answer_json(r: Rounds, raw: bytes) -> tuple[dict[str, Any], Outcome]:
     convo = list(r.window)
     before: list[Message] = []
     rounds = 0
+    first: dict[str, Any] | None = None
     while True:
         reply = r.wire.parse(data)
+        first = reply.usage if rounds == 0 else first
         add_usage(usage, reply.usage)
         decision = decide(reply.calls, r.tools, rounds, r.max_rounds)
         if decision.step is not Step.ANSWER:
@@ -107,7 +112,7 @@ async def answer_json(r: Rounds, raw: bytes) -> tuple[dict[str, Any], Outcome]:
         data = await parsed(await (await r.again(convo, rounds)).read(r.max_answer))
     out = r.wire.client_json(data, decision, usage)
     return out, await _finish(r, reply, decision, before, client_message(reply, decision), usage,
-                              reply.id)
+                              reply.id, first)
 
 
 async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, Any],
@@ -120,6 +125,7 @@ async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, An
     convo = list(r.window)
     before: list[Message] = []
     rounds = 0
+    first: dict[str, Any] | None = None
     while True:
         rnd = relay.round(r.tools)
         decoder = SSEDecoder()
@@ -136,6 +142,7 @@ async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, An
         if not rnd.complete:
             raise UpstreamBadReply("the upstream's stream ended before its answer did")
         reply = rnd.reply()
+        first = reply.usage if rounds == 0 else first
         add_usage(usage, reply.usage)
         decision = decide(reply.calls, r.tools, rounds, r.max_rounds)
         if decision.step is Step.ANSWER:
@@ -151,4 +158,4 @@ async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, An
     for out in relay.end(usage):
         yield out
     shown = relay.shown(client_message(reply, decision))
-    done(await _finish(r, reply, decision, before, shown, usage, relay.answer_id))
+    done(await _finish(r, reply, decision, before, shown, usage, relay.answer_id, first))

@@ -12,12 +12,15 @@ Everything that touches Redis fails open: the request goes through uncompressed 
 
 from __future__ import annotations
 
+import orjson
+
 from ..conversation.identity import identify
 from ..state import AppState
 from .accounting import RequestLog
 from .reconcile import reconcile
-from .relay import forward, relay
+from .relay import forward, read, relay, response_headers
 from .shaping import shape
+from .tokens import REPLY_PRIMING
 from .values import Answer, Turn
 
 
@@ -29,3 +32,34 @@ async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     out = await shape(state, turn, session, history, rlog)
     resp = await forward(state, turn, out.body, rlog)
     return await relay(state, turn, session, history, out, resp, rlog)
+
+
+async def count(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
+    """A count of the prompt this request would send (Anthropic's ``count_tokens``):
+
+        identify → reconcile → window → count
+
+    the window is built as for the request itself (nothing recorded, no summary planned);
+    the count is the proxy's, in the model's tokens as calibrated from its upstream's
+    reports, or (``policy.count_tokens = "upstream"``) the upstream's own for that window."""
+    session = identify(turn.headers, turn.body, turn.messages, turn.caller.namespace or "",
+                       state.config.server.session_header, turn.caller.tenant.session_sources)
+    session, history = await reconcile(state, turn, session)
+    rlog.session, rlog.degraded = session.id, history.degraded
+    out = await shape(state, turn, session, history, rlog)
+    if turn.policy.count_tokens == "upstream":
+        resp = await forward(state, turn, out.body, rlog, "/count_tokens")
+        headers = response_headers(resp, session, rlog)
+        raw = await read(state, resp, rlog)
+        rlog.finish(resp.status)
+        return Answer(resp.status, headers, raw)
+    if rlog.prompt_tokens is None:  # no window was built (degraded, or compression off)
+        enc, _ = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
+        n = sum(p.tokens or 0 for p in history.prepared) \
+            + state.tokens.tools(enc, turn.chat_tools) + REPLY_PRIMING
+        rlog.prompt_tokens = (n, n)
+    headers = {"X-Session-Id": session.header_value, "Content-Type": "application/json",
+               "X-Runloop-Tokens": "{};{}".format(*rlog.prompt_tokens)}
+    tokens = round(rlog.prompt_tokens[1] * state.tokens.factor(turn.model))
+    rlog.finish(200)
+    return Answer(200, headers, orjson.dumps({"input_tokens": tokens}))

@@ -6,6 +6,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from multidict import CIMultiDict
+
 from ..config import Policy, TenantSpec
 from ..conversation.messages import Message
 from ..history.store import Prepared
@@ -24,6 +26,13 @@ class Caller:
     namespace: str | None  # where its history lives; None: none is kept (no key to scope it)
     upstream_auth: str | None  # the Authorization header the upstream gets
     drop_headers: frozenset[str] = frozenset()  # client headers never forwarded (its proxy key)
+    upstream_api_key: str | None = None  # sent as x-api-key (an upstream of Anthropic's format)
+
+    def authorize(self, headers: CIMultiDict[str]) -> CIMultiDict[str]:
+        """``headers`` with the upstream key where its format wants it."""
+        if self.upstream_api_key:
+            headers["x-api-key"] = self.upstream_api_key
+        return headers
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,13 @@ class Turn:
     headers: list[tuple[str, str]]
     server_history: bool = False
     chained: str | None = None  # a Responses previous_response_id: the state is upstream
+    tools: list[dict[str, Any]] | None = None  # the request's tools in chat form, if not
+    counting: bool = False  # a count_tokens request: the window is sized, never sent
+
+    @property
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """The client's tools in chat form: how they are counted and named."""
+        return self.tools if self.tools is not None else self.body.get("tools")
 
     @property
     def model(self) -> str:

@@ -1,0 +1,79 @@
+"""Anthropic's prompt cache is explicit: a request marks where cached prefixes end
+(``cache_control`` on a tool, a system block or a message's block, at most four), and a later
+request reads the longest marked prefix it repeats. The window keeps the client's marks where
+their blocks are (a cut result keeps its block's fields), so they stay on prefixes that change
+only at compaction events; it adds none unless the tenant asks (``cache_breakpoints =
+"auto"``): then one at the end of the window's stable prefix — the last message it rewrote,
+whose form no later request changes until the next event — and one at the end of the request,
+while there are fewer than four. (Pure.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_BREAKPOINTS = 4
+EPHEMERAL = {"type": "ephemeral"}
+UNMARKABLE = ("thinking", "redacted_thinking")  # the API refuses cache_control on these
+
+
+Mark = tuple[int, int, int, str | None]  # (part, turn, block, the mark's ttl)
+
+
+def marks(body: dict[str, Any]) -> list[Mark]:
+    """Where the request's breakpoints are, in the order the API renders the prompt —
+    (part, turn, block): part 0 the tools, 1 the system prompt, 2 the messages — with each
+    one's ``ttl``."""
+    out = [(0, 0, i, _ttl(t)) for i, t in enumerate(body.get("tools") or []) if _marked(t)]
+    system = body.get("system")
+    if isinstance(system, list):
+        out += [(1, 0, i, _ttl(b)) for i, b in enumerate(system) if _marked(b)]
+    for t, turn in enumerate(body.get("messages") or []):
+        content = turn.get("content") if isinstance(turn, dict) else None
+        if isinstance(content, list):
+            out += [(2, t, i, _ttl(b)) for i, b in enumerate(content) if _marked(b)]
+    return out
+
+
+def with_auto(body: dict[str, Any], stable_turn: int | None) -> dict[str, Any]:
+    """``body`` with the proxy's breakpoints added: at the end of turn ``stable_turn`` (-1:
+    the system prompt; None: nowhere) and at the end of the request, while fewer than four
+    are set. Each takes the lifetime of the next breakpoint after it, if any (the API wants
+    longer-lived prefixes first)."""
+    turns = body.get("messages") or []
+    wanted = [t for t in dict.fromkeys([stable_turn, len(turns) - 1])
+              if t is not None and (t >= 0 or body.get("system"))]
+    out = dict(body)
+    for t in wanted:
+        existing = marks(out)
+        if len(existing) >= MAX_BREAKPOINTS:
+            break
+        if t < 0:
+            out["system"] = _marked_blocks(out["system"], existing, (1, 0))
+        elif t < len(turns):
+            messages = list(out["messages"])
+            messages[t] = {**messages[t], "content": _marked_blocks(
+                messages[t]["content"], existing, (2, t))}
+            out["messages"] = messages
+    return out
+
+
+def _marked_blocks(content: Any, existing: list[Mark], where: tuple[int, int]) -> Any:
+    blocks = content if isinstance(content, list) else [{"type": "text", "text": content}]
+    at = next((i for i in range(len(blocks) - 1, -1, -1)
+               if isinstance(blocks[i], dict) and blocks[i].get("type") not in UNMARKABLE
+               and (blocks[i].get("type") != "text" or blocks[i].get("text"))), None)
+    if at is None or _marked(blocks[at]):
+        return content
+    after = [m for m in existing if m[:3] > (*where, at)]
+    ttl = after[0][3] if after else None
+    control = {**EPHEMERAL, "ttl": ttl} if ttl else EPHEMERAL
+    return [*blocks[:at], {**blocks[at], "cache_control": control}, *blocks[at + 1:]]
+
+
+def _ttl(block: dict[str, Any]) -> str | None:
+    ttl = block["cache_control"].get("ttl")
+    return ttl if isinstance(ttl, str) else None
+
+
+def _marked(block: Any) -> bool:
+    return isinstance(block, dict) and isinstance(block.get("cache_control"), dict)

@@ -1,0 +1,188 @@
+"""Claude Code, the real one (npm ``@anthropic-ai/claude-code``), headless through the proxy over
+the Messages API: the scripted model drives it over several turns into its own Bash tool,
+reading files large enough to be cut; its session is the one it names, the window compresses
+it, the model recalls a cut result in a round Claude Code never sees, and every turn finishes.
+Skipped where npm or the package is not available (the install needs the npm registry)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer
+
+VERSION = "2.1.331"
+PACKAGE = f"@anthropic-ai/claude-code@{VERSION}"
+ADMIN = "admin-0123456789abcdef"
+KEY = "cc-proxy-key-0123456789"
+MODEL = "claude-sonnet-4-6"
+FILES = 12  # log files, ~4k tokens each
+PER_TURN = 4  # read per turn
+RECALL_ID = "toolu_recall"
+SEARCH_ID = "toolu_search"
+
+
+@pytest.fixture(scope="session")
+def claude_bin() -> str:
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        pytest.skip("no npm/node: apt-get install nodejs npm")
+    cache = Path(os.environ.get("RUNLOOP_TEST_CACHE", Path.home() / ".cache" / "runloop-tests"))
+    prefix = cache / f"claude-code-{VERSION}"
+    exe = prefix / "node_modules" / ".bin" / "claude"
+    if not exe.exists():
+        r = subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund",
+                            "--prefix", str(prefix), PACKAGE], capture_output=True, text=True,
+                           timeout=600)
+        if r.returncode != 0 or not exe.exists():
+            pytest.skip(f"could not install {PACKAGE}: {r.stderr[-300:]}")
+    return str(exe)
+
+
+def claude_proxy(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> ProxyServer:
+    """A tenant for Claude Code: an upstream of Anthropic's format, and a working budget
+    above what Claude Code's system prompt and tools take (~20k tokens) by a session's worth."""
+    cfg = tmp_path / "cfg"
+    (cfg / "tenants").mkdir(parents=True)
+    (cfg / "runloop.toml").write_text(
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'api_key = "sk-ant-upstream"\n')
+    (cfg / "tenants" / "dev.toml").write_text(
+        f'keys = ["{KEY}"]\nupstream = "claude"\n[policy]\nsoft_budget_tokens = 40000\n'
+        f'clear_at_least = 4000\n')
+    return make_proxy(config_dir=str(cfg), admin_key=ADMIN)  # type: ignore[no-any-return]
+
+
+def run_claude(claude: str, proxy: ProxyServer, home: Path, work: Path, prompt: str,
+               *more: str) -> list[dict[str, Any]]:
+    env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": proxy.base,
+           "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+           "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
+           "IS_SANDBOX": "1"}  # IS_SANDBOX: root may skip permission prompts (a container)
+    r = subprocess.run([claude, "-p", prompt, "--output-format", "stream-json", "--verbose",
+                        "--model", MODEL, "--dangerously-skip-permissions", *more],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
+    return [orjson.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def results_of(body: dict[str, Any]) -> list[dict[str, Any]]:
+    last = body["messages"][-1]["content"]
+    return [b for b in last if isinstance(b, dict) and b.get("type") == "tool_result"] \
+        if isinstance(last, list) else []
+
+
+def model(body: dict[str, Any]) -> dict[str, Any]:
+    """The scripted model: on "turn T" it reads its turn's logs with Bash, one per round
+    (call ids say which), then answers; on the last turn it first recalls log 0's output,
+    out of view by then, by the ref the window shows for it or (when the turn is omitted)
+    the id search_history finds it under."""
+    if "Bash" not in {t.get("name") for t in body.get("tools") or []}:
+        return {"content": "ok"}  # a side request (a title, a check)
+    prompt = _last_prompt(body)
+    turn = int(prompt.split()[1].rstrip(":"))
+    done = [b for b in results_of(body) if b["tool_use_id"].startswith(f"toolu_t{turn}_")]
+    recalled = [b for b in results_of(body) if b["tool_use_id"] == RECALL_ID]
+    if recalled:
+        text = orjson.dumps(recalled[0]["content"]).decode()
+        return {"content": f"turn {turn} done; recalled log 0: "
+                           f"{'intact' if 'log 0 line 599' in text else 'missing'}"}
+    found = [b for b in results_of(body) if b["tool_use_id"] == SEARCH_ID]
+    k = int(done[0]["tool_use_id"].rsplit("_", 1)[1]) + 1 if done else turn * PER_TURN
+    if k < (turn + 1) * PER_TURN and not found:
+        return {"content": f"Reading log {k}.", "tool_calls": [{
+            "id": f"toolu_t{turn}_{k}", "name": "Bash",
+            "arguments": {"command": f"cat log{k}.txt", "description": f"read log {k}"}}]}
+    if turn < FILES // PER_TURN - 1:
+        return {"content": f"turn {turn} done"}
+    ref = _ref_of_log0(body) if not found else re.search(
+        r"id=(\w+)", orjson.dumps(found[0]["content"]).decode()).group(1)  # type: ignore[union-attr]
+    if ref is not None:
+        return {"content": "Checking log 0 again.", "tool_calls": [{
+            "id": RECALL_ID, "name": "recall_tool_call", "arguments": {"call_id": ref}}]}
+    return {"content": "Where was log 0?", "tool_calls": [{  # not in view: search for it
+        "id": SEARCH_ID, "name": "search_history", "arguments": {"query": "log 0 line 599"}}]}
+
+
+def _last_prompt(body: dict[str, Any]) -> str:
+    for turn in reversed(body["messages"]):
+        content = turn["content"]
+        for b in content if isinstance(content, list) else [{"type": "text", "text": content}]:
+            if turn["role"] == "user" and b.get("type") == "text" \
+                    and re.match(r"turn \d+:", b.get("text", "")):
+                return str(b["text"])
+    raise AssertionError("no turn prompt in the request")
+
+
+def _ref_of_log0(body: dict[str, Any]) -> str | None:
+    text = orjson.dumps(body["messages"]).decode()
+    if "(calls toolu_t0_0 " in text:
+        return "toolu_t0_0"
+    for turn in body["messages"]:
+        for b in turn["content"] if isinstance(turn["content"], list) else []:
+            if b.get("type") == "tool_result" and b["tool_use_id"] == "toolu_t0_0":
+                found = re.search(r'recall_tool_call\(call_id="(\w+)"\)',
+                                  orjson.dumps(b["content"]).decode())
+                return found.group(1) if found else None
+    found = re.search(r'(\w+) Bash\(command=cat log0\.txt', text)
+    return found.group(1) if found else None
+
+
+def test_claude_code_runs_through_the_proxy_compressed_and_recalled(
+        claude_bin: str, make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    proxy = claude_proxy(tmp_path, make_proxy, upstream)
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    for k in range(FILES):
+        (work / f"log{k}.txt").write_text("\n".join(f"log {k} line {i}: status ok, "
+                                                    f"id {k * 1000 + i}" for i in range(600)))
+    upstream.responder = model
+    outputs = []
+    for turn in range(FILES // PER_TURN):
+        more = ("--continue",) if turn else ()
+        outputs.append(run_claude(claude_bin, proxy, home, work,
+                                  f"turn {turn}: read logs {turn * PER_TURN} to "
+                                  f"{(turn + 1) * PER_TURN - 1}", *more))
+    # every turn finished, with the scripted model's answer; the recall came back whole
+    finals = [[e for e in out if e.get("type") == "result"][-1] for out in outputs]
+    assert [f["subtype"] for f in finals] == ["success"] * len(finals)
+    assert [f["result"] for f in finals][:-1] == [f"turn {t} done"
+                                                  for t in range(len(finals) - 1)]
+    assert finals[-1]["result"] == f"turn {len(finals) - 1} done; recalled log 0: intact"
+    # Claude Code never saw the proxy's call: not in its stream, not in what it sent back
+    assert not any("recall_tool_call" in orjson.dumps(e).decode()
+                   for out in outputs for e in out if e.get("type") == "assistant")
+    main = [b for b in upstream.requests if len(b.get("tools") or []) > 2]
+    sessions = {orjson.loads(b["metadata"]["user_id"])["session_id"] for b in main}
+    assert len(sessions) == 1  # --continue: one Claude Code session
+    session = sessions.pop()
+    # the session is the one Claude Code named, stored whole
+    proxy.settle()
+    view = httpx.get(f"{proxy.base}/admin/sessions/{session}", headers={
+        "Authorization": f"Bearer {ADMIN}"}, params={"messages": "1", "tenant": "dev"})
+    assert view.status_code == 200, view.text
+    stored = view.json()["messages"]
+    outputs_stored = [m for m in stored if m["role"] == "tool"]
+    assert len(outputs_stored) >= FILES
+    assert any("log 0 line 599" in orjson.dumps(m["content"]).decode() for m in outputs_stored)
+    # compressed: what went upstream at the end is a fraction of what Claude Code sent
+    metrics = proxy.metrics.registry
+    client = metrics.get_sample_value("runloop_prompt_tokens_client_total",
+                                      {"tenant": "dev", "model": MODEL})
+    forwarded = metrics.get_sample_value("runloop_prompt_tokens_forwarded_total",
+                                         {"tenant": "dev", "model": MODEL})
+    assert forwarded < 0.8 * client
+    assert metrics.get_sample_value("runloop_recalls_total", {
+        "tenant": "dev", "tool": "recall_tool_call", "outcome": "hit"}) == 1
+    assert any(b["messages"][-1]["content"][0].get("tool_use_id") == RECALL_ID
+               for b in upstream.requests if isinstance(b["messages"][-1]["content"], list))

@@ -1,0 +1,280 @@
+"""The Messages API on the wire (pure): JSON answers without the proxy's calls, and an event
+stream rewritten for the client — for any chunking of the upstream's bytes and across the
+proxy's rounds — checked by reassembling what the client gets with the ``anthropic`` SDK's own
+accumulator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from anthropic.lib.streaming._messages import accumulate_event
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runloop_proxy.api.messages_stream import MessagesRelay
+from runloop_proxy.api.messages_wire import MessagesWire, error_shape, message_problem
+from runloop_proxy.errors import ContextLengthExceeded, UpstreamError
+from runloop_proxy.pipeline.sse import SSEDecoder, SSEEvent
+from runloop_proxy.pipeline.tools import ProxyTools
+from runloop_proxy.pipeline.wire import Step, add_usage, client_message, decide
+
+TOOLS = ProxyTools.for_request(None)
+WIRE = MessagesWire()
+NAMES = ["recall_tool_call", "search_history", "bash", "recall", "search_history_v2"]
+
+
+def event(data: dict[str, Any]) -> bytes:
+    return b"event: " + data["type"].encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+@st.composite
+def answers(draw: st.DrawFn, tag: str = "") -> tuple[list[dict[str, Any]], bytes]:
+    """An upstream answer's blocks and its event stream: thinking, text and tool_use blocks
+    (the proxy's among them, client tools named like the proxy's), each block's deltas in
+    pieces, pings anywhere."""
+    blocks: list[dict[str, Any]] = []
+    if draw(st.booleans()):
+        blocks.append({"type": "thinking", "thinking": draw(st.text("ab ", min_size=1,
+                                                                    max_size=9)),
+                       "signature": "sig" + tag})
+    if draw(st.booleans()):
+        blocks.append({"type": "text", "text": draw(st.text("xy z", min_size=1, max_size=9))})
+    for k in range(draw(st.integers(0, 3))):
+        blocks.append({"type": "tool_use", "id": f"toolu_{tag}{k}",
+                       "name": draw(st.sampled_from(NAMES)),
+                       "input": draw(st.sampled_from([{}, {"call_id": "7f"},
+                                                      {"q": "a b", "n": [1, 2]}]))})
+
+    def pieces(s: str) -> list[str]:
+        cuts = sorted(draw(st.sets(st.integers(1, max(1, len(s) - 1)), max_size=3))) \
+            if len(s) > 1 else []
+        return [s[a:b] for a, b in zip([0, *cuts], [*cuts, len(s)], strict=True)]
+
+    evs: list[dict[str, Any]] = [{"type": "message_start", "message": {
+        "id": f"msg_{tag}", "type": "message", "role": "assistant", "model": "m",
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": 100, "output_tokens": 1, "cache_read_input_tokens": 40}}}]
+    for at, b in enumerate(blocks):
+        if draw(st.booleans()):
+            evs.append({"type": "ping"})
+        kind = b["type"]
+        if kind == "text":
+            evs.append({"type": "content_block_start", "index": at,
+                        "content_block": {"type": "text", "text": ""}})
+            evs += [{"type": "content_block_delta", "index": at,
+                     "delta": {"type": "text_delta", "text": p}} for p in pieces(b["text"])]
+        elif kind == "thinking":
+            evs.append({"type": "content_block_start", "index": at, "content_block": {
+                "type": "thinking", "thinking": "", "signature": ""}})
+            evs += [{"type": "content_block_delta", "index": at,
+                     "delta": {"type": "thinking_delta", "thinking": p}}
+                    for p in pieces(b["thinking"])]
+            evs.append({"type": "content_block_delta", "index": at,
+                        "delta": {"type": "signature_delta", "signature": b["signature"]}})
+        else:
+            evs.append({"type": "content_block_start", "index": at,
+                        "content_block": {**b, "input": {}}})
+            evs += [{"type": "content_block_delta", "index": at,
+                     "delta": {"type": "input_json_delta", "partial_json": p}}
+                    for p in pieces(orjson.dumps(b["input"]).decode())]
+        evs.append({"type": "content_block_stop", "index": at})
+    calls = any(b["type"] == "tool_use" for b in blocks)
+    evs.append({"type": "message_delta", "delta": {
+        "stop_reason": "tool_use" if calls else "end_turn", "stop_sequence": None},
+        "usage": {"output_tokens": 20}})
+    evs.append({"type": "message_stop"})
+    return blocks, b"".join(map(event, evs))
+
+
+def chunked(draw: st.DrawFn, raw: bytes) -> list[bytes]:
+    cuts = sorted(draw(st.sets(st.integers(1, len(raw) - 1), max_size=10)))
+    return [raw[a:b] for a, b in zip([0, *cuts], [*cuts, len(raw)], strict=True)]
+
+
+def reassembled(out: list[bytes]) -> tuple[Any, list[str]]:
+    """The message a client builds from the stream (the SDK's accumulator), and the event
+    types it got."""
+    snapshot: Any = None
+    kinds = []
+    bufs: dict[int, bytes] = {}
+    decoder = SSEDecoder()
+    for ev in [*decoder.feed(b"".join(out)), *decoder.flush()]:
+        data = orjson.loads(ev.data)
+        kinds.append(data["type"])
+        if data["type"] != "ping":
+            snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)
+    return snapshot, kinds
+
+
+def run_round(relay: MessagesRelay, pieces: list[bytes], rounds: int
+              ) -> tuple[Any, list[bytes], Any]:
+    rnd = relay.round(TOOLS)
+    decoder = SSEDecoder()
+    out: list[bytes] = []
+    for piece in pieces:
+        for ev in decoder.feed(piece):
+            out += rnd.feed(ev)
+    for ev in decoder.flush():
+        out += rnd.feed(ev)
+    assert rnd.complete
+    reply = rnd.reply()
+    return reply, out, (rnd, decide(reply.calls, TOOLS, rounds, 4))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_client_gets_every_rounds_blocks_less_the_proxys_calls(data: Any) -> None:
+    """Up to three upstream rounds, each chunked at random bytes: what the client's SDK
+    assembles is one message — the client's blocks of every round in order, renumbered from
+    0, one message_start and one message_stop, usage summed — and what the proxy reads of
+    each round is the upstream's answer whole."""
+    relay = WIRE.relay({"model": "m"})
+    usage: dict[str, Any] = {}
+    shown: list[dict[str, Any]] = []
+    out: list[bytes] = []
+    for rounds in range(3):
+        blocks, raw = data.draw(answers(tag=str(rounds)))
+        reply, sent, (rnd, decision) = run_round(relay, chunked(data.draw, raw), rounds)
+        assert reply.message.get("blocks") == blocks  # the round read whole
+        out += sent
+        add_usage(usage, reply.usage)
+        shown += [b for b in blocks if not (b["type"] == "tool_use"
+                                            and b["name"] in TOOLS.names)]
+        if decision.step is not Step.ANSWER or rounds == 2:
+            out += rnd.close(decision)
+            break
+    out += relay.end(usage)
+    message, kinds = reassembled(out)
+    assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop"
+    assert kinds.count("message_stop") == 1
+    assert [b.model_dump(exclude_none=True) for b in message.content] == shown
+    assert message.usage.input_tokens == usage["input_tokens"] == 100 * (rounds + 1)
+    assert message.usage.cache_read_input_tokens == 40 * (rounds + 1)
+    assert message.usage.output_tokens == 20 * (rounds + 1)
+    expected = "end_turn" if decision.step is Step.WITHDRAWN else \
+        ("tool_use" if any(b["type"] == "tool_use" for b in blocks) else "end_turn")
+    assert message.stop_reason == expected
+    # what the client will echo is what the proxy records
+    recorded = relay.shown(client_message(reply, decision))
+    assert recorded.get("blocks", []) == shown or (not shown and recorded == reply.message)
+
+
+def test_a_tool_use_block_without_a_name_at_its_start_is_held_until_it_stops() -> None:
+    relay = WIRE.relay({})
+    rnd = relay.round(TOOLS)
+    evs = [{"type": "message_start", "message": {"id": "m1", "usage": {"input_tokens": 1}}},
+           {"type": "content_block_start", "index": 0,
+            "content_block": {"type": "tool_use", "id": "t0", "name": "", "input": {}}},
+           {"type": "content_block_delta", "index": 0,
+            "delta": {"type": "input_json_delta", "partial_json": "{}"}}]
+    out = [b for e in evs for b in rnd.feed(SSEEvent(orjson.dumps(e).decode(), e["type"]))]
+    assert [orjson.loads(b.split(b"data: ")[1]) ["type"] for b in out] == ["message_start"]
+    stop = {"type": "content_block_stop", "index": 0}
+    out = rnd.feed(SSEEvent(orjson.dumps(stop).decode()))
+    assert len(out) == 3  # its start, its delta, its stop: a client's block after all
+
+
+def test_an_error_event_raises_with_the_upstreams_type() -> None:
+    rnd = WIRE.relay({}).round(TOOLS)
+    with pytest.raises(UpstreamError) as err:
+        rnd.feed(SSEEvent(orjson.dumps({"type": "error", "error": {
+            "type": "overloaded_error", "message": "Overloaded"}}).decode()))
+    assert err.value.status == 529
+    assert WIRE.relay({}).error(err.value) == event(
+        {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
+
+
+@pytest.mark.parametrize(("data", "problem"), [
+    ([], "not a JSON object"), ({"content": "x"}, "no content blocks"),
+    ({"content": [{"type": "tool_use", "id": 3, "name": "b"}]}, "a tool_use block is malformed"),
+    ({"content": [{"type": "text", "text": "x"}]}, None)])
+def test_message_problems(data: Any, problem: str | None) -> None:
+    assert message_problem(data) == problem
+
+
+def test_the_client_json_loses_the_proxys_calls_and_sums_usage() -> None:
+    data = {"id": "m", "content": [
+        {"type": "text", "text": "x"},
+        {"type": "tool_use", "id": "t1", "name": "recall_tool_call", "input": {}},
+        {"type": "tool_use", "id": "t2", "name": "bash", "input": {}}],
+        "stop_reason": "tool_use", "usage": {"input_tokens": 5, "output_tokens": 1,
+                                             "service_tier": "standard"}}
+    reply = WIRE.parse(data)
+    decision = decide(reply.calls, TOOLS, 0, 4)
+    assert decision.step is Step.MIXED
+    out = WIRE.client_json(data, decision, {"input_tokens": 12, "output_tokens": 3})
+    assert [b["type"] for b in out["content"]] == ["text", "tool_use"]
+    assert out["content"][1]["id"] == "t2" and out["stop_reason"] == "tool_use"
+    assert out["usage"] == {"input_tokens": 12, "output_tokens": 3, "service_tier": "standard"}
+    withdrawn = decide(reply.calls[:1], TOOLS, 4, 4)
+    assert WIRE.client_json({**data, "content": data["content"][:2]}, withdrawn,
+                            {})["stop_reason"] == "end_turn"
+
+
+def test_the_next_round_withdraws_the_proxys_tools() -> None:
+    sent = {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [
+        {"name": "recall_tool_call", "input_schema": {}}], "tool_choice": {
+        "type": "tool", "name": "recall_tool_call"}}
+    body = WIRE.next_round(sent, [{"role": "user", "content": "x"}],
+                           frozenset({"recall_tool_call"}))
+    assert "tools" not in body and "tool_choice" not in body
+
+
+def test_a_request_that_cannot_fit_says_so_in_anthropics_words() -> None:
+    exc = ContextLengthExceeded("needs more", needed=250_000, allowed=190_000)
+    body = error_shape(400, exc.body(), exc)
+    assert body["error"]["type"] == "invalid_request_error"
+    assert body["error"]["message"].startswith("prompt is too long: 250000 tokens > 190000 "
+                                               "maximum")
+
+
+# -- breakpoints: the proxy's, on request, at most four ----------------------------------------
+
+def test_auto_marks_the_stable_prefix_and_the_end_taking_the_next_marks_lifetime() -> None:
+    from runloop_proxy.api.breakpoints import marks, with_auto
+    body = {"system": [{"type": "text", "text": "S"}], "messages": [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": [{"type": "text", "text": "b"},
+                                          {"type": "thinking", "thinking": "t",
+                                           "signature": "s"}]},
+        {"role": "user", "content": [{"type": "text", "text": "c",
+                                      "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+                                     {"type": "text", "text": "d"}]}]}
+    out = with_auto(body, 1)
+    # the stable mark skips the thinking block and takes the 1h of the mark after it
+    assert out["messages"][1]["content"][0]["cache_control"] == {"type": "ephemeral",
+                                                                  "ttl": "1h"}
+    assert out["messages"][2]["content"][1]["cache_control"] == {"type": "ephemeral"}
+    assert [m[:3] for m in marks(out)] == [(2, 1, 0), (2, 2, 0), (2, 2, 1)]
+    assert body["messages"][1]["content"][0] == {"type": "text", "text": "b"}  # not mutated
+    assert with_auto(body, -1)["system"][0]["cache_control"] == {"type": "ephemeral",
+                                                                 "ttl": "1h"}
+    plain = with_auto({"messages": [{"role": "user", "content": "hi"}]}, None)
+    assert plain["messages"][0]["content"] == [{"type": "text", "text": "hi",
+                                                "cache_control": {"type": "ephemeral"}}]
+
+
+def test_auto_never_makes_more_than_four_marks() -> None:
+    from runloop_proxy.api.breakpoints import marks, with_auto
+    cc = {"type": "ephemeral"}
+    body = {"tools": [{"name": f"t{i}", "input_schema": {}, "cache_control": cc}
+                      for i in range(3)],
+            "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                         {"role": "user", "content": "c"}]}
+    assert len(marks(with_auto(body, 0))) == 4
+    assert len(marks(with_auto({**body, "tools": [*body["tools"], body["tools"][0]]}, 0))) == 4
+
+
+@pytest.mark.parametrize(("usage", "prompt"), [
+    ({"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 40}}, (100, 40)),
+    ({"input_tokens": 100, "input_tokens_details": {"cached_tokens": 40}}, (100, 40)),
+    ({"input_tokens": 10, "cache_read_input_tokens": 60, "cache_creation_input_tokens": 30},
+     (100, 60)),
+    ({"input_tokens": 10, "cache_creation_input_tokens": 30}, (40, 0)),
+    ({}, (0, 0))])
+def test_the_whole_prompt_an_upstream_reports(usage: dict[str, Any],
+                                              prompt: tuple[int, int]) -> None:
+    from runloop_proxy.pipeline.accounting import prompt_usage
+    assert prompt_usage(usage) == prompt
