@@ -90,6 +90,7 @@ class Loaded:
 
     internal: dict[str, Any]
     counts: dict[str, int]
+    stored: int = 0  # how many of the messages asked about, from the first, the session holds
 
 
 @dataclass
@@ -541,7 +542,8 @@ class RedisStore:
     async def load(self, namespace: str, session_id: str, hashes: list[str],
                    encoding: str) -> Loaded:
         """One round trip for a session this replica has not seen: the proxy's stored tool
-        exchanges, and the token counts of these messages made with ``encoding``."""
+        exchanges, the token counts of these messages made with ``encoding``, and how many
+        of them, from the first, the session holds (an earlier request carried them)."""
         p = self.prefix(namespace, session_id)
 
         async def run() -> list[Any]:
@@ -553,12 +555,14 @@ class RedisStore:
 
         replies = await self._call("read", run)
         counts: dict[str, int] = {}
-        for h, v in zip(hashes, replies[1] if hashes else [], strict=True):
+        found = replies[1] if hashes else []
+        for h, v in zip(hashes, found, strict=True):
             if v is not None:
                 enc, _, n = _s(v).rpartition(":")
                 if enc == encoding and n.isdigit():
                     counts[h] = int(n)
-        return Loaded({_s(k): orjson.loads(v) for k, v in replies[0].items()}, counts)
+        stored = next((i for i, v in enumerate(found) if v is None), len(found))
+        return Loaded({_s(k): orjson.loads(v) for k, v in replies[0].items()}, counts, stored)
 
     async def head(self, namespace: str, session_id: str) -> list[tuple[str, Message]]:
         """The head branch: (content hash, message) in order."""

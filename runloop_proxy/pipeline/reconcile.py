@@ -92,8 +92,11 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
         _remember(state, turn, session, out, known)
         return out
 
+    # an earlier request of the session ended where this one's messages were its, and its
+    # answer comes next: the points up to there were windowed (and recorded) then
+    new_from = len(known.messages) + 1 if known is not None else None
     if store is None or ns is None:
-        return session, History(messages, await counted_all())
+        return session, History(messages, await counted_all(), new_from=new_from)
     try:
         if not store.available:
             raise StoreError("store marked down")
@@ -113,9 +116,11 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
             loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name)
             state.tokens.prime(enc, loaded.counts)
             internal = loaded.internal
+            if new_from is None:
+                new_from = loaded.stored
         return session, History(messages, await counted_all(), internal,
                                 earlier=earlier, earlier_prepared=counted(state, turn, earlier),
-                                earlier_at=preamble_end(messages))
+                                earlier_at=preamble_end(messages), new_from=new_from)
     except StoreError as exc:
         if turn.server_history:
             raise StoreUnavailable(
@@ -140,7 +145,8 @@ async def _server_history(state: AppState, turn: Turn, session: Session, store: 
     if internal is None:
         internal = (await store.load(ns, session.id, [], "")).internal
     return History(full, await _counted(state, turn, full), internal,
-                   appended=(await _counted(state, turn, messages, hashed), system))
+                   appended=(await _counted(state, turn, messages, hashed), system),
+                   new_from=len(full) - len(messages) + system)
 
 
 def response_anchor(response_id: str) -> str:

@@ -152,10 +152,21 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
                           timestamps=stamps, now_ms=now,
                           memo=state.window_memo, tool_names=tools.window_names,
-                          carry=carry, summaries=summaries, compactions=compactions)
+                          carry=carry, summaries=summaries, compactions=compactions,
+                          record_from=_first_new(messages, history))
     if window.carry is not None:
         state.carries[carried] = window.carry
     return window, made
+
+
+def _first_new(messages: list[Message], history: History) -> int | None:
+    """Where in ``messages`` (the request's, the proxy's exchanges spliced in) what no
+    earlier request carried begins (``History.new_from``)."""
+    if history.new_from is None or messages is history.messages:
+        return history.new_from
+    theirs = {id(m): i for i, m in enumerate(history.messages)}  # spliced in as they are
+    return next((j for j, m in enumerate(messages) if theirs.get(id(m), -1) >= history.new_from),
+                len(messages))
 
 
 def _loops(carry: Carry | None, messages: list[Message], keys: list[str]) -> list[RunLoop]:
@@ -212,22 +223,29 @@ class FirstSeen:
 
 
 def log_events(state: AppState, turn: Turn, session: Session, window: Window) -> None:
+    records = []
     for event in window.events:
+        # the request's window (messages, elided, loops) beside the step taken at the
+        # request point ``at_message`` (a request that brings several turns takes several)
         record = {"ts": int(time.time() * 1000), "kind": event.kind.value,
                   "reason": event.reason, "tokens_before": event.tokens_before,
-                  "tokens_after": event.tokens_after, "messages_before": len(turn.messages),
+                  "tokens_after": event.tokens_after, "at_message": event.at,
+                  "messages_before": len(turn.messages),
                   "messages_after": len(window.messages), "elided": len(window.elided),
                   "reduced_loops": window.reduced_loops, "omitted_loops": window.omitted_loops}
         log.info("compaction", extra={"tenant": turn.caller.tenant.name, "model": turn.model,
                                       "session": session.id, **record})
-        if state.store is not None and turn.caller.namespace is not None:
-            state.spawn(_store_record(state, turn.caller.namespace, session.id, record))
+        records.append(record)
+    if records and state.store is not None and turn.caller.namespace is not None:
+        state.spawn(_store_records(state, turn.caller.namespace, session.id, records))
 
 
-async def _store_record(state: AppState, namespace: str, session_id: str,
-                        record: dict[str, Any]) -> None:
+async def _store_records(state: AppState, namespace: str, session_id: str,
+                         records: list[dict[str, Any]]) -> None:
+    """A request's records, in the order its window took the steps."""
     assert state.store is not None
     try:
-        await state.store.add_record(namespace, session_id, record)
+        for record in records:
+            await state.store.add_record(namespace, session_id, record)
     except StoreError as exc:
         log.warning("compression record not stored", extra={"error": str(exc)})
