@@ -69,8 +69,8 @@ def answers(item: dict[str, Any]) -> bool:
 class Client:
     """The same conversation through either API (the request's list and how it is sent)."""
 
-    def __init__(self, proxy: ProxyServer, api: str, session: str):
-        self.api = api
+    def __init__(self, proxy: ProxyServer, api: str, session: str, model: str = "gpt-4o-mini"):
+        self.api, self.model = api, model
         self.sdk = openai.OpenAI(base_url=proxy.url, api_key=KEY, max_retries=0,
                                  default_headers={"X-Session-Id": session})
 
@@ -78,12 +78,17 @@ class Client:
         ask = [{"role": "user", "content": "and now?"}]
         return (chat_turns(n) if self.api == "chat" else responses_turns(n)) + ask
 
-    def send(self, items: list[dict[str, Any]]) -> Any:
+    def send(self, items: list[dict[str, Any]], **extra: Any) -> Any:
+        """The answer, its ``X-Runloop-Tokens`` header kept as ``answer.runloop_tokens``."""
         if self.api == "chat":
-            return self.sdk.chat.completions.create(
-                model="gpt-4o-mini", messages=items, tools=CHAT_TOOLS)  # type: ignore[arg-type]
-        return self.sdk.responses.create(model="gpt-4o-mini", input=items,  # type: ignore[arg-type]
-                                         tools=RESPONSES_TOOLS)  # type: ignore[arg-type]
+            raw: Any = self.sdk.chat.completions.with_raw_response.create(
+                model=self.model, messages=items, tools=CHAT_TOOLS, **extra)  # type: ignore[arg-type]
+        else:
+            raw = self.sdk.responses.with_raw_response.create(
+                model=self.model, input=items, tools=RESPONSES_TOOLS, **extra)  # type: ignore[arg-type]
+        answer = raw.parse()
+        answer.runloop_tokens = raw.headers.get("x-runloop-tokens")
+        return answer
 
     def reply(self, answer: Any) -> list[dict[str, Any]]:
         if self.api == "chat":

@@ -514,7 +514,8 @@ def test_each_points_events_are_recorded_once_however_the_conversation_arrives(
     assert all(at == p for p in points for _, at, *_ in steps(build_window(
         msgs[:p], keys[:p], counts[:p], policy, budget, OPS)))  # each at its own point
     sent = [p for p in points[:-1] if data.draw(st.booleans())] + [points[-1]]
-    carry, memo, seen = None, {}, 0
+    carry, seen = None, 0
+    memo: dict[Any, Any] = {}
     recorded: list[tuple[Any, ...]] = []
     for p in sent:
         # the proxy may know less of what earlier requests carried (a restart, an evicted

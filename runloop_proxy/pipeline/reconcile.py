@@ -22,6 +22,7 @@ from ..errors import InvalidRequest, StoreError, StoreUnavailable
 from ..history.store import Prepared, RedisStore, prepare
 from ..ops import logs
 from ..state import AppState
+from .framing import Frame
 from .offload import offload
 from .values import History, Recent, Turn
 
@@ -215,9 +216,10 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         at = store.chains(ns, session.id, [*history.prepared, *answer])[-1]
         state.spawn(_keep_internal(store, ns, session.id, at, kept))
     retention = turn.caller.tenant.retention_days
-    # the prompt as sent and as forwarded (the inspector's chart), written with the turn
-    point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1]} \
-        if tokens is not None else None
+    # the prompt as sent and as forwarded (the inspector's chart), written with the turn,
+    # and what the inspector rebuilds its window from: the messages it carried, its frame
+    point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1],
+             **request_point(state, turn, history)} if tokens is not None else None
     try:
         if history.appended is not None:
             new, system = history.appended
@@ -237,6 +239,19 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         # a later request that chains on this response finds its session by the id (only a
         # stored response can be chained on)
         state.spawn(_anchor(store, ns, response_anchor(answer_id), session.id, retention))
+
+
+def request_point(state: AppState, turn: Turn, history: History) -> dict[str, Any]:
+    """What a request's point keeps besides its token counts: how many messages of the
+    stored conversation it carried (and where the ones it trimmed sit among them), and its
+    frame (``framing.Frame``) — or that it chained on a response upstream."""
+    out: dict[str, Any] = {"messages": len(history.messages),
+                           **Frame.of(state, turn.caller.tenant, turn.body).point()}
+    if history.earlier:
+        out["earlier"] = [history.earlier_at, len(history.earlier)]
+    if turn.chained:
+        out["chained"] = True
+    return out
 
 
 async def _keep_internal(store: RedisStore, namespace: str, session_id: str, at: str,

@@ -178,8 +178,8 @@ def _parsed_reply(wire: Wire, raw: bytes) -> Reply | None:
 def _calibrate(state: AppState, turn: Turn, rlog: RequestLog, reply: Reply | None) -> None:
     """Learn a model's token factor from its upstream's usage (when counted with a fallback
     encoding, and the prompt was the one the proxy counted)."""
-    if reply is None or not reply.usage or rlog.prompt_tokens is None:
-        return
+    if reply is None or not reply.usage or rlog.prompt_tokens is None or turn.chained:
+        return  # a chained request's prompt is mostly upstream's: the proxy counted its part
     _, exact = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
     reported = reply.usage.get("prompt_tokens", reply.usage.get("input_tokens"))
     if not exact and isinstance(reported, int):
