@@ -3,6 +3,7 @@ words with no raw field, savings, tenants, and the chart's axes."""
 
 from __future__ import annotations
 
+import re
 from html.parser import HTMLParser
 from typing import Any
 
@@ -127,3 +128,10 @@ def test_the_token_axis_holds_every_count_with_whole_ticks(top: int) -> None:
     axis = nice_top(top)
     assert top <= axis < 2 * top + 2 * Y_TICKS  # above the highest count, about twice at most
     assert axis % Y_TICKS == 0  # whole ticks
+
+
+def test_a_single_request_is_drawn() -> None:
+    """One point would make a polyline that draws nothing: it gets a short level stroke."""
+    svg = chart([{"client": 71_600, "forwarded": 631}])
+    strokes = re.findall(r"points='([^']*)'", svg)
+    assert len(strokes) == 2 and all(len(s.split()) == 2 for s in strokes)

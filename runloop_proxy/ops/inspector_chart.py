@@ -58,8 +58,10 @@ def chart(points: list[dict[str, int]]) -> str:
         return LEFT + (i / (n - 1) * PLOT_W if n > 1 else PLOT_W / 2)
 
     def line(key: str) -> str:
-        return " ".join(f"{x(i):.1f},{TOP + PLOT_H - p[key] / top * PLOT_H:.1f}"
-                        for i, p in enumerate(points))
+        ys = [f"{TOP + PLOT_H - p[key] / top * PLOT_H:.1f}" for p in points]
+        if n == 1:  # one request: a short level stroke, a line of one point draws nothing
+            return f"{x(0) - 12:.1f},{ys[0]} {x(0) + 12:.1f},{ys[0]}"
+        return " ".join(f"{x(i):.1f},{y}" for i, y in enumerate(ys))
 
     out = [f"<svg class='chart' role='img' aria-label='prompt tokens per request: what the "
            f"client sent and what went upstream' width='{WIDTH}' height='{HEIGHT}' "

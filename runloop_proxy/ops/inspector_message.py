@@ -117,7 +117,13 @@ async def message(request: Request) -> Response:
     calls = calls_html(m)
     if calls:
         out.append(f"<h2>Tool calls</h2>{calls}")
-    rest = {k: v for k, v in m.items() if k not in SHOWN}
+    items = m.get("items")
+    if isinstance(items, list) and items:
+        kinds = ", ".join(dict.fromkeys(str(i.get("type", "message")) if isinstance(i, dict)
+                                        else "?" for i in items))
+        out.append(f"<details><summary>The Responses items it stands for ({escape(kinds)})"
+                   f"</summary><pre>{escape(_json(items))}</pre></details>")
+    rest = {k: v for k, v in m.items() if k not in SHOWN and k != "items"}
     if rest:
         out.append(f"<details><summary>Other fields ({escape(', '.join(sorted(rest)))})"
                    f"</summary><pre>{escape(_json(rest))}</pre></details>")

@@ -36,11 +36,15 @@ FATES = {"omitted": "omitted (behind the marker)", "reduced": "reduced to questi
          "whole": "in full", "open": "in full (the open loop)"}
 
 
-def spec_of(state: AppState, tenant: str) -> TenantSpec:
+def spec_of(state: AppState, tenant: str) -> tuple[TenantSpec, str]:
+    """The tenant's config, and a note when the namespace's own is gone (its sessions are
+    still stored): then another tenant's stands in for the rebuild."""
     spec = state.config.tenants.get(tenant) or state.config.passthrough
-    if spec is None:  # a namespace whose tenant is no longer configured: the defaults
-        spec = next(iter(state.config.tenants.values()))
-    return spec
+    if spec is not None:
+        return spec, ""
+    spec = next(iter(state.config.tenants.values()))
+    return spec, (f"<p class='muted'>No tenant of this name is configured any more: the "
+                  f"window below is rebuilt with tenant {escape(spec.name)}'s policy.</p>")
 
 
 async def session(request: Request) -> Response:
@@ -54,7 +58,7 @@ async def session(request: Request) -> Response:
         stored = await state.store.summaries(tenant, sid)
     except StoreError as exc:
         return error("store unavailable", str(exc), 503)
-    spec = spec_of(state, tenant)
+    spec, note = spec_of(state, tenant)
     rebuilt = rebuild(state, spec, tenant, sid, view, points, stored)
     messages = spliced_stored(view.messages, view.internal)[0]
     loops = segment(messages)
@@ -64,7 +68,7 @@ async def session(request: Request) -> Response:
            f"branch{'es' if len(view.branches) != 1 else ''} · created "
            f"{when(view.created_ms)} · last used {when(view.updated_ms)}</p>",
            "<h2>Prompt tokens per request</h2>", chart(points),
-           _window(rebuilt, len(points)), _loops(tenant, sid, messages, loops, rebuilt),
+           _window(rebuilt, len(points)), note, _loops(tenant, sid, messages, loops, rebuilt),
            _summaries(state, spec, tenant, sid, stored, cookie),
            _rounds(tenant, sid, view, messages), _records(view, rebuilt),
            _branches(view)]
