@@ -19,6 +19,7 @@ from runloop_proxy.scripted import ScriptedUpstream
 from runloop_proxy.window.builder import CompactionKind
 
 from .conftest import ProxyServer
+from .test_responses import recalling
 
 ADMIN = "admin-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -143,3 +144,27 @@ def test_a_request_that_brings_many_turns_records_each_step(
         assert all(r[1] > max(r[1] for r in whole) for r in after[len(whole):])
     finally:
         fresh.stop()
+
+
+def test_with_the_proxys_rounds_spliced_in_no_step_is_recorded_twice(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """After the model recalled a result, every later request has the proxy's round spliced
+    back into it: where what it brings begins is found in that spliced conversation."""
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN)
+    upstream.responder = recalling("call_11", 11)
+    client = Client(proxy, "responses", "spliced")
+    conversation = client.conversation(14)
+    for cut in [i for i, item in enumerate(conversation) if answers(item)]:
+        client.send(conversation[:cut])
+    answer = client.send(conversation)
+    assert answer.output_text.startswith("recalled")
+    # the client goes on from the reply it got: the round behind it is spliced back in
+    for k in range(3):
+        conversation += [*client.reply(answer), {"role": "user", "content": f"more {k}"}]
+        answer = client.send(conversation)
+    proxy.settle()
+    view = httpx.get(f"{proxy.base}/admin/sessions/spliced", headers=AUTH,
+                     params={"tenant": TENANT, "messages": "1"}).json()
+    assert view["proxy_tool_exchanges"] >= 1  # the model recalled: a round was kept
+    steps = [(kind, at) for kind, at, *_ in records(proxy, "spliced")]
+    assert steps and len(steps) == len(set(steps))
