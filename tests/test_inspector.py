@@ -14,9 +14,14 @@ import httpx
 import openai
 import pytest
 
+from runloop_proxy.conversation.identity import named_key
+from runloop_proxy.conversation.items import to_items, to_messages
+from runloop_proxy.conversation.messages import canonical
+from runloop_proxy.ops.inspector_window import rebuild
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, until
+from .test_compaction_records import KEY, RESPONSES_TOOLS, TENANT, Client, answers
 from .test_config import ACME_KEY, write_config
 from .test_summaries import TOOLS, converse, model
 from .webdriver import Browser
@@ -85,17 +90,39 @@ def test_the_one_form_that_acts_needs_its_csrf_token(inspected: ProxyServer) -> 
     assert done.status_code == 303 and "session?" in done.headers["location"]
 
 
+FIGURES = re.compile(r"the client sent <b>([\d,]+)</b> tokens, <b>([\d,]+)</b> went upstream")
+CAPTION = re.compile(r"(\d+) requests? · the last: client ([\d,]+) tokens, forwarded "
+                     r"([\d,]+)")
+
+
+def numbers(*found: str) -> tuple[int, ...]:
+    return tuple(int(f.replace(",", "")) for f in found)
+
+
 def test_the_session_page_shows_what_the_window_did(inspected: ProxyServer) -> None:
     c = logged_in(inspected)
     page = c.get("/admin/ui/session", params={"id": "order-desk-7"})  # no tenant: found
     assert page.status_code == 200
     html = page.text
     # a point per request (9 turns, each a lookup and an answer), through the write-behind
-    assert "<svg" in html and "18 requests · last: client" in html
+    caption = CAPTION.search(html)
+    figures = FIGURES.search(html)
+    assert "<svg" in html and caption and figures
+    assert caption.group(1) == "18"
+    # the chart's last point and the last request's window: the same request, the same count
+    assert numbers(*caption.groups()[1:]) == numbers(*figures.groups())
     assert "class='omitted'" in html and "class='reduced'" in html
-    marker = html[html.index("Marker and summary"):html.index("<table", html.index(
-        "Marker and summary"))]
+    start = html.index("in place of the omitted loops")
+    marker = html[start:html.index("<table", start)]
     assert "Summary of the turns not shown" in marker and "#W1000" in marker  # the summary
+    # the compression records name what each step did, where, and to how many tokens
+    records = html[html.index("<h2>Compression records"):html.index("<h2>Branches")]
+    assert "loops omitted" in records and "at message 22" in records
+    assert "None" not in records and "—</td><td>by extractive" in records
+    # a summary is named by the loops its text covers
+    assert re.search(r"<p>loops 0–1 · by extractive[^<]*</p><pre>- Q: where is order 1 "
+                     r"[^<]*\n- Q: where is order 2 [^<]*\nIdentifiers[^<]*</pre>", html)
+    assert "the session&#x27;s first branch" in html and "None</td>" not in html
     assert "where is order 1" in html and "#W1000" in html
     assert "script-src" not in page.headers["content-security-policy"]  # no script at all
     markup = c.get("/admin/ui/session", params={"id": "markup"}).text
@@ -106,6 +133,73 @@ def test_the_session_page_shows_what_the_window_did(inspected: ProxyServer) -> N
     assert link
     whole = c.get(link.group(1).replace("&amp;", "&"))
     assert whole.status_code == 200 and "shipped via carrier-" in whole.text
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+def test_the_last_requests_window_is_the_one_that_went_upstream(
+        make_proxy: Any, upstream: ScriptedUpstream, api: str) -> None:
+    """A session of a model with a small window (its budget decides what is omitted), tools
+    that cost tokens, through either API: the window the inspector shows is the one that went
+    upstream, message for message, and its figures are the response's X-Runloop-Tokens."""
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY, context_window=8192)
+    client = Client(proxy, api, "small-window", model="my-local-model")
+    conversation = client.conversation(12)
+    cuts = [i for i, item in enumerate(conversation) if answers(item)]
+    for cut in cuts[:-1]:
+        client.send(conversation[:cut])
+    # the model is counted with a fallback encoding and a factor learned from usage
+    proxy.state.tokens.calibrate("my-local-model", 100, 130)
+    # the last request: its open loop's large result fits only what its output reserve leaves
+    last = client.send(conversation[:cuts[-1]], **{
+        "max_tokens" if api == "chat" else "max_output_tokens": 6000})
+    proxy.state.tokens.calibrate("my-local-model", 100, 50)  # learned on since
+    sent = upstream.requests[-1]
+    proxy.settle()
+    html = logged_in(proxy).get("/admin/ui/session", params={
+        "id": "small-window", "tenant": TENANT}).text
+    figures = FIGURES.search(html)
+    assert figures, html
+    assert ";".join(map(str, numbers(*figures.groups()))) == last.runloop_tokens
+    omitted = re.search(r"(\d+) loops? omitted behind a marker", html)
+    assert omitted and int(omitted.group(1)) >= 3, html  # the small window's work
+
+    store = proxy.state.store
+    view = proxy.run(store.session(TENANT, named_key("small-window")))
+    rebuilt = rebuild(proxy.state, proxy.state.config.passthrough, TENANT,
+                      named_key("small-window"), view,
+                      proxy.run(store.points(TENANT, named_key("small-window"))), {})
+    if api == "chat":
+        went = sent["messages"]
+        shown = rebuilt.window.messages
+    else:
+        went = to_messages(sent["input"], sent.get("instructions"))
+        instructions, items = to_items(rebuilt.window.messages)
+        shown = to_messages(items, instructions)
+    assert [canonical(m) for m in shown] == [canonical(m) for m in went]
+
+
+def test_a_chained_request_is_counted_and_shown_as_chained(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY)
+    c = openai.OpenAI(base_url=proxy.url, api_key=KEY, max_retries=0,
+                      default_headers={"X-Session-Id": "chained"})
+    first = c.responses.create(model="gpt-4o-mini", input="remember 42", store=True)
+    ask = [{"role": "user", "content": "what number?"}]
+    chained = c.responses.with_raw_response.create(
+        model="gpt-4o-mini", previous_response_id=first.id, input=ask,  # type: ignore[arg-type]
+        tools=RESPONSES_TOOLS)  # type: ignore[arg-type]
+    # the same request alone counts the same as sent (it gets the proxy's tools added)
+    alone = openai.OpenAI(base_url=proxy.url, api_key=KEY, max_retries=0).responses \
+        .with_raw_response.create(model="gpt-4o-mini", input=ask,  # type: ignore[arg-type]
+                                  tools=RESPONSES_TOOLS)  # type: ignore[arg-type]
+    client, forwarded = map(int, chained.headers["x-runloop-tokens"].split(";"))
+    assert client == forwarded > 40  # the request's message and the tool's schema: untouched
+    assert client == int(alone.headers["x-runloop-tokens"].split(";")[0])
+    proxy.settle()
+    html = logged_in(proxy).get("/admin/ui/session", params={
+        "id": "chained", "tenant": TENANT}).text
+    assert "chained on a stored response" in html
+    assert f"{client:,} tokens sent and forwarded" in html
 
 
 def test_admin_api_finds_a_session_without_its_tenant(inspected: ProxyServer,
@@ -139,28 +233,61 @@ def test_an_ambiguous_session_id_is_a_409_naming_the_tenants(
     assert r.json()["error"]["message"].count("pt-") == 2
 
 
-def test_in_a_real_browser(inspected: ProxyServer) -> None:
+def test_in_a_real_browser(inspected: ProxyServer, tmp_path: Path) -> None:
+    """What a user sees, in Debian's chromium: the session list with each session's size and
+    saving, a session's chart with its legend and axes, its figures agreeing, the records
+    named, a message formatted. With RUNLOOP_SCREENSHOTS=1 the README's screenshots are
+    written from these very pages (docs/); otherwise into a temporary directory."""
+    shots = DOCS if os.environ.get("RUNLOOP_SCREENSHOTS") == "1" else tmp_path
+    metrics = httpx.get(inspected.base + "/metrics").text
+    sent, forwarded = (sum(float(v) for v in re.findall(
+        rf'runloop_prompt_tokens_{kind}_total{{[^}}]*tenant="acme"[^}}]*}} (\S+)', metrics))
+        for kind in ("client", "forwarded"))
     drv = Browser.start_or_skip()
-    shots = os.environ.get("RUNLOOP_SCREENSHOTS")
     try:
         drv.get(inspected.base + "/admin/ui")
         assert drv.current_url.endswith("/admin/ui/login")
         drv.css("input[name=key]").send_keys(ADMIN_KEY)
         drv.navigate(drv.css("button[type=submit]"), "Sessions")
         assert not drv.script("return document.cookie")  # HttpOnly: not readable
-        links = [a.text for a in drv.css_all("td a")]
-        assert set(links) == {"order-desk-7", "markup"}
-        if shots:
-            drv.screenshot(DOCS / "inspector-sessions.png")
+        assert drv.css("select[name=tenant] option[selected]").text == "acme (2)"
+        rows = {r[0]: r for r in (
+            [td.text for td in tr.find_all("css selector", "td")]
+            for tr in drv.css_all("tr") if tr.find_all("css selector", "td"))}
+        assert set(rows) == {"order-desk-7", "markup"}
+        assert rows["order-desk-7"][1:3] == ["37", "18"]  # messages, requests
+        # the sessions' tokens add up to what the metrics counted for the tenant
+        pairs = {name: numbers(*r[3].split(" → ")) for name, r in rows.items()}
+        assert [sum(p[0] for p in pairs.values()), sum(p[1] for p in pairs.values())] == \
+            [sent, forwarded]
+        client, fwd = pairs["order-desk-7"]
+        assert rows["order-desk-7"][4] == f"{(client - fwd) / client:.0%}"
+        drv.screenshot(shots / "inspector-sessions.png")
+
         drv.navigate(drv.find("link text", "order-desk-7"), "Session order-desk-7")
-        assert drv.css_all("svg polyline")
-        assert drv.css_all("tr.omitted")
-        if shots:
-            drv.screenshot(DOCS / "inspector-session.png")
+        chart = drv.css("svg.chart")
+        labels = [t.text for t in chart.find_all("css selector", "text")]
+        assert {"sent by the client", "forwarded upstream", "tokens",
+                "request (oldest first)"} <= set(labels)
+        assert "0" in labels and "1" in labels and "18" in labels  # both axes' ends
+        assert len(chart.find_all("css selector", "polyline")) == 2
+        body = drv.css("body").text
+        caption = CAPTION.search(body.replace("\n", " "))
+        figures = re.search(r"the client sent ([\d,]+) tokens, ([\d,]+) went upstream", body)
+        assert caption and figures
+        assert numbers(*caption.groups()[1:]) == numbers(*figures.groups())
+        assert drv.css_all("tr.omitted") and drv.css_all("tr.reduced")
+        assert "None" not in body and "loops omitted" in body
+        drv.screenshot(shots / "inspector-session.png")
+
         drv.navigate(drv.find("xpath", "//button[text()='Compact now']"),
                      "Session order-desk-7")
-        drv.navigate(drv.css("td a[href*='message']"), "Message 3 (tool)")
+        drv.navigate(drv.css("td a[href*='message']"), "Message 3: tool result")
         assert "carrier-" in drv.css("pre").text
+        assert "answers the call\ncall_1 — made in message 2" in drv.css("dl").text
+        drv.navigate(drv.find("link text", "message 2"), "Message 2: assistant")
+        assert "calls lookup" in drv.css("main").text
+        assert drv.css("pre").text == '{\n  "order": "#W1000"\n}'  # its arguments, indented
         drv.get(inspected.base + "/admin/ui/session?id=markup")
         until(lambda: drv.heading() == "Session markup", what="the markup session's page")
         assert "<script>" in drv.css("body").text  # shown as text

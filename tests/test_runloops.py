@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runloop_proxy.conversation.runloops import LoopStatus, preamble_end, segment
+from runloop_proxy.conversation.runloops import LoopStatus, preamble_end, preview, segment
 
 S = {"role": "system", "content": "sys"}
 U = {"role": "user", "content": "q"}
@@ -115,3 +115,27 @@ def test_loop_boundaries_as_defined(messages: list[Any]) -> None:
                 before = [m for m in messages[lp.start:i] if m["role"] in ("assistant", "tool")]
                 assert not before or before[-1]["role"] == "tool" \
                     or before[-1].get("tool_calls")
+
+
+@pytest.mark.parametrize(("text", "chars", "shown"), [
+    ("short", 20, "short"),
+    ("your parcel 1Z0109A0000000001 ships today", 24, "your parcel …"),
+    ("your parcel 1Z0109A0000000001 ships today", 31, "your parcel 1Z0109A0000000001 …"),
+    ("https://example.com/a/very/long/path/to/a/file.txt and more", 20,
+     "https://example.com/a/very/long/path/to/a/file.txt …"),
+    ("x" * 100, 20, "x" * 19 + "…"),  # no identifier: a blob is cut
+    ("  spaced\n\tout   words ", 40, "spaced out words"),
+])
+def test_a_preview_is_cut_between_words(text: str, chars: int, shown: str) -> None:
+    assert preview({"role": "user", "content": text}, chars) == shown
+
+
+@given(st.lists(st.text(alphabet="aZ09#-./:", min_size=1, max_size=30), max_size=40),
+       st.integers(10, 150))
+def test_a_preview_shows_whole_words_in_order(words: list[str], chars: int) -> None:
+    text = " ".join(words)
+    shown = preview({"role": "user", "content": text}, chars)
+    kept = shown.removesuffix(" …").split()
+    assert kept == words[:len(kept)]  # whole words, none cut
+    assert shown == text or shown.endswith(" …")
+    assert len(shown) <= chars + 2 or kept == words[:1]

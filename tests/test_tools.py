@@ -320,7 +320,7 @@ def test_a_failing_window_passes_the_request_through(proxy: ProxyServer,
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected window bug")
 
-    monkeypatch.setattr("runloop_proxy.pipeline.shaping.build_window", broken)
+    monkeypatch.setattr("runloop_proxy.pipeline.framing.build_window", broken)
     msgs = long_session()
     c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
     r = c.chat.completions.with_raw_response.create(model="gpt-4o-mini", messages=msgs,

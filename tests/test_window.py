@@ -489,6 +489,72 @@ def test_a_window_built_from_the_last_ones_carry_equals_a_fresh_one(
 
 
 @PROPS
+@given(conversations(), policies, st.integers(300, 3000), st.data())
+def test_each_points_events_are_recorded_once_however_the_conversation_arrives(
+        msgs: list[Message], policy: Policy, working: int, data: Any) -> None:
+    """A client sends every turn, or several at once (any subset of the request points), the
+    first request in the middle of the conversation, with the last window's carry or the
+    memo or neither: the events its requests record (each from the point after the last
+    request's answer on) are the turn-by-turn session's, point for point — none lost when a
+    request brings several turns, none counted twice when the next one resumes."""
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    budget = Budget(working + 300, working)
+    points = request_points(msgs, 0)
+    replayed = {k for k in CompactionKind} - {CompactionKind.TRUNCATION,
+                                             CompactionKind.REJECTION}
+
+    def steps(w: Window) -> list[tuple[Any, ...]]:
+        return [(e.kind, e.at, e.tokens_before, e.tokens_after, e.reason) for e in w.events
+                if e.kind in replayed]  # the hard limit acts on a request's own window only
+
+    turn_by_turn = [s for p in points
+                    for s in steps(build_window(msgs[:p], keys[:p], counts[:p], policy,
+                                                budget, OPS))]
+    assert all(at == p for p in points for _, at, *_ in steps(build_window(
+        msgs[:p], keys[:p], counts[:p], policy, budget, OPS)))  # each at its own point
+    sent = [p for p in points[:-1] if data.draw(st.booleans())] + [points[-1]]
+    carry, seen = None, 0
+    memo: dict[Any, Any] = {}
+    recorded: list[tuple[Any, ...]] = []
+    for p in sent:
+        # the proxy may know less of what earlier requests carried (a restart, an evicted
+        # cache): then it records again from where it knows
+        known = seen if data.draw(st.integers(0, 3)) else data.draw(st.integers(0, seen))
+        w = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS,
+                         record_from=known, carry=carry if data.draw(st.booleans()) else None,
+                         memo=memo if data.draw(st.booleans()) else None)
+        assert steps(w) == [s for s in turn_by_turn if known <= s[1] <= p or s[1] == p], p
+        recorded += [s for s in steps(w) if s[1] >= seen]
+        carry, seen = w.carry or carry, p + 1  # the answer to messages[:p] comes next
+    assert recorded == turn_by_turn
+
+
+@pytest.mark.parametrize("cache", ["memo", "carry"])
+def test_a_request_that_records_from_the_start_replays_every_point(cache: str) -> None:
+    """The last request's memo checkpoint or carry is not resumed past a point whose events
+    this request records (the proxy forgot what earlier requests carried)."""
+    msgs: list[Message] = [S]
+    for k in range(8):
+        msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 200), F(tag=f"a{k}")]
+    msgs.append(U())
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    policy, budget = Policy(max_run_loops=2, reduce_at_least=0), Budget(100_000, 1_000)
+    memo: dict[Any, Any] = {}
+    carry = None
+    for p in request_points(msgs, 0)[:-1]:
+        w = build_window(msgs[:p], keys[:p], counts[:p], policy, budget, OPS, memo=memo,
+                         carry=carry)
+        carry = w.carry or carry
+    whole = build_window(msgs, keys, counts, policy, budget, OPS, record_from=0)
+    assert len({e.at for e in whole.events}) >= 5
+    kw: dict[str, Any] = {"memo": memo} if cache == "memo" else {"carry": carry}
+    again = build_window(msgs, keys, counts, policy, budget, OPS, record_from=0, **kw)
+    assert again.events == whole.events
+
+
+@PROPS
 @given(conversations(), policies, st.integers(400, 3000))
 def test_append_only_between_compaction_events(msgs: list[Message], policy: Policy,
                                                working: int) -> None:

@@ -147,6 +147,11 @@ class Element:
         value = self._b._call("GET", self._path + f"/attribute/{name}")
         return None if value is None else str(value)
 
+    def find_all(self, using: str, value: str) -> list[Element]:
+        """The elements inside this one."""
+        found = self._b._call("POST", self._path + "/elements", {"using": using, "value": value})
+        return [Element(self._b, f[ELEMENT]) for f in found]
+
     def click(self) -> None:
         self._b._call("POST", self._path + "/click", {})
 

@@ -131,8 +131,22 @@ class _OpenLoop:
         return out
 
 
+LONG_WORD = 4  # a single word up to this many previews long is shown whole (a URL, a path)
+
+
 def preview(msg: Message | None, chars: int = 120) -> str:
+    """A message's text on one line, about ``chars`` long, cut between words and never inside
+    one: an order number cut in two reads as another number. A first word longer than that
+    is shown whole up to ``LONG_WORD`` times as long; beyond, it is no identifier, and cut."""
     if msg is None:
         return ""
     text = " ".join(message_text(msg).split())
-    return text if len(text) <= chars else text[: chars - 1] + "…"
+    if len(text) <= chars:
+        return text
+    cut = text.rfind(" ", 0, chars)
+    if cut > 0:
+        return text[:cut] + " …"
+    word = text.split(" ", 1)[0]
+    if len(word) <= LONG_WORD * chars:
+        return word + (" …" if len(word) < len(text) else "")
+    return text[: chars - 1] + "…"

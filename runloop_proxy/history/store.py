@@ -91,6 +91,18 @@ class Loaded:
 
     internal: dict[str, Any]
     counts: dict[str, int]
+    stored: int = 0  # how many of the messages asked about, from the first, the session holds
+
+
+@dataclass(frozen=True)
+class Overview:
+    """A session in a list: its messages (head branch), and its requests' prompt tokens as
+    sent and as forwarded (summed over the last ``MAX_POINTS`` requests)."""
+
+    messages: int
+    requests: int
+    client: int
+    forwarded: int
 
 
 @dataclass
@@ -554,17 +566,19 @@ class RedisStore:
     async def load(self, namespace: str, session_id: str, hashes: list[str],
                    encoding: str) -> Loaded:
         """One round trip for a session this replica has not seen: the proxy's stored tool
-        exchanges, and the token counts of these messages made with ``encoding``."""
+        exchanges, the token counts of these messages made with ``encoding``, and how many
+        of them, from the first, the session holds (an earlier request carried them)."""
         p = self.prefix(namespace, session_id)
-        internal, stored = await self._call("read", lambda: self._load(
+        internal, found = await self._call("read", lambda: self._load(
             keys=[p + ":int", p + ":tok"], args=["".join(hashes)]))
         counts: dict[str, int] = {}
-        for h, v in zip(hashes, stored, strict=True):
+        for h, v in zip(hashes, found, strict=True):
             if v is not None:
                 enc, _, n = _s(v).rpartition(":")
                 if enc == encoding and n.isdigit():
                     counts[h] = int(n)
-        return Loaded(_pairs(internal), counts)
+        held = next((i for i, v in enumerate(found) if v is None), len(found))
+        return Loaded(_pairs(internal), counts, held)
 
     async def head(self, namespace: str, session_id: str) -> list[tuple[str, Message]]:
         """The head branch: (content hash, message) in order."""
@@ -675,6 +689,25 @@ class RedisStore:
         return await self._call("list", run)  # type: ignore[no-any-return]
 
 
+    async def overviews(self, namespace: str, session_ids: list[str]) -> list[Overview]:
+        """Each session's ``Overview``, in one round trip (a page of the inspector's list)."""
+        async def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for sid in session_ids:
+                p = self.prefix(namespace, sid)
+                pipe.hget(p + ":meta", "len")
+                pipe.lrange(p + ":req", 0, -1)
+            return list(await pipe.execute()) if session_ids else []
+
+        replies = await self._call("list", run)
+        out = []
+        for length, raw in zip(replies[::2], replies[1::2], strict=True):
+            points = [orjson.loads(r) for r in raw or []]
+            out.append(Overview(int(length or 0), len(points),
+                                sum(_count(p, "client") for p in points),
+                                sum(_count(p, "forwarded") for p in points)))
+        return out
+
     async def namespaces(self) -> list[tuple[str, int]]:
         """Every namespace with stored sessions (tenants, pass-through keys), with its count."""
         prefix = f"{self.cfg.key_prefix}:t:"
@@ -698,6 +731,11 @@ class RedisStore:
             return [ns for ns, score in zip(namespaces, found, strict=True) if score is not None]
 
         return await self._call("list", run)  # type: ignore[no-any-return]
+
+
+def _count(point: Any, key: str) -> int:
+    v = point.get(key) if isinstance(point, dict) else None
+    return v if isinstance(v, int) else 0
 
 
 def _tokens_field(it: Prepared) -> str:

@@ -1,10 +1,11 @@
 """How the inspector and ``runloop-proxy inspect`` say things about a session: loop spans,
-compression records, branches (pure: values in, text out; the caller escapes for HTML)."""
+compression records, branches, tenants, token counts (pure: values in, text out; the caller
+escapes for HTML)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -22,18 +23,78 @@ def loop_span(first_last: Sequence[int]) -> str:
     return f"loop {first}" if first == last else f"loops {first}–{last}"
 
 
-def _tokens(value: Any) -> str:
-    return f"{value:,}" if isinstance(value, int) else "—"
+def tokens(value: Any) -> str:
+    """A token count for reading ("12,345"); "—" when there is none."""
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else "—"
+
+
+def saving(client: int, forwarded: int) -> str:
+    """What forwarding saved of what the client sent, in percent ("—" for nothing sent); a
+    prompt that grew (the proxy's tools added) says by how much."""
+    if client <= 0:
+        return "—"
+    share = (client - forwarded) / client
+    return f"{share:.0%}" if share >= 0 else f"none ({-share:.0%} added)"
+
+
+class Described(NamedTuple):
+    """A compression record in words: what happened, where, to the tokens, and why."""
+
+    what: str
+    where: str
+    tokens: str
+    why: str
+
+
+def describe(rec: Mapping[str, Any]) -> Described:
+    """Any record a session keeps — the window's steps, summaries, the store's own (a reply
+    the client restated, a branch pruned) — with its fields named, none shown raw."""
+    kind = str(rec.get("kind") or "event")
+    if kind == "summary":
+        loops = rec.get("loops")
+        e = loops[1] if isinstance(loops, list) and len(loops) == 2 else None
+        covered = loop_span([0, e - 1]) if isinstance(e, int) and e > 0 else "loops"
+        used = (f"{tokens(rec.get('tokens_in'))} in, {tokens(rec.get('tokens_out'))} out"
+                if isinstance(rec.get("tokens_in"), int) else "—")
+        timing = "" if rec.get("in_time", True) else ", late: after the omission it was for"
+        latency = rec.get("latency_ms")
+        took = f", {latency} ms" if isinstance(latency, (int, float)) else ""
+        return Described(f"summary of {covered}{' (appended)' if rec.get('appended') else ''}",
+                         "", used, f"by {rec.get('summarizer') or 'the summariser'}{took}"
+                         f"{timing}")
+    if kind == "reply_restated":
+        return Described("reply restated", _at(rec.get("at")), "—",
+                         "the client sent the recorded reply in its own format: replaced "
+                         "in place")
+    if kind == "branch_pruned":
+        return Described(f"branch {rec.get('branch')} pruned", "",
+                         "—", f"{tokens(rec.get('length'))} messages; past max_branches, "
+                         "least recently used")
+    label = KINDS[CompactionKind(kind)] if kind in set(CompactionKind) else kind
+    return Described(label, _at(rec.get("at_message")),
+                     f"{tokens(rec.get('tokens_before'))} → {tokens(rec.get('tokens_after'))}",
+                     str(rec.get("reason") or ""))
+
+
+def _at(position: Any) -> str:
+    return f"at message {position}" if isinstance(position, int) else ""
 
 
 def record_line(rec: Mapping[str, Any]) -> str:
-    """A compression record in one line: what it did, the tokens before and after, why."""
-    kind = str(rec.get("kind") or "event")
-    label = KINDS[CompactionKind(kind)] if kind in set(CompactionKind) else kind
-    where = f" at message {rec['at_message']}" if isinstance(rec.get("at_message"), int) else ""
-    reason = f" ({rec['reason']})" if rec.get("reason") else ""
-    return (f"{label}{where}: {_tokens(rec.get('tokens_before'))} → "
-            f"{_tokens(rec.get('tokens_after'))} tokens{reason}")
+    """A compression record in one line: what it did, where, the tokens, why."""
+    d = describe(rec)
+    where = f" {d.where}" if d.where else ""
+    amount = f": {d.tokens} tokens" if d.tokens != "—" else ""
+    why = f" ({d.why})" if d.why else ""
+    return f"{d.what}{where}{amount}{why}"
+
+
+def tenant_label(namespace: str, configured: bool) -> str:
+    """A tenant as a person reads it: a configured tenant by its name; a pass-through
+    namespace (``pt-`` and the hash of a client's key) says that is what it is."""
+    if configured or not namespace.startswith("pt-"):
+        return namespace
+    return f"pass-through key {namespace}"
 
 
 def branch_origin(branch: Mapping[str, Any]) -> str:

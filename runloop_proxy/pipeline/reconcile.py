@@ -22,6 +22,7 @@ from ..errors import InvalidRequest, StoreError, StoreUnavailable
 from ..history.store import Prepared, RedisStore, prepare
 from ..ops import logs
 from ..state import AppState
+from .framing import Frame
 from .offload import offload
 from .values import History, Recent, Turn
 
@@ -108,8 +109,11 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
         _remember(state, turn, session, out, known, held)
         return out
 
+    # an earlier request of the session ended where this one's messages were its, and its
+    # answer comes next: the points up to there were windowed (and recorded) then
+    new_from = len(known.messages) + 1 if known is not None else None
     if store is None or ns is None:
-        return session, History(messages, await counted_all())
+        return session, History(messages, await counted_all(), new_from=new_from)
     try:
         if not store.available:
             raise StoreError("store marked down")
@@ -129,9 +133,11 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
             loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name)
             state.tokens.prime(enc, loaded.counts)
             internal = loaded.internal
+            if new_from is None:
+                new_from = loaded.stored
         return session, History(messages, await counted_all(), internal,
                                 earlier=earlier, earlier_prepared=counted(state, turn, earlier),
-                                earlier_at=preamble_end(messages))
+                                earlier_at=preamble_end(messages), new_from=new_from)
     except StoreError as exc:
         if turn.server_history:
             raise StoreUnavailable(
@@ -156,7 +162,8 @@ async def _server_history(state: AppState, turn: Turn, session: Session, store: 
     if internal is None:
         internal = (await store.load(ns, session.id, [], "")).internal
     return History(full, await _counted(state, turn, full), internal,
-                   appended=(await _counted(state, turn, messages, hashed), system))
+                   appended=(await _counted(state, turn, messages, hashed), system),
+                   new_from=len(full) - len(messages) + system)
 
 
 def response_anchor(response_id: str) -> str:
@@ -225,9 +232,10 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         at = store.chains(ns, session.id, [*history.prepared, *answer])[-1]
         state.spawn(_keep_internal(store, ns, session.id, at, kept))
     retention = turn.caller.tenant.retention_days
-    # the prompt as sent and as forwarded (the inspector's chart), written with the turn
-    point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1]} \
-        if tokens is not None else None
+    # the prompt as sent and as forwarded (the inspector's chart), written with the turn,
+    # and what the inspector rebuilds its window from: the messages it carried, its frame
+    point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1],
+             **request_point(state, turn, history)} if tokens is not None else None
     if turn.large and history.appended is None:
         # a conversation's chain hashes are made once and then grown: a large new one's are
         # made here, off the event loop, for the job below to find
@@ -251,6 +259,19 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         # a later request that chains on this response finds its session by the id (only a
         # stored response can be chained on)
         state.spawn(_anchor(store, ns, response_anchor(answer_id), session.id, retention))
+
+
+def request_point(state: AppState, turn: Turn, history: History) -> dict[str, Any]:
+    """What a request's point keeps besides its token counts: how many messages of the
+    stored conversation it carried (and where the ones it trimmed sit among them), and its
+    frame (``framing.Frame``) — or that it chained on a response upstream."""
+    frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools)
+    out: dict[str, Any] = {"messages": len(history.messages), **frame.point()}
+    if history.earlier:
+        out["earlier"] = [history.earlier_at, len(history.earlier)]
+    if turn.chained:
+        out["chained"] = True
+    return out
 
 
 async def _keep_internal(store: RedisStore, namespace: str, session_id: str, at: str,

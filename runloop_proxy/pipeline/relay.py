@@ -182,8 +182,8 @@ def _calibrate(state: AppState, turn: Turn, rlog: RequestLog,
                usage: dict[str, Any] | None) -> None:
     """Learn a model's token factor from its upstream's usage of the first call (when counted
     with a fallback encoding, and the prompt was the one the proxy counted)."""
-    if not usage or rlog.prompt_tokens is None:
-        return
+    if not usage or rlog.prompt_tokens is None or turn.chained:
+        return  # a chained request's prompt is mostly upstream's: the proxy counted its part
     _, exact = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
     reported, _ = prompt_usage(usage)
     if not exact and reported:

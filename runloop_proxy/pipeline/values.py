@@ -84,7 +84,10 @@ class History:
     by nothing that reaches a model (the window, splicing and the proxy's tools see only
     ``messages``: a session nobody named reaches only what its request carries).
     ``appended`` (server-history mode): what this turn adds to the stored conversation, and
-    how many of those are its system prompt.
+    how many of those are its system prompt. ``new_from``: the first position of
+    ``messages`` no earlier request of the session carried or was answered with — the
+    window records its events at the request points from there on (a request that brings
+    several turns at once); None when not known: at this request's own point only.
     """
 
     messages: list[Message]
@@ -95,6 +98,7 @@ class History:
     earlier_prepared: list[Prepared] = field(default_factory=list)
     earlier_at: int = 0  # where ``earlier`` goes in ``messages``: after the system prompt
     appended: tuple[list[Prepared], int] | None = None
+    new_from: int | None = None
 
     def to_store(self) -> list[Prepared]:
         """The whole conversation as it is stored: what the client sent, with what it

@@ -69,10 +69,13 @@ class Elided:
 
 @dataclass(frozen=True)
 class Event:
+    """A step of the window at one request point: ``at`` messages preceded it."""
+
     kind: CompactionKind
     tokens_before: int
     tokens_after: int
     reason: str
+    at: int
 
 
 @dataclass(frozen=True)
@@ -197,7 +200,7 @@ class _Replay:
 
     def snapshot(self) -> tuple[int, ...]:
         """The plan and the running sum it implies, without the events (those are recorded
-        at the request's own point only)."""
+        at the points a request brings, ``build_window``'s ``record_from``)."""
         plan = self.plan
         return (plan.reduced_upto, plan.omit_upto, plan.elide_upto, plan.drop_from,
                 plan.drop_upto, plan.answer_of, self.red_sum)
@@ -310,7 +313,7 @@ class _Replay:
 
     def _event(self, record: bool, kind: CompactionKind, before: int, p: int, why: str) -> None:
         if record:
-            self.plan.events.append(Event(kind, before, self.tokens(p), why))
+            self.plan.events.append(Event(kind, before, self.tokens(p), why, p))
 
     def render(self) -> tuple[list[Message], list[Elided], bool]:
         c, plan = self.c, self.plan
@@ -414,10 +417,11 @@ class Carry:
 def _carried(carry: Carry | None, messages: list[Message], keys: list[str], counts: list[int],
              policy: Policy, budget: Budget, ops: TokenOps, summaries: Summaries,
              protected: frozenset[str], memo: Memo | None, names: ToolNames,
-             compactions: Compactions = ()) -> tuple[Conversation, int, tuple[int, ...]] | None:
+             compactions: Compactions = (), record_from: int | None = None
+             ) -> tuple[Conversation, int, tuple[int, ...]] | None:
     """The carried conversation grown by this request's messages, and the request point the
-    replay resumes after (its index among ``conv.asked``) with the state there; None when
-    the carry does not fit."""
+    replay resumes after (its index among ``conv.asked``) with the state there — before
+    every point whose events this request records; None when the carry does not fit."""
     if carry is None or carry.summaries != summaries or carry.compactions != compactions:
         return None
     conv = carry.conv.grow(carry.n, messages, keys, counts, policy, budget, protected, names,
@@ -432,7 +436,8 @@ def _carried(carry: Carry | None, messages: list[Message], keys: list[str], coun
 
     # never past this request's own point: its events are recorded again, as a fresh build
     # would (the same request gives the same window)
-    resumable = [p for p in carry.states if index(p) is not None]
+    resumable = [p for p in carry.states if index(p) is not None
+                 and (record_from is None or p < record_from)]
     if not resumable:
         return None
     p = max(resumable)
@@ -472,16 +477,21 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
                  now_ms: int | None = None, summaries: Summaries = (),
                  protected: frozenset[str] = frozenset(), memo: Memo | None = None,
                  tool_names: ToolNames = DEFAULT_NAMES, carry: Carry | None = None,
-                 compactions: Compactions = ()) -> Window:
+                 compactions: Compactions = (), record_from: int | None = None) -> Window:
     """The window for a request carrying ``messages`` (pure; ``counts`` per message).
     ``summaries`` are shown after the marker from the omission event each was made for
     (``(e, text)``: the first ``e`` loops omitted); ``compactions`` omit loops on request
     (``(n, e)``: the first ``e`` loops from request point ``n`` on). ``memo`` only caches
-    derived forms and
-    ``carry`` (the previous window's) only spares recomputing
-    them: neither ever changes the result."""
+    derived forms and ``carry`` (the previous window's) only spares recomputing them:
+    neither ever changes the result.
+
+    ``events`` are the steps taken at this request's own point and at every request point
+    from ``record_from`` on: the points a request brings that no earlier request of the
+    conversation ended at (a client that sends several turns at once, or a conversation the
+    proxy meets in its middle). Each point's events are recorded once, however the
+    conversation arrives."""
     resumed = _carried(carry, messages, keys, counts, policy, budget, ops, summaries, protected,
-                       memo, tool_names, compactions) if policy.enabled else None
+                       memo, tool_names, compactions, record_from) if policy.enabled else None
     checkpoints = None
     if resumed is not None:
         conv, start, state = resumed
@@ -502,7 +512,9 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
         start = 0
         checkpoints = _Checkpoints(conv, replay, summaries, compactions) \
             if memo is not None else None
-        if checkpoints is not None and conv.asked and checkpoints.restore(conv.asked[-1]):
+        if checkpoints is not None and conv.asked \
+                and (record_from is None or conv.asked[-1] < record_from) \
+                and checkpoints.restore(conv.asked[-1]):
             start = len(conv.asked)  # the previous request's replay, resumed
     # the request points: every assistant message after the preamble, then this request's
     points = conv.asked
@@ -512,7 +524,7 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
         states[points[-1]] = replay.snapshot()
     for k in range(start, last + 1):
         p = points[k] if k < last else conv.n
-        replay.step(p, record=k == last)
+        replay.step(p, record=k == last or (record_from is not None and p >= record_from))
         if k >= last - 1:
             states[p] = replay.snapshot()
     if checkpoints is not None:
@@ -562,7 +574,7 @@ def _hard_limit(conv: Conversation, replay: _Replay, events: list[Event]
         out, tokens = _drop_oldest_exchanges(conv, out, tokens)
     fits = tokens <= conv.budget.hard
     events.append(Event(CompactionKind.TRUNCATION if fits else CompactionKind.REJECTION,
-                        before, tokens, "over the hard limit"))
+                        before, tokens, "over the hard limit", conv.n))
     return out, tokens, elided, True, fits
 
 

@@ -1,0 +1,130 @@
+"""A stored message as a person reads it: its role, who it answers, its text (a JSON result
+indented), the calls it makes with their arguments indented, and whatever else it carries
+(a Responses message's items) folded away — every field escaped, none shown as a raw dict."""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..conversation.identity import name_of
+from ..conversation.messages import Message, message_text, tool_calls_of
+from ..conversation.runloops import segment
+from ..pipeline.tools import spliced_stored
+from . import params
+from .inspector_shell import error, link, page, viewed
+from .views import pretty
+
+SHOWN = {"role", "content", "name", "tool_call_id", "tool_calls", "refusal"}
+ROLES = {"system": "system prompt", "user": "user", "assistant": "assistant",
+         "tool": "tool result", "developer": "developer prompt"}
+
+
+def role_of(m: Message) -> str:
+    role = str(m.get("role"))
+    return ROLES.get(role, role)
+
+
+def content_html(m: Message) -> str:
+    """The message's content: its text (JSON indented), each other part named."""
+    content = m.get("content")
+    out = []
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            text = part.get("text") if isinstance(part, dict) else None
+            if isinstance(text, str):
+                out.append(f"<pre>{escape(pretty(text))}</pre>")
+            else:
+                out.append(f"<p class='muted'>a part of type {escape(str(kind))}:</p>"
+                           f"<pre>{escape(_json(part))}</pre>")
+        if m.get("refusal"):
+            out.append(f"<p class='muted'>refusal:</p><pre>{escape(str(m['refusal']))}</pre>")
+    else:
+        text = message_text(m)
+        if text:
+            out.append(f"<pre>{escape(pretty(text))}</pre>")
+    return "".join(out)
+
+
+def calls_html(m: Message) -> str:
+    out = []
+    for call in m.get("tool_calls") or []:
+        fn = (call.get("function") if isinstance(call, dict) else None) or {}
+        cid = call.get("id") if isinstance(call, dict) else None
+        out.append(f"<p>calls <b>{escape(str(fn.get('name')))}</b> "
+                   f"<span class='muted'>(call id <code>{escape(str(cid))}</code>)</span></p>"
+                   f"<pre>{escape(pretty(str(fn.get('arguments') or '')))}</pre>")
+    return "".join(out)
+
+
+def message_html(m: Message, position: int | None = None, href: str | None = None) -> str:
+    """A message in a box: its role and position (a link to its page), what it answers,
+    its content and its calls."""
+    at = f" {position}" if position is not None else ""
+    head = f"<a href='{href}'>message{at}</a>" if href else f"message{at}"
+    answers = f" · answers <code>{escape(str(m['tool_call_id']))}</code>" \
+        if m.get("tool_call_id") else ""
+    return (f"<div class='msg'><span class='role'>{escape(role_of(m))}</span> {head}"
+            f"{answers}{content_html(m)}{calls_html(m)}</div>")
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2, default=str).decode()
+
+
+async def message(request: Request) -> Response:
+    seen = await viewed(request)
+    if isinstance(seen, Response):
+        return seen
+    _, _, tenant, sid, view = seen
+    pos = params.integer(request, "pos", -1)
+    messages = spliced_stored(view.messages, view.internal)[0]
+    if not 0 <= pos < len(messages):
+        return error("not found", "No such message.", 404)
+    m = messages[pos]  # numbered as the session page shows them: the proxy's too
+    loop = next((lp.index for lp in segment(messages) if pos in lp.positions), None)
+    nav = [f"<a href='{link('/session', tenant=tenant, id=sid)}'>← session "
+           f"{escape(name_of(sid))}</a>"]
+    if pos > 0:
+        nav.append(f"<a href='{link('/message', tenant=tenant, id=sid, pos=pos - 1)}'>"
+                   f"← message {pos - 1}</a>")
+    if pos + 1 < len(messages):
+        nav.append(f"<a href='{link('/message', tenant=tenant, id=sid, pos=pos + 1)}'>"
+                   f"message {pos + 1} →</a>")
+    facts = [("role", escape(str(m.get("role")))),
+             ("position", f"{pos} of {len(messages)}"
+              + (f", in run loop {loop}" if loop is not None else ", before the first run loop"))]
+    if m.get("name"):
+        facts.append(("name", f"<code>{escape(str(m.get('name')))}</code>"))
+    if m.get("tool_call_id"):
+        cid = str(m.get("tool_call_id"))
+        caller = next((i for i in range(pos - 1, -1, -1) if any(
+            str(c.get("id")) == cid for c in tool_calls_of(messages[i]))), None)
+        made = f" — made in <a href='{link('/message', tenant=tenant, id=sid, pos=caller)}'>" \
+            f"message {caller}</a>" if caller is not None else ""
+        facts.append(("answers the call", f"<code>{escape(cid)}</code>{made}"))
+    out = [f"<p>{' · '.join(nav)}</p><h1>Message {pos}: {escape(role_of(m))}</h1>",
+           "<dl class='facts'>" + "".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts)
+           + "</dl>"]
+    content = content_html(m)
+    out.append(f"<h2>Content</h2>{content}" if content else
+               "<p class='muted'>No text content.</p>")
+    calls = calls_html(m)
+    if calls:
+        out.append(f"<h2>Tool calls</h2>{calls}")
+    items = m.get("items")
+    if isinstance(items, list) and items:
+        kinds = ", ".join(dict.fromkeys(str(i.get("type", "message")) if isinstance(i, dict)
+                                        else "?" for i in items))
+        out.append(f"<details><summary>The Responses items it stands for ({escape(kinds)})"
+                   f"</summary><pre>{escape(_json(items))}</pre></details>")
+    rest = {k: v for k, v in m.items() if k not in SHOWN and k != "items"}
+    if rest:
+        out.append(f"<details><summary>Other fields ({escape(', '.join(sorted(rest)))})"
+                   f"</summary><pre>{escape(_json(rest))}</pre></details>")
+    return page(f"message {pos}", "".join(out))

@@ -1,0 +1,186 @@
+"""A request's frame and the window built in it — the one computation the proxy's window stage
+and the inspector's rebuild of a past request share.
+
+The frame is what a window depends on besides the conversation: the model (its encoding,
+context window and calibration), the output it reserves, the client's tool schemas and the
+names the proxy's tools take beside them. It is kept with each request's token counts
+(``point``), so the inspector rebuilds exactly the window that went upstream and counts its
+prompt exactly as the ``X-Runloop-Tokens`` header did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from ..config import TenantSpec
+from ..conversation.messages import Message
+from ..conversation.runloops import RunLoop, segment
+from ..history.summaries import Made, counts_of, covers, inline_digest, summaries_of
+from ..state import AppState
+from ..window.builder import Carry, Stamps, Window, aged_loops, build_window
+from ..window.forms import DEFAULT_NAMES, Budget, ToolNames
+from .tokens import REPLY_PRIMING, WindowTokens
+from .tools import ProxyTools, definitions_tokens
+
+
+@dataclass(frozen=True)
+class Frame:
+    """What a request's window depends on besides its messages."""
+
+    model: str
+    max_output: int | None  # the request's own output reserve, if it set one
+    tools_tokens: int  # the client's tool schemas as the model reads them (0: none)
+    factor: float = 1.0  # model tokens per counted token (a model counted with a fallback)
+    names: ToolNames = DEFAULT_NAMES  # the proxy's tools, renamed if the client's take a name
+    choices: int = 1  # n: the proxy offers its tools to single-choice requests only
+
+    @classmethod
+    def of(cls, state: AppState, tenant: TenantSpec, body: dict[str, Any],
+           tools: list[dict[str, Any]] | None) -> Frame:
+        """The frame of a request's ``body``; ``tools``: its tools in chat form (what the
+        API's adapter made of them: ``Turn.chat_tools``)."""
+        model = str(body["model"])
+        enc, exact = state.tokens.encoding(model, tenant.encoding_for(model))
+        reserve = body.get("max_completion_tokens") or body.get("max_tokens") \
+            or body.get("max_output_tokens")
+        choices = body.get("n")
+        return cls(model, reserve if isinstance(reserve, int) else None,
+                   state.tokens.tools(enc, tools),
+                   1.0 if exact else state.tokens.factor(model),
+                   ProxyTools.for_request(tools).window_names,
+                   choices if isinstance(choices, int) and choices > 0 else 1)
+
+    def point(self) -> dict[str, Any]:
+        """The frame as kept beside a request's token counts (defaults left out)."""
+        out: dict[str, Any] = {"model": self.model, "tools_tokens": self.tools_tokens}
+        if self.max_output is not None:
+            out["max_output"] = self.max_output
+        if self.factor != 1.0:
+            out["factor"] = self.factor
+        if self.names != DEFAULT_NAMES:
+            out["names"] = list(self.names)
+        if self.choices != 1:
+            out["choices"] = self.choices
+        return out
+
+    @classmethod
+    def from_point(cls, point: dict[str, Any]) -> Frame | None:
+        """The frame a request's point keeps; None for a point kept without one."""
+        model, tools = point.get("model"), point.get("tools_tokens")
+        if not isinstance(model, str) or not isinstance(tools, int):
+            return None
+        names = point.get("names")
+        max_output, factor, choices = (point.get("max_output"), point.get("factor", 1.0),
+                                       point.get("choices", 1))
+        return cls(model, max_output if isinstance(max_output, int) else None, tools,
+                   float(factor) if isinstance(factor, (int, float)) else 1.0,
+                   (str(names[0]), str(names[1])) if isinstance(names, list)
+                   and len(names) == 2 else DEFAULT_NAMES,
+                   choices if isinstance(choices, int) else 1)
+
+    def budget(self, state: AppState, tenant: TenantSpec) -> Budget:
+        enc, _ = state.tokens.encoding(self.model, tenant.encoding_for(self.model))
+        return Budget.for_request(tenant.policy, tenant.context_window(self.model),
+                                  self.max_output, self.tools_tokens + proxy_tools_tokens(
+                                      state, enc), self.factor, REPLY_PRIMING)
+
+
+def proxy_tools_tokens(state: AppState, enc: Any) -> int:
+    """What the proxy's tool definitions add to a prompt (counted once per encoding)."""
+    n = state.window_memo.get(("proxy-tools", enc.name))
+    if n is None:
+        n = state.window_memo[("proxy-tools", enc.name)] = definitions_tokens(state.tokens, enc)
+    return int(n)
+
+
+def window_in(state: AppState, tenant: TenantSpec, frame: Frame, messages: list[Message],
+              keys: list[str], counts: list[int], protected: frozenset[str],
+              stored: dict[str, str], now: int, stamps: Stamps | None,
+              carry: Carry | None = None, record_from: int | None = None
+              ) -> tuple[Window, Made | None]:
+    """The window for a request in ``frame`` carrying ``messages`` (the proxy's exchanges
+    spliced in; ``counts`` per message), with the session's ``stored`` summaries; and the
+    extractive summary made for it inline, if any (``stored`` then holds it too). ``carry``
+    (the last window's) only spares work."""
+    policy = tenant.policy
+    enc, _ = state.tokens.encoding(frame.model, tenant.encoding_for(frame.model))
+    loops = _loops(carry, messages, keys) \
+        if stored or policy.summary_model == "extractive" else None
+    # an omission by age stops where the clock says, off the batches summaries are planned
+    # for: its summary is made inline (extractive) and kept under that count
+    aged = aged_loops(policy, loops[:-1], stamps, now) if loops else 0
+    cover = covers(keys, loops, policy.omission_batch, {aged, *counts_of(stored)}) \
+        if loops is not None else None
+    made = inline_digest(policy, stored, cover, loops, messages,
+                         lambda t: state.tokens.text(enc, t), aged) if loops and cover else None
+    if made is not None:
+        stored[made.name] = orjson.dumps(made.record).decode()
+    summaries, compactions = summaries_of(policy, stored, cover)
+    window = build_window(messages, keys, counts, policy, frame.budget(state, tenant),
+                          WindowTokens(state.tokens, enc, state.cuts), protected=protected,
+                          timestamps=stamps, now_ms=now, memo=state.window_memo,
+                          tool_names=frame.names, carry=carry, summaries=summaries,
+                          compactions=compactions, record_from=record_from)
+    return window, made
+
+
+def _loops(carry: Carry | None, messages: list[Message], keys: list[str]) -> list[RunLoop]:
+    """The request's run loops: the carried segmentation grown by the messages that are new
+    since, when the carry holds a prefix of this conversation (the usual case: the time of
+    the new messages), else the whole conversation segmented."""
+    if carry is not None and carry.conv.seg.n == carry.n <= len(keys) \
+            and carry.conv.keys[:carry.n] == keys[:carry.n]:
+        seg = carry.conv.seg.copy()
+        for m in messages[carry.n:]:
+            seg.add(m)
+        return seg.loops()
+    return segment(messages)
+
+
+def sends_proxy_tools(tenant: TenantSpec, frame: Frame, window: Window, spliced: bool
+                      ) -> tuple[bool, bool]:
+    """Whether the proxy's tools are offered (something was left out, the proxy's own
+    exchanges are spliced in, or the policy says always), and whether they go out (a
+    single-choice request)."""
+    offer = window.offers_tools(tenant.policy, frame.tools_tokens > 0) or spliced
+    return offer, offer and frame.choices == 1
+
+
+def prompt_tokens(state: AppState, tenant: TenantSpec, frame: Frame, tokens_in: int,
+                  tokens_out: int, with_proxy_tools: bool) -> tuple[int, int]:
+    """The whole prompt as the proxy counts it, as the client sent it and as it goes
+    upstream: messages, tool schemas (the proxy's own when it adds them), reply priming."""
+    enc, _ = state.tokens.encoding(frame.model, tenant.encoding_for(frame.model))
+    fixed = frame.tools_tokens + REPLY_PRIMING
+    extra = proxy_tools_tokens(state, enc) if with_proxy_tools else 0
+    return tokens_in + fixed, tokens_out + fixed + extra
+
+
+class FirstSeen:
+    """When this replica first saw the message at each position (for max_time_range),
+    looked up only where the window asks — the first message of each run loop — and at the
+    user message a request ends with, so that a loop is dated by the request that opens it
+    (a one-loop conversation's window asks nothing). ``dating``: a position not seen yet is
+    dated now (a request); else it is unknown (a rebuild reads, never writes)."""
+
+    def __init__(self, seen: MutableMapping[str, int], keys: list[str], now: int, scope: str,
+                 dating: bool = True):
+        self.seen, self.keys, self.now, self.scope = seen, keys, now, scope
+        self.dating = dating
+
+    def __getitem__(self, position: int) -> int | None:
+        return self.date(position)
+
+    def date(self, position: int) -> int | None:
+        """When the message at ``position`` was first seen, now if not before: in this
+        conversation, at this position. (Keyed by the text alone, another session's "yes"
+        of a week ago made this session's new "yes" old, and its loop was omitted at once.)"""
+        key = f"{self.scope}\0{position}\0{self.keys[position]}"
+        t = self.seen.get(key)
+        if t is None and self.dating:
+            t = self.seen[key] = self.now
+        return t
