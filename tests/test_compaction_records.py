@@ -168,3 +168,26 @@ def test_with_the_proxys_rounds_spliced_in_no_step_is_recorded_twice(
     assert view["proxy_tool_exchanges"] >= 1  # the model recalled: a round was kept
     steps = [(kind, at) for kind, at, *_ in records(proxy, "spliced")]
     assert steps and len(steps) == len(set(steps))
+
+
+def test_a_request_of_very_many_turns_writes_a_bounded_number_of_records(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Each step is counted in the metric, but what one request writes (and logs) is bounded:
+    its last STEPS_KEPT steps one by one and the earlier ones in one record that counts them
+    by kind — 120 turns at once took some 120 steps and wrote as many records, one round trip
+    each, before."""
+    from runloop_proxy.pipeline.shaping import STEPS_KEPT
+
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN)
+    Client(proxy, "chat", "very-many").send(Client(proxy, "chat", "x").conversation(120))
+    proxy.settle()
+    view = httpx.get(f"{proxy.base}/admin/sessions/very-many", headers=AUTH,
+                     params={"tenant": TENANT}).json()
+    recs = view["compression_records"]
+    steps = [r for r in recs if r["kind"] in WINDOW_KINDS]
+    earlier = [r for r in recs if r["kind"] == "steps"]
+    assert len(steps) == STEPS_KEPT and len(earlier) == 1
+    total = sum(counted(proxy, k) for k in WINDOW_KINDS)
+    assert earlier[0]["count"] + len(steps) == total > STEPS_KEPT
+    assert sum(earlier[0]["kinds"].values()) == earlier[0]["count"]
+    assert earlier[0]["until_message"] < steps[0]["at_message"]

@@ -531,7 +531,7 @@ def test_a_large_request_leaves_little_work_on_the_event_loop(
         proxy: ProxyServer, upstream: ScriptedUpstream, kind: str) -> None:
     """A large body's walks (parsing, checking, converting, hashing, counting, the window,
     chaining and packing it for Redis) run in a worker thread: what the event loop does for a
-    request of 18,000 messages, its write-behind included, stays under 3 calls a message,
+    request of 18,000 messages, its write-behind included, stays under 4 calls a message,
     where the walks cost 40 to 120 (counted, not timed; 1.4 to 2.3 million calls before)."""
     upstream.keep_requests = False
 
@@ -544,7 +544,7 @@ def test_a_large_request_leaves_little_work_on_the_event_loop(
     n = 18_000
     calls = _loop_calls(proxy, lambda: send(n, f"{kind}-large"))
     print(f"\n{kind}: {calls:,} event-loop calls for {n:,} messages")
-    assert calls < 3 * n, f"{calls / n:.1f} calls per message on the event loop"
+    assert calls < 4 * n, f"{calls / n:.1f} calls per message on the event loop"
 
 
 def post_to(proxy: ProxyServer, path: str, body: Any, session: str) -> httpx.Response:

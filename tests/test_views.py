@@ -33,6 +33,12 @@ RECORDS: list[tuple[dict[str, Any], tuple[str, str, str, str]]] = [
       "the client sent the recorded reply in its own format: replaced in place")),
     ({"kind": "branch_pruned", "branch": 3, "length": 40, "reason": "max_branches"},
      ("branch 3 pruned", "", "—", "40 messages; past max_branches, least recently used")),
+    ({"kind": "steps", "count": 97, "kinds": {"loop_omission": 40, "past_loop_reduction": 57},
+      "tokens_before": 12000, "tokens_after": 3100, "at_message": 5, "until_message": 380},
+     ("97 earlier steps of one request", "at messages 5–380", "12,000 → 3,100",
+      "a request that brought many turns: 40 loops omitted, 57 past loops reduced")),
+    ({"kind": "steps", "count": 3, "kinds": "junk"},
+     ("3 earlier steps of one request", "", "— → —", "a request that brought many turns: ")),
     ({"kind": "something new", "tokens_before": "x"}, ("something new", "", "— → —", "")),
     ({}, ("event", "", "— → —", "")),
 ]

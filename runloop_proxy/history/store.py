@@ -56,7 +56,15 @@ from ..errors import StoreError, StoreLimitExceeded
 from ..ops import logs
 from ..ops.metrics import Metrics
 from .scripts import APPEND_LUA, LOAD_LUA, SYNC_LUA
-from .writes import Job, Prepared, WriteBehind, chain_hashes, lost_message, prepare
+from .writes import (
+    Job,
+    Prepared,
+    WriteBehind,
+    chain_hashes,
+    held_bytes,
+    lost_message,
+    prepare,
+)
 
 __all__ = ["Prepared", "RedisStore", "prepare"]
 log = logs.get("store")
@@ -290,14 +298,21 @@ class RedisStore:
         raise StoreError("sync did not converge")
 
     def submit(self, namespace: str, session_id: str, items: list[Prepared],
-               retention_days: float | None = None, point: dict[str, int] | None = None
-               ) -> None:
+               retention_days: float | None = None, point: dict[str, int] | None = None,
+               size: int = 0) -> None:
         """Queue a sync off the request path (write-behind; see writes.py); ``point``: the
         request's prompt tokens as sent and as forwarded, kept with it (the inspector's
         chart)."""
         job = self._job(namespace, session_id, items, retention_days)
         job.points = [kept_json(point)] if point else []
+        job.size = size  # 0: measured when queued (``prepared``: measured off the event loop)
         self.writes.submit(job)
+
+    def prepared(self, namespace: str, session_id: str, items: list[Prepared]) -> int:
+        """A large conversation's job made ready off the event loop: its chain hashes (kept,
+        for the job to find) and the bytes it will hold in the queue."""
+        self.chains(namespace, session_id, items)
+        return held_bytes(items)
 
     def submit_append(self, namespace: str, session_id: str, items: list[Prepared],
                       retention_days: float | None = None, system: int = 0,
@@ -496,11 +511,17 @@ class RedisStore:
             cached.internal[anchor] = entry
 
     async def add_record(self, namespace: str, session_id: str, record: dict[str, Any]) -> None:
+        await self.add_records(namespace, session_id, [record])
+
+    async def add_records(self, namespace: str, session_id: str,
+                          records: list[dict[str, Any]]) -> None:
+        """Append compression records, in order, in one round trip (the last MAX_RECORDS of
+        a session are kept)."""
         key = self.prefix(namespace, session_id) + ":rec"
 
         async def run() -> None:
             pipe = self.client.pipeline(transaction=False)
-            pipe.rpush(key, orjson.dumps(record))
+            pipe.rpush(key, *(orjson.dumps(r) for r in records))
             pipe.ltrim(key, -MAX_RECORDS, -1)
             await pipe.execute()
 

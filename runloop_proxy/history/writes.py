@@ -58,6 +58,11 @@ def prepare(msg: Message, tokens: int | None = None, reply: bool = False) -> Pre
                     tokens, "", kind)
 
 
+def held_bytes(items: list[Prepared]) -> int:
+    """What queued items hold: each its body, two hashes and its tuple (~320 bytes)."""
+    return sum(len(it.body) for it in items) + 320 * len(items)
+
+
 def chain_next(prev: str, match: str) -> str:
     return hashlib.sha1((prev + match).encode()).hexdigest()
 
@@ -132,8 +137,7 @@ class WriteBehind:
 
     def submit(self, job: Job) -> None:
         job.deadline = time.monotonic() + self.retry_s
-        # a queued item holds its body, two hashes and its tuple (~320 bytes beside the body)
-        job.size = sum(len(it.body) for it in job.items) + 320 * len(job.items)
+        job.size = job.size or held_bytes(job.items)
         queued = None if job.append else self._queued.get(job.key)
         if queued is not None and queued.extended_by(job):
             self.bytes += job.size - queued.size

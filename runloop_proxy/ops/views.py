@@ -62,6 +62,17 @@ def describe(rec: Mapping[str, Any]) -> Described:
         return Described(f"summary of {covered}{' (appended)' if rec.get('appended') else ''}",
                          "", used, f"by {rec.get('summarizer') or 'the summariser'}{took}"
                          f"{timing}")
+    if kind == "steps":
+        found = rec.get("kinds")
+        kinds: dict[str, Any] = found if isinstance(found, dict) else {}
+        told = ", ".join(f"{n} {KINDS[CompactionKind(k)] if k in set(CompactionKind) else k}"
+                         for k, n in kinds.items())
+        start, end = rec.get("at_message"), rec.get("until_message")
+        return Described(f"{rec.get('count')} earlier steps of one request",
+                         f"at messages {start}–{end}" if isinstance(start, int)
+                         and isinstance(end, int) else "",
+                         f"{tokens(rec.get('tokens_before'))} → {tokens(rec.get('tokens_after'))}",
+                         f"a request that brought many turns: {told}")
     if kind == "reply_restated":
         return Described("reply restated", _at(rec.get("at")), "—",
                          "the client sent the recorded reply in its own format: replaced "

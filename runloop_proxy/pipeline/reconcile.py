@@ -236,16 +236,17 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     # and what the inspector rebuilds its window from: the messages it carried, its frame
     point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1],
              **request_point(state, turn, history)} if tokens is not None else None
+    size = 0
     if turn.large and history.appended is None:
         # a conversation's chain hashes are made once and then grown: a large new one's are
-        # made here, off the event loop, for the job below to find
-        await offload(True, lambda: store.chains(ns, session.id, conversation))
+        # made here, off the event loop, for the job below to find (and its size measured)
+        size = await offload(True, lambda: store.prepared(ns, session.id, conversation))
     try:
         if history.appended is not None:
             new, system = history.appended
             store.submit_append(ns, session.id, [*new, *answer], retention, system, point)
         else:
-            store.submit(ns, session.id, conversation, retention, point)
+            store.submit(ns, session.id, conversation, retention, point, size)
     except StoreError as exc:
         log.warning("history not stored", extra={"tenant": turn.caller.tenant.name,
                                                  "error": str(exc)})

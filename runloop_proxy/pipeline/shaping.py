@@ -5,6 +5,7 @@ stored exchanges, and turns what it built into the API's body)."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any
 
 from ..conversation.identity import Session
@@ -21,6 +22,7 @@ from .tools import ProxyTools, splice_internal
 from .values import History, Outgoing, Turn
 
 log = logs.get("window")
+STEPS_KEPT = 24  # a request's window steps recorded one by one (the earlier ones counted)
 
 
 async def shape(state: AppState, turn: Turn, session: Session, history: History,
@@ -109,8 +111,8 @@ def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message]
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
         state.metrics.summaries.labels(turn.caller.label, "error").inc()
     tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
-    for event in window.events:
-        state.metrics.compactions.labels(tl, ml, event.kind.value).inc()
+    for kind, n in Counter(event.kind.value for event in window.events).items():
+        state.metrics.compactions.labels(tl, ml, kind).inc(n)
 
 
 def _chains_at(state: AppState, turn: Turn, session: Session, history: History) -> list[str]:
@@ -170,29 +172,43 @@ def _first_new(messages: list[Message], history: History) -> int | None:
 
 
 def log_events(state: AppState, turn: Turn, session: Session, window: Window) -> None:
+    """The window's steps as records (stored with the session, one log line each). A request
+    that brings many turns takes a step at each: the last ``STEPS_KEPT`` are recorded one by
+    one and the earlier ones in a record of their own (their kinds counted), so what one
+    request writes and logs is bounded however many turns it brings."""
+    now = int(time.time() * 1000)
+    frame = {"messages_before": len(turn.messages), "messages_after": len(window.messages),
+             "elided": len(window.elided), "reduced_loops": window.reduced_loops,
+             "omitted_loops": window.omitted_loops}
+    events = window.events
     records = []
-    for event in window.events:
+    if len(events) > STEPS_KEPT:
+        earlier = events[:len(events) - STEPS_KEPT]
+        kinds = Counter(e.kind.value for e in earlier)
+        records.append({"ts": now, "kind": "steps", "count": len(earlier),
+                        "kinds": dict(sorted(kinds.items())),
+                        "tokens_before": earlier[0].tokens_before,
+                        "tokens_after": earlier[-1].tokens_after,
+                        "at_message": earlier[0].at, "until_message": earlier[-1].at, **frame})
+        events = events[len(earlier):]
+    for event in events:
         # the request's window (messages, elided, loops) beside the step taken at the
         # request point ``at_message`` (a request that brings several turns takes several)
-        record = {"ts": int(time.time() * 1000), "kind": event.kind.value,
-                  "reason": event.reason, "tokens_before": event.tokens_before,
-                  "tokens_after": event.tokens_after, "at_message": event.at,
-                  "messages_before": len(turn.messages),
-                  "messages_after": len(window.messages), "elided": len(window.elided),
-                  "reduced_loops": window.reduced_loops, "omitted_loops": window.omitted_loops}
+        records.append({"ts": now, "kind": event.kind.value, "reason": event.reason,
+                        "tokens_before": event.tokens_before,
+                        "tokens_after": event.tokens_after, "at_message": event.at, **frame})
+    for record in records:
         log.info("compaction", extra={"tenant": turn.caller.tenant.name, "model": turn.model,
                                       "session": session.id, **record})
-        records.append(record)
     if records and state.store is not None and turn.caller.namespace is not None:
         state.spawn(_store_records(state, turn.caller.namespace, session.id, records))
 
 
 async def _store_records(state: AppState, namespace: str, session_id: str,
                          records: list[dict[str, Any]]) -> None:
-    """A request's records, in the order its window took the steps."""
+    """A request's records, in the order its window took the steps (one round trip)."""
     assert state.store is not None
     try:
-        for record in records:
-            await state.store.add_record(namespace, session_id, record)
+        await state.store.add_records(namespace, session_id, records)
     except StoreError as exc:
         log.warning("compression record not stored", extra={"error": str(exc)})
