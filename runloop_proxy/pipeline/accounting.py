@@ -29,6 +29,9 @@ class RequestLog:
         # whole prompts as the proxy counts them (messages, tool schemas, reply priming): the
         # client's, and what went upstream (the proxy's tools included when it added them)
         self.prompt_tokens: tuple[int, int] | None = None
+        # the frame the window was built in (framing.Frame.point()), taken when it was built:
+        # the answer's usage recalibrates the model before the turn is recorded
+        self.frame: dict[str, Any] | None = None
         self.upstream_seconds = 0.0
         self.upstream_called_at: float | None = None
         self.first_byte_seen = False

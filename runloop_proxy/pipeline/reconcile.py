@@ -213,7 +213,8 @@ async def _continuation(turn: Turn, session: Session, store: RedisStore,
 async def record(state: AppState, turn: Turn, session: Session, history: History,
                  reply: Message | None, kept: dict[str, Any] | None,
                  large: bool = False, answer_id: str | None = None,
-                 tokens: tuple[int, int] | None = None) -> None:
+                 tokens: tuple[int, int] | None = None,
+                 frame: dict[str, Any] | None = None) -> None:
     """After a 2xx, off the request path: add the client's side of the turn and the answer it
     got to the session's history (written behind), the proxy's part of the turn to splice
     back next time, and for a fingerprinted session an anchor that finds it again from its
@@ -235,7 +236,7 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     # the prompt as sent and as forwarded (the inspector's chart), written with the turn,
     # and what the inspector rebuilds its window from: the messages it carried, its frame
     point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1],
-             **request_point(state, turn, history)} if tokens is not None else None
+             **request_point(state, turn, history, frame)} if tokens is not None else None
     size = 0
     if turn.large and history.appended is None:
         # a conversation's chain hashes are made once and then grown: a large new one's are
@@ -262,12 +263,15 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         state.spawn(_anchor(store, ns, response_anchor(answer_id), session.id, retention))
 
 
-def request_point(state: AppState, turn: Turn, history: History) -> dict[str, Any]:
+def request_point(state: AppState, turn: Turn, history: History,
+                  frame: dict[str, Any] | None) -> dict[str, Any]:
     """What a request's point keeps besides its token counts: how many messages of the
-    stored conversation it carried (and where the ones it trimmed sit among them), and its
-    frame (``framing.Frame``) — or that it chained on a response upstream."""
-    frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools)
-    out: dict[str, Any] = {"messages": len(history.messages), **frame.point()}
+    stored conversation it carried (and where the ones it trimmed sit among them), and the
+    frame its window was built in (``framing.Frame``, taken then: the answer may have
+    recalibrated the model since) — or that it chained on a response upstream."""
+    if frame is None:
+        frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools).point()
+    out: dict[str, Any] = {"messages": len(history.messages), **frame}
     if history.earlier:
         out["earlier"] = [history.earlier_at, len(history.earlier)]
     if turn.chained:

@@ -82,7 +82,7 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     _calibrate(state, turn, rlog, outcome.first)
     rlog.usage(outcome.usage)
     state.spawn(record(state, turn, session, history, outcome.shown, outcome.kept,
-                       answer_id=outcome.id, tokens=rlog.prompt_tokens))
+                       answer_id=outcome.id, tokens=rlog.prompt_tokens, frame=rlog.frame))
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps(data))
 
@@ -93,7 +93,7 @@ def _answered(state: AppState, turn: Turn, session: Session, history: History,
     _calibrate(state, turn, rlog, reply.usage if reply else None)
     rlog.usage(reply.usage if reply else None)
     state.spawn(record(state, turn, session, history, reply.message if reply else None, None,
-                       large, reply.id if reply else None, rlog.prompt_tokens))
+                       large, reply.id if reply else None, rlog.prompt_tokens, rlog.frame))
 
 
 async def _passed_through(state: AppState, turn: Turn, session: Session, history: History,
@@ -221,7 +221,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
             rlog.usage(outcomes[0].usage)
             state.spawn(record(state, turn, session, history, outcomes[0].shown,
                                outcomes[0].kept, answer_id=outcomes[0].id,
-                               tokens=rlog.prompt_tokens))
+                               tokens=rlog.prompt_tokens, frame=rlog.frame))
     except UpstreamError as exc:
         status = exc.status
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,

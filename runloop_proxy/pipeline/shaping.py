@@ -30,6 +30,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     """The body that goes upstream: the client's, byte for byte, unless a window changes it."""
     as_sent = _as_sent(turn, history)
     frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools)
+    rlog.frame = frame.point()
     if history.degraded:
         state.metrics.degraded.labels(turn.caller.label, history.degraded).inc()
     if turn.chained or history.degraded or not turn.policy.enabled:
