@@ -187,6 +187,7 @@ def test_upstream_errors_pass_through_as_the_upstream_sent_them(
                                    messages=[{"role": "user", "content": "x"}])
     assert err.value.status_code == status  # type: ignore[attr-defined]
     assert err.value.body == body  # type: ignore[attr-defined]
+    assert len(upstream.requests) == 3  # retried, as for an OpenAI upstream, then passed on
 
 
 def test_an_error_event_mid_stream_reaches_the_sdk_as_its_type(

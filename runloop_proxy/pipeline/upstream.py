@@ -21,7 +21,7 @@ from yarl import URL
 from ..config import UpstreamSpec
 from ..errors import UpstreamBadReply, UpstreamTimeout, UpstreamTooLarge, UpstreamUnreachable
 
-RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})  # 529: Anthropic's overloaded
 HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
     "transfer-encoding", "upgrade", "host", "content-length", "content-encoding",
