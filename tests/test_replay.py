@@ -275,6 +275,10 @@ def test_the_halves_split_conversations_by_a_fixed_hash_of_their_ids(tmp_path: P
     assert half_of({**conversation(5), "id": "conv-7"}) == halves[7]
     # without an id, the opening messages decide, the same way every time
     assert half_of(conversation(3)) == half_of(conversation(3))
+    # the split never moves: these halves are the ones the defaults were tuned and checked on
+    assert [half_of({"id": f"conv-{k}"}) for k in range(6)] == \
+        ["tune", "tune", "tune", "holdout", "tune", "tune"]
+    assert half_of({"id": "tau1-gpt4o-airline-t0-trial0-0"}) == "tune"
     f = tmp_path / "c.jsonl"
     f.write_text("\n".join(json.dumps(c) for c in convs) + "\n")
     tune = json.loads(run(f, "--json", "--half", "tune").stdout)
