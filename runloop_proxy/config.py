@@ -88,6 +88,20 @@ class Policy(_Strict):
                                  "share of the working budget)")
     reduce_at_least: int = Field(
         64, ge=0, description="tokens a past-loop reduction must clear to be made")
+    payback_requests: int | None = Field(
+        None, ge=0, description="a lever that only saves money (a past-loop reduction under "
+                                "the threshold, an omission beyond max_run_loops) moves only "
+                                "when it takes tokens out; with this set, only when what it "
+                                "takes out of later requests pays, within this many of them, "
+                                "for what it makes the provider read again")
+    keep_opening: bool = Field(
+        True, description="the opening task (the first loop's user messages, e.g. Codex's "
+                          "environment message and task) stays in view whole when its loop "
+                          "is reduced or omitted, unless it alone would break the budget")
+    names_kept: int = Field(
+        48, ge=0, description="names (paths, dotted, snake_case and camelCase names, numbers) "
+                              "of an agent's own message the window trims, kept with it as a "
+                              "list; a drop note keeps 8 times as many of what it drops")
     exclude_tools: tuple[str, ...] = ()
     reduce_past_loops: ReducePastLoops = ReducePastLoops.ALWAYS
     ledger_arg_chars: int = Field(32, ge=0)

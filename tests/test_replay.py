@@ -216,7 +216,8 @@ def support_like(loops: int) -> dict[str, object]:
         back = max(0, k - 2)
         msgs.append({"role": "assistant", "content": f"#W{k}0{k}7 has shipped; the earlier "
                                                      f"parcel is 1Z{back:03d}X{back * 31:04d}"})
-    return {"messages": msgs}
+    return {"messages": msgs, "tools": [{"type": "function", "function": {
+        "name": "get_order", "parameters": {"type": "object"}}}]}
 
 
 def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None:

@@ -471,3 +471,25 @@ def test_search_history_finds_an_id_inside_a_longer_word_and_a_phrase_verbatim()
     text, _ = _search(msgs, "gift")
     assert "7091239" not in text.splitlines()[1]
     assert _search(msgs, "2.")[1] == "bad_arguments"  # no word and too short to look for
+
+
+def test_search_history_ranks_a_whole_token_then_the_query_as_typed_first() -> None:
+    """What the careful reader found lost: messages holding the query inside longer words
+    (``settings.ROOT_URLCONF_MODULE``) or in another case (``BASE_DIR``), and with its words
+    more often, filled the results before the one message that holds it as a whole token,
+    as typed."""
+    inside = [{"role": "tool", "tool_call_id": f"f{k}", "content":
+               "settings.ROOT_URLCONF_MODULE root_urlconf settings root_urlconf settings"}
+              for k in range(6)]
+    cased = [{"role": "tool", "tool_call_id": f"g{k}", "content": "BASE_DIR = BASE_DIR BASE_DIR"}
+             for k in range(6)]
+    msgs: list[dict[str, Any]] = [
+        *inside[:3], *cased[:3],
+        {"role": "tool", "tool_call_id": "c1",
+         "content": "the app reads settings.ROOT_URLCONF " + "x " * 60},
+        {"role": "assistant", "content": "base_dir = Path(__file__).parent " + "y " * 60},
+        *inside[3:], *cased[3:]]
+    text, outcome = _search(msgs, "settings.root_urlconf")  # a whole token, another case
+    assert outcome == "hit" and "the app reads" in text.splitlines()[1], text
+    text, _ = _search(msgs, "base_dir")  # a whole token as typed
+    assert "Path(__file__)" in text.splitlines()[1], text

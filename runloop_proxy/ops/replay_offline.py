@@ -173,13 +173,17 @@ class Replayer:
         client, forwarded = Side(self.provider, self.price), Side(self.provider, self.price)
         bound = Side(None, None)
         pressed = False
+        carry = None
         for i in range(1, len(messages)):
             if messages[i].get("role") != "assistant":
                 continue
             req, rcounts = messages[:i], counts[:i]
+            # the last window's carry, as the proxy keeps it: it spares recomputing the
+            # conversation's forms and never changes a window (tests/test_window.py)
             window = build_window(req, keys[:i], rcounts, policy, budget, self.ops,
-                                  tool_names=names,
+                                  tool_names=names, client_tools=bool(tools), carry=carry,
                                   summaries=ahead.upto(i, tally, pressed))
+            carry = window.carry
             pressed = window.tokens_out > policy.target * budget.working
             client_total = sum(rcounts) + tools_tokens + REPLY_PRIMING
             with_tools = window.offers_tools(policy, bool(tools))

@@ -152,7 +152,8 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
                           timestamps=stamps, now_ms=now,
                           memo=state.window_memo, tool_names=tools.window_names,
-                          carry=carry, summaries=summaries, compactions=compactions)
+                          carry=carry, summaries=summaries, compactions=compactions,
+                          client_tools=bool(turn.body.get("tools")))
     if window.carry is not None:
         state.carries[carried] = window.carry
     return window, made

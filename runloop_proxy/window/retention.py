@@ -34,6 +34,7 @@ import orjson
 
 from ..conversation.messages import Message, text_of
 from .digest import leaves
+from .names import holds, names
 
 MIN_CHARS = 3
 MAX_CHARS = 200
@@ -41,14 +42,6 @@ MAX_REFS = 64  # per turn
 _TOKEN = re.compile(r"[^\s,;()\[\]{}<>=]+")
 _QUOTED = re.compile(r"\"([^\"\n]{3,200})\"|'([^'\n]{3,200})'|`([^`\n]{3,200})`")
 _TRIM = ".:!?'\"`*"
-# the careful reader: runs of identifier characters, then what inside them names something
-_RUN = re.compile(r"[A-Za-z0-9_./\-$@~+]+")
-_NUMBER = re.compile(r"\d+(?:\.\d+)?")
-_PRICE = re.compile(r"\$(\d{1,3}(?:,\d{3})+(?:\.\d+)?)")
-_CAMEL = re.compile(r"[a-z][A-Z]|[A-Z][a-z]+[A-Z]")
-_WORD_CHAR = re.compile(r"\w")
-_EDGE = "./-:~+"
-_FRACTION = re.compile(r"\.(\d+)")
 
 
 def message_text(m: Message) -> str:
@@ -107,52 +100,8 @@ def careful_candidates(reply: Message) -> list[str]:
     and the identifiers inside them, the identifiers of the text and its quoted strings."""
     values = _arguments(reply)
     text = text_of(reply.get("content"))
-    return _distinct([*values, *(x for v in values for x in inner_identifiers(v)),
-                      *inner_identifiers(text), *_quoted(text)])
-
-
-def inner_identifiers(text: str) -> list[str]:
-    """The identifiers inside a text: paths and dotted names whole, snake_case and camelCase
-    names, names mixing letters and digits, and the numbers in it (of three characters or
-    more) — a price as its number (``$1,250.00`` is ``1250``)."""
-    out = []
-    text = _PRICE.sub(lambda m: m.group(1).replace(",", ""), text)
-    for run in _RUN.findall(text):
-        run = run.strip(_EDGE).removeprefix("$").strip(_EDGE)
-        if len(run) < MIN_CHARS:
-            continue
-        named = "/" in run or "_" in run or _CAMEL.search(run) is not None \
-            or ("." in run and not _NUMBER.fullmatch(run))
-        if named or (any(ch.isdigit() for ch in run) and any(ch.isalpha() for ch in run)):
-            out.append(run)
-        out += [_whole(n) for n in _NUMBER.findall(run) if len(_whole(n)) >= MIN_CHARS]
-    return out
-
-
-def _whole(number: str) -> str:
-    """A number without a fraction of zeros (``594.00`` is the price ``594``)."""
-    whole, _, fraction = number.partition(".")
-    return whole if fraction and not fraction.strip("0") else number
-
-
-def holds(text: str, ref: str) -> bool:
-    """Whether ``text`` shows ``ref`` as a whole token: not inside a longer word or number
-    (``594`` is not in ``6594``; ``separable.py`` is in ``astropy/modeling/separable.py``)."""
-    start = text.find(ref)
-    word_start, word_end = bool(_WORD_CHAR.match(ref[:1])), bool(_WORD_CHAR.match(ref[-1:]))
-    while start >= 0:
-        end = start + len(ref)
-        before = text[start - 1] if start else ""
-        after = text[end] if end < len(text) else ""
-        fraction = _FRACTION.match(text, end) if ref[-1:].isdigit() else None
-        if not (word_start and before and _WORD_CHAR.match(before)) \
-                and not (word_end and after and _WORD_CHAR.match(after)) \
-                and not (fraction and fraction.group(1).strip("0")) \
-                and not (ref[:1].isdigit() and before == "."
-                         and text[start - 2:start - 1].isdigit()):
-            return True
-        start = text.find(ref, start + 1)
-    return False
+    return _distinct([*values, *(x for v in values for x in names(v)),
+                      *names(text), *_quoted(text)])
 
 
 def _substring(text: str, ref: str) -> bool:
