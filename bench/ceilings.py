@@ -23,10 +23,10 @@ import orjson
 
 from runloop_proxy.conversation.messages import Message, message_hash
 from runloop_proxy.conversation.runloops import RunLoop, preamble_end, segment
-from runloop_proxy.ops.pricing import Block, PrefixCache
 from runloop_proxy.ops.replay_offline import cached_cost
 from runloop_proxy.pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens
 from runloop_proxy.pipeline.tools import definitions_tokens
+from runloop_proxy.pricing import Block, PrefixCache
 
 Shape = Callable[[list[Message], list[RunLoop]], list[Message]]
 

@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "whose price table has the model)")
     r.add_argument("--prices", default=None, metavar="FILE",
                    help="a price table merged over the built-in one (TOML, see "
-                        "runloop_proxy/ops/prices.toml)")
+                        "runloop_proxy/prices.toml)")
     r.add_argument("--half", choices=("tune", "holdout"), default=None,
                    help="only one half of the conversations, by a fixed hash of their ids")
     r.add_argument("--worst", type=int, default=5, metavar="N",

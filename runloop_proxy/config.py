@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .conversation.identity import DEFAULT_SOURCES, check_source
 from .errors import ConfigError
+from .pricing import PRICES_FILE, PriceTable
 
 GLOBAL_FILE = "runloop.toml"
 TENANTS_DIR = "tenants"
@@ -281,6 +282,7 @@ class ProxyConfig:
     passthrough: TenantSpec | None
     key_index: dict[str, str] = field(default_factory=dict)  # sha256(key) -> tenant name
     sources: tuple[Path, ...] = ()
+    prices: PriceTable | None = None  # what upstream usage is priced with (metrics)
 
     def tenant_for_key(self, key: str | None) -> TenantSpec | None:
         if key is None:
@@ -442,8 +444,12 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
             raise ConfigError("<settings>", "upstream",
                               "no tenants are configured: give --upstream (pass-through mode)")
         passthrough = passthrough_tenant(settings, defaults)
+    prices = PriceTable.in_config(settings.config_dir)
+    if settings.config_dir and (Path(settings.config_dir) / PRICES_FILE).is_file():
+        sources.append(Path(settings.config_dir) / PRICES_FILE)
     return ProxyConfig(server=server, store=store, upstreams=upstreams, tenants=tenants,
-                       passthrough=passthrough, key_index=key_index, sources=tuple(sources))
+                       passthrough=passthrough, key_index=key_index, sources=tuple(sources),
+                       prices=prices)
 
 
 def describe(config: ProxyConfig) -> dict[str, Any]:
@@ -491,7 +497,8 @@ def config_mtimes(config_dir: str | None) -> tuple[tuple[str, float], ...]:
     if not config_dir:
         return ()
     root = Path(config_dir)
-    paths = [root / GLOBAL_FILE, *sorted((root / TENANTS_DIR).glob("*.toml"))]
+    paths = [root / GLOBAL_FILE, root / PRICES_FILE,
+             *sorted((root / TENANTS_DIR).glob("*.toml"))]
     out = []
     for p in paths:
         try:

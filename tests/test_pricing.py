@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runloop_proxy.errors import ConfigError
-from runloop_proxy.ops.pricing import (
+from runloop_proxy.pricing import (
     Bill,
     Block,
     BreakpointCache,

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runloop_proxy.ops.pricing import Block, PrefixCache
 from runloop_proxy.ops.replay_offline import cached_cost
+from runloop_proxy.pricing import Block, PrefixCache
 from runloop_proxy.scripted import PromptCache, ScriptedUpstream
 
 

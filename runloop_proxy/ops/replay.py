@@ -25,7 +25,7 @@ from ..config import Policy, Settings, TenantSpec, load_config, passthrough_tena
 from ..conversation.items import to_items, to_messages, tool_to_chat
 from ..conversation.messages import Message, content_hash
 from ..errors import ConfigError
-from .pricing import PriceTable, Provider
+from ..pricing import PriceTable, Provider
 from .replay_offline import CACHED_PRICE, Replayer
 from .replay_report import Run, as_json, report
 from .replay_tally import SEPARATE, Tally

@@ -33,10 +33,10 @@ from ..conversation.runloops import preamble_end, segment
 from ..history.summaries import digest, due
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
 from ..pipeline.tools import Doc, ProxyTools, doc, query_terms, rank_docs
+from ..pricing import Block, BreakpointCache, PrefixCache, Price, Provider
 from ..window.builder import build_window
 from ..window.forms import Budget
 from ..window.retention import Conversation as RetentionMeter
-from .pricing import Block, BreakpointCache, PrefixCache, Price, Provider
 from .replay_tally import SEPARATE, STRICT, Tally
 
 CACHE_MIN = 1024

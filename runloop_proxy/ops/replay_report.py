@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Policy
-from .pricing import Provider
+from ..pricing import Provider
 from .replay_offline import Replayer
 from .replay_tally import SEPARATE, STRICT, Tally
 

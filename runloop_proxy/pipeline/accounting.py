@@ -74,6 +74,10 @@ class RequestLog:
         details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
         if isinstance(details, dict):
             b.usage_cached.inc(_int(details.get("cached_tokens")))
+        price = self.metrics.price(self.model)
+        if price is not None:  # priced as the provider bills: cached and written apart
+            for kind, usd in price.usage_cost(usage).items():
+                b.cost[kind].inc(usd)
 
     def finish(self, status: int, error: str | None = None) -> None:
         """Count and log the request; later calls do nothing (the first outcome stands)."""

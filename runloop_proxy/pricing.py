@@ -31,9 +31,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from ..errors import ConfigError
+from .errors import ConfigError
 
 PROVIDERS = ("openai", "anthropic")
+PRICES_FILE = "prices.toml"  # in the proxy's config directory: an operator's prices
 MILLION = 1_000_000
 
 
@@ -251,6 +252,12 @@ class PriceTable:
             raw = _merge(raw, over)
         return cls({name: _provider(name, spec, str(path or "prices.toml"))
                     for name, spec in raw.items()})
+
+    @classmethod
+    def in_config(cls, config_dir: str | None) -> PriceTable:
+        """The built-in table with the config directory's ``prices.toml`` over it."""
+        path = Path(config_dir) / PRICES_FILE if config_dir else None
+        return cls.load(path if path is not None and path.is_file() else None)
 
     def provider(self, name: str) -> Provider:
         if name not in self.providers:
