@@ -561,3 +561,23 @@ def test_the_careful_reader_retains_everything_in_pass_through(turns: list[tuple
         if m["role"] == "assistant":
             r = meter.retention(i, 0, msgs[:i])
             assert r.kept == r.total
+
+
+def test_the_careful_reader_reads_arguments_decoded_and_whitespace_as_one_space() -> None:
+    edit = _call("python - <<EOF\nimport shutil\nshutil.rmtree(path)\nEOF")
+    later = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "edit", "arguments": json.dumps(
+            {"command": "grep -n 'shutil.rmtree' a.py", "old": "if not objs:\n      return"})}}]}
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "go"}, edit,
+        {"role": "tool", "tool_call_id": "c1", "content": "if not objs:\n    return  # ok"},
+        later]
+    meter = Conversation(msgs, "s", careful=True)
+    current, _ = meter.references(4, 1)
+    # "\nshutil.rmtree" in the JSON arguments is a newline, not an "n" before the name
+    assert "shutil.rmtree" in current
+    # a quoted snippet's spacing is not what tells it apart
+    assert "if not objs: return" in current
+    window = [msgs[0], msgs[1], edit]
+    r = meter.retention(4, 1, window)
+    assert r.current_kept == sum(1 for x in current if x != "if not objs: return")

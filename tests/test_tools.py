@@ -493,3 +493,17 @@ def test_search_history_ranks_a_whole_token_then_the_query_as_typed_first() -> N
     assert outcome == "hit" and "the app reads" in text.splitlines()[1], text
     text, _ = _search(msgs, "base_dir")  # a whole token as typed
     assert "Path(__file__)" in text.splitlines()[1], text
+
+
+def test_search_history_finds_what_an_edit_wrote_as_the_model_wrote_it() -> None:
+    """An edit's arguments are JSON: its newlines are ``\\n`` escapes there; the model asks
+    for the code it wrote."""
+    edit = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "edit", "arguments": orjson.dumps(
+            {"path": "a.py", "new": "if not objs:\n    return\nexcept KeyError:\n    pass"}
+        ).decode()}}]}
+    msgs: list[dict[str, Any]] = [
+        *({"role": "user", "content": f"objs return except keyerror pass note {k}"}
+          for k in range(6)), edit]
+    text, outcome = _search(msgs, "except KeyError: pass")
+    assert outcome == "hit" and "calls=c1" in text.splitlines()[1], text

@@ -28,7 +28,7 @@ from ..conversation.messages import (
 )
 from ..conversation.runloops import segment
 from ..errors import StoreError
-from ..window.names import holds
+from ..window.names import decoded, holds
 from .tokens import TokenCounter
 
 RECALL = "recall_tool_call"
@@ -310,10 +310,17 @@ class Doc(NamedTuple):
     text: str
 
 
+def verbatim(m: Message) -> str:
+    """What a query is looked for in as typed: the searchable text, with the calls' argument
+    values decoded (an edit's ``"if not objs:\\n    return"`` is JSON-escaped in the
+    arguments; the model asks for the text it wrote)."""
+    return f"{searchable(m)}\n{decoded(m)}" if tool_calls_of(m) else searchable(m)
+
+
 def doc(key: str, m: Message) -> Doc:
     text = searchable(m)
     return Doc(key, m, Counter(t.lower() for t in _WORD.findall(text)),
-               " ".join(text.split()).lower())
+               " ".join(verbatim(m).split()).lower())
 
 
 def rank(terms: list[str], corpus: list[tuple[str, Message]], k: int, phrase: str = ""
@@ -337,7 +344,7 @@ def rank_docs(terms: list[str], docs: list[Doc], k: int, phrase: str = ""
     # a longer word, and holding it as typed (base_dir, not BASE_DIR) above both
     whole = {d.key for d in docs if d.key in exact and holds(d.text, phrase)}
     cased = {d.key for d in docs if d.key in whole
-             and holds(" ".join(searchable(d.message).split()), typed)}
+             and holds(" ".join(verbatim(d.message).split()), typed)}
     avg = sum(sum(d.words.values()) for d in docs) / len(docs) or 1.0
     words = {t: {t} for t in set(terms)}
     unmatched = [t for t in words if len(t) >= MIN_INFIX and not any(t in d.words for d in docs)]

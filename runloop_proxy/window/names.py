@@ -7,6 +7,12 @@ keeps of an agent's own words when it trims or drops them (``forms``), and for r
 from __future__ import annotations
 
 import re
+from typing import Any
+
+import orjson
+
+from ..conversation.messages import Message, text_of, tool_calls_of
+from .digest import leaves
 
 # runs of identifier characters, then what inside them names something
 _RUN = re.compile(r"[A-Za-z0-9_./\-$@~+]+")
@@ -62,3 +68,19 @@ def holds(text: str, ref: str) -> bool:
             return True
         start = text.find(ref, start + 1)
     return False
+
+
+def decoded(m: Message) -> str:
+    """What a message shows, as its reader reads it: its text, its calls' ids and names, their
+    arguments as sent, and their argument values decoded (``"import shutil\\nshutil.rmtree"``
+    holds ``shutil.rmtree`` once the JSON escape is read as the newline it is)."""
+    parts = [text_of(m.get("content"))]
+    for c in tool_calls_of(m):
+        fn: Any = c.get("function") or c.get("custom") or {}
+        args = fn.get("arguments") or fn.get("input") or ""
+        parts += [str(c.get("id") or ""), str(fn.get("name") or ""), str(args)]
+        try:
+            parts += leaves(orjson.loads(args)) if isinstance(args, str) and args else []
+        except orjson.JSONDecodeError:
+            continue
+    return "\n".join(parts)

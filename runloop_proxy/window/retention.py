@@ -34,7 +34,7 @@ import orjson
 
 from ..conversation.messages import Message, text_of
 from .digest import leaves
-from .names import holds, names
+from .names import decoded, holds, names
 
 MIN_CHARS = 3
 MAX_CHARS = 200
@@ -100,8 +100,13 @@ def careful_candidates(reply: Message) -> list[str]:
     and the identifiers inside them, the identifiers of the text and its quoted strings."""
     values = _arguments(reply)
     text = text_of(reply.get("content"))
-    return _distinct([*values, *(x for v in values for x in names(v)),
-                      *names(text), *_quoted(text)])
+    return _distinct([" ".join(v.split()) for v in (*values, *(x for v in values
+                                                              for x in names(v)),
+                                                   *names(text), *_quoted(text))])
+
+
+def _readable(m: Message) -> str:
+    return " ".join(decoded(m).split())
 
 
 def _substring(text: str, ref: str) -> bool:
@@ -159,7 +164,10 @@ class Conversation:
 
     def __init__(self, messages: list[Message], fixed: str, careful: bool = False):
         self.messages = messages
-        self.texts = [message_text(m) for m in messages]
+        # the careful reader reads arguments decoded (a JSON escape is not a letter) and a
+        # run of whitespace as one space, as search_history does
+        self.show = _readable if careful else message_text
+        self.texts = [self.show(m) for m in messages]
         self.system = [m.get("role") in ("system", "developer") for m in messages]
         self.fixed = fixed  # the system prompt and the tool schemas: not history
         self.read = careful_candidates if careful else candidates
@@ -188,7 +196,7 @@ class Conversation:
         current, past = self.references(i, loop_start)
         if not current and not past:
             return Retention(measured=refs is not None)
-        shown = "\n".join(message_text(m) for m in window)
+        shown = "\n".join(self.show(m) for m in window)
         has = self.holds
         out = Retention(len(current), sum(has(shown, r) for r in current),
                         len(past), sum(has(shown, r) for r in past), measured=refs is not None)
