@@ -23,9 +23,10 @@ import orjson
 
 from runloop_proxy.conversation.messages import Message, message_hash
 from runloop_proxy.conversation.runloops import RunLoop, preamble_end, segment
-from runloop_proxy.ops.replay import cached_cost, common_prefix_tokens
+from runloop_proxy.ops.replay_offline import cached_cost
 from runloop_proxy.pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens
 from runloop_proxy.pipeline.tools import definitions_tokens
+from runloop_proxy.pricing import Block, PrefixCache
 
 Shape = Callable[[list[Message], list[RunLoop]], list[Message]]
 
@@ -80,8 +81,8 @@ def _price(convs: list[dict[str, Any]], shape: Shape, extra: int, counter: Token
         tools = counter.tools(enc, conv.get("tools"))
         keys = [message_hash(m) for m in msgs]
         counts = [counter.message(enc, m, k) for m, k in zip(msgs, keys, strict=True)]
-        prev_c: list[str] | None = None
-        prev_f: list[str] | None = None
+        side_c, side_f = PrefixCache(0, 1), PrefixCache(0, 1)  # shared tokens, to the token
+        first = True
         for i in range(1, len(msgs)):
             if msgs[i].get("role") != "assistant":
                 continue
@@ -94,13 +95,13 @@ def _price(convs: list[dict[str, Any]], shape: Shape, extra: int, counter: Token
             f_total = sum(wcounts) + tools + extra + REPLY_PRIMING
             client += c_total
             forwarded += f_total
-            c_prefix = 0 if prev_c is None else \
-                tools + common_prefix_tokens(prev_c, keys[:i], counts[:i])
-            f_prefix = 0 if prev_f is None else \
-                tools + extra + common_prefix_tokens(prev_f, wkeys, wcounts)
-            client_cost += cached_cost(c_total, c_prefix)
-            forwarded_cost += cached_cost(f_total, f_prefix)
-            prev_c, prev_f = keys[:i], wkeys
+            c_shared = side_c.bill([Block(k, n) for k, n in zip(keys[:i], counts[:i],
+                                                                strict=True)]).cached
+            f_shared = side_f.bill([Block(k, n) for k, n in zip(wkeys, wcounts,
+                                                                strict=True)]).cached
+            client_cost += cached_cost(c_total, c_shared + (0 if first else tools))
+            forwarded_cost += cached_cost(f_total, f_shared + (0 if first else tools + extra))
+            first = False
     return 1 - forwarded / client, 1 - forwarded_cost / client_cost
 
 

@@ -34,6 +34,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", type=int, default=300)
     parser.add_argument("--repeat", type=int, default=200)
+    parser.add_argument("--no-names", action="store_true",
+                        help="names_kept = 0: what keeping the agent's names costs")
     parser.add_argument("--summary-model", default=None,
                         help="a policy with summaries (the window then digests what it drops)")
     args = parser.parse_args()
@@ -41,7 +43,8 @@ def main() -> int:
     counter = TokenCounter()
     enc, _ = counter.encoding("gpt-4o-mini")
     ops = WindowTokens(counter, enc, ByteLRU(256 << 20))
-    policy = Policy(summary_model=args.summary_model)
+    policy = Policy(summary_model=args.summary_model,
+                    names_kept=0 if args.no_names else Policy().names_kept)
     budget = Budget(hard=120_000, working=24_000)
     memo: ByteLRU[tuple[str, ...], object] = ByteLRU(64 << 20)
     keys: list[str] = []

@@ -176,7 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file")
     r.add_argument("--context", type=int, default=None,
                    help="model context window for the run (default: the model's or 128k)")
-    r.add_argument("--model", default="gpt-4o")
+    r.add_argument("--model", default=None,
+                   help="the model counted and priced (default gpt-4o; with --provider "
+                        "anthropic, claude-sonnet-4)")
+    r.add_argument("--provider", choices=("openai", "anthropic"), default=None,
+                   help="bill both sides as this provider does: OpenAI's automatic prefix "
+                        "cache, or Anthropic's cache_control breakpoints (default: the one "
+                        "whose price table has the model)")
+    r.add_argument("--prices", default=None, metavar="FILE",
+                   help="a price table merged over the built-in one (TOML, see "
+                        "runloop_proxy/prices.toml)")
+    r.add_argument("--half", choices=("tune", "holdout"), default=None,
+                   help="only one half of the conversations, by a fixed hash of their ids")
+    r.add_argument("--worst", type=int, default=5, metavar="N",
+                   help="list the N conversations that save least (default 5)")
     r.add_argument("--config", default=None, metavar="DIR", help="take the policy from a tenant")
     r.add_argument("--tenant", default=None)
     r.add_argument("--proxy", default=None, metavar="URL",

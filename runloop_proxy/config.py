@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .conversation.identity import DEFAULT_SOURCES, check_source
 from .errors import ConfigError
+from .pricing import PRICES_FILE, PriceTable
 
 GLOBAL_FILE = "runloop.toml"
 TENANTS_DIR = "tenants"
@@ -88,6 +89,20 @@ class Policy(_Strict):
                                  "share of the working budget)")
     reduce_at_least: int = Field(
         64, ge=0, description="tokens a past-loop reduction must clear to be made")
+    payback_requests: int | None = Field(
+        None, ge=0, description="a lever that only saves money (a past-loop reduction under "
+                                "the threshold, an omission beyond max_run_loops) moves only "
+                                "when it takes tokens out; with this set, only when what it "
+                                "takes out of later requests pays, within this many of them, "
+                                "for what it makes the provider read again")
+    keep_opening: bool = Field(
+        True, description="the opening task (the first loop's user messages, e.g. Codex's "
+                          "environment message and task) stays in view whole when its loop "
+                          "is reduced or omitted, unless it alone would break the budget")
+    names_kept: int = Field(
+        48, ge=0, description="names (paths, dotted, snake_case and camelCase names, numbers) "
+                              "of an agent's own message the window trims, kept with it as a "
+                              "list; a drop note keeps 8 times as many of what it drops")
     exclude_tools: tuple[str, ...] = ()
     reduce_past_loops: ReducePastLoops = ReducePastLoops.ALWAYS
     ledger_arg_chars: int = Field(32, ge=0)
@@ -289,6 +304,7 @@ class ProxyConfig:
     passthrough: TenantSpec | None
     key_index: dict[str, str] = field(default_factory=dict)  # sha256(key) -> tenant name
     sources: tuple[Path, ...] = ()
+    prices: PriceTable | None = None  # what upstream usage is priced with (metrics)
 
     def tenant_for_key(self, key: str | None) -> TenantSpec | None:
         if key is None:
@@ -450,8 +466,12 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
             raise ConfigError("<settings>", "upstream",
                               "no tenants are configured: give --upstream (pass-through mode)")
         passthrough = passthrough_tenant(settings, defaults)
+    prices = PriceTable.in_config(settings.config_dir)
+    if settings.config_dir and (Path(settings.config_dir) / PRICES_FILE).is_file():
+        sources.append(Path(settings.config_dir) / PRICES_FILE)
     return ProxyConfig(server=server, store=store, upstreams=upstreams, tenants=tenants,
-                       passthrough=passthrough, key_index=key_index, sources=tuple(sources))
+                       passthrough=passthrough, key_index=key_index, sources=tuple(sources),
+                       prices=prices)
 
 
 def describe(config: ProxyConfig) -> dict[str, Any]:
@@ -499,7 +519,8 @@ def config_mtimes(config_dir: str | None) -> tuple[tuple[str, float], ...]:
     if not config_dir:
         return ()
     root = Path(config_dir)
-    paths = [root / GLOBAL_FILE, *sorted((root / TENANTS_DIR).glob("*.toml"))]
+    paths = [root / GLOBAL_FILE, root / PRICES_FILE,
+             *sorted((root / TENANTS_DIR).glob("*.toml"))]
     out = []
     for p in paths:
         try:

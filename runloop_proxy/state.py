@@ -60,6 +60,7 @@ class AppState:
                                                                 lambda k, v: v.size)
         self.tokens.resize(share("tokens"))
         self.summaries = SummaryService(self)
+        self.metrics.prices = self.config.prices
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run work off the request path; keep a reference so it is not collected mid-flight."""
@@ -107,6 +108,7 @@ class AppState:
             return False
         await self.warm_encodings(config)
         self.config = config
+        self.metrics.prices = config.prices
         self.init_metrics()
         await self.sync_upstreams()
         self.metrics.config_reloads.labels("ok").inc()

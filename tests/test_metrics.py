@@ -265,3 +265,35 @@ def test_several_workers_add_up_their_metrics(upstream: ScriptedUpstream, redis_
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=20)
+
+
+def test_upstream_usage_is_priced_as_the_provider_bills_it(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """runloop_upstream_cost_usd_total: the upstream's reported usage, cached tokens at the
+    cached price, from the built-in table and an operator's prices.toml over it."""
+    upstream.responder = lambda body: {"content": "x" * 400, "prompt_tokens": 1_000_000,
+                                       "cached_tokens": 400_000}
+    (tmp_path / "runloop.toml").write_text(f'[upstreams.default]\nurl = "{upstream.url}"\n')
+    (tmp_path / "prices.toml").write_text(
+        '[openai.models."gpt-4o-mini"]\ncached_input = 0.05\n'  # one field changed
+        '[openai.models."house-model"]\ninput = 1.0\ncached_input = 0.1\noutput = 2.0\n')
+    proxy = make_proxy(config_dir=str(tmp_path))
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-cost", max_retries=0)
+    for model in ("gpt-4o-mini", "house-model", "unpriced-model"):
+        c.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+    text = httpx.get(proxy.base + "/metrics").text
+
+    def cost(model: str, kind: str) -> float:
+        want = f'runloop_upstream_cost_usd_total{{kind="{kind}",model="{model}",'
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(want))
+    # gpt-4o-mini: 600k afresh at $0.15, 400k cached at the operator's $0.05, 100 out at $0.60
+    assert cost("gpt-4o-mini", "input") == pytest.approx(0.09)
+    assert cost("gpt-4o-mini", "cached_input") == pytest.approx(0.02)
+    assert cost("gpt-4o-mini", "output") == pytest.approx(100 * 0.6 / 1e6)
+    assert cost("gpt-4o-mini", "cache_write") == 0
+    assert cost("house-model", "input") == pytest.approx(0.6)
+    assert cost("house-model", "cached_input") == pytest.approx(0.04)
+    assert not any(line.startswith("runloop_upstream_cost_usd_total")
+                   and 'model="unpriced-model"' in line and not line.endswith(" 0.0")
+                   for line in text.splitlines())

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from runloop_proxy.ops.replay import cached_cost, common_prefix_tokens
+from runloop_proxy.ops.replay_offline import cached_cost
+from runloop_proxy.pricing import Block, PrefixCache
 from runloop_proxy.scripted import PromptCache, ScriptedUpstream
 
 
@@ -55,16 +56,21 @@ def test_replay_rejects_bad_input(tmp_path: Path) -> None:
 
 
 def test_a_prompt_extended_in_place_still_shares_its_tokens() -> None:
-    sys_a = {"role": "system", "content": "rules " * 100}
-    sys_b = {"role": "system", "content": "rules " * 100 + "\n\nmarker"}
-    user = {"role": "user", "content": "hi"}
-    prev, cur = [sys_a, user], [sys_b, user]
-    pk, ck = ["a", "u"], ["b", "u"]
-    # by message only nothing is shared; by text the old prompt's tokens are
-    assert common_prefix_tokens(pk, ck, [105, 4]) == 0
-    assert common_prefix_tokens(pk, ck, [105, 4], prev, cur, [103, 4]) == 102
-    other = [{"role": "system", "content": "other rules"}, user]
-    assert common_prefix_tokens(pk, ["c", "u"], [5, 4], prev, other, [103, 4]) == 0
+    rules = "rules " * 100
+    user = Block("u", 4, "hi", "user")
+
+    def shared(first: list[Block], second: list[Block]) -> int:
+        cache = PrefixCache(0, 1)  # to the token
+        cache.bill(first)
+        return cache.bill(second).cached
+    # by message only nothing is shared; by text the old prompt's tokens are (its last
+    # token may merge with what was appended)
+    assert shared([Block("a", 103, rules, "system"), user],
+                  [Block("b", 105, rules + "\n\nmarker", "system"), user]) == 102
+    assert shared([Block("a", 103, rules, "system"), user],
+                  [Block("c", 5, "other rules", "system"), user]) == 0
+    assert shared([Block("a", 103, rules, "system"), user],
+                  [Block("b", 105, rules + "x", "user"), user]) == 0  # another role
 
 
 def test_cached_cost_rules() -> None:
@@ -210,7 +216,8 @@ def support_like(loops: int) -> dict[str, object]:
         back = max(0, k - 2)
         msgs.append({"role": "assistant", "content": f"#W{k}0{k}7 has shipped; the earlier "
                                                      f"parcel is 1Z{back:03d}X{back * 31:04d}"})
-    return {"messages": msgs}
+    return {"messages": msgs, "tools": [{"type": "function", "function": {
+        "name": "get_order", "parameters": {"type": "object"}}}]}
 
 
 def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None:
@@ -259,14 +266,69 @@ def test_replay_reads_responses_conversations(tmp_path: Path) -> None:
     assert out["reasoning_items"]["client"] > out["reasoning_items"]["forwarded"] > 0
 
 
-def test_replay_reads_messages_conversations_and_prices_anthropics_cache(
-        tmp_path: Path) -> None:
+def test_the_halves_split_conversations_by_a_fixed_hash_of_their_ids(tmp_path: Path) -> None:
+    from runloop_proxy.ops.replay import half_of
+
+    convs = [{**conversation(2), "id": f"conv-{k}"} for k in range(40)]
+    halves = [half_of(c) for c in convs]
+    assert set(halves) == {"tune", "holdout"}
+    # the same id falls in the same half, whatever its content and wherever it stands
+    assert half_of({**conversation(5), "id": "conv-7"}) == halves[7]
+    # without an id, the opening messages decide, the same way every time
+    assert half_of(conversation(3)) == half_of(conversation(3))
+    # the split never moves: these halves are the ones the defaults were tuned and checked on
+    assert [half_of({"id": f"conv-{k}"}) for k in range(6)] == \
+        ["tune", "tune", "tune", "holdout", "tune", "tune"]
+    assert half_of({"id": "tau1-gpt4o-airline-t0-trial0-0"}) == "tune"
+    f = tmp_path / "c.jsonl"
+    f.write_text("\n".join(json.dumps(c) for c in convs) + "\n")
+    tune = json.loads(run(f, "--json", "--half", "tune").stdout)
+    holdout = json.loads(run(f, "--json", "--half", "holdout").stdout)
+    assert (tune["conversations"], holdout["conversations"]) == \
+        (halves.count("tune"), halves.count("holdout"))
+    assert tune["half"] == "tune" and tune["requests"] + holdout["requests"] == 40 * 3
+    assert "(holdout half)" in run(f, "--half", "holdout").stdout
+
+
+def test_replay_names_the_conversations_that_cost_more_and_prices_them(tmp_path: Path
+                                                                       ) -> None:
+    short = {"id": "short-one", "meta": {"domain": "a"}, **conversation(1)}
+    long = {"id": "long-one", "meta": {"domain": "b"}, **conversation(40)}
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps(short) + "\n" + json.dumps(long) + "\n")
+    data = json.loads(run(f, "--json", "--context", "16384").stdout)
+    # the short one costs the proxy's tools and saves nothing; the long one saves
+    assert data["costing_more"]["strict"] == 1 and data["costing_more"]["cache_aware"] == 1
+    worst = data["worst"]
+    assert [w["id"] for w in worst] == ["short-one", "long-one"]
+    assert worst[0]["strict_saving"] < 0 < worst[1]["strict_saving"]
+    assert set(data["by_domain"]) == {"a", "b"} and data["by_domain"]["b"]["strict"] > 0
+    money = data["money"]
+    assert money["provider"] == "openai" and money["prices_per_million"]["input"] == 2.5
+    assert 0 < money["forwarded"] < money["client"] and money["output"] > 0
+    human = run(f, "--context", "16384", "--worst", "1").stdout
+    assert "costing more than pass-through: cache-aware 1, strict 1" in human
+    assert "short-one" in human and "long-one" not in human and "by domain" in human
+    assert "money (openai" in human
+    anthropic = json.loads(run(f, "--json", "--provider", "anthropic").stdout)
+    assert anthropic["model"] == "claude-sonnet-4"
+    assert anthropic["money"]["provider"] == "anthropic"
+    assert anthropic["money"]["prices_per_million"]["cache_write"] == 3.75
+    assert run(f, "--provider", "anthropic", "--model", "gpt-4o").returncode == 2
+    prices = tmp_path / "prices.toml"
+    prices.write_text('[openai.models."house-model"]\ninput = 1.0\ncached_input = 0.1\n')
+    house = json.loads(run(f, "--json", "--model", "house-model", "--prices",
+                           str(prices)).stdout)
+    assert house["money"]["prices_per_million"]["input"] == 1.0
+    assert json.loads(run(f, "--json", "--model", "house-model").stdout)["money"] is None
+
+
+def test_replay_reads_messages_conversations(tmp_path: Path) -> None:
     """A Messages-format recording (system, tool_use and tool_result blocks, tools with an
-    input_schema) replays as the same conversation in chat form does, and is priced in
-    Anthropic's cache model besides: marks at the end of the system prompt and of each
-    request, writes at 1.25x, reads at 0.1x."""
+    input_schema) replays as the same conversation in chat form does, and prices in
+    Anthropic's cache model with --provider anthropic (marks at the end of the system prompt
+    and of each request, as Claude Code places them)."""
     from runloop_proxy.conversation.blocks import chat_to_tool, to_anthropic, to_messages
-    from runloop_proxy.ops import anthropic_cost
 
     chat = conversation(40)
     system, turns = to_anthropic(chat["messages"])  # type: ignore[arg-type]
@@ -274,27 +336,17 @@ def test_replay_reads_messages_conversations_and_prices_anthropics_cache(
         chat_to_tool({"name": "bash", "parameters": {"type": "object"}})]}
     f = tmp_path / "m.jsonl"
     f.write_text(json.dumps(line) + "\n")
-    out = json.loads(run(f, "--json", "--model", "claude-sonnet-4-6").stdout)
+    args = ("--json", "--model", "claude-sonnet-4-6", "--provider", "anthropic")
+    out = json.loads(run(f, *args).stdout)
     c = tmp_path / "c.jsonl"  # the same conversation in chat form (its calls' input as JSON)
     plain = [{k: v for k, v in m.items() if k != "blocks"} for m in to_messages(turns, system)]
     c.write_text(json.dumps({"messages": plain, "tools": [{"type": "function", "function": {
         "name": "bash", "parameters": {"type": "object"}}}]}) + "\n")
-    same = json.loads(run(c, "--json", "--model", "claude-sonnet-4-6").stdout)
+    same = json.loads(run(c, *args).stdout)
     assert out["requests"] == same["requests"] == 41
     assert out["client_tokens"] == same["client_tokens"]
     # the same windows (refs, hashes of the messages with their blocks, tokenize apart)
     assert abs(out["forwarded_tokens"] - same["forwarded_tokens"]) < 0.001 * out["client_tokens"]
     assert out["compaction_events"] == same["compaction_events"]
-    a = out["anthropic_cache"]
-    assert "anthropic_cache" not in same
-    assert a["read_share_client"] > 0.8 and 0 < a["forwarded_cost"] < a["client_cost"]
-    auto = json.loads(run(f, "--json", "--model", "claude-sonnet-4-6", "--set",
-                          "cache_breakpoints=auto").stdout)["anthropic_cache"]
-    assert auto["client_cost"] == a["client_cost"]
-    # the model itself: a repeated prefix read at 0.1x, the new part written at 1.25x
-    t = anthropic_cost.CacheTally()
-    side = anthropic_cost.Conversation(t)
-    assert side.request(["a", "b"], [1000, 1000], [1]) == 2000 * 1.25
-    assert side.request(["a", "b", "c"], [1000, 1000, 500], [2]) == 200 + 500 * 1.25
-    assert side.request(["x", "b"], [1000, 1000], [1]) == 2500  # nothing shared: rewritten
-    assert side.request(["a", "b"], [100, 100], [1]) == 200  # below 1,024 tokens: no cache
+    money = out["money"]
+    assert money["provider"] == "anthropic" and 0 < money["forwarded"] < money["client"]

@@ -365,10 +365,13 @@ def test_a_stateless_session_shows_its_summary_after_the_marker(
     sent = upstream.requests[-1]["input"]
     at = next(i for i, item in enumerate(sent)
               if "Earlier turns are not shown" in str(item.get("content")))
-    summary = sent[at + 1]
+    summary = sent[at]  # the marker, the model's own note, with the summary after its text
     assert summary["role"] == "assistant"
     text = str(summary["content"])
-    assert text.startswith("[runloop-proxy] Summary of the turns not shown:\n")
+    assert "[runloop-proxy] Earlier turns are not shown" in text
+    assert "Summary of the turns not shown:\n- Q: task 0" in text
+    # the opening task stays in view, where it stood, before the marker
+    assert sent[at - 1]["role"] == "user" and "task 0" in str(sent[at - 1]["content"])
     assert "- Q: task 0: look at f0 [tools: shell] → A: f0 looks fine" in text
     assert "task 4: look at f4" in text and "task 5: look at f5" not in text  # loops 0-4
     assert "0-0" not in text  # an output's short numbers measure rows: no identifiers

@@ -3,6 +3,7 @@ reply uses, and what a summary carries of the loops it covers."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -25,7 +26,7 @@ from runloop_proxy.window.digest import (
     roll,
     strength,
 )
-from runloop_proxy.window.retention import Conversation, candidates
+from runloop_proxy.window.retention import Conversation, candidates, careful_candidates, holds
 
 
 def call(name: str, args: str, cid: str = "c1") -> dict[str, Any]:
@@ -486,3 +487,97 @@ def test_picking_from_found_identifiers_lazily_matches_the_digest(
 def test_parse_reads_a_summary_an_earlier_version_stored() -> None:
     old = "Turns left out (extractive digest):\n- Q: q → A: a\nIdentifiers from them: id-1 id-2"
     assert parse(old) == (["- Q: q → A: a"], ["id-1", "id-2"])
+
+
+def _call(command: str, text: str = "") -> dict[str, Any]:
+    return {"role": "assistant", "content": text, "tool_calls": [
+        {"id": "c1", "type": "function",
+         "function": {"name": "bash", "arguments": json.dumps({"command": command})}}]}
+
+
+@pytest.mark.parametrize("reply, want", [
+    # a command taken whole, and what a reviewer reads inside it: paths, numbers
+    (_call("sed -n '100,120p' astropy/modeling/separable.py"),
+     ["sed -n '100,120p' astropy/modeling/separable.py", "100", "120p", "120",
+      "astropy/modeling/separable.py"]),
+    # dotted, snake_case and camelCase names; no plain words
+    (_call("python -c 'import m; print(m.Pix2Sky_TAN, fooBar, CompoundModel, done)'"),
+     ["python -c 'import m; print(m.Pix2Sky_TAN, fooBar, CompoundModel, done)'",
+      "m.Pix2Sky_TAN", "fooBar", "CompoundModel"]),
+    # a price with and without its $, thousands and zero cents as the number
+    ({"role": "assistant", "content": "That is $594, or $1,250.00 for both (594.00)."},
+     ["594", "1250"]),
+    # snake_case with the number inside it
+    ({"role": "assistant", "content": "Use gift_card_7091239 now."},
+     ["gift_card_7091239", "7091239"]),
+])
+def test_the_careful_reader_reads_inside_arguments_and_text(reply: dict[str, Any],
+                                                            want: list[str]) -> None:
+    assert careful_candidates(reply) == want
+
+
+@pytest.mark.parametrize("text, ref, found", [
+    ("6594", "594", False), ("594", "594", True), ("x 594.00", "594", True),
+    ("594.5", "594", False), ("v1.594", "594", False), ("$594", "594", True),
+    ("astropy/modeling/separable.py:3", "separable.py", True),
+    ("user_id", "_id", False), ("user_id", "user", False), ("a user_id b", "user_id", True),
+    ("m.Pix2Sky_TAN.x", "m.Pix2Sky_TAN", True), ("xm.Pix2Sky_TAN", "m.Pix2Sky_TAN", False),
+    ("594 and 6594", "594", True), ("6594 and 1594", "594", False),
+])
+def test_a_careful_match_is_a_whole_token(text: str, ref: str, found: bool) -> None:
+    assert holds(text, ref) is found
+
+
+def test_the_careful_reader_counts_what_the_plain_one_misses_and_matches_whole_tokens() -> None:
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "fix astropy/modeling/separable.py; price 6594"},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "and?"},
+        _call("grep -n separability_matrix astropy/modeling/separable.py", "It costs $594.")]
+    plain = Conversation(msgs, "sys")
+    careful = Conversation(msgs, "sys", careful=True)
+    # the plain reader finds neither the whole command nor "$594" in the history
+    assert plain.references(4, 3) == ([], [])
+    # the careful one finds the path, and not 594 inside 6594
+    assert careful.references(4, 3) == ([], ["astropy/modeling/separable.py"])
+    window = [msgs[0], {"role": "user", "content": "see separable.py"}, msgs[3]]
+    r = careful.retention(4, 3, window)
+    assert (r.past, r.past_kept) == (1, 0)
+    r = careful.retention(4, 3, msgs[:4])
+    assert (r.past, r.past_kept) == (1, 1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.text(alphabet="ab_1/.$ ", max_size=30),
+                          st.text(alphabet="ab_1/.$ ", max_size=30)), min_size=1, max_size=5))
+def test_the_careful_reader_retains_everything_in_pass_through(turns: list[tuple[str, str]]
+                                                                ) -> None:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "s"}]
+    for q, a in turns:
+        msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    meter = Conversation(msgs, "s", careful=True)
+    for i, m in enumerate(msgs):
+        if m["role"] == "assistant":
+            r = meter.retention(i, 0, msgs[:i])
+            assert r.kept == r.total
+
+
+def test_the_careful_reader_reads_arguments_decoded_and_whitespace_as_one_space() -> None:
+    edit = _call("python - <<EOF\nimport shutil\nshutil.rmtree(path)\nEOF")
+    later = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "edit", "arguments": json.dumps(
+            {"command": "grep -n 'shutil.rmtree' a.py", "old": "if not objs:\n      return"})}}]}
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "go"}, edit,
+        {"role": "tool", "tool_call_id": "c1", "content": "if not objs:\n    return  # ok"},
+        later]
+    meter = Conversation(msgs, "s", careful=True)
+    current, _ = meter.references(4, 1)
+    # "\nshutil.rmtree" in the JSON arguments is a newline, not an "n" before the name
+    assert "shutil.rmtree" in current
+    # a quoted snippet's spacing is not what tells it apart
+    assert "if not objs: return" in current
+    window = [msgs[0], msgs[1], edit]
+    r = meter.retention(4, 1, window)
+    assert r.current_kept == sum(1 for x in current if x != "if not objs: return")

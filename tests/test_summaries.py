@@ -349,7 +349,8 @@ def test_compact_now_summarises_and_omits_from_the_next_request(
     text = marker({"messages": sent[0]})
     assert text is not None and "Summary of the turns not shown" in text and "#W4000" in text
     users = [m["content"] for m in sent[0] if m["role"] == "user"]
-    assert users == ["where is order 5", "where is order 6"]
+    # the opening task stays in view, then the turns after the omitted ones
+    assert users == ["where is order 1", "where is order 5", "where is order 6"]
     for before, after in zip(sent, sent[1:], strict=False):
         assert after[:len(before)] == before  # append-only after the compaction
     view = httpx.get(proxy.base + "/admin/sessions/compact-me", headers=ADMIN).json()
@@ -472,7 +473,8 @@ def test_an_omission_by_age_shows_the_digest_of_what_it_left_out(
     assert third[0].startswith(second[0]) and third[0].count("Identifiers:") == 2
     last = [b for b in upstream.requests if not is_summary_call(b)][-1]
     users = [m["content"] for m in last["messages"] if m["role"] == "user"]
-    assert users == ["where is order 3"]  # 1 and 2 omitted, by age
+    # 1 and 2 omitted, by age; the opening task stays in view
+    assert users == ["where is order 1", "where is order 3"]
 
 
 def test_a_loop_is_dated_in_its_own_conversation_not_by_the_same_words_elsewhere(
@@ -538,12 +540,15 @@ def test_the_event_that_omits_e_loops(max_run_loops: int, batch: int, e: int, at
     what decides whether a summary can wait for the next request or must start on the reply."""
     from runloop_proxy.history.summaries import event_at
 
-    policy = Policy(max_run_loops=max_run_loops, omit_batch=batch)
+    # (without the opening task kept: omitting the first loop alone would then take out only
+    # what the opening and the kept reply do not show)
+    policy = Policy(max_run_loops=max_run_loops, omit_batch=batch, keep_opening=False)
     assert event_at(policy, e) == at
     # the window agrees: with at-1 closed loops nothing reaches e, with at it does
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "s"}]
-    for k in range(at + 1):
-        msgs += [{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}]
+    for k in range(at + 1):  # questions long enough that omitting one takes tokens out
+        msgs += [{"role": "user", "content": f"q{k} " + "word " * 40},
+                 {"role": "assistant", "content": f"a{k}"}]
     from runloop_proxy.conversation.messages import message_hash
     from runloop_proxy.window.builder import build_window
     from runloop_proxy.window.forms import Budget

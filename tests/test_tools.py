@@ -560,3 +560,39 @@ def test_a_huge_query_does_not_stall_other_requests(proxy: ProxyServer,
     assert f"(the first {MAX_QUERY_CHARS} characters)" in answers[0]
     print(f"\n90 KB query: answered in {took:.3f}s, slowest /healthz {slowest:.3f}s")
     assert slowest < 2.0, f"/healthz waited {slowest:.2f}s (24 s before the fix)"
+
+
+def test_search_history_ranks_a_whole_token_then_the_query_as_typed_first() -> None:
+    """What the careful reader found lost: messages holding the query inside longer words
+    (``settings.ROOT_URLCONF_MODULE``) or in another case (``BASE_DIR``), and with its words
+    more often, filled the results before the one message that holds it as a whole token,
+    as typed."""
+    inside = [{"role": "tool", "tool_call_id": f"f{k}", "content":
+               "settings.ROOT_URLCONF_MODULE root_urlconf settings root_urlconf settings"}
+              for k in range(6)]
+    cased = [{"role": "tool", "tool_call_id": f"g{k}", "content": "BASE_DIR = BASE_DIR BASE_DIR"}
+             for k in range(6)]
+    msgs: list[dict[str, Any]] = [
+        *inside[:3], *cased[:3],
+        {"role": "tool", "tool_call_id": "c1",
+         "content": "the app reads settings.ROOT_URLCONF " + "x " * 60},
+        {"role": "assistant", "content": "base_dir = Path(__file__).parent " + "y " * 60},
+        *inside[3:], *cased[3:]]
+    text, outcome = _search(msgs, "settings.root_urlconf")  # a whole token, another case
+    assert outcome == "hit" and "the app reads" in text.splitlines()[1], text
+    text, _ = _search(msgs, "base_dir")  # a whole token as typed
+    assert "Path(__file__)" in text.splitlines()[1], text
+
+
+def test_search_history_finds_what_an_edit_wrote_as_the_model_wrote_it() -> None:
+    """An edit's arguments are JSON: its newlines are ``\\n`` escapes there; the model asks
+    for the code it wrote."""
+    edit = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "edit", "arguments": orjson.dumps(
+            {"path": "a.py", "new": "if not objs:\n    return\nexcept KeyError:\n    pass"}
+        ).decode()}}]}
+    msgs: list[dict[str, Any]] = [
+        *({"role": "user", "content": f"objs return except keyerror pass note {k}"}
+          for k in range(6)), edit]
+    text, outcome = _search(msgs, "except KeyError: pass")
+    assert outcome == "hit" and "calls=c1" in text.splitlines()[1], text

@@ -46,6 +46,8 @@ class WordOps:
 
 
 OPS = WordOps()
+# the levers' mechanics, tested apart from when they pay and from the opening task kept
+MECHANICS: dict[str, Any] = {"keep_opening": False}
 
 
 def words(n: int, tag: str = "w") -> str:
@@ -81,10 +83,11 @@ def ref_of(messages: list[Message], call_id: str, nth: int = 0) -> str:
 
 
 def build(messages: list[Message], policy: Policy | None = None, hard: int = 100_000,
-          working: int = 1_000) -> Window:
+          working: int = 1_000, client_tools: bool = True) -> Window:
     keys = [message_hash(m) for m in messages]
     counts = [OPS.count(m) for m in messages]
-    return build_window(messages, keys, counts, policy or Policy(), Budget(hard, working), OPS)
+    return build_window(messages, keys, counts, policy or Policy(), Budget(hard, working), OPS,
+                        client_tools=client_tools)
 
 
 def assert_valid(window: list[Message]) -> None:
@@ -165,8 +168,8 @@ def test_a_result_whose_call_is_not_in_view_is_ledgered_as_a_plain_tool() -> Non
 
 def test_past_loop_reduction_waits_for_reduce_at_least() -> None:
     msgs = [S, U(), A("c1"), T("c1", 30), F(), U()]
-    assert not build(msgs, Policy(reduce_at_least=2000)).changed
-    assert build(msgs, Policy(reduce_at_least=10)).changed
+    assert not build(msgs, Policy(**MECHANICS, reduce_at_least=2000)).changed
+    assert build(msgs, Policy(**MECHANICS, reduce_at_least=10)).changed
 
 
 def test_ledger_shows_a_tiny_result_inline_and_long_arguments_cut() -> None:
@@ -240,8 +243,9 @@ def test_old_loops_omitted_in_batches_with_a_marker() -> None:
     for k in range(13):
         msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
     msgs.append(U())
-    w = build(msgs, Policy(max_run_loops=4, reduce_at_least=0))
-    assert w.messages[1]["role"] == "system" and "Earlier turns" in w.messages[1]["content"]
+    w = build(msgs, Policy(**MECHANICS, max_run_loops=4, reduce_at_least=0))
+    # the marker is the model's own note, right after the system prompt
+    assert w.messages[1]["role"] == "assistant" and "Earlier turns" in w.messages[1]["content"]
     assert w.omitted_loops >= 2 and w.reduced_loops <= 4
     assert "search_history" in w.messages[1]["content"]
     assert_valid(w.messages)
@@ -259,7 +263,8 @@ def test_loops_older_than_max_time_range_are_omitted() -> None:
     stamps.append(12 * day)
     keys = [message_hash(m) for m in msgs]
     counts = [OPS.count(m) for m in msgs]
-    w = build_window(msgs, keys, counts, Policy(reduce_at_least=0, max_time_range_s=7 * 86_400),
+    w = build_window(msgs, keys, counts,
+                     Policy(**MECHANICS, reduce_at_least=0, max_time_range_s=7 * 86_400),
                      Budget(100_000, 1_000), OPS, timestamps=stamps, now_ms=12 * day)
     assert w.omitted_loops == 2  # loops started 12 and 9 days ago; 6 and 3 days ago stay
     assert "Earlier turns" in w.messages[1]["content"]
@@ -267,7 +272,7 @@ def test_loops_older_than_max_time_range_are_omitted() -> None:
     assert_valid(w.messages)
     # a checkpoint saved while no loop was old yet is not resumed once the clock moved on
     memo: dict[Any, Any] = {}
-    policy = Policy(reduce_at_least=0, max_time_range_s=7 * 86_400)
+    policy = Policy(**MECHANICS, reduce_at_least=0, max_time_range_s=7 * 86_400)
     prev = len(msgs) - 2
     build_window(msgs[:prev], keys[:prev], counts[:prev], policy, Budget(100_000, 1_000), OPS,
                  timestamps=stamps[:prev], now_ms=6 * day, memo=memo)
@@ -370,7 +375,8 @@ policies = st.builds(
     reduce_past_loops=st.sampled_from(list(ReducePastLoops)),
     reasoning_keep_tokens=st.integers(16, 40), reduce_at_least=st.sampled_from([0, 64, 300]),
     omit_batch=st.one_of(st.none(), st.integers(1, 4)), ledger_arg_chars=st.integers(0, 40),
-    strict_roles=st.booleans())
+    strict_roles=st.booleans(), keep_opening=st.booleans(), names_kept=st.sampled_from([0, 3, 48]),
+    payback_requests=st.sampled_from([None, 0, 2]))
 
 PROPS = settings(max_examples=int(os.environ.get("WINDOW_EXAMPLES", "120")), deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -684,7 +690,7 @@ def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
         for k in range(n):
             msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
         msgs.append(U())
-        w = build(msgs, Policy(max_run_loops=3, omit_batch=3, reduce_at_least=0))
+        w = build(msgs, Policy(**MECHANICS, max_run_loops=3, omit_batch=3, reduce_at_least=0))
         shown.append(w.reduced_loops)
         assert_valid(w.messages)
     # past loops shown run 1, 2, 3 then drop back to 1: one prefix change per three turns
@@ -697,7 +703,7 @@ def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
         for k in range(n):
             msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
         msgs.append(U())
-        markers.add(build(msgs, Policy(max_run_loops=3, omit_batch=3,
+        markers.add(build(msgs, Policy(**MECHANICS, max_run_loops=3, omit_batch=3,
                                        reduce_at_least=0)).messages[1]["content"])
     assert len(markers) == 1
 
@@ -716,13 +722,15 @@ def loops_of(n: int, result: int = 50) -> list[Message]:
     # stay on multiples of the batch, where the summaries made for them are
     (1, 3, [1, 2, 0, 1, 2, 0, 1], [0, 0, 3, 3, 3, 6, 6]),
     (1, 5, [1, 2, 3, 4, 0, 1, 2], [0, 0, 0, 0, 5, 5, 5]),
-    # no past loop shown: each turn omits the one before (its final reply stays)
-    (0, 1, [0, 0, 0, 0, 0, 0, 0], [1, 2, 3, 4, 5, 6, 7]),
+    # no past loop shown: each turn omits the one before (its final reply stays) — once
+    # that takes tokens out: the first loop alone is shorter than the marker, its summary
+    # and its reply, so it goes with the second
+    (0, 1, [1, 0, 0, 0, 0, 0, 0], [0, 2, 3, 4, 5, 6, 7]),
     (0, 2, [1, 0, 1, 0, 1, 0, 1], [0, 2, 2, 4, 4, 6, 6]),
 ])
 def test_omissions_come_in_whole_batches_each_with_its_summary(
         max_run_loops: int, batch: int, shown: list[int], omitted: list[int]) -> None:
-    policy = Policy(max_run_loops=max_run_loops, omit_batch=batch, reduce_at_least=0)
+    policy = Policy(**MECHANICS, max_run_loops=max_run_loops, omit_batch=batch, reduce_at_least=0)
     summaries = tuple((e, f"summary of the first {e} loops") for e in range(batch, 8, batch))
     got_shown, got_omitted = [], []
     for n in range(1, 8):
@@ -733,9 +741,10 @@ def test_omissions_come_in_whole_batches_each_with_its_summary(
         got_shown.append(w.reduced_loops)
         got_omitted.append(w.omitted_loops)
         if w.omitted_loops:  # the marker, then the summary, as the model's own note
-            assert "Earlier turns are not shown" in w.messages[1]["content"]
-            assert w.messages[2] == {"role": "assistant", "content": (
-                f"[runloop-proxy] Summary of the turns not shown:\n"
+            assert w.messages[1] == {"role": "assistant", "content": (
+                "[runloop-proxy] Earlier turns are not shown: search_history(query) searches "
+                "them and recall_tool_call(call_id) returns their tool results.\n"
+                f"Summary of the turns not shown:\n"
                 f"summary of the first {w.omitted_loops} loops")}
     assert (got_shown, got_omitted) == (shown, omitted)
 
@@ -743,14 +752,16 @@ def test_omissions_come_in_whole_batches_each_with_its_summary(
 def test_an_omission_that_leaves_no_past_loop_keeps_the_last_reply() -> None:
     # omit_batch above max_run_loops: the past shown runs 1, 2, then none ... but the model
     # always keeps the final reply the user is answering, right after the marker
-    policy = Policy(max_run_loops=2, omit_batch=3, reduce_at_least=0, max_message_length=16)
+    policy = Policy(**MECHANICS, max_run_loops=2, omit_batch=3, reduce_at_least=0,
+                    max_message_length=16)
     shown = []
     for n in range(2, 9):
         w = build(loops_of(n), policy)
         assert_valid(w.messages)
         shown.append(w.reduced_loops)
         if w.reduced_loops == 0:
-            assert [m["role"] for m in w.messages] == ["system", "system", "assistant", "user"]
+            assert [m["role"] for m in w.messages] == ["system", "assistant", "assistant",
+                                                       "user"]
             # the reply as a reduced loop shows it, capped, without the ledger (the marker
             # points at search_history for the omitted loops' tools)
             assert w.messages[2]["content"] == words(5, f"a{n - 1}")
@@ -765,7 +776,8 @@ def test_an_omission_that_leaves_no_past_loop_keeps_the_last_reply() -> None:
 
 
 def test_strict_roles_put_the_marker_in_the_system_prompt() -> None:
-    policy = Policy(max_run_loops=2, omit_batch=3, reduce_at_least=0, strict_roles=True)
+    policy = Policy(**MECHANICS, max_run_loops=2, omit_batch=3, reduce_at_least=0,
+                    strict_roles=True)
     w = build(loops_of(3), policy)  # everything past omitted: the last reply is kept
     assert [m["role"] for m in w.messages] == ["system", "user", "assistant", "user"]
     assert w.messages[0]["content"].startswith(S["content"] + "\n\n[runloop-proxy] Earlier")
@@ -781,7 +793,7 @@ def test_strict_roles_put_the_marker_in_the_system_prompt() -> None:
 
 def test_the_kept_reply_stays_until_the_next_omission() -> None:
     # inside the turn that omitted everything, and the turn after it, the window only grows
-    policy = Policy(max_run_loops=2, omit_batch=3, reduce_at_least=0)
+    policy = Policy(**MECHANICS, max_run_loops=2, omit_batch=3, reduce_at_least=0)
     msgs = loops_of(3)
     first = build(msgs, policy).messages
     later = build([*msgs, A("c-now"), T("c-now"), F(tag="done"), U(tag="next")], policy)
@@ -797,7 +809,7 @@ def test_loops_beyond_max_run_loops_go_even_when_reducing_them_did_not_pay() -> 
     for k in range(6):
         msgs += [U(tag=f"q{k}"), F(tag=f"a{k}")]
     msgs.append(U(tag="now"))
-    w = build(msgs, Policy(max_run_loops=2, omit_batch=2))
+    w = build(msgs, Policy(**MECHANICS, max_run_loops=2, omit_batch=2))
     users = [m["content"] for m in w.messages if m["role"] == "user"]
     assert w.omitted_loops == 4 and "Earlier turns" in w.messages[1]["content"]
     assert users == [words(5, "q4"), words(5, "q5"), words(5, "now")]
@@ -909,7 +921,7 @@ def test_compact_now_omits_the_loops_it_names_from_its_point_on() -> None:
         msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}"), F(tag=f"f{k}")]
     keys = [message_hash(m) for m in msgs]
     counts = [OPS.count(m) for m in msgs]
-    policy, budget = Policy(max_run_loops=10, omit_batch=2), Budget(100_000, 10_000)
+    policy, budget = Policy(**MECHANICS, max_run_loops=10, omit_batch=2), Budget(100_000, 10_000)
     n = 1 + 4 * 4  # compacted when four loops were stored
     asked, summaries = ((n, 4),), ((4, "SUMMARY-OF-FOUR"),)
 
@@ -986,3 +998,181 @@ def test_summaries_enter_only_at_omission_events(msgs: list[Message], policy: Po
         if previous is not None and not w.events:
             assert w.messages[: len(previous)] == previous, f"prefix changed at {p}"
         previous = list(w.messages)
+
+
+# -- a session's shape, the levers that only save money, the opening task, the agent's names --
+
+def chat(loops: int, n: int = 40) -> list[Message]:
+    """A conversation with no tools: questions and answers."""
+    msgs: list[Message] = [S]
+    for k in range(loops):
+        msgs += [U(n, tag=f"q{k}"), F(n, tag=f"a{k}")]
+    return [*msgs, U(tag="now")]
+
+
+def test_a_session_whose_client_sends_no_tools_goes_as_it_came_under_the_threshold() -> None:
+    msgs = chat(8)
+    policy = Policy(max_run_loops=2, max_message_length=16)
+    # with tools the past loops are cut and omitted at once; without, nothing changes ...
+    assert build(msgs, policy).changed
+    calm = build(msgs, policy, working=5_000, client_tools=False)
+    assert not calm.changed and calm.messages is msgs and not calm.events
+    assert not calm.offers_tools(policy, client_tools=False)
+    # ... until the budget forces it: then the proxy's tools come with the compaction
+    tight = build(msgs, policy, working=400, client_tools=False)
+    assert tight.changed and tight.tokens_out <= 400
+    assert tight.offers_tools(policy, client_tools=False)
+    # the levers that only save money wait for the threshold too, and stay off after it
+    assert {e.reason for e in tight.events} <= {"over threshold"}
+    # with proxy_tools = "when_needed" the tools arrive at the first event anyway: no wait
+    needed = Policy(max_run_loops=2, max_message_length=16, proxy_tools="when_needed")
+    assert build(msgs, needed, working=5_000, client_tools=False).changed
+
+
+@PROPS
+@given(conversations(), policies, st.integers(300, 3000))
+def test_without_client_tools_a_window_under_the_threshold_is_the_request(
+        msgs: list[Message], policy: Policy, working: int) -> None:
+    w = build(msgs, policy, hard=working * 10, working=working, client_tools=False)
+    assert_valid(w.messages)
+    over = any(sum(OPS.count(m) for m in msgs[:p]) > policy.threshold * working
+               for p in request_points(msgs, 0))
+    big = max(64, int(policy.max_tool_result_share * working))
+    if not over and all(OPS.count(m) <= big for m in msgs):
+        assert not w.changed and w.messages is msgs
+
+
+def test_an_omission_is_made_only_when_it_takes_tokens_out() -> None:
+    # loops shorter than the marker, the summary and the reply an omission shows instead
+    policy = Policy(max_run_loops=0, omit_batch=1, keep_opening=False)
+    tiny = chat(1, n=2)
+    w = build(tiny, policy)
+    assert w.omitted_loops == 0 and not any(e.kind is CompactionKind.OMISSION for e in w.events)
+    # a loop worth omitting goes at once
+    w = build(chat(1, n=60), policy)
+    assert w.omitted_loops == 1 and w.tokens_out < w.tokens_in
+    # the tiny ones go together once together they take tokens out
+    w = build(chat(6, n=2), policy)
+    assert w.omitted_loops > 0 and w.tokens_out < w.tokens_in
+
+
+def test_with_payback_requests_a_lever_waits_until_it_pays() -> None:
+    msgs: list[Message] = [S]
+    for k in range(6):
+        msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 40), F(tag=f"a{k}")]
+    msgs.append(U(tag="now"))
+
+    def reductions(policy: Policy) -> int:
+        count = 0
+        for p in request_points(msgs, 1):
+            count += sum(e.kind is CompactionKind.PAST_LOOPS for e in build(msgs[:p],
+                                                                            policy).events)
+        return count
+    # each reduction takes out a loop's result; paying at once it must take out more than
+    # the provider reads again (the loop's reduced form and what follows): none does
+    eager = reductions(Policy(reduce_at_least=0))
+    patient = reductions(Policy(reduce_at_least=0, payback_requests=20))
+    at_once = reductions(Policy(reduce_at_least=0, payback_requests=0))
+    assert eager == 6 and patient == 6 and at_once < eager
+    final = build(msgs, Policy(reduce_at_least=0, payback_requests=0))
+    assert final.reduced_loops < 6  # whole loops wait in view
+
+
+def codex_like(turns: int, result: int = 60) -> list[Message]:
+    """Instructions, an environment message and a task sent together, then turns of work."""
+    msgs: list[Message] = [S, {"role": "user", "content": "<environment_context> cwd /repo "
+                                                          "</environment_context>"},
+                           U(30, tag="task")]
+    for k in range(turns):
+        msgs += [A(f"c{k}"), T(f"c{k}", result), F(tag=f"done{k}"), U(tag=f"next{k}")]
+    return msgs
+
+
+def test_the_opening_task_stays_in_view_when_its_loop_is_reduced_or_omitted() -> None:
+    msgs = codex_like(6)
+    opening = msgs[1:3]
+    policy = Policy(max_run_loops=2, max_message_length=16)
+    w = build(msgs, policy)
+    assert w.omitted_loops > 0
+    # the environment message and the task, whole, right after the system prompt
+    assert w.messages[1:3] == opening
+    assert "Earlier turns are not shown" in w.messages[3]["content"]
+    assert_valid(w.messages)
+    # reduced (not omitted), its task is kept whole, past max_message_length
+    w = build(codex_like(1), Policy(max_message_length=16, reduce_at_least=0))
+    assert w.reduced_loops == 1 and w.messages[1:3] == opening
+    # without keep_opening the omission hides it
+    w = build(msgs, Policy(max_run_loops=2, max_message_length=16, keep_opening=False))
+    assert not any(m == opening[1] for m in w.messages)
+
+
+def test_an_opening_task_that_alone_breaks_the_budget_is_cut_then_dropped_last() -> None:
+    msgs = codex_like(6)
+    msgs[2] = U(2_000, tag="huge")
+    w = build(msgs, Policy(max_run_loops=2), working=4_000, hard=20_000)
+    assert w.omitted_loops > 0  # the first loop too: the opening is shown apart
+    task = next(m for m in w.messages if m["role"] == "user" and "huge0" in m["content"])
+    # cut to the share of the budget a single message gets, and recallable whole
+    assert OPS.count(task) <= 0.25 * 4_000 + 30 and "tokens cut; recall_tool_call" in \
+        task["content"]
+    # at the hard limit it goes only when nothing else is left to take
+    msgs = codex_like(6, result=30)
+    small = build(msgs, Policy(max_run_loops=2), working=300, hard=300)
+    assert small.fits and small.messages[1:3] == msgs[1:3]
+    # the current question alone nearly fills the budget: the opening, cut, goes last
+    gone = build([*msgs[:-1], U(250, tag="now")], Policy(max_run_loops=2), working=300,
+                 hard=300)
+    assert gone.fits and not any("task0" in str(m.get("content")) for m in gone.messages)
+    assert gone.events[-1].kind is CompactionKind.TRUNCATION
+
+
+@PROPS
+@given(conversations(), policies, st.integers(300, 3000))
+def test_an_omitted_first_loop_leaves_its_opening_in_view(msgs: list[Message], policy: Policy,
+                                                           working: int) -> None:
+    w = build(msgs, policy, hard=working * 10, working=working)
+    loops = segment(msgs)
+    if not (policy.keep_opening and w.omitted_loops and loops):
+        return
+    if any(e.kind in (CompactionKind.TRUNCATION, CompactionKind.REJECTION) for e in w.events):
+        return
+    opening = [i for i in loops[0].positions][:1]
+    cap = max(64, int(policy.max_tool_result_share * working))
+    for i in opening:
+        if msgs[i]["role"] == "user" and OPS.count(msgs[i]) <= cap:
+            assert msgs[i] in w.messages
+
+
+def test_a_trimmed_call_and_a_drop_note_keep_the_agents_names() -> None:
+    def step(k: int) -> list[Message]:
+        # the names sit in the middle of the reasoning, where trimming cuts
+        thought = f"{'look ' * 40}at pkg/mod_{k}.py and Model{k}.fit_params{' then' * 40}"
+        return [{"role": "assistant", "content": thought, "tool_calls": [
+            {"id": f"c{k}", "type": "function", "function": {
+                "name": "bash", "arguments": orjson.dumps({"cmd": "ls"}).decode()}}]},
+            T(f"c{k}", 60)]
+    msgs: list[Message] = [S, U(tag="task")]
+    for k in range(12):
+        msgs += step(k)
+    w = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0), working=1_200)
+    assert w.changed and w.elided
+    text = "\n".join(message_text(m) for m in w.messages)
+    trimmed = [m for m in w.messages if "[runloop-proxy] names:" in str(m.get("content"))]
+    assert trimmed and all("tokens cut" in m["content"] for m in trimmed)
+    # every file and name the agent wrote stays in view: in its call or its trimmed form
+    for k in range(12):
+        assert f"pkg/mod_{k}.py" in text and f"Model{k}.fit_params" in text, k
+    # a drop note keeps those of the exchanges it drops
+    msgs = [S, U(tag="task")]
+    for k in range(40):
+        msgs += step(k)
+    w = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0), working=1_500)
+    note = w.messages[1]["content"]
+    assert "are not shown" in note and "Names in them: pkg/mod_0.py Model0.fit_params" in note
+    text = "\n".join(message_text(m) for m in w.messages)
+    assert all(f"Model{k}.fit_params" in text for k in range(40))
+    # without names_kept they go with the text that held them
+    bare = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0, names_kept=0),
+                 working=1_500)
+    text = "\n".join(message_text(m) for m in bare.messages)
+    assert sum(f"Model{k}.fit_params" in text for k in range(40)) < 20

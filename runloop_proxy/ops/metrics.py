@@ -16,6 +16,8 @@ from prometheus_client import (
     multiprocess,
 )
 
+from ..pricing import Price, PriceTable
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _OVERHEAD = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 MAX_MODEL_LABELS = 64
@@ -28,6 +30,7 @@ COMPACTION_KINDS = ("past_loop_reduction", "in_loop_elision", "in_loop_drop", "l
 RECALL_OUTCOMES = {"recall_tool_call": ("hit", "not_found", "bad_arguments", "store_error"),
                    "search_history": ("hit", "miss", "bad_arguments")}
 SUMMARY_OUTCOMES = ("ok", "error", "timeout", "backoff", "late")
+COST_KINDS = ("input", "cached_input", "cache_write", "output")
 STORE_OPS = ("sync", "read", "ping", "record", "internal", "anchor", "recall", "search",
              "list", "write_lost", "too_large", "summary")
 
@@ -35,6 +38,7 @@ STORE_OPS = ("sync", "read", "ping", "record", "internal", "anchor", "recall", "
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
+        self.prices: PriceTable | None = None  # what upstream usage is priced with
         self._models: set[str] = set()
         self._bound: dict[tuple[str, str], BoundMetrics] = {}
         r = self.registry
@@ -63,6 +67,9 @@ class Metrics:
                                     "Prompt tokens saved by the window", tm, registry=r)
         self.usage_tokens = Counter("runloop_upstream_usage_tokens_total",
                                     "Upstream-reported usage", [*tm, "kind"], registry=r)
+        self.cost = Counter("runloop_upstream_cost_usd_total",
+                            "Upstream-reported usage priced as the provider bills it (USD; "
+                            "the price table, prices.toml)", [*tm, "kind"], registry=r)
         self.compactions = Counter("runloop_compaction_events_total",
                                    "Window compaction events", [*tm, "kind"], registry=r)
         self.recalls = Counter("runloop_recalls_total", "Proxy-owned tool calls answered",
@@ -112,6 +119,8 @@ class Metrics:
                         b.request_child(status, stream, api)
             for kind in COMPACTION_KINDS:
                 self.compactions.labels(tenant, OTHER_MODEL, kind)
+            for kind in COST_KINDS:
+                self.cost.labels(tenant, OTHER_MODEL, kind)
             for tool, outcomes in RECALL_OUTCOMES.items():
                 for outcome in outcomes:
                     self.recalls.labels(tenant, tool, outcome)
@@ -132,6 +141,13 @@ class Metrics:
         if hit is None:
             hit = self._bound[key] = BoundMetrics(self, tenant, model)
         return hit
+
+    def price(self, model: str) -> Price | None:
+        """A model's price in the table, whichever provider lists it."""
+        if self.prices is None:
+            return None
+        return next((p for prov in self.prices.providers.values()
+                     if (p := prov.price(model)) is not None), None)
 
     def model_label(self, model: str) -> str:
         """Model names come from clients: cap how many distinct ones become labels."""
@@ -162,6 +178,7 @@ class BoundMetrics:
         self.usage_prompt = m.usage_tokens.labels(*tm, "prompt")
         self.usage_completion = m.usage_tokens.labels(*tm, "completion")
         self.usage_cached = m.usage_tokens.labels(*tm, "cached_prompt")
+        self.cost = {kind: m.cost.labels(*tm, kind) for kind in COST_KINDS}
         self.requests: dict[tuple[int, str, str], Any] = {}
         self._requests = m.requests
         self._tm = tm

@@ -76,6 +76,10 @@ class RequestLog:
         b.usage_completion.inc(_int(usage.get("completion_tokens",
                                               usage.get("output_tokens"))))
         b.usage_cached.inc(cached)
+        price = self.metrics.price(self.model)
+        if price is not None:  # priced as the provider bills: cached and written apart
+            for kind, usd in price.usage_cost(usage).items():
+                b.cost[kind].inc(usd)
 
     def finish(self, status: int, error: str | None = None) -> None:
         """Count and log the request; later calls do nothing (the first outcome stands)."""

@@ -124,7 +124,8 @@ def window_in(state: AppState, tenant: TenantSpec, frame: Frame, messages: list[
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
                           timestamps=stamps, now_ms=now, memo=state.window_memo,
                           tool_names=frame.names, carry=carry, summaries=summaries,
-                          compactions=compactions, record_from=record_from)
+                          compactions=compactions, record_from=record_from,
+                          client_tools=frame.tools_tokens > 0)
     return window, made
 
 

@@ -28,6 +28,7 @@ from ..conversation.messages import (
 )
 from ..conversation.runloops import segment
 from ..errors import StoreError
+from ..window.names import decoded, holds
 from .offload import is_large, offload
 from .tokens import TokenCounter
 
@@ -334,10 +335,17 @@ class Doc(NamedTuple):
     text: str
 
 
+def verbatim(m: Message) -> str:
+    """What a query is looked for in as typed: the searchable text, with the calls' argument
+    values decoded (an edit's ``"if not objs:\\n    return"`` is JSON-escaped in the
+    arguments; the model asks for the text it wrote)."""
+    return f"{searchable(m)}\n{decoded(m)}" if tool_calls_of(m) else searchable(m)
+
+
 def doc(key: str, m: Message) -> Doc:
     text = searchable(m)
     return Doc(key, m, Counter(t.lower() for t in _WORD.findall(text)),
-               " ".join(text.split()).lower())
+               " ".join(verbatim(m).split()).lower())
 
 
 def rank(terms: list[str], corpus: list[tuple[str, Message]], k: int, phrase: str = ""
@@ -354,8 +362,14 @@ def rank_docs(terms: list[str], docs: list[Doc], k: int, phrase: str = ""
     ending in it), if it has ``MIN_INFIX`` characters."""
     if not docs:
         return []
-    phrase = " ".join(phrase.split()).lower()
+    typed = " ".join(phrase.split())
+    phrase = typed.lower()
     exact = {d.key for d in docs if phrase in d.text} if len(phrase) >= MIN_PHRASE else set()
+    # holding it as a whole token (594 in "594", not in "6594") ranks above holding it inside
+    # a longer word, and holding it as typed (base_dir, not BASE_DIR) above both
+    whole = {d.key for d in docs if d.key in exact and holds(d.text, phrase)}
+    cased = {d.key for d in docs if d.key in whole
+             and holds(" ".join(verbatim(d.message).split()), typed)}
     avg = sum(sum(d.words.values()) for d in docs) / len(docs) or 1.0
     words = {t: {t} for t in terms}
     unmatched = [t for t in words if len(t) >= MIN_INFIX and not any(t in d.words for d in docs)]
@@ -377,7 +391,7 @@ def rank_docs(terms: list[str], docs: list[Doc], k: int, phrase: str = ""
                 idf = math.log(1 + (len(docs) - df[t] + 0.5) / (df[t] + 0.5))
                 score += idf * tf * 2.2 / (tf + 1.2 * (0.25 + 0.75 * length / avg))
         if key in exact:
-            score += PHRASE_BONUS
+            score += PHRASE_BONUS * (1 + (key in whole) + (key in cased))
         if score > 0:
             scored.append((score, key, m))
     scored.sort(key=lambda s: -s[0])

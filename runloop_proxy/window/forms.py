@@ -27,6 +27,7 @@ from ..conversation.messages import (
 )
 from ..conversation.runloops import RunLoop, Segmenter, preamble_end
 from .digest import Found, found_in, pick
+from .names import names
 
 TAG = "[runloop-proxy]"
 SUMMARY_HEAD = "Summary of the turns not shown:"
@@ -36,6 +37,7 @@ ToolNames = tuple[str, str]  # (recall, search) as the model sees them
 DEFAULT_NAMES: ToolNames = ("recall_tool_call", "search_history")
 LEDGER_MAX_LINES = 24
 LEDGER_INLINE_TOKENS = 16  # a result this small is shown in the ledger itself
+DROP_NAMES = 8  # a drop note keeps this many times names_kept of the names it hides
 
 
 def remember(memo: Memo, key: tuple[str, ...], value: Any) -> None:
@@ -134,7 +136,9 @@ class Conversation:
         self.sav_prefix = [0]
         self._reduced: dict[int, tuple[list[Message], int, bool]] = {}
         self._answers: dict[int, tuple[Message | None, int]] = {}
-        self._marked: dict[str | None, tuple[list[Message], int]] = {}
+        self._marked: dict[tuple[str | None, bool], tuple[list[Message], int]] = {}
+        self._names: dict[int, list[str]] = {}  # the names in an agent's message
+        self._dropped: dict[int, tuple[int, list[str], set[str]]] = {}  # dropped_names
         self._noted: dict[tuple[int, int], tuple[Message, int]] = {}
         self._found: dict[int, Found] = {}  # a message's identifiers, for digests of spans
         self._lock = threading.Lock()
@@ -303,6 +307,12 @@ class Conversation:
                     changed = True
             calls.append(call)
         out["tool_calls"] = calls
+        if changed and self.policy.names_kept:
+            shown = message_text(out)  # type: ignore[arg-type]
+            kept = self.missing_names([i], shown, self.policy.names_kept)
+            if kept:
+                out["content"] = f"{text_of(out.get('content'))}\n{TAG} names: " \
+                    + " ".join(kept)
         return out if changed else None  # type: ignore[return-value]
 
     def _placeholder(self, i: int) -> Message:
@@ -355,9 +365,10 @@ class Conversation:
             ident = content_hash("".join(f"{self.keys[i]}{self.refs[i]}{self.counts[i]},"
                                          for i in pos).encode())
             pol = self.policy
+            opening = str(self.cap) if j == 0 and pol.keep_opening else ""
             self._reduced[j] = self._memoised(
                 ("loop", ident, str(pol.max_message_length), str(pol.ledger_arg_chars),
-                 str(bool(pol.summary_model)), *self.names),
+                 str(bool(pol.summary_model)), opening, *self.names),
                 partial(self._reduce, lp))
         return self._reduced[j]
 
@@ -383,10 +394,12 @@ class Conversation:
         changed = len(lp.user_positions) + (lp.final_position is not None) != lp.end - lp.start
         users = list(lp.user_positions)
         ledger = self._ledger(lp)
+        opening = set(self.opening()) if lp.index == 0 and self.policy.keep_opening else set()
         for i in users:
             m = self.messages[i]
             text = message_text(m)
-            capped = self.shortened(text, limit, i)
+            # the opening task stays whole, unless it alone would break the budget
+            capped = self.shortened(text, self.cap if i in opening else limit, i)
             if capped == text:
                 out.append(m)
             else:
@@ -460,6 +473,84 @@ class Conversation:
                        *entries[-tail:]]
         return f"{TAG} tools used ({self.recall} takes the id): " + "; ".join(entries)
 
+    def opening(self) -> list[int]:
+        """The opening task: the first loop's user messages before its first assistant
+        message (the task, and an environment message a client sends with it, such as
+        Codex's ``<environment_context>``)."""
+        if not self.loops:
+            return []
+        out = []
+        for i in self.loops[0].positions:
+            if self.messages[i].get("role") != "user":
+                break
+            out.append(i)
+        return out
+
+    def opened(self) -> tuple[list[Message], int]:
+        """The opening task as shown once its loop is omitted, and its tokens: each message
+        whole, or cut to the cap a single huge message gets (recallable whole)."""
+        out: list[Message] = []
+        tokens = 0
+        for i in self.opening():
+            m = self.messages[i]
+            if self.counts[i] <= self.cap:
+                out.append(m)
+                tokens += self.counts[i]
+            else:
+                short: Message = {**m, "content": self.shortened(message_text(m), self.cap, i)}
+                out.append(short)
+                tokens += self.ops.count(short)
+        return out, tokens
+
+    def names_of(self, i: int) -> list[str]:
+        """The names an agent's message holds (its text and its calls' arguments)."""
+        if i not in self._names:
+            m = self.messages[i]
+            args = " ".join(str((c.get("function") or {}).get("arguments") or "")
+                            for c in tool_calls_of(m))
+            self._names[i] = names(f"{text_of(m.get('content'))}\n{args}")
+        return self._names[i]
+
+    def missing_names(self, positions: range | list[int], shown: str, cap: int) -> list[str]:
+        """Up to ``cap`` names the agent's messages at ``positions`` hold that ``shown``
+        does not, in order, each once."""
+        out: list[str] = []
+        seen: set[str] = set()
+        for i in positions:
+            if self.messages[i].get("role") != "assistant":
+                continue
+            for x in self.names_of(i):
+                if x not in seen and x not in shown:
+                    seen.add(x)
+                    out.append(x)
+                    if len(out) >= cap:
+                        return out
+        return out
+
+    def dropped_names(self, at: int, upto: int) -> list[str]:
+        """The names the agent's messages in (at, upto) hold that the message at ``at``
+        does not, at most ``DROP_NAMES * names_kept`` of them: grown from the last span
+        asked for at ``at`` (a drop grows one exchange at a time)."""
+        cap = DROP_NAMES * self.policy.names_kept
+        done, out, seen = self._dropped.get(at, (at + 1, [], set()))
+        if upto < done:
+            done, out, seen = at + 1, [], set()
+        out, seen = list(out), set(seen)
+        host = message_text(self.messages[at])
+        for i in range(done, upto):
+            if len(out) >= cap:
+                break
+            if self.messages[i].get("role") != "assistant":
+                continue
+            for x in self.names_of(i):
+                if x not in seen and x not in host:
+                    seen.add(x)
+                    out.append(x)
+                    if len(out) >= cap:
+                        break
+        self._dropped[at] = (max(done, upto), out, seen)
+        return out
+
     def keeps(self, group: int) -> bool:
         """Whether a tool exchange holds a result that is never elided (excluded, or a
         proxy recall): such an exchange is never dropped either."""
@@ -488,43 +579,51 @@ class Conversation:
                 ids = self.identifiers(at + 1, upto)
                 if ids:
                     note += f" Identifiers from them: {' '.join(ids)}"
+            if self.policy.names_kept:  # the names the agent wrote in them
+                kept = self.dropped_names(at, upto)
+                if kept:
+                    note += f" Names in them: {' '.join(kept)}"
             new = appended(m, note)
             self._noted[key] = (new, self.ops.count(new) - self.counts[at])
         return self._noted[key]
 
-    def marked_preamble(self, summary: str | None) -> tuple[list[Message], int]:
-        """The system prompt with the omission marker after it, then the summary of what is
-        omitted, and the tokens they add. The marker is a system message of its own, or
-        (``strict_roles``) its text appended to the client's last system message, for chat
-        templates that allow one system message.
+    def marked_preamble(self, summary: str | None, opening: bool = True
+                        ) -> tuple[list[Message], int]:
+        """What an omission puts after the system prompt, and the tokens it adds: the opening
+        task (with ``opening`` and ``keep_opening``: the first loop's leading user messages,
+        which the omission would otherwise hide), then the marker — a note, as the model's
+        own (an assistant message), that earlier turns are not shown and how to get them
+        back — with the summary of what is omitted after its text. With ``strict_roles``
+        the marker and the summary join the client's last system message instead, for chat
+        templates that allow one system message, and the opening follows.
 
-        The marker reads the same whatever was omitted: it sits right after the system prompt,
-        and a text that changed with each omission would make the provider re-read it and
-        everything after it (the turns still shown) at full price every time. The summary,
-        which does change at each omission, follows as an assistant message (the model's own
-        notes, not the user's words nor the operator's), so that where a provider renders the
-        tool schemas after the system messages — OpenAI's order — they stay cached when it
-        changes. With ``strict_roles`` it joins the marker's text."""
-        if summary not in self._marked:
+        The marker's text reads the same whatever was omitted, and the summary only grows
+        after it while it fits: a provider's prefix cache keeps serving what came before.
+        Nothing here is a system message of its own, and the opening stands where it stood
+        before the omission, right after the system prompt: a provider that renders the
+        tool schemas after the system messages (OpenAI's order) keeps them cached at an
+        omission, and the opening task is not read again."""
+        key = (summary, opening)
+        if key not in self._marked:
             text = (f"{TAG} Earlier turns are not shown: {self.search}(query) searches them "
                     f"and {self.recall}(call_id) returns their tool results.")
-            notes: list[Message] = []
-            if summary and self.policy.strict_roles:
+            if summary:
                 text += f"\n{SUMMARY_HEAD}\n{summary}"
-            elif summary:
-                notes = [{"role": "assistant", "content": f"{TAG} {SUMMARY_HEAD}\n{summary}"}]
+            task, task_tokens = self.opened() if opening and self.policy.keep_opening \
+                else ([], 0)
             pre = self.messages[: self.pre]
-            extra = sum(self.ops.count(m) for m in notes)
-            if not self.policy.strict_roles or not pre:
-                marker: Message = {"role": "system", "content": text}
-                self._marked[summary] = ([*pre, marker, *notes],
-                                         self.ops.count(marker) + extra)
-            else:
+            if self.policy.strict_roles and pre:
                 merged = appended(pre[-1], text)
-                self._marked[summary] = ([*pre[:-1], merged, *notes],
-                                         self.ops.count(merged) - self.counts[self.pre - 1]
-                                         + extra)
-        return self._marked[summary]
+                self._marked[key] = ([*pre[:-1], merged, *task],
+                                     self.ops.count(merged) - self.counts[self.pre - 1]
+                                     + task_tokens)
+            else:
+                note: Message = {"role": "system" if self.policy.strict_roles else "assistant",
+                                 "content": text}
+                self._marked[key] = ([note, *task] if self.policy.strict_roles
+                                     else [*pre, *task, note],
+                                     self.ops.count(note) + task_tokens)
+        return self._marked[key]
 
     def bridge(self, j: int) -> tuple[list[Message], int]:
         """What shows omitted loop ``j``'s final reply after the marker, and its tokens: the

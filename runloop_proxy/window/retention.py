@@ -14,6 +14,13 @@ A reference the window hides is not lost when the model can get it back: it lies
 whose ref (or a result whose call id) the window shows, for ``recall_tool_call``, or a
 ``search_history`` for the reference itself finds a message that holds it. What neither
 reaches is counted as lost.
+
+Two readers. The *plain* one (``candidates``) takes a call's argument values whole and matches
+by substring. The *careful* one (``careful_candidates``), as a reviewer reads, also takes the
+identifiers inside them and inside the text — paths, dotted names, snake_case and camelCase
+names, numbers inside expressions (``sed -n 100,120p``: 100 and 120) — takes a price with and
+without its ``$``, and matches whole tokens only (``594`` is not in ``6594``, nor ``_id`` in
+``user_id``).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import orjson
 
 from ..conversation.messages import Message, text_of
 from .digest import leaves
+from .names import decoded, holds, names
 
 MIN_CHARS = 3
 MAX_CHARS = 200
@@ -47,8 +55,9 @@ def message_text(m: Message) -> str:
     return "\n".join(parts)
 
 
-def candidates(reply: Message) -> list[str]:
-    """The identifier-like values a reply uses, in order, without repeats."""
+def _arguments(reply: Message) -> list[str]:
+    """A reply's calls' argument values, each whole (a call whose arguments are not JSON:
+    its arguments)."""
     found: list[str] = []
     for c in reply.get("tool_calls") or []:
         fn: Any = c.get("function") or c.get("custom") or {}
@@ -57,10 +66,10 @@ def candidates(reply: Message) -> list[str]:
             found += leaves(orjson.loads(args)) if isinstance(args, str) else []
         except orjson.JSONDecodeError:
             found.append(str(args))
-    text = text_of(reply.get("content"))
-    found += [t.strip(_TRIM) for t in _TOKEN.findall(text)
-              if any(ch.isdigit() or ch == "/" for ch in t)]
-    found += [next(g for g in q if g) for q in _QUOTED.findall(text)]
+    return found
+
+
+def _distinct(found: list[str]) -> list[str]:
     out: list[str] = []
     seen: set[str] = set()
     for v in found:
@@ -69,6 +78,39 @@ def candidates(reply: Message) -> list[str]:
             seen.add(v)
             out.append(v)
     return out[:MAX_REFS]
+
+
+def _quoted(text: str) -> list[str]:
+    return [next(g for g in q if g) for q in _QUOTED.findall(text)]
+
+
+def candidates(reply: Message) -> list[str]:
+    """The identifier-like values a reply uses, in order, without repeats (the plain
+    reader): argument values whole, and the text's tokens with a digit or a path separator
+    and its quoted strings."""
+    text = text_of(reply.get("content"))
+    return _distinct([*_arguments(reply),
+                      *(t.strip(_TRIM) for t in _TOKEN.findall(text)
+                        if any(ch.isdigit() or ch == "/" for ch in t)),
+                      *_quoted(text)])
+
+
+def careful_candidates(reply: Message) -> list[str]:
+    """What a reviewer reads as the reply's identifier-like values: argument values whole
+    and the identifiers inside them, the identifiers of the text and its quoted strings."""
+    values = _arguments(reply)
+    text = text_of(reply.get("content"))
+    return _distinct([" ".join(v.split()) for v in (*values, *(x for v in values
+                                                              for x in names(v)),
+                                                   *names(text), *_quoted(text))])
+
+
+def _readable(m: Message) -> str:
+    return " ".join(decoded(m).split())
+
+
+def _substring(text: str, ref: str) -> bool:
+    return ref in text
 
 
 @dataclass
@@ -120,21 +162,27 @@ class Retention:
 class Conversation:
     """A recorded conversation's texts, computed once, asked turn by turn."""
 
-    def __init__(self, messages: list[Message], fixed: str):
+    def __init__(self, messages: list[Message], fixed: str, careful: bool = False):
         self.messages = messages
-        self.texts = [message_text(m) for m in messages]
+        # the careful reader reads arguments decoded (a JSON escape is not a letter) and a
+        # run of whitespace as one space, as search_history does
+        self.show = _readable if careful else message_text
+        self.texts = [self.show(m) for m in messages]
         self.system = [m.get("role") in ("system", "developer") for m in messages]
         self.fixed = fixed  # the system prompt and the tool schemas: not history
+        self.read = careful_candidates if careful else candidates
+        self.holds: Callable[[str, str], bool] = holds if careful else _substring
 
     def references(self, i: int, loop_start: int) -> tuple[list[str], list[str]]:
         """The references of the reply at ``i``: (from the current loop, from past loops)."""
         current: list[str] = []
         past: list[str] = []
-        for ref in candidates(self.messages[i]):
-            if ref in self.fixed:
+        has = self.holds
+        for ref in self.read(self.messages[i]):
+            if has(self.fixed, ref):
                 continue
             last = next((k for k in range(i - 1, -1, -1)
-                         if not self.system[k] and ref in self.texts[k]), None)
+                         if not self.system[k] and has(self.texts[k], ref)), None)
             if last is not None:
                 (current if last >= loop_start else past).append(ref)
         return current, past
@@ -148,15 +196,16 @@ class Conversation:
         current, past = self.references(i, loop_start)
         if not current and not past:
             return Retention(measured=refs is not None)
-        shown = "\n".join(message_text(m) for m in window)
-        out = Retention(len(current), sum(r in shown for r in current),
-                        len(past), sum(r in shown for r in past), measured=refs is not None)
+        shown = "\n".join(self.show(m) for m in window)
+        has = self.holds
+        out = Retention(len(current), sum(has(shown, r) for r in current),
+                        len(past), sum(has(shown, r) for r in past), measured=refs is not None)
         if refs is None or search is None:
             return out
         for r in current + past:
-            if r in shown:
+            if has(shown, r):
                 continue
-            holders = [k for k in range(i) if not self.system[k] and r in self.texts[k]]
+            holders = [k for k in range(i) if not self.system[k] and has(self.texts[k], r)]
             if any(refs[k] in shown or (self.messages[k].get("tool_call_id") or "\0") in shown
                    for k in holders):
                 out.by_ref += 1
