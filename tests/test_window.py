@@ -1176,3 +1176,18 @@ def test_a_trimmed_call_and_a_drop_note_keep_the_agents_names() -> None:
                  working=1_500)
     text = "\n".join(message_text(m) for m in bare.messages)
     assert sum(f"Model{k}.fit_params" in text for k in range(40)) < 20
+
+
+@pytest.mark.parametrize(("soft", "tools", "working"), [
+    (16_000, 1_400, 14_600),  # a support agent's tools: the soft budget less them
+    (16_000, 0, 16_000),
+    (16_000, 8_000, 8_000),  # tools take at most half of the soft budget...
+    (16_000, 15_000, 8_000),  # ...so Claude Code's ~15k of tools leave 8,000, not 1,000
+    (16_000, 40_000, 8_000),
+    (None, 15_000, 128_000 - 4_096 - 512 - 15_000 - 3),  # unset: the whole window
+])
+def test_the_working_budget_leaves_room_whatever_the_tools(
+        soft: int | None, tools: int, working: int) -> None:
+    budget = Budget.for_request(Policy(soft_budget_tokens=soft), 128_000, None, tools)
+    assert budget.working == working
+    assert budget.hard == 128_000 - 4_096 - 512 - tools - 3

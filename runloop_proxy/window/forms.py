@@ -63,13 +63,17 @@ class Budget:
         """Message budget for a request: the model's window less the reserved output
         (``max_tokens``, else the policy's — at most a quarter of a small window), the tool
         schemas and the margin (at most a sixteenth); ``factor`` converts the model's tokens
-        into the counter's (calibration)."""
+        into the counter's (calibration). The working budget is the soft budget less the tool
+        schemas, which take at most half of it: a client whose tools alone fill the soft
+        budget (Claude Code's take ~15k tokens) would otherwise get a working budget of a
+        token, and a compaction event at every request."""
         out = reserve or min(policy.reserved_output_tokens, context // 4)
         margin = min(policy.safety_margin_tokens, context // 16)
         hard = int((context - out - margin) / factor) - tools - priming
         working = hard
         if policy.soft_budget_tokens:
-            working = min(hard, int(policy.soft_budget_tokens / factor) - tools)
+            soft = int(policy.soft_budget_tokens / factor)
+            working = min(hard, soft - min(tools, soft // 2))
         return cls(hard=max(hard, 0), working=max(working, 1), context=context, reserve=out,
                    tools=tools + priming, margin=margin)
 
