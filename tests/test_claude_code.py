@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,9 @@ import pytest
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer
+from .npm import npm_bin
 
 VERSION = "2.1.331"
-PACKAGE = f"@anthropic-ai/claude-code@{VERSION}"
 ADMIN = "admin-0123456789abcdef"
 KEY = "cc-proxy-key-0123456789"
 MODEL = "claude-sonnet-4-6"
@@ -34,18 +33,7 @@ SEARCH_ID = "toolu_search"
 
 @pytest.fixture(scope="session")
 def claude_bin() -> str:
-    if shutil.which("npm") is None or shutil.which("node") is None:
-        pytest.skip("no npm/node: apt-get install nodejs npm")
-    cache = Path(os.environ.get("RUNLOOP_TEST_CACHE", Path.home() / ".cache" / "runloop-tests"))
-    prefix = cache / f"claude-code-{VERSION}"
-    exe = prefix / "node_modules" / ".bin" / "claude"
-    if not exe.exists():
-        r = subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund",
-                            "--prefix", str(prefix), PACKAGE], capture_output=True, text=True,
-                           timeout=600)
-        if r.returncode != 0 or not exe.exists():
-            pytest.skip(f"could not install {PACKAGE}: {r.stderr[-300:]}")
-    return str(exe)
+    return npm_bin("@anthropic-ai/claude-code", VERSION, "claude")
 
 
 def claude_proxy(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> ProxyServer:

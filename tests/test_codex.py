@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -18,26 +17,16 @@ import pytest
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer
+from .npm import npm_bin
 
-CODEX = "@openai/codex@0.169.0"
+CODEX_VERSION = "0.169.0"
 ADMIN = "admin-0123456789abcdef"
 KEY = "sk-codex-test"
 
 
 @pytest.fixture(scope="session")
-def codex_bin(tmp_path_factory: pytest.TempPathFactory) -> str:
-    if shutil.which("npm") is None or shutil.which("node") is None:
-        pytest.skip("no npm/node: apt-get install nodejs npm")
-    cache = Path(os.environ.get("RUNLOOP_TEST_CACHE", Path.home() / ".cache" / "runloop-tests"))
-    prefix = cache / "codex-0.169.0"
-    exe = prefix / "node_modules" / ".bin" / "codex"
-    if not exe.exists():
-        r = subprocess.run(["npm", "install", "--silent", "--no-audit", "--no-fund",
-                            "--prefix", str(prefix), CODEX], capture_output=True, text=True,
-                           timeout=600)
-        if r.returncode != 0 or not exe.exists():
-            pytest.skip(f"could not install {CODEX}: {r.stderr[-300:]}")
-    return str(exe)
+def codex_bin() -> str:
+    return npm_bin("@openai/codex", CODEX_VERSION, "codex")
 
 
 def shell_call(body: dict[str, Any]) -> dict[str, Any]:
