@@ -595,3 +595,23 @@ def test_what_the_caches_hold_is_what_they_are_allowed(make_proxy: Any,
     assert held < 64 << 20, f"{held / 2**20:.0f} MB held by caches allowed 64 MB"
     # and what they count is what they hold (the rest: a few MB of the process' own)
     assert held < 1.4 * counted + (6 << 20), (held, counted)
+
+
+def test_a_stream_that_never_ends_its_event_is_bounded(impatient_proxy: ProxyServer,
+                                                       upstream: ScriptedUpstream) -> None:
+    """An upstream streaming one event without end (no line break, 10 MiB): on the tools path
+    the proxy, which must read events whole, stops at max_answer_bytes (4 MiB here) with an
+    error event; without its tools the stream is relayed as it came, and read to record only
+    as far as the store keeps a message (8 MiB): not recorded."""
+    endless = [b'data: {"choices": [{"index": 0, "delta": {"content": "'] + \
+        [b"w" * (1 << 20)] * 10
+    upstream.push({"raw_chunks": endless})
+    r = post(impatient_proxy, {"model": "m", "stream": True, "messages": long_session(),
+                               "tools": CLIENT_TOOLS})
+    assert r.status_code == 200 and b"upstream_answer_too_large" in r.content
+    assert len(r.content) < 1 << 20  # nothing of the endless event reached the client
+    upstream.push({"raw_chunks": endless})
+    r = post(impatient_proxy, {"model": "m", "stream": True,
+                               "messages": [{"role": "user", "content": "x"}]})
+    assert r.content == b"".join(endless)
+    until(lambda: metric(impatient_proxy, "runloop_store_errors_total", op="too_large") == 1)

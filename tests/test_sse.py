@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from runloop_proxy.errors import UpstreamTooLarge
 from runloop_proxy.pipeline.sse import SSEDecoder, SSEEvent, encode_event, encode_json
 
 STREAM = (b": comment\n\ndata: one\n\nevent: ping\ndata: two\ndata: lines\n\n"
@@ -47,3 +48,23 @@ def test_encode_round_trip() -> None:
     raw = encode_event("payload", "evt") + encode_json({"a": 1})
     assert decode([raw]) == [SSEEvent("payload", "evt"), SSEEvent('{"a":1}')]
     assert SSEEvent("[DONE]").is_done
+
+
+@pytest.mark.parametrize("stream", [
+    b"data: " + b"x" * 5000,  # a line never ended
+    b"data: " + b"x" * 900 + b"\n" + (b"data: " + b"y" * 900 + b"\n") * 5,  # an event never ended
+])
+def test_an_event_past_the_limit_raises_whatever_the_chunking(stream: bytes) -> None:
+    for size in (1, 7, 100, len(stream)):
+        decoder = SSEDecoder(limit=4096)
+        with pytest.raises(UpstreamTooLarge):
+            for i in range(0, len(stream), size):
+                decoder.feed(stream[i:i + size])
+            decoder.flush()
+
+
+def test_events_under_the_limit_pass_and_the_count_starts_afresh_each_event() -> None:
+    one = b"data: " + b"z" * 3000 + b"\n\n"
+    decoder = SSEDecoder(limit=4096)
+    events = [e for _ in range(20) for e in decoder.feed(one)]  # 60 KB in all, 3 KB an event
+    assert len(events) == 20 and all(len(e.data) == 3000 for e in events)

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from ..conversation.identity import Session
-from ..errors import UpstreamError
+from ..errors import UpstreamError, UpstreamTooLarge
 from ..ops import logs
 from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
@@ -111,9 +111,7 @@ async def _passed_through(state: AppState, turn: Turn, session: Session, history
             if size <= limit:
                 kept.append(chunk)
         if size > limit:
-            log.warning("answer too large to record: relayed, not stored",
-                        extra={"tenant": turn.caller.tenant.name, "bytes": size})
-            state.metrics.store_errors.labels("too_large").inc()
+            _too_large_to_record(state, turn, size)
         else:
             raw = b"".join(kept)
             reply = await offload(is_large(size), lambda: _parsed_reply(turn.wire, raw))
@@ -130,6 +128,12 @@ async def _passed_through(state: AppState, turn: Turn, session: Session, history
     finally:
         resp.close()
         rlog.finish(status)
+
+
+def _too_large_to_record(state: AppState, turn: Turn, size: int | None = None) -> None:
+    log.warning("answer too large to record: relayed, not stored",
+                extra={"tenant": turn.caller.tenant.name, "bytes": size})
+    state.metrics.store_errors.labels("too_large").inc()
 
 
 def response_headers(resp: UpstreamResponse, session: Session,
@@ -199,16 +203,23 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
     relay = turn.wire.relay(turn.body)
     try:
         if out.tools is None:
-            observer = turn.wire.observer(state.config.store.max_message_bytes)
-            decoder = SSEDecoder()
+            limit = state.config.store.max_message_bytes
+            observer = turn.wire.observer(limit)
+            decoder: SSEDecoder | None = SSEDecoder(limit)  # read to record, as it passes
             async for chunk in resp.iter_chunks():
                 rlog.first_byte()
                 yield chunk
-                for ev in decoder.feed(chunk):
+                if decoder is not None:
+                    try:
+                        for ev in decoder.feed(chunk):
+                            observer.feed(ev)
+                    except UpstreamTooLarge:
+                        decoder = None  # an event past what the store keeps: relayed only
+                        _too_large_to_record(state, turn)
+            if decoder is not None:
+                for ev in decoder.flush():
                     observer.feed(ev)
-            for ev in decoder.flush():
-                observer.feed(ev)
-            _answered(state, turn, session, history, rlog, observer.reply(), False)
+                _answered(state, turn, session, history, rlog, observer.reply(), False)
         else:
             rounds = _rounds(state, turn, session, history, out, rlog)
             try:

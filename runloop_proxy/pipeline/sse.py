@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import orjson
 
+from ..errors import UpstreamTooLarge
+
 
 class SSEEvent(NamedTuple):
     data: str
@@ -23,14 +25,25 @@ class SSEEvent(NamedTuple):
 
 
 class SSEDecoder:
-    """Feed bytes, get complete events; ``flush()`` at end of stream yields a trailing event."""
+    """Feed bytes, get complete events; ``flush()`` at end of stream yields a trailing event.
+    ``limit``: the most an event (its lines not ended yet, its data so far) may hold — an
+    upstream that streams without ever ending a line or an event raises UpstreamTooLarge
+    there, not after holding all it sends."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self._parts: list[bytes] = []  # a line not ended yet, as it arrived (never re-copied)
         self._pending_cr = False
         self._data: list[str] = []
         self._event: str | None = None
         self._id: str | None = None
+        self._limit = limit
+        self._pending = 0  # bytes of the line not ended yet
+        self._data_bytes = 0  # bytes of the event's data so far
+
+    def _check(self) -> None:
+        if self._limit is not None and self._pending + self._data_bytes > self._limit:
+            raise UpstreamTooLarge(f"an event of the upstream's stream exceeds {self._limit} "
+                                   f"bytes (server.max_answer_bytes)")
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         if self._pending_cr and chunk.startswith(b"\n"):
@@ -39,9 +52,11 @@ class SSEDecoder:
         if b"\n" not in chunk and b"\r" not in chunk:
             if chunk:
                 self._parts.append(chunk)  # no line ends here: wait, in linear time
+                self._pending += len(chunk)
+                self._check()
             return []
         buf = b"".join([*self._parts, chunk]) if self._parts else chunk
-        self._parts = []
+        self._parts, self._pending = [], 0
         events: list[SSEEvent] = []
         start = 0
         n = len(buf)
@@ -64,13 +79,16 @@ class SSEDecoder:
             start = nxt
         if start < n:
             self._parts.append(buf[start:])
+            self._pending = n - start
+            self._check()
         return events
 
     def flush(self) -> list[SSEEvent]:
         events = []
         if self._parts:
-            event = self._line(b"".join(self._parts))
-            self._parts = []
+            line = b"".join(self._parts)
+            self._parts, self._pending = [], 0
+            event = self._line(line)
             if event is not None:
                 events.append(event)
         event = self._line(b"")
@@ -83,7 +101,7 @@ class SSEDecoder:
             if not self._data and self._event is None:
                 return None
             event = SSEEvent("\n".join(self._data), self._event, self._id)
-            self._data, self._event = [], None
+            self._data, self._event, self._data_bytes = [], None, 0
             return event
         line = raw.decode("utf-8", errors="replace")
         if line.startswith(":"):
@@ -93,6 +111,8 @@ class SSEDecoder:
             value = value[1:]
         if name == "data":
             self._data.append(value)
+            self._data_bytes += len(value)
+            self._check()
         elif name == "event":
             self._event = value
         elif name == "id":

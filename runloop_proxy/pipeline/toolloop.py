@@ -128,7 +128,7 @@ async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, An
     first: dict[str, Any] | None = None
     while True:
         rnd = relay.round(r.tools)
-        decoder = SSEDecoder()
+        decoder = SSEDecoder(r.max_answer)
         try:
             async for raw in resp.iter_chunks():
                 for ev in decoder.feed(raw):
