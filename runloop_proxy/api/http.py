@@ -1,5 +1,5 @@
-"""HTTP plumbing the endpoints share: who is calling, reading a body, OpenAI-shaped errors, a
-client that goes away, and a streaming response that notices that at once.
+"""HTTP plumbing the endpoints share: who is calling, reading a body, errors in each API's
+shape, a client that goes away, and a streaming response that notices that at once.
 
 Starlette's StreamingResponse, under ASGI spec 2.4, learns of a disconnect only when its next
 ``send`` fails — which, while the model is thinking, can be minutes. ``LiveStreamResponse`` has a
@@ -37,6 +37,7 @@ from ..pipeline.turn import serve
 from ..pipeline.upstream import PROXY_KEY_HEADERS
 from ..pipeline.values import Answer, Caller, Turn
 from ..state import AppState, state_of
+from .messages_wire import error_shape as anthropic_shape
 
 log = logs.get("http")
 Handler = Callable[[Request], Awaitable[Any]]
@@ -52,17 +53,43 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return Response(orjson.dumps(obj), status, headers=headers, media_type="application/json")
 
 
-def openai_errors(handler: Handler) -> Handler:
-    """Turn the proxy's errors into OpenAI-shaped bodies with the right status."""
+# An API's error shape: the status, the OpenAI-shaped body every error has, and the error
+ErrorShape = Callable[[int, dict[str, Any], Exception | None], dict[str, Any]]
+MESSAGES_PATHS = "/v1/messages"  # Anthropic's API: this path and every path below it
+
+
+def openai_shape(status: int, body: dict[str, Any], exc: Exception | None) -> dict[str, Any]:
+    return body
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` is Anthropic's API: ``/v1/messages`` and any path below it."""
+    return path == MESSAGES_PATHS or path.startswith(MESSAGES_PATHS + "/")
+
+
+def error_shape(path: str) -> ErrorShape:
+    """The one rule for the shape of an error the proxy answers: Anthropic's for Anthropic's
+    API (the proxy's own routes and those it passes through alike), OpenAI's elsewhere."""
+    return anthropic_shape if anthropic_path(path) else openai_shape
+
+
+def error_response(path: str, status: int, body: dict[str, Any], exc: Exception | None,
+                   headers: dict[str, str] | None = None) -> Response:
+    """An error of the proxy's own, in the shape the path's API has."""
+    return json_response(error_shape(path)(status, body, exc), status, headers)
+
+
+def shaped_errors(handler: Handler) -> Handler:
+    """Turn the proxy's errors into bodies of the path's API's shape with the right status."""
     @functools.wraps(handler)
     async def wrapped(request: Request) -> Any:
         try:
             return await handler(request)
         except ClientError as exc:
-            return json_response(exc.body(), exc.status)
+            return error_response(request.url.path, exc.status, exc.body(), exc)
         except UpstreamError as exc:
             log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
-            return json_response(exc.body(), exc.status)
+            return error_response(request.url.path, exc.status, exc.body(), exc)
     return wrapped
 
 
@@ -153,22 +180,17 @@ async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:
 
 TurnMaker = Callable[[AppState, Request, RequestLog], Awaitable[Turn]]
 Stages = Callable[[AppState, Turn, RequestLog], Awaitable[Answer]]
-# An API's error shape: the status, the OpenAI-shaped body every error has, and the error
-ErrorShape = Callable[[int, dict[str, Any], Exception | None], dict[str, Any]]
-
-
-def openai_shape(status: int, body: dict[str, Any], exc: Exception | None) -> dict[str, Any]:
-    return body
 
 
 async def answer_turn(request: Request, api: str, make_turn: TurnMaker,
-                      shape: ErrorShape = openai_shape, run: Stages = serve) -> ASGIResponse:
+                      run: Stages = serve) -> ASGIResponse:
     """The frame every API adapter runs in: the adapter reads and checks the request into a
-    Turn, the pipeline serves it; errors come back in the API's shape (``shape``, OpenAI's
-    unless the adapter says otherwise), a client that goes away cancels the work, and the
-    request is counted once whatever happens. ``run``: the stages it goes through."""
+    Turn, the pipeline serves it; errors come back in the API's shape (``error_shape``), a
+    client that goes away cancels the work, and the request is counted once whatever
+    happens. ``run``: the stages it goes through."""
     state = state_of(request)
     rlog = RequestLog(state.metrics, api)
+    shape = error_shape(request.url.path)
     try:
         turn = await make_turn(state, request, rlog)
         answer = await until_disconnect(request, run(state, turn, rlog))

@@ -19,7 +19,7 @@ from ..pipeline.values import Turn
 from ..state import AppState
 from .chat import MAX_DEPTH, bounded
 from .http import ASGIResponse, answer_turn, authenticate, read_request
-from .messages_wire import MessagesWire, error_shape
+from .messages_wire import MessagesWire
 
 PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"
@@ -28,12 +28,12 @@ ROLES = ("user", "assistant")
 
 
 async def messages(request: Request) -> ASGIResponse:
-    return await answer_turn(request, WIRE.api, _turn, error_shape)
+    return await answer_turn(request, WIRE.api, _turn)
 
 
 async def count_tokens(request: Request) -> ASGIResponse:
     """The prompt the proxy would send for this request, counted (pipeline.turn.count)."""
-    return await answer_turn(request, "messages_count", _counted, error_shape, count)
+    return await answer_turn(request, "messages_count", _counted, count)
 
 
 async def _turn(state: AppState, request: Request, rlog: RequestLog,

@@ -22,7 +22,7 @@ Block = dict[str, Any]
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                402: "billing_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               502: "api_error", 503: "api_error", 504: "timeout_error",
+               502: "api_error", 503: "overloaded_error", 504: "timeout_error",
                529: "overloaded_error"}
 STATUSES = {"api_error": 500, **{kind: status for status, kind in ERROR_TYPES.items()
                                  if kind != "api_error"}}

@@ -22,8 +22,8 @@ from .http import (
     LiveStreamResponse,
     authenticate,
     json_response,
-    openai_errors,
     read_body,
+    shaped_errors,
 )
 from .messages import COUNT_PATH, count_tokens, messages
 from .messages import PATH as MESSAGES_PATH
@@ -56,7 +56,7 @@ def v1_subpath(raw_path: bytes) -> str:
     return urllib.parse.quote(path[len(PREFIX) - 1:], safe=_SEGMENT_SAFE)
 
 
-@openai_errors
+@shaped_errors
 async def passthrough(request: Request) -> ASGIResponse:
     """Any other /v1 endpoint (models, embeddings, files, …) goes through untouched both ways:
     bodies and their Content-Encoding, the query string; the path only when it stays below
