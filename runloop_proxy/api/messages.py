@@ -103,12 +103,16 @@ def _validate_turn(turn: Any, i: int) -> None:
     where = f"messages.{i}"
     if not isinstance(turn, dict):
         raise InvalidRequest(f"{where}: must be an object", param=where)
-    if turn.get("role") not in ROLES:
-        raise InvalidRequest(f"{where}.role: must be 'user' or 'assistant'",
+    role = turn.get("role")
+    if role not in ROLES and not (role == "system" and i > 0):
+        # a system turn may follow the conversation's first (Claude Code sends one to a
+        # model it does not know); the system prompt itself is the body's ``system``
+        raise InvalidRequest(f"{where}.role: must be 'user' or 'assistant'"
+                             + (" (or 'system' after the first turn)" if i else ""),
                              param=f"{where}.role")
     content = turn.get("content")
     if not isinstance(content, str):
-        _blocks(content, f"{where}.content")
+        _blocks(content, f"{where}.content", text_only=role == "system")
     bounded(turn, MAX_DEPTH - 2, where)
 
 
