@@ -87,5 +87,21 @@ def test_a_body_over_the_limit_is_a_413_in_the_paths_shape(
     check(send(proxy, "POST", path, KEY, b"x" * 5000), path, 413)
 
 
+def test_a_chat_upstream_has_no_messages_endpoints_but_the_proxys(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Through the bridge the upstream speaks chat completions only: a Messages path the
+    proxy does not answer itself is a 404 in Anthropic's shape, never sent upstream."""
+    proxy = tenant(tmp_path, make_proxy, upstream.url, fmt="chat")
+    for path in MESSAGES:
+        if path in CONVERSATIONS or "%2f" in path:
+            continue
+        for method in METHODS:
+            r = send(proxy, method, path, KEY)
+            check(r, path, 404)
+            assert "speaks chat completions" in r.json()["error"]["message"]
+    assert not upstream.requests and not upstream.other
+    assert send(proxy, "GET", "/v1/models", KEY).status_code == 200  # the rest goes through
+
+
 def test_an_unknown_path_outside_v1_is_openai_shaped(proxy: Any) -> None:
     check(httpx.get(proxy.base + "/v2/messages"), "/v2/messages", 404)

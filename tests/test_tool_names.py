@@ -1,7 +1,7 @@
 """A client's own tool named like one of the proxy's: the proxy renames its own, whatever API
-the client speaks (chat's nested tools, Responses' flat ones, Messages' ``input_schema``),
-its window's notes name the renamed tool, and the model's call of the client's tool reaches
-the client. One rule (``ProxyTools.for_request`` over
+the client speaks (chat's nested tools, Responses' flat ones, Messages' ``input_schema``,
+the bridge's chat body), its window's notes name the renamed tool, and the model's call of
+the client's tool reaches the client. One rule (``ProxyTools.for_request`` over
 ``Turn.chat_tools``, which every adapter fills in chat form), swept over every API."""
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def name_of(tool: dict[str, Any]) -> str:
 
 
 @pytest.mark.parametrize(("client", "fmt"), [(chat, None), (responses, None),
-                                             (messages, None)],
-                         ids=["chat", "responses", "messages"])
+                                             (messages, None), (messages, "chat")],
+                         ids=["chat", "responses", "messages", "messages-bridge"])
 def test_the_proxy_renames_its_tool_for_a_client_whose_tool_has_its_name(
         make_proxy: Any, upstream: ScriptedUpstream,
         client: Callable[[ProxyServer], tuple[list[str], Any]], fmt: str | None) -> None:

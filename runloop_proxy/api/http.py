@@ -93,6 +93,9 @@ def shaped_errors(handler: Handler) -> Handler:
     return wrapped
 
 
+# what an upstream of chat completions never gets: a client's key in any header but the
+# bearer token the proxy sets, and Anthropic's own headers
+CHAT_DROP = PROXY_KEY_HEADERS | {"anthropic-version", "anthropic-beta"}
 INTERNAL_ERROR = error_body("internal error in runloop-proxy", "server_error", None,
                             "internal_error")
 
@@ -137,27 +140,36 @@ def bearer(request: Request) -> str | None:
 
 
 def authenticate(state: AppState, request: Request) -> Caller:
+    """Who is calling, and how the upstream is to know it: an upstream of Anthropic's format
+    takes its key as ``x-api-key``; one of chat completions only (the bridge's) as a bearer
+    token, whichever header the client sent its key in, and none of Anthropic's headers."""
     cfg = state.config
     key = bearer(request)
     if cfg.passthrough is not None:
         # Single-tenant pass-through: the client's own key goes upstream; its hash keeps
         # each key's sessions apart, and without a key nothing is kept.
         ns = "pt-" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
+        if cfg.upstreams[cfg.passthrough.upstream].format == "chat":
+            return Caller(cfg.passthrough, "passthrough", ns, f"Bearer {key}" if key else None,
+                          CHAT_DROP)
         return Caller(cfg.passthrough, "passthrough", ns, request.headers.get("authorization"))
     if key is None:
         raise AuthenticationFailed("Missing API key: send it as 'Authorization: Bearer <key>'.")
     tenant = cfg.tenant_for_key(key)
     if tenant is None:
         raise AuthenticationFailed("Incorrect API key provided.")
+    fmt = cfg.upstreams[tenant.upstream].format
+    drop = CHAT_DROP if fmt == "chat" else PROXY_KEY_HEADERS
     if tenant.forward_client_key:
+        if fmt == "chat":
+            return Caller(tenant, tenant.name, tenant.name, f"Bearer {key}", drop)
         return Caller(tenant, tenant.name, tenant.name, request.headers.get("authorization"),
-                      PROXY_KEY_HEADERS - {"x-api-key"} if cfg.upstreams[tenant.upstream]
-                      .format == "anthropic" else PROXY_KEY_HEADERS)
+                      drop - {"x-api-key"} if fmt == "anthropic" else drop)
     secret = tenant.upstream_key or cfg.upstreams[tenant.upstream].api_key
-    if cfg.upstreams[tenant.upstream].format == "anthropic":  # its key goes as x-api-key
-        return Caller(tenant, tenant.name, tenant.name, None, PROXY_KEY_HEADERS, secret)
+    if fmt == "anthropic":  # its key goes as x-api-key
+        return Caller(tenant, tenant.name, tenant.name, None, drop, secret)
     upstream_auth = f"Bearer {secret}" if secret else None
-    return Caller(tenant, tenant.name, tenant.name, upstream_auth, PROXY_KEY_HEADERS)
+    return Caller(tenant, tenant.name, tenant.name, upstream_auth, drop)
 
 
 async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:

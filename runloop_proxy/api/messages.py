@@ -2,7 +2,8 @@
 ``anthropic`` SDKs speak). A request's ``system`` and ``messages`` become the conversation
 model (conversation/blocks.py) and go through the same pipeline as chat completions and the
 Responses API — identity, history, window, the proxy's tools; ``messages_wire.py`` speaks the
-format on the way out, and errors come back in Anthropic's shape."""
+format on the way out (``bridge.py`` when the upstream speaks chat completions), and errors
+come back in Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from ..errors import InvalidRequest
 from ..pipeline.accounting import RequestLog
 from ..pipeline.turn import count
 from ..pipeline.values import Turn
+from ..pipeline.wire import Wire
 from ..state import AppState
+from .bridge import BridgeWire
 from .chat import MAX_DEPTH, bounded
 from .http import ASGIResponse, answer_turn, authenticate, read_request
 from .messages_wire import MessagesWire
@@ -42,7 +45,9 @@ async def _turn(state: AppState, request: Request, rlog: RequestLog,
     raw, (body, messages, tools) = await read_request(
         state, request, lambda parsed: _checked(parsed, counting))
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
-    wire = MessagesWire(caller.tenant.policy.cache_breakpoints == "auto")
+    # an upstream of chat completions only: the bridge translates both ways
+    wire: Wire = BridgeWire() if state.config.upstreams[caller.tenant.upstream].format \
+        == "chat" else MessagesWire(caller.tenant.policy.cache_breakpoints == "auto")
     return Turn(caller, wire, body, raw, messages, list(request.headers.items()),
                 tools=tools, counting=counting)
 

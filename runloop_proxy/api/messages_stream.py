@@ -167,8 +167,10 @@ class MessagesObserver:
         return self.acc.reply()
 
 
-class MessagesRelay:
-    """A streamed message across the proxy's tool rounds, as one message for the client."""
+class OneMessage:
+    """What the client gets of a streamed answer across the proxy's tool rounds, whatever the
+    upstream's rounds were: one message, its blocks numbered across rounds, one end with the
+    usage of every round (a round's class feeds it: MessagesRound, the bridge's)."""
 
     def __init__(self, model: str):
         self.model = model
@@ -177,9 +179,6 @@ class MessagesRelay:
         self.next_index = 0
         self.shown_blocks: list[Block] = []
         self.delta: dict[str, Any] = {"stop_reason": "end_turn", "stop_sequence": None}
-
-    def round(self, tools: ProxyTools) -> MessagesRound:
-        return MessagesRound(self, tools)
 
     @property
     def answer_id(self) -> str | None:
@@ -198,6 +197,13 @@ class MessagesRelay:
         if isinstance(exc, UpstreamError):
             return error_event(exc.status, str(exc))
         return error_event(500, "internal error in runloop-proxy")
+
+
+class MessagesRelay(OneMessage):
+    """A streamed message across the proxy's tool rounds, as one message for the client."""
+
+    def round(self, tools: ProxyTools) -> MessagesRound:
+        return MessagesRound(self, tools)
 
 
 class MessagesRound:

@@ -186,7 +186,7 @@ def assistant_blocks(m: Message) -> Any:
         elif kind == "tool_use":
             call = by_id.pop(str(b.get("id")), None)
             if call is not None:
-                out.append({**b, "input": _input(call)})
+                out.append({**b, "input": call_input(call)})
         elif calls and kind is not None:
             out.append(b)  # thinking, redacted thinking, server tools: with their loop
     if text:
@@ -194,7 +194,7 @@ def assistant_blocks(m: Message) -> Any:
     for call in by_id.values():
         fn: Any = call.get("function") or {}
         out.append({"type": "tool_use", "id": call.get("id", ""), "name": fn.get("name", ""),
-                    "input": _input(call)})
+                    "input": call_input(call)})
     return out
 
 
@@ -205,7 +205,7 @@ def _after_thinking(blocks: list[Block]) -> int:
     return i
 
 
-def _input(call: ToolCall) -> Any:
+def call_input(call: ToolCall) -> Any:
     """A call's arguments as a tool_use input (the window keeps trimmed ones valid JSON)."""
     raw = (call.get("function") or {}).get("arguments") or "{}"
     try:

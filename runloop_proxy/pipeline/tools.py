@@ -88,6 +88,11 @@ class ProxyTools:
             names[name] = kind
         return cls(names)
 
+    @classmethod
+    def none(cls) -> ProxyTools:
+        """No tool of the proxy's: every call is the client's."""
+        return cls({})
+
     def name_of(self, kind: str) -> str:
         return next(name for name, k in self.names.items() if k == kind)
 
