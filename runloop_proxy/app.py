@@ -14,12 +14,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .api.http import ClientGone
+from .api.http import ClientGone, error_response
 from .api.routes import CONVERSATIONS, routes
 from .caches import SHARES
 from .config import ProxyConfig, Settings, load_config
 from .environment import settings_from_env
-from .errors import error_bytes
+from .errors import error_body
 from .history.embedded import EmbeddedRedis
 from .history.store import RedisStore
 from .ops import logs
@@ -77,10 +77,10 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        body = error_bytes(f"{request.method} {request.url.path}: {exc.detail}",
-                           "invalid_request_error", None,
-                           "not_found" if exc.status_code == 404 else None)
-        return Response(body, exc.status_code, media_type="application/json")
+        body = error_body(f"{request.method} {request.url.path}: {exc.detail}",
+                          "invalid_request_error", None,
+                          "not_found" if exc.status_code == 404 else None)
+        return error_response(request.url.path, exc.status_code, body, exc)
 
     return FastPath(Starlette(routes=routes(), lifespan=lifespan,
                               exception_handlers={HTTPException: http_error}))

@@ -281,6 +281,7 @@ class Settings:
     host: str | None = None
     port: int | None = None
     upstream: str | None = None
+    upstream_format: str | None = None  # --upstream's format (UpstreamSpec.format)
     config_dir: str | None = None
     redis_url: str | None = None
     data_dir: str = ".runloop"
@@ -426,7 +427,9 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
                                    if settings.redis_url else {})
     upstreams = dict(gfile.upstreams)
     if settings.upstream:
-        upstreams["default"] = _validate(UpstreamSpec, {"url": settings.upstream}, "--upstream")
+        upstreams["default"] = _validate(UpstreamSpec, {
+            "url": settings.upstream, **({"format": settings.upstream_format}
+                                         if settings.upstream_format else {})}, "--upstream")
     defaults = dict(gfile.defaults)
     if settings.context_window:
         defaults["default_context_window"] = settings.context_window

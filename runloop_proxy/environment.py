@@ -31,6 +31,10 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option(("--upstream",), "upstream", "UPSTREAM", str, None,
            "upstream base URL, e.g. https://api.openai.com/v1 (pass-through mode)",
            metavar="URL"),
+    Option(("--upstream-format",), "upstream_format", "UPSTREAM_FORMAT", str, None,
+           "what --upstream speaks: any (every API goes as it came, the default), anthropic "
+           "(Anthropic's API), chat (chat completions only: a /v1/messages client, Claude "
+           "Code, is translated to and from them)", choices=("any", "anthropic", "chat")),
     Option(("--config",), "config_dir", "CONFIG", str, None,
            "config directory (runloop.toml + tenants/*.toml)", metavar="DIR"),
     Option(("--redis-url",), "redis_url", "REDIS_URL", str, None,

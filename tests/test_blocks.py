@@ -72,6 +72,9 @@ def conversations(draw: st.DrawFn) -> tuple[Any, list[dict[str, Any]]]:
     for k in range(draw(st.integers(1, 6))):
         role = "user" if k % 2 == 0 else "assistant"
         turns.append({"role": role, "content": draw(blocks_of(role, ids))})
+        if role == "user" and not ids and draw(st.booleans()):  # a system turn, later on
+            turns.append({"role": "system", "content": draw(st.one_of(texts, st.just([
+                {"type": "text", "text": "# Environment", "cache_control": CC}])))})
     if ids:  # the client answers its calls
         turns.append({"role": "user", "content": draw(blocks_of("user", ids))})
     return system, turns
@@ -172,3 +175,22 @@ def test_arguments_the_window_cut_unreadably_still_go_as_an_object() -> None:
     assert out == [{"type": "tool_use", "id": "t1", "name": "b",
                     "input": {"arguments": '{"a": 1'}}]
     assert orjson.dumps(out)
+
+
+def test_a_system_turn_stays_where_it_came() -> None:
+    """Claude Code sends a model it does not know its environment as a system turn after the
+    first: it is a system message in the conversation, and goes back in its place (never
+    into the system prompt, whose cache it would break)."""
+    turns = [{"role": "user", "content": "go"},
+             {"role": "system", "content": [{"type": "text", "text": "# Environment"}]},
+             {"role": "assistant", "content": "ok"}]
+    messages = to_messages(turns, "S")
+    assert [(m["role"], m["content"]) for m in messages] == [
+        ("system", "S"), ("user", "go"), ("system", "# Environment"), ("assistant", "ok")]
+    turn_of: list[int] = []
+    assert to_anthropic(messages, turns, turn_of) == ("S", turns)
+    assert turn_of == [-1, 0, 1, 2]
+    rebuilt = [{**m, "content": m["content"] + "!"} if m["role"] == "system" and i else m
+               for i, m in enumerate(messages)]  # changed by a window: rebuilt, in place
+    assert to_anthropic(rebuilt, turns)[1][1] == {"role": "system", "content": [
+        {"type": "text", "text": "# Environment"}, {"type": "text", "text": "!"}]}

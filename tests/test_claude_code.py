@@ -36,13 +36,15 @@ def claude_bin() -> str:
     return npm_bin("@anthropic-ai/claude-code", VERSION, "claude")
 
 
-def claude_proxy(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> ProxyServer:
-    """A tenant for Claude Code: an upstream of Anthropic's format, and a working budget
-    above what Claude Code's system prompt and tools take (~20k tokens) by a session's worth."""
+def claude_proxy(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
+                 fmt: str = "anthropic") -> ProxyServer:
+    """A tenant for Claude Code: an upstream of Anthropic's format (or ``fmt``), and a working
+    budget above what Claude Code's system prompt and tools take (~20k tokens) by a
+    session's worth."""
     cfg = tmp_path / "cfg"
     (cfg / "tenants").mkdir(parents=True)
     (cfg / "runloop.toml").write_text(
-        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "{fmt}"\n'
         f'api_key = "sk-ant-upstream"\n')
     (cfg / "tenants" / "dev.toml").write_text(
         f'keys = ["{KEY}"]\nupstream = "claude"\n[policy]\nsoft_budget_tokens = 40000\n'
@@ -51,13 +53,13 @@ def claude_proxy(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) ->
 
 
 def run_claude(claude: str, proxy: ProxyServer, home: Path, work: Path, prompt: str,
-               *more: str) -> list[dict[str, Any]]:
+               *more: str, model: str = MODEL, **env_vars: str) -> list[dict[str, Any]]:
     env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": proxy.base,
            "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
-           "IS_SANDBOX": "1"}  # IS_SANDBOX: root may skip permission prompts (a container)
+           "IS_SANDBOX": "1", **env_vars}  # IS_SANDBOX: root may skip permission prompts
     r = subprocess.run([claude, "-p", prompt, "--output-format", "stream-json", "--verbose",
-                        "--model", MODEL, "--dangerously-skip-permissions", *more],
+                        "--model", model, "--dangerously-skip-permissions", *more],
                        cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
     return [orjson.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
@@ -174,3 +176,93 @@ def test_claude_code_runs_through_the_proxy_compressed_and_recalled(
         "tenant": "dev", "tool": "recall_tool_call", "outcome": "hit"}) == 1
     assert any(b["messages"][-1]["content"][0].get("tool_use_id") == RECALL_ID
                for b in upstream.requests if isinstance(b["messages"][-1]["content"], list))
+
+
+# -- the bridge: Claude Code on a model that speaks chat completions ---------------------------
+
+CHAT_MODEL = "gpt-4o"
+
+
+def as_messages(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat body read the way ``model`` reads a Messages one: tools by name, a turn per
+    role (each line of a user's text a text block, as Claude Code sends its prompt after its
+    reminders), calls as tool_use blocks, results as tool_result blocks."""
+    turns: list[dict[str, Any]] = []
+
+    def add(role: str, blocks: list[dict[str, Any]]) -> None:
+        if turns and turns[-1]["role"] == role:
+            turns[-1]["content"] += blocks
+        else:
+            turns.append({"role": role, "content": blocks})
+
+    for m in body["messages"]:
+        content = m.get("content")
+        if m["role"] == "assistant":
+            add("assistant", ([{"type": "text", "text": content}] if content else []) + [
+                {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
+                 "input": orjson.loads(c["function"]["arguments"])}
+                for c in m.get("tool_calls") or []])
+        elif m["role"] == "tool":
+            add("user", [{"type": "tool_result", "tool_use_id": m["tool_call_id"],
+                          "content": content}])
+        elif m["role"] == "user":
+            text = content if isinstance(content, str) else "\n".join(
+                p.get("text", "") for p in content)
+            add("user", [{"type": "text", "text": line} for line in text.split("\n")])
+    return {"tools": [{"name": t["function"]["name"]} for t in body.get("tools") or []],
+            "messages": turns}
+
+
+def test_claude_code_runs_on_a_chat_model_through_the_bridge(
+        claude_bin: str, make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """The same session with an upstream that speaks chat completions only (``format =
+    "chat"``): Claude Code finishes every turn on the scripted chat model, the proxy's
+    window compresses it and a recall is answered in a round Claude Code never sees; the
+    upstream gets chat bodies, nothing else."""
+    proxy = claude_proxy(tmp_path, make_proxy, upstream, fmt="chat")
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    for k in range(FILES):
+        (work / f"log{k}.txt").write_text("\n".join(f"log {k} line {i}: status ok, "
+                                                    f"id {k * 1000 + i}" for i in range(600)))
+    upstream.responder = lambda body: model(as_messages(body))
+    outputs = []
+    for turn in range(FILES // PER_TURN):
+        more = ("--continue",) if turn else ()
+        outputs.append(run_claude(claude_bin, proxy, home, work,
+                                  f"turn {turn}: read logs {turn * PER_TURN} to "
+                                  f"{(turn + 1) * PER_TURN - 1}", *more, model=CHAT_MODEL,
+                                  ANTHROPIC_DEFAULT_HAIKU_MODEL=CHAT_MODEL,
+                                  ANTHROPIC_SMALL_FAST_MODEL=CHAT_MODEL))
+    finals = [[e for e in out if e.get("type") == "result"][-1] for out in outputs]
+    assert [f["subtype"] for f in finals] == ["success"] * len(finals)
+    assert [f["result"] for f in finals][:-1] == [f"turn {t} done"
+                                                  for t in range(len(finals) - 1)]
+    assert finals[-1]["result"] == f"turn {len(finals) - 1} done; recalled log 0: intact"
+    assert not any("recall_tool_call" in orjson.dumps(e).decode()
+                   for out in outputs for e in out if e.get("type") == "assistant")
+    # the upstream got chat completions only, every one with Claude Code's tools as functions
+    assert upstream.requests and all("messages" in b and "system" not in b
+                                     for b in upstream.requests)
+    assert not [o for o in upstream.other if "/messages" in o[1]]
+    main = [b for b in upstream.requests if len(b.get("tools") or []) > 2]
+    assert all(t["type"] == "function" for b in main for t in b["tools"])
+    sessions = {orjson.loads(b["user"])["session_id"] for b in main}
+    assert len(sessions) == 1  # --continue: one Claude Code session, named by Claude Code
+    proxy.settle()
+    view = httpx.get(f"{proxy.base}/admin/sessions/{sessions.pop()}", headers={
+        "Authorization": f"Bearer {ADMIN}"}, params={"messages": "1", "tenant": "dev"})
+    assert view.status_code == 200, view.text
+    assert sum(m["role"] == "tool" for m in view.json()["messages"]) >= FILES
+    metrics = proxy.metrics.registry
+    labels = {"tenant": "dev", "model": CHAT_MODEL}
+    client = metrics.get_sample_value("runloop_prompt_tokens_client_total", labels)
+    forwarded = metrics.get_sample_value("runloop_prompt_tokens_forwarded_total", labels)
+    recalls = metrics.get_sample_value("runloop_recalls_total", {
+        "tenant": "dev", "tool": "recall_tool_call", "outcome": "hit"})
+    print(f"bridge session: {len(upstream.requests)} upstream calls, prompt tokens "
+          f"{client:,.0f} sent by Claude Code -> {forwarded:,.0f} forwarded, "
+          f"recalls answered {recalls:.0f}")
+    assert forwarded < 0.8 * client
+    assert recalls == 1

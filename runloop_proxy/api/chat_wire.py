@@ -13,12 +13,12 @@ from ..conversation.messages import Message, ToolCall, clean
 from ..errors import UpstreamBadReply, UpstreamError
 from ..pipeline.sse import DONE, SSEEvent, encode_json
 from ..pipeline.tools import ProxyTools
-from ..pipeline.wire import Decision, Reply, Step, bad_reply
+from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply
 
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 
 
-class ChatWire:
+class ChatWire(Native):
     api = "chat"
     upstream_path = "/chat/completions"
 
@@ -192,7 +192,29 @@ class Accumulator:
         return clean(msg)
 
 
-def _decode(event: SSEEvent) -> dict[str, Any] | None:
+# what an OpenAI-shaped error says it is (its code, else its type), as an HTTP status
+ERROR_STATUSES = {"rate_limit_exceeded": 429, "rate_limit_error": 429, "insufficient_quota": 429,
+                  "overloaded": 529, "overloaded_error": 529, "server_overloaded": 529,
+                  "engine_overloaded": 529, "service_unavailable": 503,
+                  "context_length_exceeded": 400, "invalid_request_error": 400,
+                  "server_error": 500, "internal_error": 500, "timeout": 504}
+
+
+def error_status(err: Any) -> int:
+    """The status an error a stream carries stands for (a stream has sent its 200 already):
+    its numeric code when it has one, else what its code or type names; 502 when unknown."""
+    if not isinstance(err, dict):
+        return 502
+    for key in ("code", "status", "type"):
+        v = err.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and 400 <= v <= 599:
+            return v
+        if isinstance(v, str) and v in ERROR_STATUSES:
+            return ERROR_STATUSES[v]
+    return 502
+
+
+def decode_chunk(event: SSEEvent) -> dict[str, Any] | None:
     """A data event's chunk; an error event from the upstream raises."""
     if event.is_done or not event.data:
         return None
@@ -203,7 +225,7 @@ def _decode(event: SSEEvent) -> dict[str, Any] | None:
     if isinstance(chunk, dict) and chunk.get("error"):
         err = chunk["error"]
         raise UpstreamError(str(err.get("message", "upstream error")) if isinstance(err, dict)
-                            else str(err))
+                            else str(err), status=error_status(err))
     problem = chunk_problem(chunk)
     if problem:
         raise bad_reply(f"a chat-completion chunk: {problem}", chunk)
@@ -225,7 +247,7 @@ class ChatObserver:
         if self.size > self.limit:
             return
         try:
-            chunk = _decode(event)
+            chunk = decode_chunk(event)
         except UpstreamError:
             return
         if chunk is not None:
@@ -374,7 +396,7 @@ class ChatRound:
         if event.is_done:
             self.done = True
             return []
-        chunk = _decode(event)
+        chunk = decode_chunk(event)
         if chunk is None:
             return []
         self.acc.add(chunk)

@@ -1,5 +1,5 @@
-"""HTTP plumbing the endpoints share: who is calling, reading a body, OpenAI-shaped errors, a
-client that goes away, and a streaming response that notices that at once.
+"""HTTP plumbing the endpoints share: who is calling, reading a body, errors in each API's
+shape, a client that goes away, and a streaming response that notices that at once.
 
 Starlette's StreamingResponse, under ASGI spec 2.4, learns of a disconnect only when its next
 ``send`` fails — which, while the model is thinking, can be minutes. ``LiveStreamResponse`` has a
@@ -37,6 +37,7 @@ from ..pipeline.turn import serve
 from ..pipeline.upstream import PROXY_KEY_HEADERS
 from ..pipeline.values import Answer, Caller, Turn
 from ..state import AppState, state_of
+from .messages_wire import error_shape as anthropic_shape
 
 log = logs.get("http")
 Handler = Callable[[Request], Awaitable[Any]]
@@ -52,20 +53,49 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return Response(orjson.dumps(obj), status, headers=headers, media_type="application/json")
 
 
-def openai_errors(handler: Handler) -> Handler:
-    """Turn the proxy's errors into OpenAI-shaped bodies with the right status."""
+# An API's error shape: the status, the OpenAI-shaped body every error has, and the error
+ErrorShape = Callable[[int, dict[str, Any], Exception | None], dict[str, Any]]
+MESSAGES_PATHS = "/v1/messages"  # Anthropic's API: this path and every path below it
+
+
+def openai_shape(status: int, body: dict[str, Any], exc: Exception | None) -> dict[str, Any]:
+    return body
+
+
+def anthropic_path(path: str) -> bool:
+    """Whether ``path`` is Anthropic's API: ``/v1/messages`` and any path below it."""
+    return path == MESSAGES_PATHS or path.startswith(MESSAGES_PATHS + "/")
+
+
+def error_shape(path: str) -> ErrorShape:
+    """The one rule for the shape of an error the proxy answers: Anthropic's for Anthropic's
+    API (the proxy's own routes and those it passes through alike), OpenAI's elsewhere."""
+    return anthropic_shape if anthropic_path(path) else openai_shape
+
+
+def error_response(path: str, status: int, body: dict[str, Any], exc: Exception | None,
+                   headers: dict[str, str] | None = None) -> Response:
+    """An error of the proxy's own, in the shape the path's API has."""
+    return json_response(error_shape(path)(status, body, exc), status, headers)
+
+
+def shaped_errors(handler: Handler) -> Handler:
+    """Turn the proxy's errors into bodies of the path's API's shape with the right status."""
     @functools.wraps(handler)
     async def wrapped(request: Request) -> Any:
         try:
             return await handler(request)
         except ClientError as exc:
-            return json_response(exc.body(), exc.status)
+            return error_response(request.url.path, exc.status, exc.body(), exc)
         except UpstreamError as exc:
             log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
-            return json_response(exc.body(), exc.status)
+            return error_response(request.url.path, exc.status, exc.body(), exc)
     return wrapped
 
 
+# what an upstream of chat completions never gets: a client's key in any header but the
+# bearer token the proxy sets, and Anthropic's own headers
+CHAT_DROP = PROXY_KEY_HEADERS | {"anthropic-version", "anthropic-beta"}
 INTERNAL_ERROR = error_body("internal error in runloop-proxy", "server_error", None,
                             "internal_error")
 
@@ -110,27 +140,36 @@ def bearer(request: Request) -> str | None:
 
 
 def authenticate(state: AppState, request: Request) -> Caller:
+    """Who is calling, and how the upstream is to know it: an upstream of Anthropic's format
+    takes its key as ``x-api-key``; one of chat completions only (the bridge's) as a bearer
+    token, whichever header the client sent its key in, and none of Anthropic's headers."""
     cfg = state.config
     key = bearer(request)
     if cfg.passthrough is not None:
         # Single-tenant pass-through: the client's own key goes upstream; its hash keeps
         # each key's sessions apart, and without a key nothing is kept.
         ns = "pt-" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
+        if cfg.upstreams[cfg.passthrough.upstream].format == "chat":
+            return Caller(cfg.passthrough, "passthrough", ns, f"Bearer {key}" if key else None,
+                          CHAT_DROP)
         return Caller(cfg.passthrough, "passthrough", ns, request.headers.get("authorization"))
     if key is None:
         raise AuthenticationFailed("Missing API key: send it as 'Authorization: Bearer <key>'.")
     tenant = cfg.tenant_for_key(key)
     if tenant is None:
         raise AuthenticationFailed("Incorrect API key provided.")
+    fmt = cfg.upstreams[tenant.upstream].format
+    drop = CHAT_DROP if fmt == "chat" else PROXY_KEY_HEADERS
     if tenant.forward_client_key:
+        if fmt == "chat":
+            return Caller(tenant, tenant.name, tenant.name, f"Bearer {key}", drop)
         return Caller(tenant, tenant.name, tenant.name, request.headers.get("authorization"),
-                      PROXY_KEY_HEADERS - {"x-api-key"} if cfg.upstreams[tenant.upstream]
-                      .format == "anthropic" else PROXY_KEY_HEADERS)
+                      drop - {"x-api-key"} if fmt == "anthropic" else drop)
     secret = tenant.upstream_key or cfg.upstreams[tenant.upstream].api_key
-    if cfg.upstreams[tenant.upstream].format == "anthropic":  # its key goes as x-api-key
-        return Caller(tenant, tenant.name, tenant.name, None, PROXY_KEY_HEADERS, secret)
+    if fmt == "anthropic":  # its key goes as x-api-key
+        return Caller(tenant, tenant.name, tenant.name, None, drop, secret)
     upstream_auth = f"Bearer {secret}" if secret else None
-    return Caller(tenant, tenant.name, tenant.name, upstream_auth, PROXY_KEY_HEADERS)
+    return Caller(tenant, tenant.name, tenant.name, upstream_auth, drop)
 
 
 async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:
@@ -153,22 +192,17 @@ async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:
 
 TurnMaker = Callable[[AppState, Request, RequestLog], Awaitable[Turn]]
 Stages = Callable[[AppState, Turn, RequestLog], Awaitable[Answer]]
-# An API's error shape: the status, the OpenAI-shaped body every error has, and the error
-ErrorShape = Callable[[int, dict[str, Any], Exception | None], dict[str, Any]]
-
-
-def openai_shape(status: int, body: dict[str, Any], exc: Exception | None) -> dict[str, Any]:
-    return body
 
 
 async def answer_turn(request: Request, api: str, make_turn: TurnMaker,
-                      shape: ErrorShape = openai_shape, run: Stages = serve) -> ASGIResponse:
+                      run: Stages = serve) -> ASGIResponse:
     """The frame every API adapter runs in: the adapter reads and checks the request into a
-    Turn, the pipeline serves it; errors come back in the API's shape (``shape``, OpenAI's
-    unless the adapter says otherwise), a client that goes away cancels the work, and the
-    request is counted once whatever happens. ``run``: the stages it goes through."""
+    Turn, the pipeline serves it; errors come back in the API's shape (``error_shape``), a
+    client that goes away cancels the work, and the request is counted once whatever
+    happens. ``run``: the stages it goes through."""
     state = state_of(request)
     rlog = RequestLog(state.metrics, api)
+    shape = error_shape(request.url.path)
     try:
         turn = await make_turn(state, request, rlog)
         answer = await until_disconnect(request, run(state, turn, rlog))

@@ -2,7 +2,8 @@
 ``anthropic`` SDKs speak). A request's ``system`` and ``messages`` become the conversation
 model (conversation/blocks.py) and go through the same pipeline as chat completions and the
 Responses API — identity, history, window, the proxy's tools; ``messages_wire.py`` speaks the
-format on the way out, and errors come back in Anthropic's shape."""
+format on the way out (``bridge.py`` when the upstream speaks chat completions), and errors
+come back in Anthropic's shape."""
 
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ from ..errors import InvalidRequest
 from ..pipeline.accounting import RequestLog
 from ..pipeline.turn import count
 from ..pipeline.values import Turn
+from ..pipeline.wire import Wire
 from ..state import AppState
+from .bridge import BridgeWire
 from .chat import MAX_DEPTH, bounded
 from .http import ASGIResponse, answer_turn, authenticate, read_request
-from .messages_wire import MessagesWire, error_shape
+from .messages_wire import MessagesWire
 
 PATH = "/v1/messages"
 COUNT_PATH = "/v1/messages/count_tokens"
@@ -28,12 +31,12 @@ ROLES = ("user", "assistant")
 
 
 async def messages(request: Request) -> ASGIResponse:
-    return await answer_turn(request, WIRE.api, _turn, error_shape)
+    return await answer_turn(request, WIRE.api, _turn)
 
 
 async def count_tokens(request: Request) -> ASGIResponse:
     """The prompt the proxy would send for this request, counted (pipeline.turn.count)."""
-    return await answer_turn(request, "messages_count", _counted, error_shape, count)
+    return await answer_turn(request, "messages_count", _counted, count)
 
 
 async def _turn(state: AppState, request: Request, rlog: RequestLog,
@@ -42,7 +45,9 @@ async def _turn(state: AppState, request: Request, rlog: RequestLog,
     raw, (body, messages, tools) = await read_request(
         state, request, lambda parsed: _checked(parsed, counting))
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
-    wire = MessagesWire(caller.tenant.policy.cache_breakpoints == "auto")
+    # an upstream of chat completions only: the bridge translates both ways
+    wire: Wire = BridgeWire() if state.config.upstreams[caller.tenant.upstream].format \
+        == "chat" else MessagesWire(caller.tenant.policy.cache_breakpoints == "auto")
     return Turn(caller, wire, body, raw, messages, list(request.headers.items()),
                 tools=tools, counting=counting)
 
@@ -103,12 +108,16 @@ def _validate_turn(turn: Any, i: int) -> None:
     where = f"messages.{i}"
     if not isinstance(turn, dict):
         raise InvalidRequest(f"{where}: must be an object", param=where)
-    if turn.get("role") not in ROLES:
-        raise InvalidRequest(f"{where}.role: must be 'user' or 'assistant'",
+    role = turn.get("role")
+    if role not in ROLES and not (role == "system" and i > 0):
+        # a system turn may follow the conversation's first (Claude Code sends one to a
+        # model it does not know); the system prompt itself is the body's ``system``
+        raise InvalidRequest(f"{where}.role: must be 'user' or 'assistant'"
+                             + (" (or 'system' after the first turn)" if i else ""),
                              param=f"{where}.role")
     content = turn.get("content")
     if not isinstance(content, str):
-        _blocks(content, f"{where}.content")
+        _blocks(content, f"{where}.content", text_only=role == "system")
     bounded(turn, MAX_DEPTH - 2, where)
 
 

@@ -22,7 +22,7 @@ Block = dict[str, Any]
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                402: "billing_error", 403: "permission_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               502: "api_error", 503: "api_error", 504: "timeout_error",
+               502: "api_error", 503: "overloaded_error", 504: "timeout_error",
                529: "overloaded_error"}
 STATUSES = {"api_error": 500, **{kind: status for status, kind in ERROR_TYPES.items()
                                  if kind != "api_error"}}
@@ -167,8 +167,10 @@ class MessagesObserver:
         return self.acc.reply()
 
 
-class MessagesRelay:
-    """A streamed message across the proxy's tool rounds, as one message for the client."""
+class OneMessage:
+    """What the client gets of a streamed answer across the proxy's tool rounds, whatever the
+    upstream's rounds were: one message, its blocks numbered across rounds, one end with the
+    usage of every round (a round's class feeds it: MessagesRound, the bridge's)."""
 
     def __init__(self, model: str):
         self.model = model
@@ -177,9 +179,6 @@ class MessagesRelay:
         self.next_index = 0
         self.shown_blocks: list[Block] = []
         self.delta: dict[str, Any] = {"stop_reason": "end_turn", "stop_sequence": None}
-
-    def round(self, tools: ProxyTools) -> MessagesRound:
-        return MessagesRound(self, tools)
 
     @property
     def answer_id(self) -> str | None:
@@ -198,6 +197,13 @@ class MessagesRelay:
         if isinstance(exc, UpstreamError):
             return error_event(exc.status, str(exc))
         return error_event(500, "internal error in runloop-proxy")
+
+
+class MessagesRelay(OneMessage):
+    """A streamed message across the proxy's tool rounds, as one message for the client."""
+
+    def round(self, tools: ProxyTools) -> MessagesRound:
+        return MessagesRound(self, tools)
 
 
 class MessagesRound:

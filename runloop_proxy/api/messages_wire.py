@@ -10,14 +10,14 @@ from ..conversation.blocks import assistant, chat_to_tool, to_anthropic, to_mess
 from ..conversation.messages import Message, message_hash
 from ..errors import ContextLengthExceeded
 from ..pipeline.tools import ProxyTools
-from ..pipeline.wire import Decision, Reply, Step, bad_reply
+from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply
 from .breakpoints import with_auto
 from .messages_stream import ERROR_TYPES, MessagesObserver, MessagesRelay, usage_of
 
 TOOL_KEYS = ("tools", "tool_choice")
 
 
-class MessagesWire:
+class MessagesWire(Native):
     """The Messages API for one request (``auto_cache``: the tenant's
     ``cache_breakpoints = "auto"``)."""
 

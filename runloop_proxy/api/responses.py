@@ -11,7 +11,7 @@ from typing import Any
 
 from starlette.requests import Request
 
-from ..conversation.items import is_output, to_messages
+from ..conversation.items import is_output, to_messages, tool_to_chat
 from ..conversation.messages import Message
 from ..errors import InvalidRequest
 from ..pipeline.accounting import RequestLog
@@ -37,8 +37,9 @@ async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
     if chained:
         rlog.api = "responses_chained"
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
+    tools = body.get("tools")
     return Turn(caller, WIRE, body, raw, messages, list(request.headers.items()),
-                chained=chained)
+                chained=chained, tools=[tool_to_chat(t) for t in tools] if tools else None)
 
 
 def _checked(body: Any) -> tuple[dict[str, Any], list[Message]]:

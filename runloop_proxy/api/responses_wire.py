@@ -15,13 +15,13 @@ from ..conversation.messages import Message
 from ..errors import UpstreamBadReply, UpstreamError
 from ..pipeline.sse import SSEEvent, encode_event
 from ..pipeline.tools import ProxyTools
-from ..pipeline.wire import Decision, Reply, bad_reply
+from ..pipeline.wire import Decision, Native, Reply, bad_reply
 
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 ENDS = ("response.completed", "response.incomplete")
 
 
-class ResponsesWire:
+class ResponsesWire(Native):
     api = "responses"
     upstream_path = "/responses"
 

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, NotFound
 from ..ops.admin import admin_routes
 from ..ops.inspector import inspector_routes
 from ..pipeline.upstream import upstream_headers
@@ -20,10 +20,11 @@ from .chat import chat_completions
 from .http import (
     ASGIResponse,
     LiveStreamResponse,
+    anthropic_path,
     authenticate,
     json_response,
-    openai_errors,
     read_body,
+    shaped_errors,
 )
 from .messages import COUNT_PATH, count_tokens, messages
 from .messages import PATH as MESSAGES_PATH
@@ -56,7 +57,7 @@ def v1_subpath(raw_path: bytes) -> str:
     return urllib.parse.quote(path[len(PREFIX) - 1:], safe=_SEGMENT_SAFE)
 
 
-@openai_errors
+@shaped_errors
 async def passthrough(request: Request) -> ASGIResponse:
     """Any other /v1 endpoint (models, embeddings, files, …) goes through untouched both ways:
     bodies and their Content-Encoding, the query string; the path only when it stays below
@@ -64,6 +65,11 @@ async def passthrough(request: Request) -> ASGIResponse:
     state = state_of(request)
     caller = authenticate(state, request)
     path = v1_subpath(request.scope.get("raw_path") or request.scope["path"].encode())
+    if anthropic_path(request.url.path) \
+            and state.config.upstreams[caller.tenant.upstream].format == "chat":
+        raise NotFound(f"{request.url.path}: the upstream speaks chat completions, which have "
+                       f"no such endpoint (the proxy answers /v1/messages and "
+                       f"/v1/messages/count_tokens itself)")
     raw = await read_body(request, state.config.server.max_body_bytes)
     headers = caller.authorize(upstream_headers(request.headers.items(), caller.upstream_auth,
                                                 caller.drop_headers, body_as_sent=True))

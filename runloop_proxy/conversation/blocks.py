@@ -1,7 +1,8 @@
 """Anthropic Messages content blocks <-> the conversation model (pure).
 
 A Messages request's ``system`` and ``messages`` become chat-shaped messages the window
-understands: the system prompt (a string or text blocks) is a system message; a user turn's
+understands: the system prompt (a string or text blocks) is a system message, and so is a
+system turn later in ``messages`` (where it came; it goes back there); a user turn's
 ``tool_result`` blocks are ``tool`` messages (their content, a string or blocks, is the
 message's content as it came) and its other blocks (text, images, documents) a user message
 whose content is those very blocks; an assistant turn is one assistant message whose text is
@@ -43,6 +44,11 @@ def to_messages(messages: Any, system: Any = None) -> list[Message]:
         role, content = turn.get("role"), turn.get("content")
         if role == "assistant":
             out.append(assistant(content))
+        elif role == "system":  # a system turn where it came (after the first turn)
+            out.append({"role": "system", "content": _joined(content), "blocks": content}
+                       if isinstance(content, list) else
+                       {"role": "system", "content": content if isinstance(content, str)
+                        else ""})
         else:
             out.extend(_user(content))
     return out
@@ -114,10 +120,15 @@ def to_anthropic(messages: list[Message], sent: list[Any] | None = None,
     out: list[dict[str, Any]] = []
     for m in messages:
         role = m.get("role")
-        if role in ("system", "developer"):
+        leading = role in ("system", "developer") and not out
+        if leading:  # the system prompt
             old = m.get("blocks")
             plain = plain and old is None
             system += _system_blocks(m, old)
+        elif role in ("system", "developer"):  # a system turn, where it was
+            old = m.get("blocks")
+            _add(out, "system", _system_blocks(m, old) if isinstance(old, list)
+                 else text_of(m.get("content")))
         elif role == "tool":
             came = m.get("blocks") or [results.get(str(m.get("tool_call_id")), {})]
             _add(out, "user", [{**(came[0] or {"type": "tool_result"}),
@@ -129,7 +140,7 @@ def to_anthropic(messages: list[Message], sent: list[Any] | None = None,
             content = m.get("content")
             _add(out, "user", content if isinstance(content, list) else str(content or ""))
         if turn_of is not None:
-            turn_of.append(-1 if role in ("system", "developer") else len(out) - 1)
+            turn_of.append(-1 if leading else len(out) - 1)
     if out and out[0]["role"] != "user":
         out.insert(0, {"role": "user", "content": OPENING})
         if turn_of is not None:
@@ -175,7 +186,7 @@ def assistant_blocks(m: Message) -> Any:
         elif kind == "tool_use":
             call = by_id.pop(str(b.get("id")), None)
             if call is not None:
-                out.append({**b, "input": _input(call)})
+                out.append({**b, "input": call_input(call)})
         elif calls and kind is not None:
             out.append(b)  # thinking, redacted thinking, server tools: with their loop
     if text:
@@ -183,7 +194,7 @@ def assistant_blocks(m: Message) -> Any:
     for call in by_id.values():
         fn: Any = call.get("function") or {}
         out.append({"type": "tool_use", "id": call.get("id", ""), "name": fn.get("name", ""),
-                    "input": _input(call)})
+                    "input": call_input(call)})
     return out
 
 
@@ -194,7 +205,7 @@ def _after_thinking(blocks: list[Block]) -> int:
     return i
 
 
-def _input(call: ToolCall) -> Any:
+def call_input(call: ToolCall) -> Any:
     """A call's arguments as a tool_use input (the window keeps trimmed ones valid JSON)."""
     raw = (call.get("function") or {}).get("arguments") or "{}"
     try:

@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from ..api.http import bearer, json_response, openai_errors
+from ..api.http import bearer, json_response, shaped_errors
 from ..conversation.identity import name_of, stored_id
 from ..conversation.runloops import preview, segment
 from ..errors import (
@@ -117,7 +117,7 @@ async def tenant_of_session(state: AppState, request: Request, session_id: str) 
                    f"{', '.join(found)}; give ?tenant=NAME", param="tenant")
 
 
-@openai_errors
+@shaped_errors
 async def admin_tenants(request: Request) -> Response:
     """Every tenant: configured ones and the namespaces holding sessions (pass-through keys)."""
     state = state_of(request)
@@ -150,7 +150,7 @@ def _session_request(request: Request) -> tuple[AppState, str]:
     return state, stored_id(params.path(request, "session_id"))
 
 
-@openai_errors
+@shaped_errors
 async def admin_compact(request: Request) -> Response:
     """Compact now (where the session's tenant has ``summary_model``)."""
     state, session_id = _session_request(request)
@@ -188,7 +188,7 @@ async def compact(state: AppState, tenant: str, session_id: str) -> dict[str, An
             "omitted_loops": omitted, "from_message": len(messages) if omitted else None}
 
 
-@openai_errors
+@shaped_errors
 async def admin_session(request: Request) -> Response:
     state, session_id = _session_request(request)
     assert state.store is not None
@@ -206,7 +206,7 @@ async def admin_session(request: Request) -> Response:
     return json_response(out)
 
 
-@openai_errors
+@shaped_errors
 async def admin_sessions(request: Request) -> Response:
     state = state_of(request)
     tenant = _admin(state, request)

@@ -20,7 +20,7 @@ from .offload import is_large, offload
 from .reconcile import record
 from .sse import SSEDecoder
 from .toolloop import Outcome, Rounds, answer_json, answer_stream
-from .tools import ToolRunner
+from .tools import ProxyTools, ToolRunner
 from .upstream import UpstreamResponse, json_headers, upstream_headers
 from .values import Answer, History, Outgoing, Turn
 from .wire import Reply, Wire
@@ -58,13 +58,13 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     large answer passes through as it arrives, never held whole."""
     headers = response_headers(resp, session, rlog)
     if resp.status >= 400:
-        raw = await read(state, resp, rlog)
-        rlog.finish(resp.status)
-        return Answer(resp.status, headers, raw)
+        status, raw = turn.wire.upstream_error(resp.status, await read(state, resp, rlog))
+        rlog.finish(status)
+        return Answer(status, headers, raw)
     if turn.stream:
         return Answer(resp.status, headers,
                       stream=_streamed(state, turn, session, history, out, resp, rlog))
-    if out.tools is None:
+    if out.tools is None and not turn.wire.translates:
         size = resp.body_size  # unknown for a compressed answer: streamed, never inflated whole
         if size is None or is_large(size):
             return Answer(resp.status, headers,
@@ -149,12 +149,15 @@ def response_headers(resp: UpstreamResponse, session: Session,
 
 def _rounds(state: AppState, turn: Turn, session: Session, history: History, out: Outgoing,
             rlog: RequestLog) -> Rounds:
-    assert out.tools is not None and isinstance(out.body, dict)
+    """The rounds of an answer the proxy rewrites: its tools went out, or the upstream speaks
+    another API (then, without its tools, an answer is one round, translated)."""
+    assert isinstance(out.body, dict)
+    tools = out.tools or ProxyTools.none()
     store, ns = state.store, turn.caller.namespace
     named = session.reaches_store and store is not None and ns is not None \
         and not history.degraded
     runner = ToolRunner(
-        out.tools, out.conversation, out.keys, turn.policy.search_results,
+        tools, out.conversation, out.keys, turn.policy.search_results,
         # the session's other branches: only where the client named the session itself
         branches=(lambda: store.all_messages(ns, session.id)) if named else None,  # type: ignore[union-attr,arg-type]
         branch_results=(lambda cid: store.tool_results(ns, session.id, cid))  # type: ignore[union-attr,arg-type]
@@ -163,7 +166,7 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
     async def send(body: dict[str, Any]) -> UpstreamResponse:
         return await forward(state, turn, body, rlog)
 
-    return Rounds(turn.wire, out.tools, out.body,
+    return Rounds(turn.wire, tools, out.body,
                   out.window.messages if out.window else out.conversation, runner,
                   turn.policy.max_tool_rounds, send, state.config.server.max_answer_bytes)
 
@@ -202,7 +205,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
     outcomes: list[Outcome] = []
     relay = turn.wire.relay(turn.body)
     try:
-        if out.tools is None:
+        if out.tools is None and not turn.wire.translates:
             limit = state.config.store.max_message_bytes
             observer = turn.wire.observer(limit)
             decoder: SSEDecoder | None = SSEDecoder(limit)  # read to record, as it passes

@@ -28,14 +28,13 @@ STEPS_KEPT = 24  # a request's window steps recorded one by one (the earlier one
 async def shape(state: AppState, turn: Turn, session: Session, history: History,
                 rlog: RequestLog) -> Outgoing:
     """The body that goes upstream: the client's, byte for byte, unless a window changes it."""
-    as_sent = _as_sent(turn, history)
     frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools)
     rlog.frame = frame.point()
     if history.degraded:
         state.metrics.degraded.labels(turn.caller.label, history.degraded).inc()
     if turn.chained or history.degraded or not turn.policy.enabled:
         # a chained request's conversation lives upstream: what it carries is counted
-        return _untouched(state, turn, history, frame, rlog, as_sent)
+        return _untouched(state, turn, history, frame, rlog)
     keys = [p.hash for p in history.prepared]
     spliced, spliced_keys, protected = splice_internal(
         history.messages, keys, _chains_at(state, turn, session, history), history.internal)
@@ -49,7 +48,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
         rlog.degraded = "window"
         state.metrics.degraded.labels(turn.caller.label, "window").inc()
-        return _untouched(state, turn, history, frame, rlog, as_sent)
+        return _untouched(state, turn, history, frame, rlog)
     if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
         _after(state, turn, session, spliced, spliced_keys, window, stored, made)
     tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
@@ -68,7 +67,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     rlog.prompt_tokens = prompt_tokens(state, turn.caller.tenant, frame, window.tokens_in,
                                        window.tokens_out, with_tools)
     if not (window.changed or offer or turn.server_history):
-        return Outgoing(as_sent)
+        return Outgoing(_as_sent(turn, history))
     extra = turn.wire.tool_definitions(tools) if with_tools else []
     body = turn.wire.outgoing(turn.body, window.messages, extra)
     if not turn.counting:
@@ -77,11 +76,11 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
 
 
 def _untouched(state: AppState, turn: Turn, history: History, frame: Frame,
-               rlog: RequestLog, as_sent: bytes | dict[str, Any]) -> Outgoing:
+               rlog: RequestLog) -> Outgoing:
     """The request goes as it came, its prompt counted as sent (and so as forwarded)."""
     n = sum(p.tokens or 0 for p in history.prepared)
     rlog.prompt_tokens = prompt_tokens(state, turn.caller.tenant, frame, n, n, False)
-    return Outgoing(as_sent)
+    return Outgoing(_as_sent(turn, history))
 
 
 def _too_long(turn: Turn, window: Window) -> str:
@@ -128,9 +127,12 @@ def _chains_at(state: AppState, turn: Turn, session: Session, history: History) 
 
 
 def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
-    """The request as the client sent it; in server-history mode, with the stored history."""
+    """The request as the client sent it; in server-history mode, with the stored history;
+    in the upstream's API when it speaks another (the bridge)."""
     if turn.server_history and not history.degraded:
         return turn.wire.outgoing(turn.body, history.messages, [])
+    if turn.wire.translates:
+        return turn.wire.outgoing(turn.body, turn.messages, [])
     return turn.raw
 
 

@@ -74,8 +74,11 @@ class ProxyTools:
 
     @classmethod
     def for_request(cls, client_tools: list[dict[str, Any]] | None) -> ProxyTools:
-        taken = {str((t.get("function") or {}).get("name")) for t in client_tools or []
-                 if isinstance(t, dict)}
+        """The names for a request whose tools are ``client_tools`` (``Turn.chat_tools``:
+        chat's form, ``{"function": {"name"}}``; a tool in another form, ``{"name"}``, such
+        as a provider's own, takes its name too)."""
+        taken = {str(t["function"].get("name")) if isinstance(t.get("function"), dict)
+                 else str(t.get("name")) for t in client_tools or [] if isinstance(t, dict)}
         names: dict[str, str] = {}
         for kind in (RECALL, SEARCH):
             name = kind
@@ -85,6 +88,11 @@ class ProxyTools:
                 k += 1
             names[name] = kind
         return cls(names)
+
+    @classmethod
+    def none(cls) -> ProxyTools:
+        """No tool of the proxy's: every call is the client's."""
+        return cls({})
 
     def name_of(self, kind: str) -> str:
         return next(name for name, k in self.names.items() if k == kind)

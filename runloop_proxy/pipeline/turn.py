@@ -47,7 +47,8 @@ async def count(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     session, history = await reconcile(state, turn, session)
     rlog.session, rlog.degraded = session.id, history.degraded
     out = await shape(state, turn, session, history, rlog)
-    if turn.policy.count_tokens == "upstream":
+    # (an upstream of another API has no count of this one's: the proxy counts then)
+    if turn.policy.count_tokens == "upstream" and not turn.wire.translates:
         resp = await forward(state, turn, out.body, rlog, "/count_tokens")
         headers = response_headers(resp, session, rlog)
         raw = await read(state, resp, rlog)

@@ -121,8 +121,12 @@ class StreamObserver(Protocol):
 
 
 class Wire(Protocol):
-    api: str  # "chat" | "responses": a metric label
+    api: str  # "chat" | "responses" | "messages": a metric label
     upstream_path: str
+    translates: bool  # the upstream speaks another API: no answer is relayed as it came
+
+    def upstream_error(self, status: int, raw: bytes) -> tuple[int, bytes]:
+        """An upstream's error answer (status, body) as this API's client gets it."""
 
     def outgoing(self, body: dict[str, Any], messages: list[Message],
                  extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
@@ -146,6 +150,16 @@ class Wire(Protocol):
 
     def observer(self, limit: int) -> StreamObserver:
         """A reader of a stream relayed unchanged, keeping at most ``limit`` bytes of it."""
+
+
+class Native:
+    """A wire whose upstream speaks the client's own API: answers and errors may pass as they
+    came."""
+
+    translates = False
+
+    def upstream_error(self, status: int, raw: bytes) -> tuple[int, bytes]:
+        return status, raw
 
 
 def add_usage(total: dict[str, Any], usage: dict[str, Any] | None) -> None:

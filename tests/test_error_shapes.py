@@ -1,0 +1,107 @@
+"""Every error of the proxy's own comes back in its path's API's shape: Anthropic's on
+``/v1/messages`` and every path below it (the proxy's routes and those it passes through),
+OpenAI's everywhere else — one rule (``api.http.error_shape``), checked by a sweep over the
+Messages paths, each method and each way the proxy itself refuses a request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from runloop_proxy.api.messages_stream import ERROR_TYPES
+from runloop_proxy.api.routes import CONVERSATIONS
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import free_port
+
+KEY = "acme-proxy-key-0123456789"
+# the Messages API's paths: the proxy's own routes, and those passed through (batches)
+MESSAGES = [*(p for p in CONVERSATIONS if p.startswith("/v1/messages")), "/v1/messages/batches",
+            "/v1/messages/batches/msgbatch_01", "/v1/messages/batches/msgbatch_01/results",
+            "/v1/messages/batches/msgbatch_01/cancel", "/v1/messages/..%2f..%2fmodels"]
+OTHERS = [*(p for p in CONVERSATIONS if not p.startswith("/v1/messages")), "/v1/models",
+          "/v1/messagesx", "/v1/messages_batches"]
+METHODS = ["POST", "GET", "DELETE"]
+
+
+def tenant(tmp_path: Path, make_proxy: Any, url: str, fmt: str = "any", **kw: Any) -> Any:
+    cfg = tmp_path / "cfg"
+    (cfg / "tenants").mkdir(parents=True, exist_ok=True)
+    (cfg / "runloop.toml").write_text(
+        f'[upstreams.up]\nurl = "{url}"\nformat = "{fmt}"\napi_key = "sk-up"\n'
+        f'max_retries = 0\n')
+    (cfg / "tenants" / "acme.toml").write_text(f'keys = ["{KEY}"]\nupstream = "up"\n')
+    return make_proxy(config_dir=str(cfg), **kw)
+
+
+def check(r: httpx.Response, path: str, status: int) -> None:
+    assert r.status_code == status, (path, r.status_code, r.text)
+    data = r.json()
+    if path in MESSAGES:  # the oracle: the lists above, not the rule under test
+        assert data == {"type": "error", "error": {"type": ERROR_TYPES[status],
+                                                   "message": data["error"]["message"]}}
+        assert isinstance(data["error"]["message"], str) and data["error"]["message"]
+    else:
+        assert set(data) == {"error"} and set(data["error"]) == {"message", "type", "param",
+                                                                 "code"}, (path, data)
+
+
+def send(proxy: Any, method: str, path: str, key: str, body: bytes = b"{}") -> httpx.Response:
+    return httpx.request(method, proxy.base + path, content=body if method == "POST" else None,
+                         headers={"x-api-key": key, "content-type": "application/json"})
+
+
+@pytest.mark.parametrize("path", MESSAGES + OTHERS)
+def test_a_wrong_key_is_refused_in_the_paths_shape(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream, path: str) -> None:
+    proxy = tenant(tmp_path, make_proxy, upstream.url)
+    for method in METHODS:
+        check(send(proxy, method, path, "wrong-key-0123456789"), path, 401)
+    assert not upstream.requests and not upstream.other
+
+
+@pytest.mark.parametrize("path", MESSAGES + OTHERS)
+def test_an_unreachable_upstream_is_a_502_in_the_paths_shape(
+        tmp_path: Path, make_proxy: Any, path: str) -> None:
+    proxy = tenant(tmp_path, make_proxy, f"http://127.0.0.1:{free_port()}/v1")
+    body = b'{"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}]' \
+           b', "input": "x"}'
+    for method in METHODS if path not in CONVERSATIONS else ["POST"]:
+        if "%2f" in path:  # a path that would leave /v1/: refused before any call
+            check(send(proxy, method, path, KEY, body), path, 400)
+        elif path.endswith("count_tokens"):  # counted by the proxy: no call
+            assert send(proxy, method, path, KEY, body).status_code == 200
+        else:
+            check(send(proxy, method, path, KEY, body), path, 502)
+
+
+@pytest.mark.parametrize("path", MESSAGES + OTHERS)
+def test_a_body_over_the_limit_is_a_413_in_the_paths_shape(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream, path: str) -> None:
+    proxy = tenant(tmp_path, make_proxy, upstream.url, server={"max_body_bytes": 1024})
+    if "%2f" in path:
+        return  # refused for its path first (the previous test)
+    check(send(proxy, "POST", path, KEY, b"x" * 5000), path, 413)
+
+
+def test_a_chat_upstream_has_no_messages_endpoints_but_the_proxys(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Through the bridge the upstream speaks chat completions only: a Messages path the
+    proxy does not answer itself is a 404 in Anthropic's shape, never sent upstream."""
+    proxy = tenant(tmp_path, make_proxy, upstream.url, fmt="chat")
+    for path in MESSAGES:
+        if path in CONVERSATIONS or "%2f" in path:
+            continue
+        for method in METHODS:
+            r = send(proxy, method, path, KEY)
+            check(r, path, 404)
+            assert "speaks chat completions" in r.json()["error"]["message"]
+    assert not upstream.requests and not upstream.other
+    assert send(proxy, "GET", "/v1/models", KEY).status_code == 200  # the rest goes through
+
+
+def test_an_unknown_path_outside_v1_is_openai_shaped(proxy: Any) -> None:
+    check(httpx.get(proxy.base + "/v2/messages"), "/v2/messages", 404)
