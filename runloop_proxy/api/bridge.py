@@ -1,9 +1,9 @@
-"""The bridge (pure, but for one log line): a Messages client (Claude Code, the ``anthropic`` SDKs) served by an
-upstream that speaks chat completions (an upstream with ``format = "chat"``), translated both
-ways. The request goes through the same stages as any other — its conversation model, its
-window, the proxy's tools — and only the wire differs: ``BridgeWire`` builds a chat body from
-the window's messages and reads a chat answer as the Messages answer the client gets; the
-event stream is ``bridge_stream.py``'s. What chat completions have no place for (thinking
+"""The bridge (pure, but for one log line): a Messages client (Claude Code, the ``anthropic`` SDKs)
+served by an upstream that speaks chat completions (an upstream with ``format = "chat"``),
+translated both ways. The request goes through the same stages as any other — its conversation
+model, its window, the proxy's tools — and only the wire differs: ``BridgeWire`` builds a chat
+body from the window's messages and reads a chat answer as the Messages answer the client gets;
+the event stream is ``bridge_stream.py``'s. What chat completions have no place for (thinking
 blocks, the provider's own tools, ``top_k``) is dropped, and ``BridgeWire.dropped`` says what.
 
 Tool calls keep the upstream's ids both ways, so a result the client sends back answers the
