@@ -7,13 +7,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
-
 from ..conversation.messages import Message, ToolCall, clean
-from ..errors import UpstreamBadReply, UpstreamError
+from ..errors import UpstreamError
 from ..pipeline.sse import DONE, SSEEvent, encode_json
 from ..pipeline.tools import ProxyTools
-from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply
+from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply, event_json
 
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 
@@ -216,12 +214,9 @@ def error_status(err: Any) -> int:
 
 def decode_chunk(event: SSEEvent) -> dict[str, Any] | None:
     """A data event's chunk; an error event from the upstream raises."""
-    if event.is_done or not event.data:
+    chunk = event_json(event)
+    if chunk is None:
         return None
-    try:
-        chunk = orjson.loads(event.data)
-    except orjson.JSONDecodeError as exc:
-        raise UpstreamBadReply("the upstream streamed an event that is not JSON") from exc
     if isinstance(chunk, dict) and chunk.get("error"):
         err = chunk["error"]
         raise UpstreamError(str(err.get("message", "upstream error")) if isinstance(err, dict)

@@ -16,7 +16,7 @@ from ..conversation.messages import Message
 from ..errors import UpstreamBadReply, UpstreamError
 from ..pipeline.sse import SSEEvent, encode_event
 from ..pipeline.tools import ProxyTools
-from ..pipeline.wire import Decision, Reply, Step, bad_reply
+from ..pipeline.wire import Decision, Reply, Step, bad_reply, typed_event
 
 Block = dict[str, Any]
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -45,15 +45,10 @@ def emit(data: dict[str, Any]) -> bytes:
 def decode(event: SSEEvent) -> dict[str, Any] | None:
     """An upstream event as data; an ``error`` event raises (with the upstream's status for
     its type: ``overloaded_error`` stays a 529)."""
-    if not event.data or event.is_done:
+    data = typed_event(event, "a Messages event")
+    if data is None:
         return None
-    try:
-        data = orjson.loads(event.data)
-    except orjson.JSONDecodeError as exc:
-        raise UpstreamBadReply("the upstream streamed an event that is not JSON") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("type", event.event), str):
-        raise bad_reply("a Messages event", data)
-    kind = data["type"] = data.get("type") or event.event
+    kind = data["type"]
     if kind == "error":
         err: dict[str, Any] = data["error"] if isinstance(data.get("error"), dict) else {}
         raise UpstreamError(str(err.get("message", "the upstream's stream failed")),

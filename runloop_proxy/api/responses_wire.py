@@ -12,10 +12,10 @@ import orjson
 
 from ..conversation.items import to_items, to_messages, tool_name
 from ..conversation.messages import Message
-from ..errors import UpstreamBadReply, UpstreamError
+from ..errors import UpstreamError
 from ..pipeline.sse import SSEEvent, encode_event
 from ..pipeline.tools import ProxyTools
-from ..pipeline.wire import Decision, Native, Reply, bad_reply
+from ..pipeline.wire import Decision, Native, Reply, bad_reply, typed_event
 
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 ENDS = ("response.completed", "response.incomplete")
@@ -104,20 +104,11 @@ def _is_call_in(item: dict[str, Any], ids: set[str]) -> bool:
 
 
 def _decode(event: SSEEvent) -> dict[str, Any] | None:
-    if event.is_done or not event.data:
-        return None
-    try:
-        data = orjson.loads(event.data)
-    except orjson.JSONDecodeError as exc:
-        raise UpstreamBadReply("the upstream streamed an event that is not JSON") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("type", event.event), str):
-        raise bad_reply("a Responses event", data)
-    kind = data.get("type") or event.event
-    if kind in ("error", "response.failed"):
+    data = typed_event(event, "a Responses event")
+    if data is not None and data["type"] in ("error", "response.failed"):
         err = data.get("error") or (data.get("response") or {}).get("error") or data
         raise UpstreamError(str(err.get("message", "the upstream's response failed"))
                             if isinstance(err, dict) else str(err))
-    data["type"] = kind
     return data
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
+import orjson
+
 from ..conversation.messages import Message, ToolCall
 from ..errors import UpstreamBadReply
 from .sse import SSEEvent
@@ -179,3 +181,26 @@ def bad_reply(what: str, data: Any) -> UpstreamBadReply:
     shown = repr(data)
     return UpstreamBadReply(f"the upstream's answer is not {what} "
                             f"({shown[:120]}{'…' if len(shown) > 120 else ''})")
+
+
+def event_json(event: SSEEvent) -> Any:
+    """An upstream event's JSON payload; None for the end marker or an event without data.
+    Data that is not JSON is the upstream's fault."""
+    if event.is_done or not event.data:
+        return None
+    try:
+        return orjson.loads(event.data)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamBadReply("the upstream streamed an event that is not JSON") from exc
+
+
+def typed_event(event: SSEEvent, what: str) -> dict[str, Any] | None:
+    """An upstream event of an API whose events name their type (Responses, Messages): an
+    object whose ``type`` is its own or else the event's name."""
+    data = event_json(event)
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("type", event.event), str):
+        raise bad_reply(what, data)
+    data["type"] = data.get("type") or event.event
+    return data
