@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from runloop_proxy.scripted import ScriptedUpstream  # noqa: E402
 
 KEY = "sk-hostile"
+MESSAGES = "_messages"  # a corpus entry for /v1/messages (the key is not sent)
 MiB = 1 << 20
 
 
@@ -126,6 +127,14 @@ def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
         ("Responses: 20,000 input items", {"model": "gpt-4o", "store": False, "input": [
             {"role": "user" if i % 2 == 0 else "assistant", "content": f"item {i}"}
             for i in range(20_001)]}, None),
+        ("Messages: 20,000 content blocks", {MESSAGES: True, "model": "claude-sonnet-4-6",
+                                             "max_tokens": 64, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": f"b{i}"}
+                                         for i in range(20_000)]}]}, None),
+        ("Messages: an input_schema nested 13 deep", {MESSAGES: True, "model": "claude-sonnet-4-6",
+                                                      "max_tokens": 64, "messages": [
+            {"role": "user", "content": "hi"}], "tools": [
+            {"name": "f", "input_schema": nested_kinds(13)}]}, None),
     ]
 
 
@@ -200,12 +209,13 @@ def main() -> int:
             for n, (name, body, answer) in enumerate(corpus()):
                 if args.only and not any(o in name for o in args.only):
                     continue
+                path = "/v1/messages" if body.pop(MESSAGES, False) else \
+                    "/v1/responses" if "input" in body else "/v1/chat/completions"
                 raw = orjson.dumps(body)
                 upstream.reset()
                 upstream.keep_requests = False
                 if answer is not None:
                     upstream.push(answer)
-                path = "/v1/responses" if "input" in body else "/v1/chat/completions"
                 time.sleep(0.05)
                 start = time.monotonic()
                 with c.stream("POST", base + path, content=raw, headers={
