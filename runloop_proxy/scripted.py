@@ -267,7 +267,7 @@ class ScriptedUpstream:
                                                                     embeddings,
                                                                     methods=["POST"]),
                                  Route("/{path:path}", anything, methods=[
-                                     "GET", "POST", "PUT", "PATCH", "DELETE"])])
+                                     "GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])])
 
     def _usage(self, body: dict[str, Any], reply: Reply, org: str) -> dict[str, Any]:
         prompt, cached = estimate_prompt_tokens(body), 0
