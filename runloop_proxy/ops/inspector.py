@@ -277,6 +277,11 @@ async def session(request: Request) -> Response:
         return viewed
     state, cookie, tenant, sid, view = viewed
     assert state.store is not None
+    if tenant not in state.config.tenants and state.config.passthrough is None:
+        # a tenant taken out of the config: its sessions stay until they expire, and no
+        # window is built for them (its messages still open one by one)
+        return _page("not configured", f"<p class='err'>Tenant {escape(tenant)} is not "
+                     f"configured: no window is built for its sessions.</p>", 404)
     try:
         points = await state.store.points(tenant, sid)
         stored = await state.store.summaries(tenant, sid)
