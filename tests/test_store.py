@@ -329,6 +329,17 @@ def test_cluster_three_masters(upstream: ScriptedUpstream, make_proxy: Any,
             assert view["message_count"] == 5
         used = [cl.dbsize() for cl in clients]
         assert sum(1 for u in used if u) >= 2
+        # what is written beside the scripts expires with its session there too
+        store, sid = proxy.state.store, "n:s-cluster-0"
+        ns = next(n for n, _ in proxy.run(store.namespaces()))
+        proxy.run(store.add_record(ns, sid, {"kind": "x"}))
+        proxy.run(store.add_internal(ns, sid, "anchor", {"before": []}))
+        proxy.run(store.put_summary(ns, sid, "1:c", "late"))
+        cluster = redis.RedisCluster(host="127.0.0.1", port=nodes[0].port)
+        p = store.prefix(ns, sid)
+        ttls = {k: cluster.pttl(p + k) for k in (":meta", ":rec", ":int", ":sum")}
+        assert all(0 < t <= ttls[":meta"] + 1000 for t in ttls.values()), ttls
+        cluster.close()
     finally:
         for n in nodes:
             n.cleanup()
