@@ -257,6 +257,8 @@ def render_tools(tools: list[dict[str, Any]]) -> str:
     out = ["# Tools", "", "## functions", "", "namespace functions {", ""]
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, dict) else None
+        if fn is None and isinstance(tool, dict) and tool.get("type") == "function":
+            fn = tool  # the Responses API's form: the function's fields at the top
         if not isinstance(fn, dict):
             out.append(orjson.dumps(tool).decode())  # another tool type: as sent
             continue
