@@ -330,6 +330,11 @@ class ScriptedUpstream:
                 + orjson.dumps(data) + b"\n\n"
 
         try:
+            if "raw_chunks" in reply:  # exactly these bytes, whatever they are
+                for raw in reply["raw_chunks"]:
+                    yield raw
+                done = True
+                return
             final = self._response(body, reply, org)
             start = {**final, "status": "in_progress", "output": [], "usage": None}
             yield event({"type": "response.created", "response": start})
