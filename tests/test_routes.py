@@ -55,7 +55,9 @@ def test_unknown_fields_and_options_pass_through_byte_identical(
 def test_n_choices_come_back(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     resp = client(proxy).chat.completions.create(
         model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}], n=3)
-    assert len(resp.choices) == 3
+    assert [(c.index, c.message.content) for c in resp.choices] == \
+        [(0, "echo: x"), (1, "echo: x"), (2, "echo: x")]
+    assert upstream.requests[-1]["n"] == 3
 
 
 def test_streaming_with_usage(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
@@ -200,10 +202,12 @@ def test_retries_on_503_then_succeeds(proxy: ProxyServer, upstream: ScriptedUpst
 
 def test_429_after_retries_passes_through(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     upstream.push(*[{"status": 429, "headers": {"Retry-After": "0"}}] * 3)
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.RateLimitError) as err:
         client(proxy).chat.completions.create(model="m", messages=[{"role": "user",
                                                                      "content": "x"}])
     assert len(upstream.requests) == 3  # first try + max_retries (2)
+    # the upstream's own answer, passed through
+    assert err.value.status_code == 429 and "scripted failure" in str(err.value.body)
 
 
 def test_unreachable_upstream_is_502(make_proxy: object, redis_url: str, tmp_path: object
