@@ -30,7 +30,7 @@ from runloop_proxy.window.forms import TAG
 
 from .test_window import assert_valid, build, conversations, policies
 
-PROPS = settings(max_examples=int(os.environ.get("WINDOW_EXAMPLES", "200")), deadline=None,
+PROPS = settings(max_examples=int(os.environ.get("WINDOW_EXAMPLES", "120")), deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
