@@ -268,6 +268,9 @@ def test_every_route_refuses_what_it_must_and_answers_the_right_credential(
                     assert r.status_code < 400, f"{m} {path}: {r.status_code}"
                     for secret in (CANARY, SESSION, ADMIN_KEY, ACME_KEY, GLOBEX_KEY, "sk-up"):
                         assert secret not in r.text, f"{m} {path} shows {secret!r}"
+                    if access is Access.LOGIN and m == "GET":  # a login form, and no more
+                        assert "name='key'" in r.text and "log out" not in r.text and \
+                            "href='/admin/ui'" not in r.text, r.text
                     continue
                 check_refused(sweep, m, path, access, cred, r)
                 assert sweep.upstream_seen() == seen, \

@@ -132,6 +132,11 @@ def test_models_and_embeddings_pass_through(proxy: ProxyServer,
                                             upstream: ScriptedUpstream) -> None:
     c = client(proxy)
     assert "gpt-4o-mini" in [m.id for m in c.models.list()]
+    # a JSON answer is passed whole, as a JSON answer: its length, none of a stream's headers
+    r = httpx.get(proxy.url + "/models", headers={"Authorization": "Bearer sk-x"})
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert "x-accel-buffering" not in r.headers and "no-cache" not in \
+        r.headers.get("cache-control", "")
     emb = c.embeddings.create(model="text-embedding-3-small", input=["a", "b"])
     assert len(emb.data) == 2
 

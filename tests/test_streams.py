@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from runloop_proxy.api.chat_wire import ChatWire
 from runloop_proxy.api.responses_wire import ResponsesWire
+from runloop_proxy.errors import UpstreamBadReply
 from runloop_proxy.pipeline.sse import SSEDecoder
 from runloop_proxy.pipeline.toolloop import Outcome, Rounds, answer_stream
 from runloop_proxy.pipeline.tools import ProxyTools, ToolRunner
@@ -549,3 +550,70 @@ def test_through_the_proxy_a_responses_client_gets_the_upstream_items_less_the_p
     assert final["usage"]["input_tokens"] == sum(r.usage for r in rounds)
     if expected:
         assert stored_answer(proxy, "sk-streams", session).get("items") == expected
+
+
+# -- a stream the upstream cuts before its end ---------------------------------------------------
+
+def cut_before(draw: Any, streams: list[list[bytes]], end: bytes) -> list[list[bytes]]:
+    """The rounds with the last one cut somewhere before the event that ends its answer."""
+    raw = b"".join(streams[-1])
+    stop = raw.index(end)
+    stop = raw.rindex(b"\n\n", 0, stop) + 2 if b"\n\n" in raw[:stop] else 0
+    at = draw(st.integers(min_value=0, max_value=stop))
+    return [*streams[:-1], [raw[:at]] if at else []]
+
+
+def cut_short(wire: Any, streams: list[list[bytes]], max_rounds: int
+              ) -> tuple[bytes, BaseException | None, list[Outcome]]:
+    upstreams = [Bytes(r) for r in streams]
+    asked: list[dict[str, Any]] = []
+    outcomes: list[Outcome] = []
+
+    async def send(body: dict[str, Any]) -> Any:
+        asked.append(body)
+        return upstreams[len(asked)]
+
+    r = Rounds(wire, TOOLS, {"model": "m", "stream": True}, [{"role": "user", "content": "go"}],
+               ToolRunner(TOOLS, [{"role": "user", "content": "go"}], ["k0"], 5), max_rounds,
+               send)
+    got: list[bytes] = []
+
+    async def client() -> BaseException | None:
+        first: Any = upstreams[0]
+        try:
+            async for b in answer_stream(r, first, {"model": "m"}, outcomes.append):
+                got.append(b)
+        except UpstreamBadReply as exc:
+            return exc
+        return None
+
+    failed = asyncio.run(client())
+    assert all(u.closed for u in upstreams[:len(asked) + 1])
+    return b"".join(got), failed, outcomes
+
+
+@settings(max_examples=EXAMPLES // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=chat_streams(), data=st.data())
+def test_a_chat_stream_cut_before_its_end_is_an_error_not_an_answer(
+        case: tuple[list[Answer], int, list[list[bytes]], bool], data: st.DataObject) -> None:
+    rounds, max_rounds, streams, _ = case
+    cut = cut_before(data.draw, streams, b'"finish_reason":"')
+    raw, failed, outcomes = cut_short(ChatWire(), cut, max_rounds)
+    # the cut is an error (the stream ended early, or its last event is not whole), never
+    # an answer: nothing recorded, no end made up for the client
+    assert isinstance(failed, UpstreamBadReply), failed
+    assert outcomes == []
+    assert b"[DONE]" not in raw and b'"finish_reason":"' not in raw  # no made-up end
+
+
+@settings(max_examples=EXAMPLES // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(case=responses_streams(), data=st.data())
+def test_a_responses_stream_cut_before_its_end_is_an_error_not_an_answer(
+        case: tuple[list[Items], int, list[list[bytes]]], data: st.DataObject) -> None:
+    rounds, max_rounds, streams = case
+    cut = cut_before(data.draw, streams, b"event: response.completed")
+    raw, failed, outcomes = cut_short(ResponsesWire(), cut, max_rounds)
+    assert isinstance(failed, UpstreamBadReply), failed
+    assert outcomes == [] and b"response.completed" not in raw

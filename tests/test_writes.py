@@ -61,7 +61,10 @@ def test_every_conversation_queued_together_is_stored(redis_url: str, steps: lis
             for k, c in enumerate(convos):  # no await in between: all queued together
                 store.submit("t", "s", [prepare(m) for m in c],
                              point={"ts": k, "client": k, "forwarded": k})
+                # the queue's byte count (its bound: write_queue_mb) is what it holds
+                assert store.writes.bytes == sum(j.size for j in store.writes._queue)
             assert await store.drain(10)
+            assert store.writes.bytes == 0
             return await branches(store, "s"), await store.points("t", "s")
         finally:
             await store.close()
