@@ -394,3 +394,17 @@ def test_a_tenants_window_for_a_known_model_is_the_one_its_requests_get(
     assert "3000-token context" in ask(ACME_KEY, "gpt-4", words)
     assert ask(GLOBEX_KEY, "gpt-4", words) == "answered"
     assert "6000-token context" in ask(GLOBEX_KEY, "gpt-4o-mini", words * 2)
+
+
+def test_the_command_lines_window_is_a_default_a_tenants_own_beats(tmp_path: Path) -> None:
+    """``--default-context-window`` sets every tenant's default — except one that sets its
+    own; and it never overrides a known model's window, nor a tenant's model entry."""
+    from runloop_proxy.config import Settings, load_config
+
+    tenant_config(tmp_path, {}, {"default_context_window": 7000,
+                                 "models": {"gpt-4": {"context_window": 3000}}})
+    (tmp_path / "tenants" / "u.toml").write_text('keys = ["other-key-0123456789"]\n')
+    config = load_config(Settings(config_dir=str(tmp_path), context_window=5000))
+    own, plain = config.tenants["t"], config.tenants["u"]
+    assert (own.context_window("my-model"), plain.context_window("my-model")) == (7000, 5000)
+    assert (own.context_window("gpt-4"), plain.context_window("gpt-4")) == (3000, 8192)
