@@ -1,0 +1,84 @@
+"""How the store comes back and what it keeps: a store that is down stays down until Redis
+answers its prober, scripts Redis forgot are loaded again, the lists the store caps keep what
+they say. Each kills a mutant the sampled mutation run found surviving
+(bench/mutation_sample.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import redis
+
+from runloop_proxy.history import store as store_mod
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer, RedisServer, until
+
+ADMIN = "admin-0123456789abcdef"
+
+
+def test_a_store_that_is_down_stays_down_until_redis_answers(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    server = RedisServer().start()
+    try:
+        # marked down for 30 s unless the prober finds Redis answering sooner
+        proxy: ProxyServer = make_proxy(redis=server.url, store={"retry_after_s": 30,
+                                                                 "timeout_s": 0.2})
+        store = proxy.state.store
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        url, auth = proxy.url + "/chat/completions", {"Authorization": "Bearer sk-t"}
+        assert "x-runloop-degraded" not in httpx.post(url, json=body, headers=auth).headers
+        server.stop()
+        r = httpx.post(url, json=body, headers=auth)
+        assert r.headers["x-runloop-degraded"] == "store"
+        until(lambda: not store.available, what="the store marked down")
+        probes = 8  # the prober tries every PROBE_EVERY_S; nothing answers it
+        time.sleep(probes * store_mod.PROBE_EVERY_S)
+        assert not store.available, "marked up while Redis is still down"
+        assert 'runloop_store_up 0.0' in httpx.get(proxy.base + "/metrics").text
+        server.start()
+        until(lambda: store.available, timeout=10, what="the store back up, by the prober")
+        assert 'runloop_store_up 1.0' in httpx.get(proxy.base + "/metrics").text
+    finally:
+        server.cleanup()
+
+
+def test_scripts_redis_forgot_are_loaded_again(make_proxy: Any, upstream: ScriptedUpstream,
+                                               redis_url: str) -> None:
+    """SCRIPT FLUSH (a failover to a replica that never ran them does the same) between two
+    turns: the second is still stored, through the write-behind's batch."""
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN)
+    c = httpx.Client(base_url=proxy.url, headers={"Authorization": "Bearer sk-t",
+                                                  "X-Session-Id": "flushed"})
+    msgs = [{"role": "user", "content": "first"}]
+    reply = c.post("/chat/completions", json={"model": "m", "messages": msgs}).json()
+    proxy.settle()
+    redis.Redis.from_url(redis_url).script_flush()
+    msgs += [reply["choices"][0]["message"], {"role": "user", "content": "second"}]
+    c.post("/chat/completions", json={"model": "m", "messages": msgs})
+    proxy.settle()
+    view = httpx.get(proxy.base + "/admin/sessions/flushed",
+                     headers={"Authorization": f"Bearer {ADMIN}"}, params={"messages": "1"})
+    assert [m["content"] for m in view.json()["messages"]] == \
+        ["first", "echo: first", "second", "echo: second"]
+
+
+def test_the_store_keeps_the_last_1000_records_and_500_points(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    store, ns, sid = proxy.state.store, "t", "n:capped"
+    for k in range(1005):
+        proxy.run(store.add_record(ns, sid, {"kind": "x", "k": k}))
+    records = proxy.run(store.client.lrange(store.prefix(ns, sid) + ":rec", 0, -1))
+    assert len(records) == 1000 and b'"k":5}' in records[0] and b'"k":1004}' in records[-1]
+    c = httpx.Client(base_url=proxy.url, headers={"Authorization": "Bearer sk-t",
+                                                  "X-Session-Id": "pointed"})
+    for k in range(503):
+        c.post("/chat/completions", json={"model": "m", "messages": [
+            {"role": "user", "content": f"q {k}"}]})
+    proxy.settle()
+    from hashlib import sha256
+
+    points = proxy.run(store.points("pt-" + sha256(b"sk-t").hexdigest()[:16], "n:pointed"))
+    assert len(points) == 500
