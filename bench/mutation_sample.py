@@ -5,6 +5,7 @@ module against each mutant, and prints the score and the surviving mutants.
     python bench/mutation_sample.py                      # a few minutes, a fresh sample
     python bench/mutation_sample.py --budget 3600 --jobs 2 --json mutants.json
     python bench/mutation_sample.py --seed 7 --only ops/ api/ history/
+    python bench/mutation_sample.py --rerun mutants.json     # its survivors, today's code
 
 A mutant is one small change at one place (ast-level, so it always parses): an arithmetic or
 comparison operator swapped, ``and``/``or`` swapped, a ``not`` dropped, a condition negated,
@@ -49,13 +50,19 @@ EXTRA: dict[str, list[str]] = {
     "history/scripts.py": ["test_store.py", "test_units.py", "test_sessions.py"],
     "history/embedded.py": ["test_store.py"],
     "app.py": ["test_routes.py", "test_route_security.py", "test_config.py"],
-    "api/http.py": ["test_store.py", "test_routes.py", "test_route_security.py"],
+    "api/http.py": ["test_store.py", "test_hardening.py", "test_routes.py"],
     "state.py": ["test_config.py", "test_routes.py"],
     "environment.py": ["test_cli.py"],
     "ops/logs.py": ["test_metrics.py", "test_cli.py"],
     "ops/views.py": ["test_cli.py", "test_inspector.py"],
     "scripted.py": ["test_routes.py", "test_responses.py"],
     "ops/admin.py": ["test_inspector.py", "test_summaries.py"],
+    "ops/demo.py": ["test_cli.py"],
+    "api/chat.py": ["test_hardening.py", "test_routes.py"],
+    "api/responses_wire.py": ["test_streams.py", "test_responses.py"],
+    "history/store.py": ["test_lifecycle.py", "test_units.py", "test_sessions.py"],
+    "history/writes.py": ["test_store.py", "test_hardening.py"],
+    "history/summaries.py": ["test_lifecycle.py", "test_units.py"],
     "pipeline/accounting.py": ["test_units.py", "test_metrics.py"],
     "pipeline/offload.py": ["test_hardening.py"],
     "pipeline/reconcile.py": ["test_sessions.py", "test_units.py", "test_store.py"],
@@ -391,6 +398,23 @@ def cached(where: str | None, test_file: str, make: Callable[[], Covered]) -> Co
     return made
 
 
+def rerun(path: str, all_sites: list[Mutant]) -> list[Mutant]:
+    """The survivors of an earlier run, found again in today's code (by file, change and
+    text: lines move); one whose code is gone is reported and left out."""
+    out = []
+    for old in json.loads(Path(path).read_text())["mutants"]:
+        if old["outcome"] not in ("survived", "uncovered"):
+            continue
+        same = [m for m in all_sites if (m.file, m.kind, m.before, m.after) ==
+                (old["file"], old["kind"], old["before"], old["after"])]
+        if not same:
+            print(f"  gone      {old['file']}:{old['line']} {old['kind']}: "
+                  f"{old['before'][:50]!r} (the code changed)")
+            continue
+        out.append(min(same, key=lambda m: abs(m.line - old["line"])))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", type=float, default=240,
@@ -401,9 +425,11 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--only", nargs="*", default=[],
                         help="module path prefixes under the package (ops/ api/ …)")
-    parser.add_argument("--max-files", type=int, default=3,
+    parser.add_argument("--max-files", type=int, default=4,
                         help="test files whose tests may kill a module's mutants")
     parser.add_argument("--json", help="write every mutant and its outcome here")
+    parser.add_argument("--rerun", help="a --json file: run its survivors again (the same "
+                                        "changes, today's code and tests) instead of a sample")
     parser.add_argument("--cache", help="a directory keeping each test file's map between "
                                         "runs (valid while it, conftest and the package are "
                                         "unchanged)")
@@ -412,7 +438,8 @@ def main() -> None:
     rng = random.Random(seed)
     all_sites = package_sites(args.only)
     lines = len({(m.file, m.line) for m in all_sites})
-    chosen = sample(all_sites, args.mutants, rng)
+    chosen = sample(all_sites, args.mutants, rng) if not args.rerun else \
+        rerun(args.rerun, all_sites)
     tmap = test_map()
     print(f"seed {seed}: {len(all_sites)} mutations on {lines} lines of "
           f"{len({m.file for m in all_sites})} modules; {len(chosen)} drawn", flush=True)

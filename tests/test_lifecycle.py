@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 import redis
 
 from runloop_proxy.history import store as store_mod
@@ -49,9 +50,12 @@ def test_a_store_that_is_down_stays_down_until_redis_answers(
         # marked it up unasked would let them, and each failure would count)
         assert not store.available and errors(proxy) == failed, (failed, errors(proxy))
         assert 'runloop_store_up 0.0' in httpx.get(proxy.base + "/metrics").text
+        ready = httpx.get(proxy.base + "/readyz")
+        assert ready.status_code == 503 and ready.json()["checks"]["store"] is False
         server.start()
         until(lambda: store.available, timeout=10, what="the store back up, by the prober")
         assert 'runloop_store_up 1.0' in httpx.get(proxy.base + "/metrics").text
+        assert httpx.get(proxy.base + "/readyz").json()["checks"]["store"] is True
     finally:
         server.cleanup()
 
@@ -93,3 +97,40 @@ def test_the_store_keeps_the_last_1000_records_and_500_points(
 
     points = proxy.run(store.points("pt-" + sha256(b"sk-t").hexdigest()[:16], "n:pointed"))
     assert len(points) == 500
+
+
+def test_summaries_back_off_after_three_failures_in_a_row_every_time() -> None:
+    """Three failures in a row pause a tenant's summaries; after the pause it takes three
+    more, not fewer (the count starts again from nothing)."""
+    from types import SimpleNamespace
+
+    from runloop_proxy.history.summaries import FAILURES_BEFORE_BACKOFF, SummaryService
+    from runloop_proxy.ops.metrics import Metrics
+
+    service = SummaryService(SimpleNamespace(metrics=Metrics()))  # type: ignore[arg-type]
+    pauses = []
+    for _ in range(3 * FAILURES_BEFORE_BACKOFF):
+        before = service.paused_until.get("acme")
+        service._failed("acme", "acme", "error", 0.0)
+        pauses.append(service.paused_until.get("acme") != before)
+    assert pauses == ([False] * (FAILURES_BEFORE_BACKOFF - 1) + [True]) * 3
+
+
+def test_an_undeclared_parameter_is_a_programming_error() -> None:
+    """A page reading a parameter ops/params.py does not declare fails loudly in its tests,
+    never quietly with a default."""
+    from starlette.requests import Request
+
+    from runloop_proxy.ops import params
+
+    request = Request({"type": "http", "query_string": b"sneaky=1", "path_params": {},
+                       "headers": []})
+    for read in (lambda: params.text(request, "sneaky"),
+                 lambda: params.integer(request, "sneaky", 0),
+                 lambda: params.flag(request, "sneaky"),
+                 lambda: params.form_text({"sneaky": "1"}, "sneaky")):
+        with pytest.raises(KeyError, match="not declared in ops.params.FIELDS"):
+            read()
+    with pytest.raises(KeyError, match="is not an integer"):
+        params.integer(Request({"type": "http", "query_string": b"tenant=3",
+                                "path_params": {}, "headers": []}), "tenant", 0)

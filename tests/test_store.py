@@ -335,6 +335,10 @@ def test_cluster_three_masters(upstream: ScriptedUpstream, make_proxy: Any,
         for s in range(6):
             view = admin(proxy, f"/admin/sessions/s-cluster-{s}").json()
             assert view["message_count"] == 5
+        listed = admin(proxy, "/admin/sessions", tenant=view["tenant"]).json()["sessions"]
+        assert sorted(s["name"] for s in listed) == [f"s-cluster-{s}" for s in range(6)]
+        points = proxy.run(proxy.state.store.points(view["tenant"], "n:s-cluster-0"))
+        assert len(points) == 2 and all(p["client"] > 0 for p in points)
         used = [cl.dbsize() for cl in clients]
         assert sum(1 for u in used if u) >= 2
         # what is written beside the scripts expires with its session there too

@@ -246,6 +246,14 @@ def client_reads_chat(raw: bytes) -> dict[str, Any]:
                         sum(e.is_done for e in events))
 
 
+def husks(raw: bytes) -> list[dict[str, Any]]:
+    """Chunks with choices that carry nothing: no delta payload, no finish, no logprobs."""
+    chunks = [orjson.loads(e.data) for e in SSEDecoder().feed(raw) if not e.is_done]
+    return [c for c in chunks if c.get("choices") and all(
+        not any(v not in (None, "", [], {}) for v in (ch.get("delta") or {}).values())
+        and not ch.get("finish_reason") and not ch.get("logprobs") for ch in c["choices"])]
+
+
 def chat_as_read(chunks: list[dict[str, Any]], done: int) -> dict[str, Any]:
     """What a client makes of a chat stream's chunks (as the SDKs do: deltas merged by
     index)."""
@@ -294,6 +302,7 @@ def test_a_chat_client_gets_the_upstream_answer_less_the_proxys_calls(
     assert got["usage"] == ([{"prompt_tokens": total, "completion_tokens": len(rounds)}]
                             if want_usage else [])
     assert got["ids"] == {"up-0"} and got["done"] == 1
+    assert not husks(raw), husks(raw)  # what the proxy took out leaves no empty chunk
     assert got["filters"] == sum(b"".join(s).count(b"prompt_filter_results") for s in streams)
     assert all(u.closed for u in upstreams)
     # what the proxy records as the answer is what the client saw (its next request echoes it)

@@ -408,3 +408,64 @@ def test_the_command_lines_window_is_a_default_a_tenants_own_beats(tmp_path: Pat
     own, plain = config.tenants["t"], config.tenants["u"]
     assert (own.context_window("my-model"), plain.context_window("my-model")) == (7000, 5000)
     assert (own.context_window("gpt-4"), plain.context_window("gpt-4")) == (3000, 8192)
+
+
+def test_summary_tokens_are_what_the_summary_model_reported(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The summary-token counters move by the usage the summary calls' answers reported,
+    prompt and completion apart; the summary itself is the model's text, whole."""
+    from .test_summaries import config, converse, is_summary_call, model
+
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-up")
+    monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
+    text = "Goals: track orders #W1000 and #W2000 to their doors."
+    upstream.responder = model(lambda body: {"content": text, "prompt_tokens": 1234})
+    proxy = make_proxy(config_dir=config(tmp_path, upstream, model="gpt-4o-mini"))
+    converse(proxy, "counted-summary", 7, after=lambda k: proxy.settle())
+    calls = [b for b in upstream.requests if is_summary_call(b)]
+
+    def sums() -> dict[str, float]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        out = {}
+        for f in text_string_to_metric_families(httpx.get(proxy.base + "/metrics").text):
+            for s in f.samples:
+                if s.name == "runloop_summary_tokens_total" and s.labels["tenant"] == "acme":
+                    out[s.labels["kind"]] = s.value
+        return out
+    def made() -> int:
+        return len([b for b in upstream.requests if is_summary_call(b)])
+
+    # every call the upstream answered, counted (one may still be on its way back)
+    until(lambda: made() >= 1 and sums() == {"prompt": 1234 * made(),
+                                               "completion": (len(text) // 4) * made()},
+          timeout=30, what="the summary calls counted as reported")
+    assert len(calls) <= made()
+
+
+def test_times_are_told_in_their_units(make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """A session used now: the admin API's times are milliseconds of now, the inspector's
+    dates are today's (UTC) — and a session without proxy tool rounds says so."""
+    import time
+
+    admin = "admin-0123456789abcdef"
+    proxy: ProxyServer = make_proxy(admin_key=admin)
+    start = time.time()
+    openai.OpenAI(base_url=proxy.url, api_key="sk-timed", max_retries=0, default_headers={
+        "X-Session-Id": "timed"}).chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "what time is it"}])
+    proxy.settle()
+    end = time.time()
+    view = httpx.get(proxy.base + "/admin/sessions/timed",
+                     headers={"Authorization": f"Bearer {admin}"}).json()
+    for field in ("created_ms", "updated_ms"):
+        assert start * 1000 - 1000 <= view[field] <= end * 1000 + 1000, (field, view[field])
+    days = {time.strftime("%Y-%m-%d", time.gmtime(t)) for t in (start, end)}
+    c = httpx.Client(base_url=proxy.base)
+    assert c.post("/admin/ui/login", data={"key": admin}).status_code == 303
+    for page, shown in (("/admin/ui", 1), ("/admin/ui/session?id=timed", 2)):
+        html = c.get(page).text
+        assert sum(html.count(f"{d} ") for d in days) == shown, (page, days)
+    assert "None: the model has not called recall_tool_call or search_history" in \
+        c.get("/admin/ui/session?id=timed").text
