@@ -469,3 +469,25 @@ def test_times_are_told_in_their_units(make_proxy: Any, upstream: ScriptedUpstre
         assert sum(html.count(f"{d} ") for d in days) == shown, (page, days)
     assert "None: the model has not called recall_tool_call or search_history" in \
         c.get("/admin/ui/session?id=timed").text
+
+
+def test_requests_are_counted_once_by_what_happened(make_proxy: Any,
+                                                    upstream: ScriptedUpstream) -> None:
+    """Three answered requests and one refused for its size, each counted once, under its
+    model and status (the refusal too: it knew its tenant and model by then)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proxy: ProxyServer = make_proxy(context_window=4096)
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-counted", max_retries=0)
+    for k in range(3):
+        c.chat.completions.create(model="gpt-4o-mini",
+                                  messages=[{"role": "user", "content": f"q{k}"}])
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="my-local-model",
+                                  messages=[{"role": "user", "content": "word " * 5000}])
+    counted = {}
+    for f in text_string_to_metric_families(httpx.get(proxy.base + "/metrics").text):
+        for s in f.samples:
+            if s.name == "runloop_requests_total" and s.value:
+                counted[(s.labels["model"], s.labels["status"])] = s.value
+    assert counted == {("gpt-4o-mini", "200"): 3, ("my-local-model", "400"): 1}
