@@ -491,3 +491,17 @@ def test_requests_are_counted_once_by_what_happened(make_proxy: Any,
             if s.name == "runloop_requests_total" and s.value:
                 counted[(s.labels["model"], s.labels["status"])] = s.value
     assert counted == {("gpt-4o-mini", "200"): 3, ("my-local-model", "400"): 1}
+
+
+@pytest.mark.parametrize(("total", "prefix", "cost"), [
+    (2000, 1023, 2000),  # a prefix under 1,024 tokens is not cached
+    (2000, 1024, 2000 - 1024 + 102.4),  # from 1,024 on, in whole 128-token blocks
+    (2000, 1151, 2000 - 1024 + 102.4),
+    (2000, 1152, 2000 - 1152 + 115.2),
+    (5000, 0, 5000),
+])
+def test_the_replay_prices_a_cached_prefix_in_the_providers_units(
+        total: int, prefix: int, cost: float) -> None:
+    from runloop_proxy.ops.replay import cached_cost
+
+    assert cached_cost(total, prefix) == pytest.approx(cost)

@@ -102,3 +102,24 @@ def test_text_logs_are_for_a_terminal() -> None:
     assert "INFO" in line and line.endswith("request tenant=acme")
     with pytest.raises(orjson.JSONDecodeError):
         orjson.loads(line)
+
+
+def test_replay_says_what_is_wrong_and_nothing_it_was_told_not_to(tmp_path: Any) -> None:
+    """``--no-progress``: nothing on stderr but what went wrong; ``--direct`` alone says it
+    needs ``--proxy``."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "c.jsonl"
+    path.write_text(orjson.dumps({"messages": [{"role": "user", "content": "hi"},
+                                               {"role": "assistant", "content": "yo"},
+                                               {"role": "user", "content": "and?"}]}).decode())
+
+    def replay(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "runloop_proxy", "replay", str(path),
+                               *args], capture_output=True, text=True, timeout=120)
+    quiet = replay("--no-progress")
+    assert quiet.returncode == 0 and quiet.stderr == "" and "saving" in quiet.stdout.lower()
+    alone = replay("--no-progress", "--direct", "http://127.0.0.1:9/v1")
+    assert alone.returncode == 2
+    assert "--direct compares against a proxy: give --proxy as well" in alone.stderr
