@@ -285,7 +285,7 @@ class ScriptedUpstream:
                                                                     embeddings,
                                                                     methods=["POST"]),
                                  Route("/{path:path}", anything, methods=[
-                                     "GET", "POST", "PUT", "PATCH", "DELETE"])])
+                                     "GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])])
 
     @property
     def anthropic(self) -> anthropic.AnthropicCache:
@@ -376,6 +376,11 @@ class ScriptedUpstream:
                 + orjson.dumps(data) + b"\n\n"
 
         try:
+            if "raw_chunks" in reply:  # exactly these bytes, whatever they are
+                for raw in reply["raw_chunks"]:
+                    yield raw
+                done = True
+                return
             final = self._response(body, reply, org)
             start = {**final, "status": "in_progress", "output": [], "usage": None}
             yield event({"type": "response.created", "response": start})

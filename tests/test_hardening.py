@@ -71,9 +71,15 @@ def test_session_ids_beyond_latin1_and_with_control_characters(
 
 def test_a_user_outside_latin1_is_just_a_scope(proxy: ProxyServer,
                                                upstream: ScriptedUpstream) -> None:
-    r = post(proxy, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                     "user": "山田"})
-    assert r.status_code == 200 and r.headers["x-session-id"].startswith("fp-")
+    def ask(user: str) -> httpx.Response:
+        return post(proxy, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                            "user": user})
+    r = ask("山田")
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "echo: hi"
+    assert r.headers["x-session-id"].startswith("fp-")
+    # it scopes the fingerprint: the same end user, the same session; another, another
+    assert ask("山田").headers["x-session-id"] == r.headers["x-session-id"]
+    assert ask("田中").headers["x-session-id"] not in (r.headers["x-session-id"], "")
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -85,6 +91,9 @@ def test_a_user_outside_latin1_is_just_a_scope(proxy: ProxyServer,
       "tools": CLIENT_TOOLS}, "stream_options"),
     ({"messages": [{"role": "user", "content": "x"}], "deep": json.loads("[" * 300 + "]" * 300)},
      "deep"),
+    # deeper than the proxy allows, well within what its parser takes
+    ({"messages": [{"role": "user", "content": "x"}], "extra": json.loads("[" * 100 + "]" * 100)},
+     "extra"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "x",
                                                   "x": orjson.loads("[" * 100 + "]" * 100)}]}]},
      "messages[0].content[0]"),

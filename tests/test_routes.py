@@ -55,7 +55,9 @@ def test_unknown_fields_and_options_pass_through_byte_identical(
 def test_n_choices_come_back(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     resp = client(proxy).chat.completions.create(
         model="gpt-4o-mini", messages=[{"role": "user", "content": "x"}], n=3)
-    assert len(resp.choices) == 3
+    assert [(c.index, c.message.content) for c in resp.choices] == \
+        [(0, "echo: x"), (1, "echo: x"), (2, "echo: x")]
+    assert upstream.requests[-1]["n"] == 3
 
 
 def test_streaming_with_usage(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
@@ -130,6 +132,11 @@ def test_models_and_embeddings_pass_through(proxy: ProxyServer,
                                             upstream: ScriptedUpstream) -> None:
     c = client(proxy)
     assert "gpt-4o-mini" in [m.id for m in c.models.list()]
+    # a JSON answer is passed whole, as a JSON answer: its length, none of a stream's headers
+    r = httpx.get(proxy.url + "/models", headers={"Authorization": "Bearer sk-x"})
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert "x-accel-buffering" not in r.headers and "no-cache" not in \
+        r.headers.get("cache-control", "")
     emb = c.embeddings.create(model="text-embedding-3-small", input=["a", "b"])
     assert len(emb.data) == 2
 
@@ -200,10 +207,12 @@ def test_retries_on_503_then_succeeds(proxy: ProxyServer, upstream: ScriptedUpst
 
 def test_429_after_retries_passes_through(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     upstream.push(*[{"status": 429, "headers": {"Retry-After": "0"}}] * 3)
-    with pytest.raises(openai.RateLimitError):
+    with pytest.raises(openai.RateLimitError) as err:
         client(proxy).chat.completions.create(model="m", messages=[{"role": "user",
                                                                      "content": "x"}])
     assert len(upstream.requests) == 3  # first try + max_retries (2)
+    # the upstream's own answer, passed through
+    assert err.value.status_code == 429 and "scripted failure" in str(err.value.body)
 
 
 def test_unreachable_upstream_is_502(make_proxy: object, redis_url: str, tmp_path: object

@@ -221,17 +221,25 @@ def test_admin_needs_key_and_is_tenant_scoped(aproxy: ProxyServer, make_proxy: A
     sdk(aproxy, "s-secret").chat.completions.create(
         model="m", messages=[{"role": "user", "content": "private"}])
     settle(aproxy)
-    assert httpx.get(aproxy.base + "/admin/sessions/s-secret",
-                     params={"tenant": TENANT}).status_code == 401
-    assert httpx.get(aproxy.base + "/admin/sessions/s-secret", params={"tenant": TENANT},
-                     headers={"Authorization": "Bearer wrong"}).status_code == 401
+    url = aproxy.base + "/admin/sessions/s-secret"
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.get(url, params={"tenant": TENANT, "messages": "1"}, headers=headers)
+        assert (r.status_code, r.json()["error"]["code"]) == (401, "invalid_api_key")
+        assert "private" not in r.text
+    # the control: the admin key and the session's tenant show it, with its messages
+    shown = admin(aproxy, "/admin/sessions/s-secret", tenant=TENANT, messages="1")
+    assert shown.status_code == 200 and shown.json()["tenant"] == TENANT
+    assert [m["content"] for m in shown.json()["messages"]][0] == "private"
     # another key's tenant cannot see it
     other = "pt-" + hashlib.sha256(b"sk-other").hexdigest()[:16]
-    assert admin(aproxy, "/admin/sessions/s-secret", tenant=other).status_code == 404
+    hidden = admin(aproxy, "/admin/sessions/s-secret", tenant=other, messages="1")
+    assert hidden.status_code == 404 and "private" not in hidden.text
+    assert hidden.json()["error"]["message"] == f"no session 'n:s-secret' for tenant '{other}'"
     # no admin key configured: the admin API does not exist
     plain = make_proxy()
-    assert httpx.get(plain.base + "/admin/sessions/s-secret",
-                     headers={"Authorization": f"Bearer {ADMIN}"}).status_code == 404
+    off = httpx.get(plain.base + "/admin/sessions/s-secret",
+                    headers={"Authorization": f"Bearer {ADMIN}"})
+    assert off.status_code == 404 and "admin endpoints are disabled" in off.text
 
 
 def test_sessions_listing_pages(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
@@ -327,8 +335,23 @@ def test_cluster_three_masters(upstream: ScriptedUpstream, make_proxy: Any,
         for s in range(6):
             view = admin(proxy, f"/admin/sessions/s-cluster-{s}").json()
             assert view["message_count"] == 5
+        listed = admin(proxy, "/admin/sessions", tenant=view["tenant"]).json()["sessions"]
+        assert sorted(s["name"] for s in listed) == [f"s-cluster-{s}" for s in range(6)]
+        points = proxy.run(proxy.state.store.points(view["tenant"], "n:s-cluster-0"))
+        assert len(points) == 2 and all(p["client"] > 0 for p in points)
         used = [cl.dbsize() for cl in clients]
         assert sum(1 for u in used if u) >= 2
+        # what is written beside the scripts expires with its session there too
+        store, sid = proxy.state.store, "n:s-cluster-0"
+        ns = next(n for n, _ in proxy.run(store.namespaces()))
+        proxy.run(store.add_record(ns, sid, {"kind": "x"}))
+        proxy.run(store.add_internal(ns, sid, "anchor", {"before": []}))
+        proxy.run(store.put_summary(ns, sid, "1:c", "late"))
+        cluster = redis.RedisCluster(host="127.0.0.1", port=nodes[0].port)
+        p = store.prefix(ns, sid)
+        ttls = {k: cluster.pttl(p + k) for k in (":meta", ":rec", ":int", ":sum")}
+        assert all(0 < t <= ttls[":meta"] + 1000 for t in ttls.values()), ttls
+        cluster.close()
     finally:
         for n in nodes:
             n.cleanup()

@@ -61,7 +61,10 @@ def test_every_conversation_queued_together_is_stored(redis_url: str, steps: lis
             for k, c in enumerate(convos):  # no await in between: all queued together
                 store.submit("t", "s", [prepare(m) for m in c],
                              point={"ts": k, "client": k, "forwarded": k})
+                # the queue's byte count (its bound: write_queue_mb) is what it holds
+                assert store.writes.bytes == sum(j.size for j in store.writes._queue)
             assert await store.drain(10)
+            assert store.writes.bytes == 0
             return await branches(store, "s"), await store.points("t", "s")
         finally:
             await store.close()
@@ -72,3 +75,33 @@ def test_every_conversation_queued_together_is_stored(redis_url: str, steps: lis
     for c in convos:
         texts = [m["content"] for m in c]
         assert any(b[:len(texts)] == texts for b in stored), (texts, stored)
+
+
+def test_a_growing_conversation_queued_together_is_one_write_and_sessions_stay_apart(
+        redis_url: str) -> None:
+    """Ten requests of one growing conversation queued together become one write carrying
+    all ten points; two sessions whose conversations are the very same stay two writes
+    (chains name content only: only the session's own queued job may absorb another)."""
+    turns: list[list[Message]] = [[{"role": "user", "content": f"q{j}"} for j in range(k + 1)]
+                                  for k in range(10)]
+
+    async def go() -> tuple[int, list[list[str]], list[list[str]], int]:
+        store = RedisStore(redis_url, StoreSection(key_prefix="w" + uuid.uuid4().hex[:8]),
+                           Metrics())
+        await store.start()
+        try:
+            for k, c in enumerate(turns):
+                store.submit("t", "grows", [prepare(m) for m in c],
+                             point={"ts": k, "client": k, "forwarded": k})
+            queued = len(store.writes._queue)
+            for session in ("twin-a", "twin-b"):
+                store.submit("t", session, [prepare(m) for m in turns[3]])
+            assert await store.drain(10)
+            return (queued, await branches(store, "twin-a"), await branches(store, "twin-b"),
+                    len(await store.points("t", "grows")))
+        finally:
+            await store.close()
+
+    queued, a, b, points = asyncio.run(go())
+    assert queued == 1 and points == 10
+    assert a == b == [["q0", "q1", "q2", "q3"]]

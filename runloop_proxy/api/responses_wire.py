@@ -146,7 +146,7 @@ class ResponsesRelay:
         self.rounds = 0
         self.seq = 0
         self.next_index = 0
-        self.shown_items: list[dict[str, Any]] = []
+        self.items_shown: dict[int, dict[str, Any]] = {}  # client output_index -> its item
         self.last: dict[str, Any] = {}  # the last round's response, closing the client's
 
     def round(self, tools: ProxyTools) -> ResponsesRound:
@@ -155,6 +155,11 @@ class ResponsesRelay:
     @property
     def answer_id(self) -> str | None:
         return self.response_id
+
+    @property
+    def shown_items(self) -> list[dict[str, Any]]:
+        """Every item the client was shown, in the order of its output indexes."""
+        return [self.items_shown[k] for k in sorted(self.items_shown)]
 
     def emit(self, data: dict[str, Any]) -> bytes:
         data["sequence_number"] = self.seq
@@ -188,15 +193,20 @@ class ResponsesRound:
     everything about them are dropped, the end is held until the round's fate is known. An
     item is judged by its name once the name is known — at ``output_item.added``, or for a
     call added without one (or an item whose events come before it is added) at its
-    ``output_item.done`` or the response's end — and its events are held until then."""
+    ``output_item.done`` or the response's end — and its events are held until then. Items
+    are released in the upstream's order (an item waits for those before it to be judged),
+    so the client numbers them as the upstream did, whatever the interleaving of their
+    events."""
 
     def __init__(self, relay: ResponsesRelay, tools: ProxyTools):
         self.relay = relay
         self.tools = tools
         self.first = relay.rounds == 0
         relay.rounds += 1
-        self.index: dict[int, int | None] = {}  # upstream output_index -> the client's
-        self.held: dict[int, list[dict[str, Any]]] = {}  # undecided: its events so far
+        self.index: dict[Any, int | None] = {}  # released: upstream output_index -> client's
+        self.mine: dict[Any, bool] = {}  # judged, not yet released: the proxy's call?
+        self.held: dict[Any, list[dict[str, Any]]] = {}  # not yet released: its events
+        self.next_at = 0  # the upstream index released next
         self.response: dict[str, Any] | None = None
 
     @property
@@ -219,30 +229,45 @@ class ResponsesRound:
             self.response = data["response"]
             relay.last = {k: v for k, v in self.response.items() if k != "output"}
             output = self.response.get("output") or []
-            return [out for at in list(self.held) for out in self._decide(
-                at, output[at] if isinstance(at, int) and 0 <= at < len(output) else {})]
+            for at in self.held:
+                if at not in self.mine:
+                    self._judge(at, output[at] if isinstance(at, int) and 0 <= at < len(output)
+                                else {})
+            return self._release(end=True)
         if "output_index" not in data:
             return [relay.emit(data)]
         at = data["output_index"]
-        if at not in self.index:
-            self.held.setdefault(at, []).append(data)
-            item = data.get("item") if isinstance(data.get("item"), dict) else None
-            if item is not None and (kind == "response.output_item.done" or
-                                     item.get("type") != "function_call" or item.get("name")):
-                return self._decide(at, item)
-            return []
-        return self._send(at, data)
+        if at in self.index:
+            return self._send(at, data)
+        self.held.setdefault(at, []).append(data)
+        item = data.get("item") if isinstance(data.get("item"), dict) else None
+        if at not in self.mine and item is not None and (
+                kind == "response.output_item.done" or item.get("type") != "function_call"
+                or item.get("name")):
+            self._judge(at, item)
+        return self._release()
 
-    def _decide(self, at: Any, item: dict[str, Any]) -> list[bytes]:
-        """Whose item ``at`` is, now that its name is known; its held events, if the
-        client's."""
-        mine = item.get("type") == "function_call" and item.get("name") in self.tools.names
-        if mine:
-            self.index[at] = None
-        else:
-            self.index[at] = self.relay.next_index
-            self.relay.next_index += 1
-        return [out for data in self.held.pop(at, []) for out in self._send(at, data)]
+    def _judge(self, at: Any, item: dict[str, Any]) -> None:
+        """Whose item ``at`` is, now that its name is known."""
+        self.mine[at] = item.get("type") == "function_call" and \
+            item.get("name") in self.tools.names
+
+    def _release(self, end: bool = False) -> list[bytes]:
+        """The held events of the judged items whose turn it is (at the end, all of them):
+        each client's item numbered in the upstream's order."""
+        out: list[bytes] = []
+        while self.next_at in self.mine or (end and self.mine):
+            at = self.next_at if self.next_at in self.mine else \
+                min(self.mine, key=lambda a: (not isinstance(a, int), str(a).zfill(12)))
+            if self.mine.pop(at):
+                self.index[at] = None
+            else:
+                self.index[at] = self.relay.next_index
+                self.relay.next_index += 1
+            if isinstance(at, int):
+                self.next_at = at + 1
+            out += [b for data in self.held.pop(at, []) for b in self._send(at, data)]
+        return out
 
     def _send(self, at: Any, data: dict[str, Any]) -> list[bytes]:
         client = self.index[at]
@@ -250,7 +275,7 @@ class ResponsesRound:
             return []  # the proxy's call: the client never sees it
         data["output_index"] = client
         if data["type"] == "response.output_item.done" and isinstance(data.get("item"), dict):
-            self.relay.shown_items.append(data["item"])
+            self.relay.items_shown[client] = data["item"]
         return [self.relay.emit(data)]
 
     def reply(self) -> Reply:

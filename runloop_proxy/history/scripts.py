@@ -53,16 +53,19 @@ local function prune_lru(p, keep, now)
   return victim
 end
 
+-- every key of the session expires ttl after its last write: the session's own keys and the
+-- head branch (any of them may have been created just now) each time, the other branches'
+-- lists at most every ttl/20 (there may be hundreds)
 local function touch(p, head, now, ttl)
   redis.call('ZADD', p .. ':bused', now, head)
   local meta = p .. ':meta'
+  for _, k in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec',
+                      'bused', 'sum', 'req', 'b:' .. head, 'c:' .. head}) do
+    redis.call('PEXPIRE', p .. ':' .. k, ttl)
+  end
   local xat = tonumber(redis.call('HGET', meta, 'xat') or '0')
   if tonumber(now) - xat > ttl / 20 then
     redis.call('HSET', meta, 'xat', now)
-    for _, k in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec',
-                        'bused', 'sum', 'req'}) do
-      redis.call('PEXPIRE', p .. ':' .. k, ttl)
-    end
     for _, b in ipairs(redis.call('ZRANGE', p .. ':bused', 0, -1)) do
       redis.call('PEXPIRE', p .. ':b:' .. b, ttl)
       redis.call('PEXPIRE', p .. ':c:' .. b, ttl)
@@ -81,6 +84,17 @@ for i = 1, #hs, 32 do
   counts[#counts + 1] = redis.call('HGET', KEYS[2], string.sub(hs, i, i + 31)) or false
 end
 return {redis.call('HGETALL', KEYS[1]), counts}
+"""
+
+# A key written outside SYNC/APPEND (records, the proxy's tool rounds, summaries) expires with
+# its session: KEYS[1] is the session's meta, whose remaining time the others get. Before the
+# session's first sync there is none; that sync's touch sets every key's.
+EXPIRE_WITH_SESSION_LUA = r"""
+local t = redis.call('PTTL', KEYS[1])
+if t > 0 then
+  for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], t) end
+end
+return t
 """
 
 SYNC_LUA = COMMON + r"""
@@ -204,7 +218,7 @@ end
 redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
 if tipk then redis.call('HSET', meta, 'tipk', tipk) end
 redis.call('HSETNX', meta, 'created', now)
-redis.call('HSET', meta, 'xat', 0)  -- appends are rare: refresh every key's expiry now
+redis.call('HSET', meta, 'xat', 0)  -- appends are rare: refresh every branch's expiry now
 touch(p, head, now, ttl)
 return {'ok', tostring(L)}
 """

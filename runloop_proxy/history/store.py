@@ -55,7 +55,7 @@ from ..conversation.messages import Message, kept_json
 from ..errors import StoreError, StoreLimitExceeded
 from ..ops import logs
 from ..ops.metrics import Metrics
-from .scripts import APPEND_LUA, LOAD_LUA, SYNC_LUA
+from .scripts import APPEND_LUA, EXPIRE_WITH_SESSION_LUA, LOAD_LUA, SYNC_LUA
 from .writes import (
     Job,
     Prepared,
@@ -385,10 +385,13 @@ class RedisStore:
         script = self._append if job.append else self._sync
         args = await self._job_args(job)
         reply = await script(keys=[args[0] + ":meta"], args=args)
-        await self._index(job.namespace, job.session_id)
-        if job.points:
+        indexed = self._index_due(job.namespace, job.session_id)
+        if indexed or job.points:
             pipe = self.client.pipeline(transaction=False)
-            self._points(pipe, job)
+            if indexed:
+                self._index(pipe, job)
+            if job.points:
+                self._points(pipe, job)
             await pipe.execute()
             job.points = []
         return reply
@@ -446,7 +449,7 @@ class RedisStore:
         # the sessions' listing, in the same round trip (one ZADD per session a minute)
         for job in sent:
             if self._index_due(job.namespace, job.session_id):
-                pipe.zadd(self._index_key(job.namespace), {job.session_id: _now_ms()})
+                self._index(pipe, job)
         pointed = [job for job in sent if job.points]
         for job in pointed:
             self._points(pipe, job)
@@ -491,9 +494,14 @@ class RedisStore:
             self._indexed.popitem(last=False)
         return True
 
-    async def _index(self, namespace: str, session_id: str) -> None:
-        if self._index_due(namespace, session_id):
-            await self.client.zadd(self._index_key(namespace), {session_id: _now_ms()})
+    def _index(self, pipe: Any, job: Job) -> None:
+        """Queue the session's last use in its namespace's listing, which forgets sessions
+        past their retention (with a minute's margin: the listing is written at most once a
+        minute per session) and expires when none was used for that long."""
+        key, now, ttl = self._index_key(job.namespace), _now_ms(), self._ttl_ms(job.retention_days)
+        pipe.zadd(key, {job.session_id: now})
+        pipe.zremrangebyscore(key, "-inf", now - ttl - int(INDEX_EVERY_S * 1000))
+        pipe.pexpire(key, ttl)
 
     def _remember(self, key: tuple[str, str], length: int, chain: str,
                   internal: dict[str, Any]) -> None:
@@ -504,8 +512,14 @@ class RedisStore:
         """Keep a proxy-owned tool exchange, to splice around ``anchor`` (the chain hash at
         the message the client saw: that message, in that lineage) in later windows."""
         p = self.prefix(namespace, session_id)
-        await self._call("internal", lambda: self.client.hset(p + ":int", anchor,
-                                                              orjson.dumps(entry)))
+
+        async def run() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(p + ":int", anchor, orjson.dumps(entry))
+            _expire_with_session(pipe, p, p + ":int")
+            await pipe.execute()
+
+        await self._call("internal", run)
         cached = self._sessions.get((namespace, session_id))
         if cached is not None:
             cached.internal[anchor] = entry
@@ -523,6 +537,7 @@ class RedisStore:
             pipe = self.client.pipeline(transaction=False)
             pipe.rpush(key, *(orjson.dumps(r) for r in records))
             pipe.ltrim(key, -MAX_RECORDS, -1)
+            _expire_with_session(pipe, self.prefix(namespace, session_id), key)
             await pipe.execute()
 
         await self._call("record", run)
@@ -548,7 +563,7 @@ class RedisStore:
         async def run() -> bool:
             pipe = self.client.pipeline(transaction=False)
             pipe.hsetnx(key, name, value)
-            pipe.pexpire(key, self._ttl_ms(None))
+            _expire_with_session(pipe, self.prefix(namespace, session_id), key)
             return bool((await pipe.execute())[0])
 
         return bool(await self._call("summary", run))
@@ -757,6 +772,11 @@ class RedisStore:
 def _count(point: Any, key: str) -> int:
     v = point.get(key) if isinstance(point, dict) else None
     return v if isinstance(v, int) else 0
+
+
+def _expire_with_session(pipe: Any, prefix: str, *keys: str) -> None:
+    """Queue: ``keys`` (of the session at ``prefix``) expire when the session does."""
+    pipe.eval(EXPIRE_WITH_SESSION_LUA, 1 + len(keys), prefix + ":meta", *keys)
 
 
 def _tokens_field(it: Prepared) -> str:

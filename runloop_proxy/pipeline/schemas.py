@@ -50,6 +50,8 @@ class _Renderer:
                 out.append("// …")
                 break
             fn = tool.get("function") if isinstance(tool, dict) else None
+            if fn is None and isinstance(tool, dict) and tool.get("type") == "function":
+                fn = tool  # the Responses API's form: the function's fields at the top
             if not isinstance(fn, dict):
                 out.append(self._add(orjson.dumps(tool).decode()))  # another type: as sent
                 continue

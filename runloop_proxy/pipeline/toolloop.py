@@ -155,7 +155,11 @@ async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, An
         for out in rnd.close(decision):
             yield out
         break
+    # the proxy's part of a mixed answer is run before the stream's last events: a client
+    # that closes its connection on [DONE] (the openai SDK does) would cancel it, and the
+    # turn would go unrecorded
+    shown = relay.shown(client_message(reply, decision))
+    outcome = await _finish(r, reply, decision, before, shown, usage, relay.answer_id, first)
     for out in relay.end(usage):
         yield out
-    shown = relay.shown(client_message(reply, decision))
-    done(await _finish(r, reply, decision, before, shown, usage, relay.answer_id, first))
+    done(outcome)

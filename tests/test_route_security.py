@@ -1,0 +1,322 @@
+"""Who may call what, swept over the route table: every route the app serves (Starlette's
+routes and the conversation handlers the ASGI front serves past them) is classified here, and
+each class is checked against the credentials that must not open it — no key, a wrong key,
+the tenant's own proxy key, and for the inspector valid login cookies that other admin keys
+(a wrong one, the tenant's key used as one) signed. A route nobody classified fails the
+sweep, naming itself: a route is covered the day it lands.
+
+Every refusal is checked for what it would have given away (the seeded session's canary
+text) and what it would have done (the upstream called, a summary made), and every class has
+its control: the same request with the right credential is answered, with the data."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from starlette.routing import BaseRoute, Mount, Route
+
+from runloop_proxy.api.routes import CONVERSATIONS, routes
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer
+from .test_config import ACME_KEY, GLOBEX_KEY, write_config
+
+ADMIN_KEY = "admin-0123456789abcdef"  # write_config's
+WRONG_KEY = "admin-not-the-key-0123456789"
+CANARY = "CANARY-7f3a9e secret order for Ms Okafor"
+SESSION = "canary-desk"
+
+
+class Access(Enum):
+    ADMIN = "the admin API: the admin key as Bearer"
+    INSPECTOR = "an inspector page: a login cookie the admin key signed"
+    LOGIN = "the inspector's login: public, checks the key it is given"
+    LOGOUT = "the inspector's logout: public, ends a login"
+    TENANT = "a tenant's API: a proxy key of a tenant (tenant mode)"
+    PUBLIC = "health, readiness, metrics: public, nothing about sessions or keys"
+
+
+# Every (method, path) the app serves. A new route is added here with its class, or the
+# sweep fails naming it.
+ACCESS: dict[tuple[str, str], Access] = {
+    ("POST", "/v1/chat/completions"): Access.TENANT,
+    ("POST", "/v1/responses"): Access.TENANT,
+    ("GET", "/healthz"): Access.PUBLIC,
+    ("GET", "/readyz"): Access.PUBLIC,
+    ("GET", "/metrics"): Access.PUBLIC,
+    ("GET", "/admin/tenants"): Access.ADMIN,
+    ("GET", "/admin/sessions"): Access.ADMIN,
+    ("POST", "/admin/sessions/{session_id:path}/compact"): Access.ADMIN,
+    ("GET", "/admin/sessions/{session_id:path}"): Access.ADMIN,
+    ("GET", "/admin/ui"): Access.INSPECTOR,
+    ("GET", "/admin/ui/login"): Access.LOGIN,
+    ("POST", "/admin/ui/login"): Access.LOGIN,
+    ("POST", "/admin/ui/logout"): Access.LOGOUT,
+    ("GET", "/admin/ui/session"): Access.INSPECTOR,
+    ("GET", "/admin/ui/message"): Access.INSPECTOR,
+    ("POST", "/admin/ui/compact"): Access.INSPECTOR,
+    **{(m, "/v1/{path:path}"): Access.TENANT
+       for m in ("GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")},
+}
+# what the pass-through route asks the upstream for (the scripted upstream records a request
+# for a path it does not serve, and answers it 404)
+PASSTHROUGH = "files/file-1"
+# a request body each conversation route answers with the right key
+BODIES: dict[str, dict[str, Any]] = {
+    "/v1/chat/completions": {"model": "gpt-4o-mini",
+                             "messages": [{"role": "user", "content": "hi"}]},
+    "/v1/responses": {"model": "gpt-4o-mini", "input": "hi"},
+}
+
+
+def served(table: list[BaseRoute] | None = None, prefix: str = "") -> Iterator[tuple[str, str]]:
+    """(method, path) of every endpoint: the route table (mounts walked) and the
+    conversation handlers the ASGI front (app.FastPath) serves before Starlette sees them."""
+    for route in routes() if table is None else table:
+        if isinstance(route, Mount):
+            yield from served(list(route.routes), prefix + route.path)
+        elif isinstance(route, Route):
+            for method in sorted(route.methods or ()):
+                if method != "HEAD":  # Starlette's, with every GET: swept with it
+                    yield method, prefix + route.path
+        else:
+            raise AssertionError(f"{route!r} is neither a Route nor a Mount: teach the sweep "
+                                 f"how to reach it")
+    if table is None:
+        for path in CONVERSATIONS:
+            yield "POST", path
+
+
+def test_every_route_is_classified() -> None:
+    endpoints = set(served())
+    unclassified = sorted(endpoints - set(ACCESS))
+    assert not unclassified, (
+        "routes nobody said who may call — add each to ACCESS in tests/test_route_security.py "
+        "(and a body to BODIES if it needs one): "
+        + ", ".join(f"{m} {p}" for m, p in unclassified))
+    gone = sorted(set(ACCESS) - endpoints)
+    assert not gone, f"ACCESS lists routes the app no longer serves: {gone}"
+
+
+@dataclass
+class Credential:
+    name: str
+    headers: dict[str, str]
+    cookies: dict[str, str]
+
+
+def login_cookie(proxy: ProxyServer, key: str) -> str:
+    r = httpx.post(proxy.base + "/admin/ui/login", data={"key": key})
+    assert r.status_code == 303, r.text
+    return r.cookies["rl_admin"]
+
+
+class Sweep:
+    """The tenant-mode proxy under test, a session with the canary in it, and the other
+    proxies whose admin keys sign the cookies that must not work here."""
+
+    def __init__(self, proxy: ProxyServer, upstream: ScriptedUpstream, make_proxy: Any):
+        self.proxy, self.upstream = proxy, upstream
+        self.cookie = login_cookie(proxy, ADMIN_KEY)
+        # valid logins elsewhere: a proxy whose admin key is a wrong one, one whose admin key
+        # is the tenant's proxy key (what a tenant could sign with)
+        self.foreign = {name: login_cookie(make_proxy(admin_key=key), key)
+                        for name, key in (("wrong", WRONG_KEY), ("tenant", ACME_KEY))}
+        page = self.request("GET", "/admin/ui/session", {}, {"rl_admin": self.cookie},
+                            {"tenant": "acme", "id": SESSION}).text
+        csrf = re.search(r"name='csrf' value='([0-9a-f]+)'", page)
+        assert csrf, "the session page offers compact now"
+        self.csrf = csrf.group(1)
+
+    def request(self, method: str, path: str, headers: dict[str, str],
+                cookies: dict[str, str], query: dict[str, str] | None = None,
+                json: Any = None, form: dict[str, str] | None = None) -> httpx.Response:
+        with httpx.Client(base_url=self.proxy.base, cookies=cookies, timeout=30,
+                          follow_redirects=False) as c:
+            return c.request(method, path, params=query, headers=headers, json=json,
+                             data=form)
+
+    def send(self, method: str, template: str, cred: Credential) -> httpx.Response:
+        """The request a legitimate caller of this route would make, with ``cred``."""
+        path = template.replace("{session_id:path}", SESSION)
+        path = path.replace("{path:path}", PASSTHROUGH)
+        leftover = re.search(r"\{[^}]+\}", path)
+        assert not leftover, f"{method} {template}: no value for {leftover.group(0)}"
+        query: dict[str, str] = {}
+        form: dict[str, str] | None = None
+        if path.startswith("/admin"):
+            query = {"tenant": "acme", "id": SESSION, "pos": "0", "messages": "1"}
+        if path == "/admin/ui/compact":
+            form, query = {"tenant": "acme", "id": SESSION, "csrf": self.csrf}, {}
+        if path == "/admin/ui/login" and method == "POST":
+            form = {"key": cred.headers.get("Authorization", "Bearer ")[7:]}
+        body = BODIES.get(path) if method == "POST" and path.startswith("/v1/") else None
+        return self.request(method, path, cred.headers, cred.cookies, query, body, form)
+
+    def upstream_seen(self) -> int:
+        return len(self.upstream.requests) + len(self.upstream.other)
+
+    def summaries(self) -> dict[str, str]:
+        ns = "acme"
+        return self.proxy.run(self.proxy.state.store.summaries(ns, "n:" + SESSION))  # type: ignore[no-any-return]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def refusing(sweep: Sweep, access: Access) -> list[Credential]:
+    """What must not open a route of this class."""
+    keys = [Credential("no key", {}, {}), Credential("a wrong key", bearer(WRONG_KEY), {}),
+            Credential("the tenant's proxy key", bearer(ACME_KEY), {}),
+            Credential("the tenant's proxy key as x-api-key", {"x-api-key": ACME_KEY}, {})]
+    if access is Access.INSPECTOR:
+        keys += [Credential("a login cookie a wrong admin key signed", {},
+                            {"rl_admin": sweep.foreign["wrong"]}),
+                 Credential("a login cookie the tenant's proxy key signed", {},
+                            {"rl_admin": sweep.foreign["tenant"]}),
+                 Credential("a forged cookie", {}, {"rl_admin": "9999999999.deadbeef"})]
+    if access is Access.TENANT:
+        keys = [Credential("no key", {}, {}), Credential("a wrong key", bearer(WRONG_KEY), {}),
+                Credential("the admin key", bearer(ADMIN_KEY), {}),
+                Credential("the admin key as api-key", {"api-key": ADMIN_KEY}, {}),
+                Credential("the admin login cookie", {}, {"rl_admin": sweep.cookie})]
+    return keys
+
+
+def allowed(sweep: Sweep, access: Access) -> Credential:
+    if access is Access.INSPECTOR:
+        return Credential("the admin login", {}, {"rl_admin": sweep.cookie})
+    if access is Access.TENANT:
+        return Credential("the tenant's key", bearer(ACME_KEY), {})
+    if access in (Access.ADMIN, Access.LOGIN):
+        return Credential("the admin key", bearer(ADMIN_KEY), {})
+    return Credential("nothing", {}, {})
+
+
+def check_refused(sweep: Sweep, method: str, path: str, access: Access, cred: Credential,
+                  r: httpx.Response) -> None:
+    where = f"{method} {path} with {cred.name}"
+    assert CANARY not in r.text and SESSION not in r.text, f"{where}: gave the session away"
+    if access in (Access.ADMIN, Access.TENANT):
+        assert r.status_code == 401, f"{where}: {r.status_code} {r.text[:200]}"
+        if method != "HEAD":
+            assert r.json()["error"]["code"] == "invalid_api_key", where
+    elif access is Access.INSPECTOR:
+        assert (r.status_code, r.headers.get("location")) == (303, "/admin/ui/login"), \
+            f"{where}: {r.status_code} {r.headers.get('location')} {r.text[:200]}"
+    elif access is Access.LOGIN and method == "POST":
+        assert r.status_code == 401 and "set-cookie" not in r.headers, \
+            f"{where}: {r.status_code} {r.headers}"
+
+
+def check_allowed(sweep: Sweep, method: str, path: str, access: Access,
+                  r: httpx.Response) -> None:
+    """The control: the right credential opens the route, and it answers with the data."""
+    where = f"{method} {path} with the right credential"
+    if access is Access.TENANT:  # passed on: the upstream's answer, whatever it is
+        assert r.status_code != 401, f"{where}: {r.text[:300]}"
+        if path in BODIES:
+            assert r.status_code == 200 and "echo: hi" in r.text, f"{where}: {r.text[:300]}"
+        return
+    assert r.status_code < 400, f"{where}: {r.status_code} {r.text[:300]}"
+    if access is Access.ADMIN:
+        assert "acme" in r.text and (path == "/admin/tenants" or SESSION in r.text), where
+    elif access is Access.INSPECTOR and method == "GET":
+        assert r.status_code == 200 and (SESSION in r.text), where
+    elif access is Access.INSPECTOR:  # compact now: done, back to the session's page
+        assert r.status_code == 303 and SESSION in r.headers["location"], where
+    elif access is Access.LOGIN and method == "POST":
+        assert r.status_code == 303 and "rl_admin" in r.cookies, where
+
+
+@pytest.fixture
+def sweep(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
+          monkeypatch: pytest.MonkeyPatch) -> Sweep:
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-up")
+    monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
+    # one closed loop is enough to compact: omitted one at a time, none shown
+    root = write_config(tmp_path / "cfg", upstream.url, acme_policy=(
+        'summary_model = "extractive"\nmax_run_loops = 0\nomit_batch = 1\n'))
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0,
+                  default_headers={"X-Session-Id": SESSION}).chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": CANARY}])
+    proxy.settle()
+    return Sweep(proxy, upstream, make_proxy)
+
+
+def test_every_route_refuses_what_it_must_and_answers_the_right_credential(
+        sweep: Sweep) -> None:
+    endpoints = sorted(set(served()))
+    for method, path in endpoints:
+        access = ACCESS[(method, path)]  # test_every_route_is_classified names a missing one
+        for m in (method, "HEAD") if method == "GET" else (method,):
+            for cred in refusing(sweep, access):
+                seen, summaries = sweep.upstream_seen(), sweep.summaries()
+                r = sweep.send(m, path, cred)
+                if access in (Access.PUBLIC, Access.LOGOUT) or \
+                        (access is Access.LOGIN and m != "POST"):
+                    # public: answered, with nothing about sessions or keys
+                    assert r.status_code < 400, f"{m} {path}: {r.status_code}"
+                    for secret in (CANARY, SESSION, ADMIN_KEY, ACME_KEY, GLOBEX_KEY, "sk-up"):
+                        assert secret not in r.text, f"{m} {path} shows {secret!r}"
+                    if access is Access.LOGIN and m == "GET":  # a login form, and no more
+                        assert "name='key'" in r.text and "log out" not in r.text and \
+                            "href='/admin/ui'" not in r.text, r.text
+                    continue
+                check_refused(sweep, m, path, access, cred, r)
+                assert sweep.upstream_seen() == seen, \
+                    f"{m} {path} with {cred.name}: refused, yet the upstream was called"
+                assert sweep.summaries() == summaries, \
+                    f"{m} {path} with {cred.name}: refused, yet it compacted"
+        before = sweep.upstream_seen()
+        acts = path.endswith("/compact")
+        if acts:  # what a compaction leaves, cleared: the control must make it again
+            sweep.proxy.run(sweep.proxy.state.store.client.delete(
+                sweep.proxy.state.store.prefix("acme", "n:" + SESSION) + ":sum"))
+        r = sweep.send(method, path, allowed(sweep, access))
+        check_allowed(sweep, method, path, access, r)
+        if access is Access.TENANT:
+            assert sweep.upstream_seen() == before + 1, f"{method} {path}: not forwarded"
+        if acts:
+            assert any(k.startswith("omit:") for k in sweep.summaries()), \
+                f"{method} {path}: answered, and compacted nothing"
+
+
+def test_without_an_admin_key_the_admin_routes_and_pages_are_off(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """No admin key configured: every admin route and inspector page refuses every caller —
+    no key, an empty one, any key at all."""
+    proxy: ProxyServer = make_proxy()  # pass-through mode, no admin key
+    openai.OpenAI(base_url=proxy.url, api_key="sk-caller-key", max_retries=0,
+                  default_headers={"X-Session-Id": SESSION}).chat.completions.create(
+        model="gpt-4o-mini", messages=[{"role": "user", "content": CANARY}])
+    proxy.settle()
+    for method, path in sorted(set(served())):
+        access = ACCESS[(method, path)]
+        if access not in (Access.ADMIN, Access.INSPECTOR, Access.LOGIN):
+            continue
+        url = path.replace("{session_id:path}", SESSION)
+        for headers in ({}, {"x-api-key": ""}, {"Authorization": "Basic YWRtaW46"},
+                        bearer("sk-caller-key"), bearer(WRONG_KEY)):
+            with httpx.Client(base_url=proxy.base, follow_redirects=False) as c:
+                r = c.request(method, url, headers=headers, params={"id": SESSION},
+                              data={"key": headers.get("Authorization", "")[7:]}
+                              if method == "POST" else None)
+            where = f"{method} {path} with {headers or 'nothing'}"
+            assert CANARY not in r.text and SESSION not in r.text, where
+            if access is Access.INSPECTOR:
+                assert r.status_code == 303 and r.headers["location"] == "/admin/ui/login", \
+                    where
+            else:
+                assert r.status_code == 404 and "disabled" in r.text, \
+                    f"{where}: {r.status_code} {r.text[:200]}"
