@@ -4,8 +4,8 @@ comes; a ``tool_use`` block per client call (``content_block_start``, its input 
 ``input_json_delta``, ``content_block_stop``); one ``message_delta`` with the stop reason and
 the usage of every round; ``message_stop``.
 
-The chat side is chat_wire's: ``decode_chunk`` reads a chunk (an error chunk raises with the
-status it stands for) and ``Accumulator`` assembles the round's answer. The Messages side is
+The chat side is chat_wire's: ``ChunkRound`` reads each chunk (an error chunk raises with the
+status it stands for) into the round's answer, as the chat relay's rounds do. The Messages side is
 messages_stream's (``OneMessage``: one id, one numbering of blocks across rounds, the end).
 A round's calls go to the client when the round is over: chat streams a call's name and
 arguments in pieces, interleaved with other calls and with text as a server pleases, where
@@ -23,7 +23,7 @@ from ..conversation.blocks import assistant, call_input
 from ..pipeline.sse import SSEEvent
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Reply, Step
-from .chat_wire import Accumulator, decode_chunk
+from .chat_wire import ChunkRound
 from .messages_stream import OneMessage, emit
 
 Block = dict[str, Any]
@@ -118,32 +118,23 @@ def tool_use(call: dict[str, Any]) -> Block:
             "input": input_of(fn.get("arguments"))}
 
 
-class BridgeRound:
+class BridgeRound(ChunkRound):
     """One upstream chat stream: its text goes to the client as it comes, the client's calls
     once the round is over, the proxy's never; the end is held until the round's fate is
     known."""
 
     def __init__(self, relay: BridgeRelay, tools: ProxyTools):
+        super().__init__()
         self.relay = relay
         self.tools = tools
         relay.rounds += 1
-        self.acc = Accumulator()
         self.text: Block | None = None
         self.blocks: list[Block] = []  # the client's blocks of this round, in order
-        self.done = False
-
-    @property
-    def complete(self) -> bool:
-        return self.done or self.acc.finish_reason is not None
 
     def feed(self, event: SSEEvent) -> list[bytes]:
-        if event.is_done:
-            self.done = True
-            return []
-        chunk = decode_chunk(event)
+        chunk = self.chunk(event)
         if chunk is None:
             return []
-        self.acc.add(chunk)
         out = [*self.relay.start(chunk), *self.relay.flush()]
         for choice in chunk.get("choices") or []:
             content = (choice.get("delta") or {}).get("content")

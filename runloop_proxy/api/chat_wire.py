@@ -372,29 +372,43 @@ def _merged(held: dict[str, Any] | None, tc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-class ChatRound:
-    """One upstream stream: the client's deltas pass (its calls renumbered), the proxy's calls
-    and the usage chunk are absorbed, the finish chunk is held until the round's fate is known."""
+class ChunkRound:
+    """One upstream stream of chat chunks read into an answer (``acc``), whatever it is
+    relayed as: complete at its finish reason or its [DONE]."""
 
-    def __init__(self, relay: ChatRelay, tools: ProxyTools):
-        self.relay = relay
+    def __init__(self) -> None:
         self.acc = Accumulator()
-        self.split = CallSplit(relay, tools)
-        self.held: dict[str, Any] | None = None
         self.done = False
 
     @property
     def complete(self) -> bool:
         return self.done or self.acc.finish_reason is not None
 
-    def feed(self, event: SSEEvent) -> list[bytes]:
+    def chunk(self, event: SSEEvent) -> dict[str, Any] | None:
+        """The event's chunk, added to the answer; None for [DONE] or an event without one."""
         if event.is_done:
             self.done = True
-            return []
+            return None
         chunk = decode_chunk(event)
+        if chunk is not None:
+            self.acc.add(chunk)
+        return chunk
+
+
+class ChatRound(ChunkRound):
+    """One upstream stream: the client's deltas pass (its calls renumbered), the proxy's calls
+    and the usage chunk are absorbed, the finish chunk is held until the round's fate is known."""
+
+    def __init__(self, relay: ChatRelay, tools: ProxyTools):
+        super().__init__()
+        self.relay = relay
+        self.split = CallSplit(relay, tools)
+        self.held: dict[str, Any] | None = None
+
+    def feed(self, event: SSEEvent) -> list[bytes]:
+        chunk = self.chunk(event)
         if chunk is None:
             return []
-        self.acc.add(chunk)
         out = self._rewrite(chunk)
         if out is None:
             return []
