@@ -238,6 +238,8 @@ def _candidates(field: Any, default: Any) -> list[Any]:
                     if v > (low or 0) and (high is None or v <= high)]
         elif isinstance(kind, type) and issubclass(kind, enum.Enum):
             out += [m for m in kind if m != default]
+        elif typing.get_origin(kind) is typing.Literal:
+            out += [v for v in typing.get_args(kind) if v != default]
         elif kind is str:
             out += [v for v in CANDIDATE_TEXT if v != default]
         elif typing.get_origin(kind) is tuple:
@@ -467,7 +469,7 @@ def test_times_are_told_in_their_units(make_proxy: Any, upstream: ScriptedUpstre
     for page, shown in (("/admin/ui", 1), ("/admin/ui/session?id=timed", 2)):
         html = c.get(page).text
         assert sum(html.count(f"{d} ") for d in days) == shown, (page, days)
-    assert "None: the model has not called recall_tool_call or search_history" in \
+    assert "The model has not called recall_tool_call or search_history in this session" in \
         c.get("/admin/ui/session?id=timed").text
 
 
@@ -502,6 +504,6 @@ def test_requests_are_counted_once_by_what_happened(make_proxy: Any,
 ])
 def test_the_replay_prices_a_cached_prefix_in_the_providers_units(
         total: int, prefix: int, cost: float) -> None:
-    from runloop_proxy.ops.replay import cached_cost
+    from runloop_proxy.ops.replay_offline import cached_cost
 
     assert cached_cost(total, prefix) == pytest.approx(cost)
