@@ -41,6 +41,7 @@ CLIENTS = ["bash", "lookup", "recall_tool_call_v2", "search", "recall_tool_", "r
 ARGUMENTS = {"recall_tool_call": ['{"call_id": "7f"}', "{}", "not json"],
              "search_history": ['{"query": "order 7"}']}
 EXAMPLES = 250
+MAX_ANSWER = 1 << 20  # bytes of an answer the rounds may hold whole
 
 
 # -- the network replaced: a round's bytes from a list ------------------------------------------
@@ -58,8 +59,10 @@ class Bytes:
         for piece in self.pieces:
             yield piece
 
-    async def read(self) -> bytes:
-        return b"".join(self.pieces)
+    async def read(self, limit: int | None = None) -> bytes:
+        whole = b"".join(self.pieces)
+        assert limit is None or len(whole) <= limit, "an answer larger than the rounds may hold"
+        return whole
 
     def close(self) -> None:
         self.closed = True
@@ -78,7 +81,7 @@ def run_rounds(wire: Any, request: dict[str, Any], rounds: list[list[bytes]],
     outcomes: list[Outcome] = []
     r = Rounds(wire, TOOLS, {**request, "stream": True}, [{"role": "user", "content": "go"}],
                ToolRunner(TOOLS, [{"role": "user", "content": "go"}], ["k0"], 5), max_rounds,
-               send)
+               send, MAX_ANSWER)
 
     async def client() -> bytes:
         first: Any = upstreams[0]
@@ -587,7 +590,7 @@ def cut_short(wire: Any, streams: list[list[bytes]], max_rounds: int
 
     r = Rounds(wire, TOOLS, {"model": "m", "stream": True}, [{"role": "user", "content": "go"}],
                ToolRunner(TOOLS, [{"role": "user", "content": "go"}], ["k0"], 5), max_rounds,
-               send)
+               send, MAX_ANSWER)
     got: list[bytes] = []
 
     async def client() -> BaseException | None:

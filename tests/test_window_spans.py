@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from runloop_proxy.config import Policy
 from runloop_proxy.conversation.messages import Message, message_text, tool_calls_of
-from runloop_proxy.conversation.runloops import segment
+from runloop_proxy.conversation.runloops import RunLoop, segment
 from runloop_proxy.window.builder import Window
 from runloop_proxy.window.forms import TAG
 
@@ -44,16 +44,32 @@ def proxys(m: Message) -> bool:
     return message_text(m).startswith(TAG)
 
 
-def spans_hold(msgs: list[Message], w: Window) -> None:
+def opening_task(msgs: list[Message], loops: list[RunLoop]) -> list[str]:
+    """The first loop's user messages before its first assistant message (the task)."""
+    out = []
+    for i in loops[0].positions if loops else []:
+        if msgs[i]["role"] != "user":
+            break
+        out.append(first_word(msgs[i]))
+    return out
+
+
+def spans_hold(msgs: list[Message], w: Window, policy: Policy, opening_may_go: bool) -> None:
+    """``opening_may_go``: the hard limit's last resort may have dropped the opening task."""
     loops = segment(msgs)
     shown_from = w.omitted_loops
     whole_from = w.omitted_loops + w.reduced_loops
     assert 0 <= shown_from <= whole_from <= len(loops)
     out = [m for m in w.messages if m["role"] != "system"]
-    # questions: every shown loop's, in order, once each
+    # questions: every shown loop's, in order, once each; with keep_opening and the first
+    # loop omitted, its opening task first
     questions = [first_word(msgs[i]) for lp in loops[shown_from:] for i in lp.user_positions]
     asked = [first_word(m) for m in out if m["role"] == "user" and not proxys(m)]
-    assert asked == questions, (asked, questions)
+    if policy.keep_opening and shown_from > 0:
+        opened = opening_task(msgs, loops) + questions
+        assert asked == opened or (opening_may_go and asked == questions), (asked, opened)
+    else:
+        assert asked == questions, (asked, questions)
     # final replies: every shown loop's, in order, once each; before them at most the reply
     # of the last omitted loop (kept after the marker)
     finals = [first_word(msgs[lp.final_position]) for lp in loops[shown_from:]
@@ -78,7 +94,7 @@ def test_every_loops_messages_are_where_the_window_says(msgs: list[Message], pol
                                                          working: int) -> None:
     w = build(msgs, policy, hard=working * 10, working=working)
     assert_valid(w.messages)
-    spans_hold(msgs, w)
+    spans_hold(msgs, w, policy, opening_may_go=not w.fits)
 
 
 @PROPS
@@ -89,4 +105,4 @@ def test_spans_hold_under_the_hard_limit_too(msgs: list[Message], policy: Policy
     and replies still all where they belong."""
     w = build(msgs, policy, hard=working + 200, working=working)
     if w.fits:
-        spans_hold(msgs, w)
+        spans_hold(msgs, w, policy, opening_may_go=True)
