@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -15,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from runloop_proxy.app import create_app
@@ -39,6 +43,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve_command(upstream_url: str, redis_url: str, data_dir: Path, flags: list[str],
+                  env: dict[str, str]) -> Iterator[tuple[str, list[str]]]:
+    """``runloop-proxy serve`` as a user starts it, in a process of its own, once it answers
+    /healthz: its base URL and the arguments it was started with. Stopped with Ctrl-C
+    (SIGINT) after."""
+    port = free_port()
+    args = ["serve", "--upstream", upstream_url, "--redis-url", redis_url, "--port", str(port),
+            "--data-dir", str(data_dir), "--log-level", "warning", *flags]
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", *args],
+                            env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(base + "/healthz").status_code == 200
+        except httpx.HTTPError:
+            return False
+    try:
+        until(up, timeout=60, what="serve to answer")
+        yield base, args
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
 
 
 def free_cluster_port() -> int:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +21,7 @@ import pytest
 
 from runloop_proxy.scripted import ScriptedUpstream
 
-from .conftest import ProxyServer, free_port, until
+from .conftest import ProxyServer, serve_command
 from .test_anthropic import BASH, PNG, big, coding_turns
 
 MODEL = "gpt-4o"
@@ -454,33 +452,15 @@ def test_count_tokens_is_the_proxys_own_through_the_bridge(
 def test_serve_takes_the_upstreams_format(how: str, upstream: ScriptedUpstream,
                                          redis_url: str, tmp_path: Path) -> None:
     """What the README says to run for Claude Code on an OpenAI-compatible model."""
-    port = free_port()
-    args = ["serve", "--upstream", upstream.url, "--redis-url", redis_url, "--port", str(port),
-            "--data-dir", str(tmp_path), "--log-level", "warning"]
-    env = dict(os.environ)
-    if how == "flag":
-        args += ["--upstream-format", "chat"]
-    else:
-        env["RUNLOOP_UPSTREAM_FORMAT"] = "chat"
-    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(base + "/healthz").status_code == 200
-            except httpx.HTTPError:
-                return False
-        until(up, timeout=60, what="serve to answer")
+    flags, env = (["--upstream-format", "chat"], {}) if how == "flag" \
+        else ([], {"RUNLOOP_UPSTREAM_FORMAT": "chat"})
+    with serve_command(upstream.url, redis_url, tmp_path, flags, env) as (base, args):
         c = anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0)
         answer = c.messages.create(model=MODEL, max_tokens=16,
                                    messages=[{"role": "user", "content": "hi"}])
         assert answer.content[0].text == "echo: hi"  # type: ignore[union-attr]
         assert answer.id.startswith("chatcmpl-")  # a chat completion, translated
         assert upstream.headers[-1]["authorization"] == f"Bearer {KEY}"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
-    bad = subprocess.run([sys.executable, "-m", "runloop_proxy", *args[:-2], "--upstream-format",
-                          "grpc"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, "-m", "runloop_proxy", *args[:len(args) - len(flags)],
+                          "--upstream-format", "grpc"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "invalid choice: 'grpc'" in bad.stderr

@@ -18,7 +18,7 @@ import pytest
 from runloop_proxy.environment import SERVE_OPTIONS, env_name, settings_from_env
 from runloop_proxy.scripted import ScriptedUpstream
 
-from .conftest import ProxyServer, free_port, until
+from .conftest import ProxyServer, serve_command
 
 ADMIN_KEY = "admin-0123456789abcdef"
 CONFIG = Path(__file__).resolve().parent.parent / "config"
@@ -60,31 +60,13 @@ def test_settings_from_the_environment_are_the_command_line_s() -> None:
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_serve_takes_the_admin_key(how: str, upstream: ScriptedUpstream, redis_url: str,
                                    tmp_path: Path) -> None:
-    port = free_port()
-    args = ["serve", "--upstream", upstream.url, "--redis-url", redis_url, "--port", str(port),
-            "--data-dir", str(tmp_path), "--log-level", "warning"]
-    env = dict(os.environ)
-    if how == "flag":
-        args += ["--admin-key", ADMIN_KEY]
-    else:
-        env["RUNLOOP_ADMIN_KEY"] = ADMIN_KEY
-    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        def up() -> bool:
-            try:
-                return httpx.get(base + "/healthz").status_code == 200
-            except httpx.HTTPError:
-                return False
-        until(up, timeout=60, what="serve to answer")
+    flags, env = (["--admin-key", ADMIN_KEY], {}) if how == "flag" \
+        else ([], {"RUNLOOP_ADMIN_KEY": ADMIN_KEY})
+    with serve_command(upstream.url, redis_url, tmp_path, flags, env) as (base, _):
         ok = httpx.get(base + "/admin/tenants", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         assert ok.status_code == 200 and "tenants" in ok.json()
         assert httpx.get(base + "/admin/tenants",
                          headers={"Authorization": "Bearer wrong"}).status_code == 401
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
 
 
 def test_check_config_reports_every_missing_variable_at_once() -> None:
