@@ -9,7 +9,6 @@ from typing import Any
 
 import orjson
 import pytest
-from anthropic.lib.streaming._messages import accumulate_event
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +29,8 @@ from runloop_proxy.pipeline.sse import SSEDecoder, SSEEvent
 from runloop_proxy.pipeline.tools import ProxyTools
 from runloop_proxy.pipeline.wire import Step, add_usage, client_message, decide
 
-from .test_chat_wire import upstream_answers
+from .test_chat_wire import fed, upstream_answers
+from .test_messages_wire import reassembled
 
 TOOLS = ProxyTools.for_request(None)
 PNG = "iVBORw0KGgo="
@@ -308,19 +308,6 @@ def test_an_error_chunk_mid_stream_is_an_anthropic_error_event_of_its_type() -> 
 
 # -- the stream: what the client assembles is the answer, for any chunking ---------------------
 
-def reassembled(out: list[bytes]) -> tuple[Any, list[str]]:
-    """The message a client builds from the stream (the SDK's accumulator), and the event
-    types it got."""
-    snapshot: Any = None
-    kinds = []
-    bufs: dict[int, bytes] = {}
-    decoder = SSEDecoder()
-    for ev in [*decoder.feed(b"".join(out)), *decoder.flush()]:
-        data = orjson.loads(ev.data)
-        assert ev.event == data["type"]
-        kinds.append(data["type"])
-        snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)
-    return snapshot, kinds
 
 
 @st.composite
@@ -366,13 +353,7 @@ def test_the_client_gets_the_chat_answer_less_the_proxys_calls(data: Any) -> Non
     for rounds in range(3):
         text, calls, refusal, pieces = data.draw(bridge_answers())
         rnd = relay.round(TOOLS)
-        decoder = SSEDecoder()
-        for piece in pieces:
-            for ev in decoder.feed(piece):
-                out += rnd.feed(ev)
-        for ev in decoder.flush():
-            out += rnd.feed(ev)
-        assert rnd.complete
+        out += fed(rnd, pieces)
         reply = rnd.reply()
         whole = as_completion(text, calls, refusal)
         assert reply.message == wire.parse(whole).message  # the round read whole

@@ -335,13 +335,9 @@ def reassembled(out: list[bytes]) -> tuple[str, list[dict[str, Any]], list[str]]
     return "".join(acc.content), acc.tool_calls(), finishes
 
 
-@settings(max_examples=400, deadline=None)
-@given(answer=upstream_answers())
-def test_the_client_gets_the_upstream_answer_less_the_proxys_calls(
-        answer: tuple[str, list[dict[str, Any]], list[bytes]]) -> None:
-    text, calls, pieces = answer
-    relay = WIRE.relay({"model": "m", "stream": True})
-    rnd = relay.round(TOOLS)
+def fed(rnd: Any, pieces: list[bytes]) -> list[bytes]:
+    """An upstream stream in these pieces, decoded and fed to a relay's round (any API's):
+    what the round lets through to the client. The round must be complete after it."""
     decoder = SSEDecoder()
     out: list[bytes] = []
     for piece in pieces:
@@ -350,6 +346,17 @@ def test_the_client_gets_the_upstream_answer_less_the_proxys_calls(
     for ev in decoder.flush():
         out += rnd.feed(ev)
     assert rnd.complete
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(answer=upstream_answers())
+def test_the_client_gets_the_upstream_answer_less_the_proxys_calls(
+        answer: tuple[str, list[dict[str, Any]], list[bytes]]) -> None:
+    text, calls, pieces = answer
+    relay = WIRE.relay({"model": "m", "stream": True})
+    rnd = relay.round(TOOLS)
+    out = fed(rnd, pieces)
     reply = rnd.reply()
     assert reply.calls == calls  # the proxy read the upstream's answer whole
     decision = decide(reply.calls, TOOLS, 0, 4)

@@ -20,6 +20,8 @@ from runloop_proxy.pipeline.sse import SSEDecoder, SSEEvent
 from runloop_proxy.pipeline.tools import ProxyTools
 from runloop_proxy.pipeline.wire import Step, add_usage, client_message, decide
 
+from .test_chat_wire import fed
+
 TOOLS = ProxyTools.for_request(None)
 WIRE = MessagesWire()
 NAMES = ["recall_tool_call", "search_history", "bash", "recall", "search_history_v2"]
@@ -102,6 +104,7 @@ def reassembled(out: list[bytes]) -> tuple[Any, list[str]]:
     decoder = SSEDecoder()
     for ev in [*decoder.feed(b"".join(out)), *decoder.flush()]:
         data = orjson.loads(ev.data)
+        assert ev.event == data["type"]  # each event named on its event line too
         kinds.append(data["type"])
         if data["type"] != "ping":
             snapshot = accumulate_event(event=data, current_snapshot=snapshot, json_bufs=bufs)
@@ -111,14 +114,7 @@ def reassembled(out: list[bytes]) -> tuple[Any, list[str]]:
 def run_round(relay: MessagesRelay, pieces: list[bytes], rounds: int
               ) -> tuple[Any, list[bytes], Any]:
     rnd = relay.round(TOOLS)
-    decoder = SSEDecoder()
-    out: list[bytes] = []
-    for piece in pieces:
-        for ev in decoder.feed(piece):
-            out += rnd.feed(ev)
-    for ev in decoder.flush():
-        out += rnd.feed(ev)
-    assert rnd.complete
+    out = fed(rnd, pieces)
     reply = rnd.reply()
     return reply, out, (rnd, decide(reply.calls, TOOLS, rounds, 4))
 
