@@ -310,6 +310,18 @@ def recaller(target: str) -> Any:
     return respond
 
 
+def asked(c: anthropic.Anthropic, kw: dict[str, Any], stream: bool) -> Any:
+    """The answer to ``kw``, created or streamed; a stream carries one message_start and one
+    message_stop, whatever rounds the proxy ran behind it."""
+    if not stream:
+        return c.messages.create(**kw)
+    with c.messages.stream(**kw) as s:
+        kinds = [e.type for e in s]
+        answer = s.get_final_message()
+    assert kinds.count("message_start") == 1 and kinds.count("message_stop") == 1
+    return answer
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_cut_result_is_recalled_byte_for_byte_and_the_round_is_hidden(
         make_proxy: Any, upstream: ScriptedUpstream, stream: bool) -> None:
@@ -319,13 +331,7 @@ def test_a_cut_result_is_recalled_byte_for_byte_and_the_round_is_hidden(
     c = sdk(proxy, **{"X-Claude-Code-Session-Id": f"cc-recall-{stream}"})
     kw: dict[str, Any] = {"model": MODEL, "max_tokens": 1024, "tools": [BASH],
                           "system": "You are a coding agent.", "messages": turns}
-    if stream:
-        with c.messages.stream(**kw) as s:
-            kinds = [e.type for e in s]
-            answer = s.get_final_message()
-        assert kinds.count("message_start") == 1 and kinds.count("message_stop") == 1
-    else:
-        answer = c.messages.create(**kw)
+    answer = asked(c, kw, stream)
     first, second = upstream.requests[-2:]
     # the window cut the old results; the model recalled the first one
     assert ref_in(first, "toolu_00") is not None

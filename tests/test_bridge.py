@@ -22,7 +22,7 @@ import pytest
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, serve_command
-from .test_anthropic import BASH, PNG, big, coding_turns
+from .test_anthropic import BASH, PNG, asked, big, coding_turns
 
 MODEL = "gpt-4o"
 KEY = "sk-openai-client-key"
@@ -342,13 +342,7 @@ def test_a_cut_result_is_recalled_and_the_round_is_hidden(
     c = sdk(proxy, **{"X-Claude-Code-Session-Id": f"br-recall-{stream}"})
     kw: dict[str, Any] = {"model": MODEL, "max_tokens": 1024, "tools": [BASH],
                           "system": "You are a coding agent.", "messages": turns}
-    if stream:
-        with c.messages.stream(**kw) as s:
-            kinds = [e.type for e in s]
-            answer = s.get_final_message()
-        assert kinds.count("message_start") == 1 and kinds.count("message_stop") == 1
-    else:
-        answer = c.messages.create(**kw)
+    answer = asked(c, kw, stream)
     first, second = upstream.requests[-2:]
     assert chat_ref(first, "toolu_00") is not None  # the window cut the old results
     assert len(orjson.dumps(first["messages"])) < 0.5 * len(orjson.dumps(turns))
