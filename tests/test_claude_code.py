@@ -65,6 +65,39 @@ def run_claude(claude: str, proxy: ProxyServer, home: Path, work: Path, prompt: 
     return [orjson.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
+def workspace(tmp_path: Path) -> tuple[Path, Path]:
+    """Claude Code's working directory, with the logs the scripted model reads, and HOME."""
+    work, home = tmp_path / "work", tmp_path / "home"
+    work.mkdir()
+    home.mkdir()
+    for k in range(FILES):
+        (work / f"log{k}.txt").write_text("\n".join(f"log {k} line {i}: status ok, "
+                                                    f"id {k * 1000 + i}" for i in range(600)))
+    return work, home
+
+
+def session_of_turns(claude: str, proxy: ProxyServer, home: Path, work: Path,
+                     model: str = MODEL, **env_vars: str) -> None:
+    """One Claude Code session (``--continue`` after the first turn), a turn per group of
+    logs: every turn finishes with the scripted model's answer, the last one's recall came
+    back whole, and Claude Code never saw the proxy's call (not in its stream, not in what
+    it sent back)."""
+    outputs = []
+    for turn in range(FILES // PER_TURN):
+        more = ("--continue",) if turn else ()
+        outputs.append(run_claude(claude, proxy, home, work,
+                                  f"turn {turn}: read logs {turn * PER_TURN} to "
+                                  f"{(turn + 1) * PER_TURN - 1}", *more, model=model,
+                                  **env_vars))
+    finals = [[e for e in out if e.get("type") == "result"][-1] for out in outputs]
+    assert [f["subtype"] for f in finals] == ["success"] * len(finals)
+    assert [f["result"] for f in finals][:-1] == [f"turn {t} done"
+                                                  for t in range(len(finals) - 1)]
+    assert finals[-1]["result"] == f"turn {len(finals) - 1} done; recalled log 0: intact"
+    assert not any("recall_tool_call" in orjson.dumps(e).decode()
+                   for out in outputs for e in out if e.get("type") == "assistant")
+
+
 def results_of(body: dict[str, Any]) -> list[dict[str, Any]]:
     last = body["messages"][-1]["content"]
     return [b for b in last if isinstance(b, dict) and b.get("type") == "tool_result"] \
@@ -130,28 +163,9 @@ def _ref_of_log0(body: dict[str, Any]) -> str | None:
 def test_claude_code_runs_through_the_proxy_compressed_and_recalled(
         claude_bin: str, make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
     proxy = claude_proxy(tmp_path, make_proxy, upstream)
-    work, home = tmp_path / "work", tmp_path / "home"
-    work.mkdir()
-    home.mkdir()
-    for k in range(FILES):
-        (work / f"log{k}.txt").write_text("\n".join(f"log {k} line {i}: status ok, "
-                                                    f"id {k * 1000 + i}" for i in range(600)))
+    work, home = workspace(tmp_path)
     upstream.responder = model
-    outputs = []
-    for turn in range(FILES // PER_TURN):
-        more = ("--continue",) if turn else ()
-        outputs.append(run_claude(claude_bin, proxy, home, work,
-                                  f"turn {turn}: read logs {turn * PER_TURN} to "
-                                  f"{(turn + 1) * PER_TURN - 1}", *more))
-    # every turn finished, with the scripted model's answer; the recall came back whole
-    finals = [[e for e in out if e.get("type") == "result"][-1] for out in outputs]
-    assert [f["subtype"] for f in finals] == ["success"] * len(finals)
-    assert [f["result"] for f in finals][:-1] == [f"turn {t} done"
-                                                  for t in range(len(finals) - 1)]
-    assert finals[-1]["result"] == f"turn {len(finals) - 1} done; recalled log 0: intact"
-    # Claude Code never saw the proxy's call: not in its stream, not in what it sent back
-    assert not any("recall_tool_call" in orjson.dumps(e).decode()
-                   for out in outputs for e in out if e.get("type") == "assistant")
+    session_of_turns(claude_bin, proxy, home, work)
     main = [b for b in upstream.requests if len(b.get("tools") or []) > 2]
     sessions = {orjson.loads(b["metadata"]["user_id"])["session_id"] for b in main}
     assert len(sessions) == 1  # --continue: one Claude Code session
@@ -220,28 +234,11 @@ def test_claude_code_runs_on_a_chat_model_through_the_bridge(
     window compresses it and a recall is answered in a round Claude Code never sees; the
     upstream gets chat bodies, nothing else."""
     proxy = claude_proxy(tmp_path, make_proxy, upstream, fmt="chat")
-    work, home = tmp_path / "work", tmp_path / "home"
-    work.mkdir()
-    home.mkdir()
-    for k in range(FILES):
-        (work / f"log{k}.txt").write_text("\n".join(f"log {k} line {i}: status ok, "
-                                                    f"id {k * 1000 + i}" for i in range(600)))
+    work, home = workspace(tmp_path)
     upstream.responder = lambda body: model(as_messages(body))
-    outputs = []
-    for turn in range(FILES // PER_TURN):
-        more = ("--continue",) if turn else ()
-        outputs.append(run_claude(claude_bin, proxy, home, work,
-                                  f"turn {turn}: read logs {turn * PER_TURN} to "
-                                  f"{(turn + 1) * PER_TURN - 1}", *more, model=CHAT_MODEL,
-                                  ANTHROPIC_DEFAULT_HAIKU_MODEL=CHAT_MODEL,
-                                  ANTHROPIC_SMALL_FAST_MODEL=CHAT_MODEL))
-    finals = [[e for e in out if e.get("type") == "result"][-1] for out in outputs]
-    assert [f["subtype"] for f in finals] == ["success"] * len(finals)
-    assert [f["result"] for f in finals][:-1] == [f"turn {t} done"
-                                                  for t in range(len(finals) - 1)]
-    assert finals[-1]["result"] == f"turn {len(finals) - 1} done; recalled log 0: intact"
-    assert not any("recall_tool_call" in orjson.dumps(e).decode()
-                   for out in outputs for e in out if e.get("type") == "assistant")
+    session_of_turns(claude_bin, proxy, home, work, model=CHAT_MODEL,
+                     ANTHROPIC_DEFAULT_HAIKU_MODEL=CHAT_MODEL,
+                     ANTHROPIC_SMALL_FAST_MODEL=CHAT_MODEL)
     # the upstream got chat completions only, every one with Claude Code's tools as functions
     assert upstream.requests and all("messages" in b and "system" not in b
                                      for b in upstream.requests)
