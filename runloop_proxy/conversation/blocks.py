@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from .messages import Message, ToolCall, text_of
+from .messages import Message, ToolCall, assistant_of, text_of
 
 Block = dict[str, Any]
 OPENING = "[runloop-proxy] (earlier turns not shown)"
@@ -60,11 +60,7 @@ def assistant(content: Any) -> Message:
         return {"role": "assistant", "content": content if isinstance(content, str) else ""}
     texts = [str(b.get("text", "")) for b in content if _kind(b) == "text"]
     calls = [call_of(b) for b in content if _kind(b) == "tool_use"]
-    msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
-    if calls:
-        msg["tool_calls"] = calls
-    msg["blocks"] = content
-    return msg  # type: ignore[return-value]
+    return assistant_of(texts, calls, "blocks", content)
 
 
 def call_of(block: Block) -> ToolCall:

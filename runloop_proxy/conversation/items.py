@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from .messages import Message, text_of
+from .messages import Message, ToolCall, assistant_of, text_of
 
 Item = dict[str, Any]
 
@@ -60,11 +60,7 @@ def assistant(run: list[Item]) -> Message:
     """One assistant message for a run of the model's items."""
     texts = [_text(i.get("content")) for i in run if i.get("type", "message") == "message"]
     calls = [_call(i) for i in run if i.get("type") not in ("message", "reasoning", None)]
-    msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
-    if calls:
-        msg["tool_calls"] = calls
-    msg["items"] = run
-    return msg  # type: ignore[return-value]
+    return assistant_of(texts, calls, "items", run)
 
 
 def _message(item: Item) -> Message:
@@ -79,7 +75,7 @@ def _message(item: Item) -> Message:
             "items": [item]}
 
 
-def _call(item: Item) -> dict[str, Any]:
+def _call(item: Item) -> ToolCall:
     kind = item.get("type")
     if kind == "function_call":
         name, args = item.get("name", ""), item.get("arguments", "")

@@ -117,6 +117,17 @@ def match_hash(msg: Message, content_key: str | None = None) -> str:
     return content_hash(orjson.dumps(["assistant", message_text(msg), calls]))
 
 
+def assistant_of(texts: list[str], calls: list[ToolCall], original: str, shape: Any) -> Message:
+    """The assistant message of another API's turn: its texts joined (None without any), its
+    calls, and the turn as that API sent it under ``original`` (``blocks``, ``items``), which
+    is what goes back to that API."""
+    msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts) if texts else None}
+    if calls:
+        msg["tool_calls"] = calls
+    msg[original] = shape
+    return msg  # type: ignore[return-value]
+
+
 def text_of(content: Any) -> str:
     """The text a message carries, whatever its content shape (string, parts, null)."""
     if content is None:
