@@ -1191,3 +1191,35 @@ def test_the_working_budget_leaves_room_whatever_the_tools(
     budget = Budget.for_request(Policy(soft_budget_tokens=soft), 128_000, None, tools)
     assert budget.working == working
     assert budget.hard == 128_000 - 4_096 - 512 - tools - 3
+
+
+@pytest.mark.parametrize(("soft", "context", "fitting"), [
+    (16_000, 128_000, False),  # the soft budget binds: a cost cap
+    (16_000, 16_384, True),  # the model's window binds: 16,384 less the reserves is 11,773
+    (None, 128_000, True),  # no soft budget: the window alone
+])
+def test_an_event_waits_for_fit_threshold_where_the_window_binds(
+        soft: int | None, context: int, fitting: bool) -> None:
+    policy = Policy(soft_budget_tokens=soft)
+    budget = Budget.for_request(policy, context, None, 0)
+    assert budget.fitting is fitting
+    assert budget.trigger(policy) == (0.9 if fitting else 0.8) * budget.working
+    unset = Policy(soft_budget_tokens=soft, fit_threshold=None)
+    assert budget.trigger(unset) == 0.8 * budget.working  # unset: threshold everywhere
+
+
+@pytest.mark.parametrize("past", [False, True])  # one loop (the builder's shortcut), or more
+def test_a_window_the_model_bounds_keeps_what_a_cost_cap_would_elide(past: bool) -> None:
+    """85% of the working budget: over threshold (0.8), under fit_threshold (0.9)."""
+    msgs: list[Message] = [S, U(), F(), U()] if past else [S, U()]
+    for k in range(8):
+        msgs += [A(f"c{k}"), T(f"c{k}", 100)]
+    counts = [OPS.count(m) for m in msgs]
+    working = int(sum(counts) / 0.85)
+    keys = [message_hash(m) for m in msgs]
+    policy = Policy(clear_at_least=0, reduce_past_loops=ReducePastLoops.OVER_THRESHOLD)
+    for fitting, elided in ((False, True), (True, False)):
+        budget = Budget(working, working, fitting=fitting)
+        w = build_window(msgs, keys, counts, policy, budget, OPS)
+        assert w.changed is elided and bool(w.elided) is elided, fitting
+        assert w.fits

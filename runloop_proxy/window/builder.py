@@ -243,7 +243,7 @@ def _nothing_to_do(messages: list[Message], counts: list[int], policy: Policy, b
     (no past loop to reduce, and every earlier request point held fewer tokens)."""
     if not policy.enabled:
         return True
-    if tokens_in > policy.threshold * budget.working or tokens_in > budget.hard:
+    if tokens_in > budget.trigger(policy) or tokens_in > budget.hard:
         return False
     cap = max(64, int(policy.max_tool_result_share * budget.working))
     if any(c > cap for c in counts):

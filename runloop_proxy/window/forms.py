@@ -56,6 +56,7 @@ class Budget:
     reserve: int = 0
     tools: int = 0
     margin: int = 0
+    fitting: bool = False  # the model's window bounds ``working``, not the soft budget
 
     @classmethod
     def for_request(cls, policy: Policy, context: int, reserve: int | None, tools: int,
@@ -75,7 +76,16 @@ class Budget:
             soft = int(policy.soft_budget_tokens / factor)
             working = min(hard, soft - min(tools, soft // 2))
         return cls(hard=max(hard, 0), working=max(working, 1), context=context, reserve=out,
-                   tools=tools + priming, margin=margin)
+                   tools=tools + priming, margin=margin, fitting=working >= hard)
+
+    def trigger(self, policy: Policy) -> float:
+        """The tokens past which a compaction event fires: ``threshold`` of the working
+        budget — ``fit_threshold`` of it where the model's window bounds it, since there
+        compaction only makes the request fit (a soft budget below the window caps cost,
+        and compacting early pays there)."""
+        share = policy.fit_threshold if self.fitting and policy.fit_threshold is not None \
+            else policy.threshold
+        return share * self.working
 
     def explained(self) -> str:
         return (f"the {self.context}-token context less {self.reserve} reserved for the "

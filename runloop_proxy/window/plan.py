@@ -276,7 +276,8 @@ class _Replay:
         if asked and self.omit_to(asked, current):
             self._event(record, CompactionKind.OMISSION, before, p, "compact now")
         working = c.budget.working
-        if self.tokens(p) <= pol.threshold * working:
+        trigger = c.budget.trigger(pol)
+        if self.tokens(p) <= trigger:
             return
         target = pol.target * working
         before = self.tokens(p)
@@ -290,7 +291,7 @@ class _Replay:
             before = self.tokens(p)
             if self.drop(p, target):
                 self._event(record, CompactionKind.DROP, before, p, "elision not enough")
-        if self.tokens(p) > pol.threshold * working:
+        if self.tokens(p) > trigger:
             before = self.tokens(p)
             b = pol.omission_batch
             moved = False
