@@ -244,8 +244,14 @@ def test_map() -> dict[str, list[str]]:
         rel = name.removeprefix(PACKAGE + ".").replace(".", "/") + ".py"
         direct = [t for t, deps in tests.items() if name in deps]
         named = [t for t in tests if t == f"test_{Path(rel).stem}.py"]
+        # then its kin: named after its package (window/builder.py: test_window*.py) or its
+        # stem's first word (ops/inspector_session.py: test_inspector.py) — importers come in
+        # file-name order, and only the first --max-files are run
+        words = {Path(rel).parent.name, Path(rel).stem.split("_")[0]} - {"", PACKAGE}
+        kin = [t for t in tests if t.removeprefix("test_").removesuffix(".py").split("_")[0]
+               in words]
         hop = [t for t, deps in tests.items() if deps & importers[name]] if not direct else []
-        chosen = dict.fromkeys([*named, *EXTRA.get(rel, []), *direct, *hop])
+        chosen = dict.fromkeys([*named, *EXTRA.get(rel, []), *kin, *direct, *hop])
         out[rel] = [t for t in chosen if t in tests]
     return out
 
