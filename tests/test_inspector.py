@@ -5,6 +5,7 @@ is missing)."""
 
 from __future__ import annotations
 
+import html
 import os
 import re
 from pathlib import Path
@@ -12,11 +13,13 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 
 from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.conversation.items import to_items, to_messages
 from runloop_proxy.conversation.messages import canonical
+from runloop_proxy.ops.inspector_message import calls_html
 from runloop_proxy.ops.inspector_window import rebuild
 from runloop_proxy.scripted import ScriptedUpstream
 
@@ -133,6 +136,35 @@ def test_the_session_page_shows_what_the_window_did(inspected: ProxyServer) -> N
     assert link
     whole = c.get(link.group(1).replace("&amp;", "&"))
     assert whole.status_code == 200 and "shipped via carrier-" in whole.text
+
+
+def test_a_message_page_links_its_neighbours_and_shows_each_calls_arguments(
+        inspected: ProxyServer) -> None:
+    """The first message links only to the next, the last only to the previous, one between
+    to both, each by its position; a call's arguments are shown formatted, and a call
+    without any shows an empty box, not "None"."""
+    c = logged_in(inspected)
+    pages = []
+    while (page := c.get("/admin/ui/message", params={"id": "order-desk-7",
+                                                       "pos": str(len(pages))})).status_code == 200:
+        pages.append(page.text)
+    assert page.status_code == 404 and len(pages) > 3
+    last = len(pages) - 1
+
+    def nav(pos: int) -> list[str]:
+        return re.findall(r"(← message \d+|message \d+ →)", pages[pos])
+
+    assert nav(0) == ["message 1 →"]
+    assert nav(1) == ["← message 0", "message 2 →"]
+    assert nav(last) == [f"← message {last - 1}"]
+    calling = next(p for p in pages if "calls <b>" in p)
+    shown = re.search(r"<pre>(.*?)</pre>", calling.split("calls <b>")[1], re.S)
+    assert shown and "\n  " in shown.group(1)  # the arguments, indented
+    assert orjson.loads(html.unescape(shown.group(1)))  # and whole
+    bare = calls_html({"role": "assistant", "content": None,  # type: ignore[typeddict-item]
+                       "tool_calls": [{"id": "c9", "type": "function",
+                                       "function": {"name": "f", "arguments": None}}]})
+    assert "<pre></pre>" in bare and "None" not in bare
 
 
 @pytest.mark.parametrize("api", ["chat", "responses"])
