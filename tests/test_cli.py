@@ -140,4 +140,7 @@ def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path:
         assert page.status_code == 200 and "36 requests" in page.text
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(30)
+        code = proc.wait(30)
+    assert code == 0  # Ctrl-C is how it is meant to stop: a clean exit, both servers down
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(found.group(1) + "/login", timeout=2)
