@@ -7,7 +7,7 @@ import threading
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runloop_proxy.caches import ByteLRU, approx_size
+from runloop_proxy.caches import ENTRY_OVERHEAD, ByteLRU, approx_size
 
 
 def test_the_least_recently_used_goes_first() -> None:
@@ -64,3 +64,14 @@ def test_sizes_are_estimated_from_what_the_value_holds() -> None:
     small, large = approx_size({"a": "x"}), approx_size({"a": "x" * 10_000})
     assert large - small >= 9_999
     assert approx_size([[["deep"]]] * 3) > approx_size([])
+
+
+def test_clearing_empties_it_and_its_byte_count() -> None:
+    c: ByteLRU[str, str] = ByteLRU(1 << 20)
+    for k in range(10):
+        c[str(k)] = "x" * 100
+    assert len(c) == 10 and c.bytes > 1000
+    c.clear()
+    assert len(c) == 0 and c.bytes == 0 and c.get("3") is None
+    c["again"] = "y"
+    assert c.get("again") == "y" and c.bytes == approx_size("y") + ENTRY_OVERHEAD

@@ -132,3 +132,28 @@ def test_what_the_window_changed_comes_back_as_valid_items() -> None:
     for k, item in enumerate(back):
         if item.get("type") == "reasoning":
             assert back[k + 1]["type"] == "custom_tool_call"
+
+
+def test_a_changed_run_gives_back_the_providers_own_calls_as_they_were() -> None:
+    """The window trims a run's text: its function call comes back with its arguments as the
+    window left them, and a call of the provider's own kind (a computer call) as it came."""
+    computer = {"type": "computer_call", "id": "cu_1", "call_id": "call_c",
+                "action": {"type": "click", "x": 10, "y": 20}, "pending_safety_checks": [],
+                "status": "completed"}
+    run = [{"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+            "content": [{"type": "output_text", "text": "long " * 50, "annotations": []}]},
+           {"type": "function_call", "call_id": "call_f", "name": "shell",
+            "arguments": '{"cmd": "ls"}', "id": "fc_1"},
+           computer]
+    items = [{"role": "user", "content": "go"}, *run,
+             {"type": "function_call_output", "call_id": "call_f", "output": "a b"},
+             {"type": "computer_call_output", "call_id": "call_c",
+              "output": {"type": "computer_screenshot", "image_url": "data:image/png;base64,AA"}}]
+    messages = to_messages(items)
+    assistant = next(m for m in messages if m["role"] == "assistant")
+    assistant["content"] = "long long"  # what a trim leaves
+    _, back = to_items(messages)
+    assert [i.get("type") for i in back[1:4]] == ["message", "function_call", "computer_call"]
+    assert back[1]["content"][0]["text"] == "long long"
+    assert back[2]["arguments"] == '{"cmd": "ls"}'
+    assert back[3] == computer
