@@ -1223,3 +1223,18 @@ def test_a_window_the_model_bounds_keeps_what_a_cost_cap_would_elide(past: bool)
         w = build_window(msgs, keys, counts, policy, budget, OPS)
         assert w.changed is elided and bool(w.elided) is elided, fitting
         assert w.fits
+
+
+def test_the_hard_limits_last_resort_keeps_no_past_reply() -> None:
+    """Still over the hard limit once the budget's steps are taken: every past loop is
+    omitted and the reply an omission would keep after the marker goes too."""
+    msgs: list[Message] = [S, U(tag="old"), F(n=60, tag="reply"), U(tag="now")]
+    for k in range(40):
+        msgs += [A(f"c{k}", args=30), T(f"c{k}", 40)]
+    # a working budget above the hard limit: the budget's steps never get under it
+    w = build(msgs, Policy(keep_recent_tool_results=1, max_run_loops=10), hard=500,
+              working=5000)
+    assert w.fits and w.tokens_out <= 500 and w.omitted_loops == 1
+    shown = " ".join(message_text(m) for m in w.messages)
+    assert "reply0" not in shown and "now0" in shown
+    assert_valid(w.messages)
