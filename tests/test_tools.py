@@ -100,6 +100,35 @@ def test_window_is_compressed_and_recall_is_answered_by_the_proxy(
     assert tout < tin
 
 
+@pytest.mark.parametrize(("upstream_status", "client_status"), [(503, 503), (429, 502)])
+def test_an_upstream_failing_a_proxy_tool_round_fails_the_request_in_the_clients_shape(
+        proxy: ProxyServer, upstream: ScriptedUpstream, upstream_status: int,
+        client_status: int) -> None:
+    """The model asked for a recall, and the upstream refused the round that answers it: the
+    client gets an error, never the first round's half-answer — a server error as the
+    upstream said it, a refusal of the proxy's own round (its 4xx is not the client's doing)
+    as a bad gateway."""
+    recall = recalling_responder()
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        if body["messages"][-1]["role"] == "tool" and \
+                body["messages"][-1]["tool_call_id"].startswith("rc_"):
+            return {"status": upstream_status}
+        return recall(body)
+    upstream.responder = respond
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0,
+                      default_headers={"X-Session-Id": f"failed-round-{upstream_status}"})
+    with pytest.raises(openai.APIStatusError) as failed:
+        c.chat.completions.create(model="gpt-4o-mini", messages=long_session(),
+                                  tools=CLIENT_TOOLS)
+    assert failed.value.status_code == client_status
+    body: Any = failed.value.body
+    assert f"the upstream answered {upstream_status} to a proxy tool round" in body["message"]
+    # the round was asked for (and retried as any upstream call is); no third round
+    rounds = [b["messages"][-1].get("tool_call_id") for b in upstream.requests]
+    assert rounds[0] != "rc_1" and set(rounds[1:]) == {"rc_1"}
+
+
 def test_streaming_recall_is_invisible_and_content_flows(proxy: ProxyServer,
                                                          upstream: ScriptedUpstream) -> None:
     upstream.responder = recalling_responder()
