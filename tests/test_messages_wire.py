@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from runloop_proxy.api.messages_stream import MessagesRelay
 from runloop_proxy.api.messages_wire import MessagesWire, error_shape, message_problem
-from runloop_proxy.errors import ContextLengthExceeded, UpstreamError
+from runloop_proxy.errors import ContextLengthExceeded, UpstreamBadReply, UpstreamError
 from runloop_proxy.pipeline.sse import SSEDecoder, SSEEvent
 from runloop_proxy.pipeline.tools import ProxyTools
 from runloop_proxy.pipeline.wire import Step, add_usage, client_message, decide
@@ -188,6 +188,11 @@ def test_an_error_event_raises_with_the_upstreams_type() -> None:
     ({"content": [{"type": "text", "text": "x"}]}, None)])
 def test_message_problems(data: Any, problem: str | None) -> None:
     assert message_problem(data) == problem
+    if problem is None:
+        assert WIRE.parse(data).message["content"] == "x"
+    else:  # what the proxy cannot read is the upstream's fault, said so, never a KeyError
+        with pytest.raises(UpstreamBadReply, match=f"not a message: {problem}"):
+            WIRE.parse(data)
 
 
 def test_the_client_json_loses_the_proxys_calls_and_sums_usage() -> None:
