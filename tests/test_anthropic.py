@@ -475,6 +475,30 @@ def tenant_proxy(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
                                default_headers={"X-Claude-Code-Session-Id": "cc-cache"})
 
 
+@pytest.mark.parametrize("forward", [False, True])
+def test_a_tenants_keys_to_an_anthropic_upstream(tmp_path: Path, make_proxy: Any,
+                                                 upstream: ScriptedUpstream,
+                                                 forward: bool) -> None:
+    """An upstream of Anthropic's format takes its key as x-api-key: the tenant's upstream
+    key, or (a tenant that forwards its clients' keys) the client's own, as the client sent
+    it; the anthropic-version header goes with it, and no bearer token."""
+    (tmp_path / "cfg" / "tenants").mkdir(parents=True)
+    (tmp_path / "cfg" / "runloop.toml").write_text(
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'api_key = "sk-ant-upstream"\n')
+    (tmp_path / "cfg" / "tenants" / "acme.toml").write_text(
+        f'keys = ["acme-proxy-key-0123456789"]\nupstream = "claude"\n'
+        f'forward_client_key = {"true" if forward else "false"}\n')
+    proxy = make_proxy(config_dir=str(tmp_path / "cfg"))
+    r = httpx.post(proxy.url + "/messages", headers={  # as Claude Code sends its key
+        "x-api-key": "acme-proxy-key-0123456789", "anthropic-version": "2023-06-01"}, json={
+        "model": MODEL, "max_tokens": 16, "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 200 and r.json()["content"][0]["text"] == "echo: x", r.text
+    got = upstream.headers[-1]
+    assert got["x-api-key"] == ("acme-proxy-key-0123456789" if forward else "sk-ant-upstream")
+    assert got["anthropic-version"] == "2023-06-01" and "authorization" not in got
+
+
 def test_the_clients_breakpoints_stay_where_their_blocks_are_and_none_is_added(
         make_proxy: Any, upstream: ScriptedUpstream) -> None:
     proxy = make_proxy()
