@@ -103,3 +103,41 @@ def test_counting_a_hostile_schema_is_bounded_too() -> None:
     n, work = calls(tc.tools, enc, tools)
     size = len(orjson.dumps(tools))
     assert n > 0 and work <= CALLS_FLOOR + CALLS_PER_BYTE * size, (work, size)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**63 - 1)
+                    | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4)
+                    | st.dictionaries(st.sampled_from(["type", "properties", "items", "enum",
+                                                       "anyOf", "oneOf", "required",
+                                                       "description", "name", "parameters",
+                                                       "function", "x"]), inner, max_size=5),
+                    max_leaves=30)
+
+
+SCHEMA_KEYS = ["type", "properties", "items", "enum", "anyOf", "oneOf", "required",
+               "description"]
+# a schema-shaped object whose every value may be any JSON: what a careless client sends
+SCHEMAISH = st.recursive(
+    JSON, lambda inner: st.dictionaries(st.sampled_from(SCHEMA_KEYS),
+                                        inner | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=3), max_size=5),
+    max_leaves=30)
+TOOLS = st.lists(st.one_of(
+    JSON,
+    st.builds(lambda name, p: {"type": "function", "function": {"name": name, "parameters": p}},
+              JSON, SCHEMAISH),
+    st.builds(lambda name, p: {"type": "function", "name": name, "parameters": p},
+              JSON, SCHEMAISH)), max_size=3)
+
+
+@settings(max_examples=500, deadline=None)
+@given(TOOLS)
+def test_any_json_as_tools_renders_without_an_error(tools: list[Any]) -> None:
+    """Whatever a client sends as tools (the validator checks their outline only: the rest
+    passes through to the upstream, which judges it) renders in bounded work, and never
+    raises: a schema whose ``properties`` is a number once made a 500."""
+    as_sent = [t if isinstance(t, dict) else {"type": "function", "function": t} for t in tools]
+    text, work, size = bounded(as_sent)
+    assert isinstance(text, str) and work <= CALLS_FLOOR + CALLS_PER_BYTE * size

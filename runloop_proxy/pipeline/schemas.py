@@ -59,7 +59,8 @@ class _Renderer:
                 out.append(self._add(f"// {fn['description']}"))
             params = fn.get("parameters")
             name = self._add(str(fn.get("name", "")))
-            if isinstance(params, dict) and params.get("properties"):
+            if isinstance(params, dict) and isinstance(params.get("properties"), dict) \
+                    and params["properties"]:
                 out.append(f"type {name} = (_: {self._object(params, 0)}) => any;")
             else:
                 out.append(f"type {name} = () => any;")
