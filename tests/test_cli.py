@@ -104,6 +104,10 @@ def test_inspect_says_where_each_branch_comes_from(make_proxy: Any,
     assert len(branches) == 2
     assert branches[0][2] == "the session's first branch"
     assert branches[1][2] == f"forked from {branches[0][0]} at message 1"
+    # each loop of the head branch: its question and its reply
+    assert re.findall(r"^       (user|reply): +(.+)$", out.stdout, re.M) == [
+        ("user", "question"), ("reply", "an edited answer"), ("user", "more"),
+        ("reply", "again")]
 
 
 def test_demo_once_prints_no_address_it_takes_down(redis_url: str, tmp_path: Path) -> None:

@@ -491,6 +491,14 @@ def _search(msgs: list[dict[str, Any]], query: str) -> tuple[str, str]:
     return asyncio.run(runner.search(query))
 
 
+def test_search_history_says_when_nothing_matches() -> None:
+    """A miss is an answer the model can act on (and counted as one), quoting its query."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "fly me to Denver"},
+                                  {"role": "assistant", "content": "Booked."}]
+    assert _search(msgs, "zanzibar") == \
+        ("no match for 'zanzibar' in this conversation's history", "miss")
+
+
 def test_search_history_finds_an_id_inside_a_longer_word_and_a_phrase_verbatim() -> None:
     """What replay's retention check found search_history missing: the number of a
     ``gift_card_7091239`` (one word to the ranking), a card's last four digits, a quoted code
