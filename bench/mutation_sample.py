@@ -65,6 +65,7 @@ EXTRA: dict[str, list[str]] = {
     "history/summaries.py": ["test_lifecycle.py", "test_units.py"],
     "pipeline/accounting.py": ["test_units.py", "test_metrics.py"],
     "pipeline/offload.py": ["test_hardening.py"],
+    "pipeline/framing.py": ["test_summaries.py", "test_window.py"],
     "pipeline/reconcile.py": ["test_sessions.py", "test_units.py", "test_store.py"],
     "pipeline/relay.py": ["test_routes.py", "test_streams.py", "test_tools.py",
                           "test_hardening.py"],
