@@ -165,6 +165,8 @@ def test_reload_on_file_change_keeps_last_good(tmp_path: Path, make_proxy: Any,
     failed = proxy.metrics.config_reloads.labels("error")
     until(lambda: failed._value.get() == 1, what="the broken edit tried")
     assert proxy.state.config.tenants["acme"].policy.keep_recent_tool_results == 5
+    assert proxy.run(proxy.state.reload("test")) is False  # a reload says it failed
+    assert proxy.state.config.tenants["acme"].policy.keep_recent_tool_results == 5
     # a good edit is picked up without a restart
     (root / "tenants" / "acme.toml").write_text(
         f'keys = ["{ACME_KEY}"]\nupstream_key = "k2"\n[policy]\nkeep_recent_tool_results = 9')
