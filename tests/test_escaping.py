@@ -172,7 +172,11 @@ def store_directly(proxy: ProxyServer, namespace: str, s: str) -> str:
     messages = [{"role": "system", "content": s}, {"role": "user", "content": s, "name": s},
                 {"role": "assistant", "content": s, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": s, "content": s, "name": s},
-                {"role": "assistant", "content": s}]
+                {"role": "assistant", "content": s},
+                # content as parts: a text part, an image by URL, a part of a type nobody knows
+                {"role": "user", "content": [{"type": "text", "text": s},
+                                             {"type": "image_url", "image_url": {"url": s}},
+                                             {"type": s, s: s}]}]
     proxy.run(store.sync(namespace, sid, [prepare(m) for m in messages]))  # type: ignore[arg-type]
     proxy.run(store.add_record(namespace, sid, {
         "ts": 1_700_000_000_000, "kind": s, "reason": s, "tokens_before": s,
@@ -211,7 +215,7 @@ def pages(proxy: ProxyServer, strings: list[str], turns: str, namespace: str) ->
         sid = "n:" + s
         for tenant in ("acme", namespace):
             get("/admin/ui/session", tenant=tenant, id=sid)
-            for pos in range(5):
+            for pos in range(6):
                 get("/admin/ui/message", tenant=tenant, id=sid, pos=str(pos))
         # reflected: a search, an unknown tenant, a session that is not there
         get("/admin/ui", tenant="acme", q=s)
