@@ -80,10 +80,11 @@ class Policy(_Strict):
     max_time_range_s: float = Field(7 * 86_400, gt=0)
     threshold: float = Field(0.8, gt=0, le=1)
     fit_threshold: float | None = Field(
-        0.9, gt=0, le=1, description="the threshold where the model's window, not the soft "
-                                     "budget, bounds the working budget (compaction then only "
-                                     "makes a request fit, and keeps more in view by waiting); "
-                                     "unset: threshold everywhere")
+        0.9, gt=0, le=1, description="where the model's window, not the soft budget, bounds "
+                                     "the working budget, an event waits until at least this "
+                                     "share of it (compaction then only makes a request fit, "
+                                     "and keeps more in view by waiting); unset: threshold "
+                                     "everywhere")
     target: float = Field(0.5, gt=0, le=1)
     soft_budget_tokens: int | None = Field(
         16_000, ge=1024, description="working budget below the model window (cost cap)"
@@ -157,10 +158,9 @@ class Policy(_Strict):
     @field_validator("target")
     @classmethod
     def _target_below_threshold(cls, v: float, info: Any) -> float:
-        for name in ("threshold", "fit_threshold"):
-            threshold = info.data.get(name, 0.8)
-            if threshold is not None and v >= threshold:
-                raise ValueError(f"target ({v}) must be below {name} ({threshold})")
+        threshold = info.data.get("threshold", 0.8)
+        if v >= threshold:
+            raise ValueError(f"target ({v}) must be below threshold ({threshold})")
         return v
 
 

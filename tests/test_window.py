@@ -1206,6 +1206,8 @@ def test_an_event_waits_for_fit_threshold_where_the_window_binds(
     assert budget.trigger(policy) == (0.9 if fitting else 0.8) * budget.working
     unset = Policy(soft_budget_tokens=soft, fit_threshold=None)
     assert budget.trigger(unset) == 0.8 * budget.working  # unset: threshold everywhere
+    later = Policy(soft_budget_tokens=soft, threshold=0.95, target=0.9)  # a tenant's own, later
+    assert budget.trigger(later) == 0.95 * budget.working
 
 
 @pytest.mark.parametrize("past", [False, True])  # one loop (the builder's shortcut), or more

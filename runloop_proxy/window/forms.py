@@ -80,11 +80,12 @@ class Budget:
 
     def trigger(self, policy: Policy) -> float:
         """The tokens past which a compaction event fires: ``threshold`` of the working
-        budget — ``fit_threshold`` of it where the model's window bounds it, since there
-        compaction only makes the request fit (a soft budget below the window caps cost,
-        and compacting early pays there)."""
-        share = policy.fit_threshold if self.fitting and policy.fit_threshold is not None \
-            else policy.threshold
+        budget — at least ``fit_threshold`` of it where the model's window bounds it, since
+        there compaction only makes the request fit (a soft budget below the window caps
+        cost, and compacting early pays there)."""
+        share = policy.threshold
+        if self.fitting and policy.fit_threshold is not None:
+            share = max(share, policy.fit_threshold)
         return share * self.working
 
     def explained(self) -> str:
