@@ -341,12 +341,21 @@ class Conversation:
 
     def shortened(self, text: str, max_tokens: int, i: int) -> str:
         """Message ``i``'s ``text`` kept to ``max_tokens`` tokens (head + tail), with a note in
-        the middle saying how much was cut and the ref that returns the whole message."""
+        the middle saying how much was cut and the ref that returns the whole message.
+        A cut that elides no more than its note costs is not made: a shortened text is
+        never longer than the text (every form the window shows is built from this one)."""
         cut = self.ops.cut(text, max_tokens)
         if cut is None:
             return text
-        return (f'{cut.head}\n…[{cut.elided} tokens cut; {self.recall}(call_id="{self.refs[i]}")]'
-                f"…\n{cut.tail}")
+        note = f'\n…[{cut.elided} tokens cut; {self.recall}(call_id="{self.refs[i]}")]…\n'
+        if cut.elided <= self._note_tokens(note):
+            return text
+        return f"{cut.head}{note}{cut.tail}"
+
+    def _note_tokens(self, note: str) -> int:
+        """What a cut's note adds to a message."""
+        return self.ops.count({"role": "user", "content": note}) \
+            - self.ops.count({"role": "user", "content": ""})
 
     def _trim_arguments(self, args: str, keep: int, call_id: str) -> str:
         """Cut long string values inside JSON arguments; the result still parses as JSON."""

@@ -226,12 +226,7 @@ class _Replay:
         horizon = self.c.policy.payback_requests
         if saved <= 0 or horizon is None or not self.prev_point:
             return saved > 0
-        shared = 0
-        for a, b in zip(head, changed_head, strict=False):
-            if a != b:
-                break
-            shared += a[1]
-        reread = max(0, cached - shared)
+        reread = max(0, cached - shared_prefix(head, changed_head))
         return saved * (CACHE_WRITE + horizon * CACHED_READ) >= (CACHE_WRITE - CACHED_READ) * reread
 
     def time_omission_possible(self) -> bool:
@@ -388,6 +383,30 @@ class _Replay:
                 out.append(c.full[i])
                 changed |= c.full[i] is not c.messages[i]
         return out, elided, changed
+
+
+def shared_prefix(old: Sequence[tuple[object, int]], new: Sequence[tuple[object, int]]) -> int:
+    """The tokens a window whose leading parts are ``new`` shares with one whose parts were
+    ``old``, as a provider's prefix cache reads them: the parts alike, then the marker's when
+    only its summary grew (its old text is a prefix of the new: all but its last token)."""
+    shared = 0
+    for a, b in zip(old, new, strict=False):
+        if a == b:
+            shared += a[1]
+            continue
+        if _grown(a[0], b[0]):
+            shared += max(0, a[1] - 1)
+        break
+    return shared
+
+
+def _grown(old: object, new: object) -> bool:
+    """Whether the marker part ``new`` reads as ``old`` with more summary after it."""
+    if not (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new) == 2
+            and old[0] == new[0] and old[0] in ("marker", "marked")):
+        return False
+    was, now = old[1], new[1]
+    return now is not None and (was is None or (isinstance(now, str) and now.startswith(was)))
 
 
 def aged_loops(policy: Policy, past: Sequence[RunLoop], timestamps: Stamps | None,
