@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from runloop_proxy.conversation.identity import (
     DEFAULT_SOURCES,
+    Session,
     SessionKind,
     anchor,
     anchors,
@@ -170,3 +171,16 @@ def test_a_trimmed_history_continues_where_its_messages_line_up() -> None:
     stranger = [SYS, {"role": "tool", "tool_call_id": "call_Zx81", "content": "other"}, LONG]
     assert continued(stored, stranger) is None
     assert continued(stored, [SYS, HELLO, SHORT]) is None  # a short reply anchors nothing
+
+
+@pytest.mark.parametrize("key", ["n:alice", "h:" + "0" * 32])
+@pytest.mark.parametrize("kind", [k for k in SessionKind if k is not SessionKind.EXPLICIT])
+def test_no_guess_lands_in_a_named_session(key: str, kind: SessionKind) -> None:
+    """The rule every way into a session goes through: a session found by a guess (a
+    fingerprint, a continuation, a chained response id) is never stored under a named key,
+    and a named one never under a derived key."""
+    with pytest.raises(ValueError):
+        Session(key, kind, "guess", label=key)
+    with pytest.raises(ValueError):
+        Session("fp-" + "0" * 32, SessionKind.EXPLICIT, "header")
+    assert Session(key, SessionKind.EXPLICIT, "header").id == key

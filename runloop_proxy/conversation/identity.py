@@ -64,6 +64,15 @@ class Session:
     scope: tuple[str, ...] = ()  # what scopes a fingerprint: the end user, the cache group
     label: str = ""  # what the client is shown: the id it gave, or the fingerprint
 
+    def __post_init__(self) -> None:
+        # The one rule every way into a session goes through: a named session's key is
+        # entered only by a request that names it. A guess (a fingerprint, a continuation, a
+        # chained response id) that would land in one is a bug, refused here, never a join.
+        if self.id.startswith(NAMED_PREFIXES) != (self.kind is SessionKind.EXPLICIT):
+            raise ValueError(f"a {self.kind.value} session cannot be stored under a "
+                             f"{'named' if self.kind is not SessionKind.EXPLICIT else 'derived'}"
+                             " key")
+
     @property
     def header_value(self) -> str:
         """The label as a response header can carry it (percent-encoded beyond visible

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 from ..conversation.identity import (
+    NAMED_PREFIXES,
     Session,
     SessionKind,
     anchor,
@@ -173,10 +174,14 @@ def response_anchor(response_id: str) -> str:
 async def _chained(state: AppState, turn: Turn, session: Session, store: RedisStore, ns: str,
                    hashed: list[Prepared]) -> tuple[Session, History]:
     """A request chained on ``previous_response_id``: the conversation is upstream. It joins
-    the session its previous response was recorded in, and appends what it adds."""
+    the session its previous response was recorded in, and appends what it adds — unless
+    that session is a named one: a response id is no name for it (anyone shown the id could
+    then write into it and be shown its name), so the chain goes on in a session of its own."""
     assert turn.chained is not None
     if session.kind is SessionKind.FINGERPRINT:
         found = await store.anchored(ns, response_anchor(turn.chained))
+        if found is not None and found.startswith(NAMED_PREFIXES):
+            found = None  # anchored by an earlier version: named sessions set none now
         key = found or chained_key(turn.chained)
         session = Session(key, SessionKind.CHAINED, "previous_response_id", label=key)
     prepared = await _counted(state, turn, turn.messages, hashed)
@@ -257,9 +262,9 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         if key is not None:
             state.spawn(_anchor(store, ns, key, session.id, retention))
     if answer_id is not None and turn.wire.api == "responses" \
-            and turn.body.get("store") is not False:
+            and turn.body.get("store") is not False and not session.explicit:
         # a later request that chains on this response finds its session by the id (only a
-        # stored response can be chained on)
+        # stored response can be chained on); a named session is found only by its name
         state.spawn(_anchor(store, ns, response_anchor(answer_id), session.id, retention))
 
 
