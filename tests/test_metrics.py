@@ -18,7 +18,7 @@ import openai
 import pytest
 import yaml
 
-from runloop_proxy.ops.metrics import Metrics
+from runloop_proxy.ops.metrics import MAX_MODEL_LABELS, Metrics
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, free_port
@@ -189,10 +189,14 @@ def test_metrics_never_carry_keys_or_prompts(proxy: ProxyServer,
     assert 'tenant="passthrough"' in text
 
 
-def test_model_label_cardinality_is_bounded() -> None:
+def test_model_label_cardinality_is_bounded_per_tenant() -> None:
+    """Model names are the clients' to choose: a tenant's junk names fill its own labels
+    (bounded), never another tenant's, whose real model keeps its label."""
     m = Metrics()
-    labels = {m.model_label(f"model-{i}") for i in range(200)}
-    assert len(labels) <= 65 and "other" in labels
+    labels = {m.model_label("acme", f"model-{i}") for i in range(200)}
+    assert len(labels) <= MAX_MODEL_LABELS + 1 and "other" in labels
+    assert m.model_label("globex", "gpt-4o") == "gpt-4o"
+    assert m.model_label("acme", "gpt-4o") == "other"
 
 
 def test_dashboard_file_is_generated_from_its_source() -> None:

@@ -20,7 +20,7 @@ from ..pricing import Price, PriceTable
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _OVERHEAD = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
-MAX_MODEL_LABELS = 64
+MAX_MODEL_LABELS = 64  # per tenant label: one tenant's clients cannot use up another's
 OTHER_MODEL = "other"  # models past MAX_MODEL_LABELS; and the series every tenant starts with
 # The label values panels and alerts select on, exported at 0 from startup (a series that does
 # not exist yet reads as "no data", and an alert on it never fires).
@@ -39,7 +39,7 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         self.prices: PriceTable | None = None  # what upstream usage is priced with
-        self._models: set[str] = set()
+        self._models: dict[str, set[str]] = {}  # tenant label -> its model labels
         self._bound: dict[tuple[str, str], BoundMetrics] = {}
         r = self.registry
         tm = ("tenant", "model")
@@ -149,12 +149,14 @@ class Metrics:
         return next((p for prov in self.prices.providers.values()
                      if (p := prov.price(model)) is not None), None)
 
-    def model_label(self, model: str) -> str:
-        """Model names come from clients: cap how many distinct ones become labels."""
-        if model in self._models:
+    def model_label(self, tenant: str, model: str) -> str:
+        """Model names come from clients: cap how many distinct ones become labels, per
+        tenant (its clients' junk names never turn another tenant's models into "other")."""
+        seen = self._models.setdefault(tenant, set())
+        if model in seen:
             return model
-        if len(self._models) < MAX_MODEL_LABELS and len(model) <= 64:
-            self._models.add(model)
+        if len(seen) < MAX_MODEL_LABELS and len(model) <= 64:
+            seen.add(model)
             return model
         return OTHER_MODEL
 

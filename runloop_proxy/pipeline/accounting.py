@@ -41,7 +41,7 @@ class RequestLog:
     def identify(self, tenant: str, label: str, model: str, stream: bool) -> None:
         self.tenant, self.label, self.stream = tenant, label, stream
         self.model = model
-        self._bound = self.metrics.bound(label, self.metrics.model_label(model))
+        self._bound = self.metrics.bound(label, self.metrics.model_label(label, model))
 
     @property
     def identified(self) -> bool:

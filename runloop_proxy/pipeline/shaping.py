@@ -51,7 +51,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         return _untouched(state, turn, history, frame, rlog)
     if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
         _after(state, turn, session, spliced, spliced_keys, window, stored, made)
-    tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
+    tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
     if not window.fits and not turn.counting:
         state.metrics.rejections.labels(tl, ml).inc()
         log_events(state, turn, session, window)
@@ -110,7 +110,7 @@ def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message]
         log.exception("summary planning failed: the window goes without the next one",
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
         state.metrics.summaries.labels(turn.caller.label, "error").inc()
-    tl, ml = turn.caller.label, state.metrics.model_label(turn.model)
+    tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
     for kind, n in Counter(event.kind.value for event in window.events).items():
         state.metrics.compactions.labels(tl, ml, kind).inc(n)
 
