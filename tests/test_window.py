@@ -1240,3 +1240,68 @@ def test_the_hard_limits_last_resort_keeps_no_past_reply() -> None:
     shown = " ".join(message_text(m) for m in w.messages)
     assert "reply0" not in shown and "now0" in shown
     assert_valid(w.messages)
+
+
+def _real_ops() -> Any:
+    from runloop_proxy.caches import ByteLRU
+    from runloop_proxy.pipeline.tokens import TokenCounter, WindowTokens
+    counter = TokenCounter()
+    enc, _ = counter.encoding("gpt-4o", None)
+    return WindowTokens(counter, enc, ByteLRU(1 << 20))
+
+
+REAL_OPS = _real_ops()
+
+
+WORDS = ["a", "booking", "HAT045", "2024-05-28", "é", "\n", "x" * 7, "$50", "reservation",
+         "ok."]
+
+
+@settings(max_examples=150, deadline=None)
+@given(limit=st.integers(16, 80), data=st.data(), real=st.booleans())
+def test_no_form_the_window_shows_is_longer_than_its_message(limit: int, data: st.DataObject,
+                                                             real: bool) -> None:
+    """A past question or answer cut to ``max_message_length`` (head, a note with its ref,
+    tail) is never more tokens than the message: a cut that elides no more than its note
+    costs is not made. Over any text and length (a few words past the limit most of all),
+    with a word model and the real tokenizer."""
+    over = data.draw(st.one_of(st.integers(1, 8), st.integers(1, 60)))
+    words = data.draw(st.lists(st.sampled_from(WORDS), min_size=limit + over,
+                               max_size=limit + over))
+    from runloop_proxy.window.forms import Conversation
+    ops = REAL_OPS if real else OPS
+    text = " ".join(words)
+    msgs: list[Message] = [{"role": "user", "content": text},
+                           {"role": "assistant", "content": text},
+                           {"role": "user", "content": "next"}]
+    keys = [message_hash(m) for m in msgs]
+    counts = [ops.count(m) for m in msgs]
+    policy = Policy(max_message_length=limit, summary_model=None, keep_opening=False,
+                    names_kept=0)
+    conv = Conversation.of(msgs, keys, counts, policy, Budget(100_000, 10_000), ops,
+                           frozenset(), None)
+    answer, tokens = conv.answer(0)
+    assert answer is not None and tokens <= counts[1]
+    shown, reduced, _ = conv.reduced(0)
+    assert reduced <= counts[0] + counts[1]
+    assert all(ops.count(m) <= c for m, c in zip(shown, counts, strict=False))
+
+
+@pytest.mark.parametrize(("old", "new", "shared"), [
+    ([("pre", 100), (("marker", None), 20)], [("pre", 100), (("marker", None), 20)], 120),
+    ([("pre", 100), (("marker", "a"), 30)], [("pre", 100), (("marker", "a b"), 35)], 129),
+    ([("pre", 100), (("marker", None), 20)], [("pre", 100), (("marker", "a"), 30)], 119),
+    ([("pre", 100), (("marker", "a b"), 35)], [("pre", 100), (("marker", "a"), 30)], 100),
+    ([("pre", 100), (("marker", "a"), 30)], [("pre", 100), (("marker", "b"), 30)], 100),
+    ([("pre", 100), (("marker", "a"), 30), (("bridge", 1), 9)],
+     [("pre", 100), (("marker", "a x"), 33), (("bridge", 2), 9)], 129),
+    ([("pre", 100), ("opening", 8)], [("pre", 100), ("opening", 0)], 100),
+    ([("pre", 100), (("loop", 0), 50)], [("pre", 100), (("marker", "a"), 30)], 100),
+])
+def test_what_a_changed_plan_shares_with_the_last_request(
+        old: list[tuple[object, int]], new: list[tuple[object, int]], shared: int) -> None:
+    """What a lever makes the provider read again is judged at token level: the parts
+    alike, then a marker whose summary only grew (all but its last token), nothing past
+    the first part that differs otherwise."""
+    from runloop_proxy.window.plan import shared_prefix
+    assert shared_prefix(old, new) == shared
