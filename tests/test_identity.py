@@ -184,3 +184,30 @@ def test_no_guess_lands_in_a_named_session(key: str, kind: SessionKind) -> None:
     with pytest.raises(ValueError):
         Session("fp-" + "0" * 32, SessionKind.EXPLICIT, "header")
     assert Session(key, SessionKind.EXPLICIT, "header").id == key
+
+
+def _calling(k: int) -> list[Message]:
+    return [{"role": "assistant", "content": None, "tool_calls": [{"id": f"call_{k}",
+             "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"call_{k}", "content": f"r{k}"}]
+
+
+@pytest.mark.parametrize("n", [400])
+def test_lining_up_a_trimmed_history_is_linear_work(n: int) -> None:
+    """A request that matches a stored conversation but for one message in its middle, with
+    an anchoring reply after every step: each try reads the run up to that message, so
+    trying every reply was quadratic; a few are tried, and the work doubles with the size."""
+    from .work import calls
+
+    def case(size: int) -> tuple[list[Message], list[Message]]:
+        stored: list[Message] = [SYS, HELLO]
+        for k in range(size):
+            stored += _calling(k)
+        request = [SYS, *stored[1:]]
+        request[size] = {"role": "tool", "tool_call_id": "call_x", "content": "forged"}
+        return stored, request
+
+    (found, small) = calls(continued, *case(n))
+    (_, large) = calls(continued, *case(2 * n))
+    assert large < 2.3 * small, (small, large)
+    assert found is None  # the newest replies do not line up: no continuation

@@ -188,15 +188,22 @@ def continued(stored: list[Message], request: list[Message]) -> int | None:
     when the request does not continue it. It continues it when its messages, from the first
     after the system prompt up to one of its anchoring replies, are a run of ``stored``
     ending at that reply: the reply alone when it carries tool calls (their ids are the
-    provider's), else with what precedes it."""
+    provider's), else with what precedes it. Only the newest ``ANCHORS_TRIED`` anchoring
+    replies are tried (those the session was found by): each try reads the run once, so the
+    work is linear in the messages, whatever they hold."""
     pre = preamble_end(request)
     body = [match_hash(m) for m in request[pre:]]
     at = {h: i for i, h in enumerate(match_hash(m) for m in stored)}
     start = preamble_end(stored)
+    tried = 0
     for r in range(len(body) - 1, -1, -1):
         m = request[pre + r]
-        if m.get("role") != "assistant" or anchor(m, ()) is None or body[r] not in at \
-                or (r == 0 and not tool_calls_of(m)):
+        if m.get("role") != "assistant" or anchor(m, ()) is None:
+            continue
+        if tried == ANCHORS_TRIED:
+            break
+        tried += 1
+        if body[r] not in at or (r == 0 and not tool_calls_of(m)):
             continue
         j = at[body[r]] - r
         if j >= start and all(match_hash(stored[j + k]) == body[k] for k in range(r)):
