@@ -44,9 +44,9 @@ CACHE_BLOCK = 128
 CACHED_PRICE = 0.1
 
 
-def cached_cost(total: int, prefix: int) -> float:
+def cached_cost(total: int, prefix: int, step: int = CACHE_BLOCK) -> float:
     """Cost of a prompt of ``total`` tokens whose first ``prefix`` repeat an earlier one."""
-    cached = (prefix // CACHE_BLOCK) * CACHE_BLOCK if prefix >= CACHE_MIN else 0
+    cached = (prefix // step) * step if prefix >= CACHE_MIN else 0
     return (total - cached) + CACHED_PRICE * cached
 
 
@@ -54,10 +54,12 @@ class Side:
     """One side of a conversation — the client's requests, or what the proxy forwards —
     priced request by request under every cost model."""
 
-    def __init__(self, provider: Provider | None, price: Price | None):
+    def __init__(self, provider: Provider | None, price: Price | None,
+                 step: int = CACHE_BLOCK):
         self.messages = PrefixCache(0, 1)  # the shared message prefix, to the token
         self.tools_seen: set[str] = set()
-        self.strict = PrefixCache(CACHE_MIN, CACHE_BLOCK)
+        self.step = step  # the token models' cache granularity (1: no rounding)
+        self.strict = PrefixCache(CACHE_MIN, step)
         self.provider, self.price = provider, price
         self.cache = provider.new_cache() if provider is not None and price is not None \
             else None
@@ -71,7 +73,7 @@ class Side:
         shared = self.messages.bill([*system, *rest]).cached \
             + sum(b.tokens for b in tools if b.key in self.tools_seen)
         self.tools_seen.update(b.key for b in tools)
-        separate = cached_cost(total, shared)
+        separate = cached_cost(total, shared, self.step)
         strict = self.strict.bill([*tools, *system, *rest, *primed]).tokens_cost(CACHED_PRICE)
         money = 0.0
         if isinstance(self.cache, BreakpointCache) and self.price is not None:
@@ -85,8 +87,10 @@ class Side:
 
 class Replayer:
     def __init__(self, tenant: TenantSpec, model: str, context: int | None,
-                 summary_cost: int = 0, provider: Provider | None = None):
+                 summary_cost: int = 0, provider: Provider | None = None,
+                 cache_step: int = CACHE_BLOCK):
         self.tenant = tenant
+        self.cache_step = cache_step  # the token cost models' step (money: the provider's)
         self.summary_cost = summary_cost
         self.model = model
         self.context = context or tenant.context_window(model)
@@ -170,8 +174,9 @@ class Replayer:
             reasoning.append(reasoning[-1] + _reasoning_items(m.get("items") or []))
         ahead = SummariesAhead(policy, messages, segment(messages),
                                lambda t: self.counter.text(self.enc, t), self.summary_cost)
-        client, forwarded = Side(self.provider, self.price), Side(self.provider, self.price)
-        bound = Side(None, None)
+        client = Side(self.provider, self.price, self.cache_step)
+        forwarded = Side(self.provider, self.price, self.cache_step)
+        bound = Side(None, None, self.cache_step)
         pressed = False
         carry = None
         for i in range(1, len(messages)):

@@ -48,14 +48,18 @@ MAX_CALLS = 32  # of the proxy's tools, answered per request; later calls are re
 
 
 def _function(name: str, kind: str) -> dict[str, Any]:
-    # Short on purpose: these ride along in every request of a compressed session.
+    # Short on purpose: these ride along in every request of a session with client tools, from
+    # its first (41 tokens; the notes the window shows say how to use them, with the id to
+    # pass). Their cost is what makes a short session cost more than without the proxy
+    # (bench/loss_sources.py); the longer descriptions they had (59 tokens) made 29 of the
+    # support traces' 94 held-out sessions cost more under the default policy, these 21.
     if kind == RECALL:
         return {"name": name,
-                "description": "Return an earlier tool result verbatim, by the id a note shows.",
+                "description": "Earlier result by id",
                 "parameters": {"type": "object", "properties": {"call_id": {"type": "string"}},
                                "required": ["call_id"]}}
     return {"name": name,
-            "description": "Search this conversation's full history, also turns not shown.",
+            "description": "Search all turns",
             "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
                            "required": ["query"]}}
 
