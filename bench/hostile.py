@@ -131,6 +131,25 @@ def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
                                              "max_tokens": 64, "messages": [
             {"role": "user", "content": [{"type": "text", "text": f"b{i}"}
                                          for i in range(20_000)]}]}, None),
+        ("Messages: 19,000 consecutive user turns", {MESSAGES: True,
+                                                    "model": "claude-sonnet-4-6",
+                                                    "max_tokens": 64, "messages": [
+            {"role": "user", "content": "x"} for _ in range(19_000)]}, None),
+        ("Messages: 6,000 tool results in turns of their own", {
+            MESSAGES: True, "model": "claude-sonnet-4-6", "max_tokens": 64, "messages": [
+                {"role": "user", "content": "go"}, {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": f"t{i}", "name": "look", "input": {}}
+                    for i in range(6_000)]},
+                *[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"t{i}",
+                                                "content": "ok"}]} for i in range(6_000)],
+                {"role": "user", "content": "go on"}],
+            "tools": [{"name": "look", "input_schema": {"type": "object"}}]}, None),
+        ("Messages: 15,000 consecutive assistant turns", {MESSAGES: True,
+                                                         "model": "claude-sonnet-4-6",
+                                                         "max_tokens": 64, "messages": [
+            {"role": "user", "content": "x"}, *[{"role": "assistant", "content": [
+                {"type": "text", "text": "y"}]} for _ in range(15_000)],
+            {"role": "user", "content": "go on"}]}, None),
         ("Messages: an input_schema nested 13 deep", {MESSAGES: True, "model": "claude-sonnet-4-6",
                                                       "max_tokens": 64, "messages": [
             {"role": "user", "content": "hi"}], "tools": [

@@ -31,6 +31,7 @@ from runloop_proxy.pipeline.wire import Step, add_usage, client_message, decide
 
 from .test_chat_wire import fed, upstream_answers
 from .test_messages_wire import reassembled
+from .work import allocated
 
 TOOLS = ProxyTools.for_request(None)
 PNG = "iVBORw0KGgo="
@@ -409,3 +410,39 @@ def test_what_a_round_sends_at_its_end_comes_before_the_next_rounds_blocks() -> 
                      "content_block_delta", "content_block_stop", "content_block_start",
                      "content_block_delta", "content_block_stop", "message_delta",
                      "message_stop"]
+
+
+def _deltas(kind: str, n: int) -> list[SSEEvent]:
+    piece = "abcdefgh" * 8
+    deltas: list[dict[str, Any]]
+    if kind == "text":
+        deltas = [{"content": piece} for _ in range(n)]
+    else:
+        deltas = [{"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f"}}]},
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '{"a": "'}}]},
+                  *[{"tool_calls": [{"index": 0, "function": {"arguments": piece}}]}
+                    for _ in range(n)],
+                  {"tool_calls": [{"index": 0, "function": {"arguments": '"}'}}]}]
+    return [SSEEvent(orjson.dumps({"id": "s", "choices": [{"index": 0, "delta": d}]}).decode())
+            for d in deltas]
+
+
+@pytest.mark.parametrize("kind", ["text", "arguments"])
+def test_a_long_streamed_answer_is_assembled_in_linear_work(kind: str) -> None:
+    """An answer streamed in n deltas (its text, a call's arguments) costs bytes copied linear
+    in n: a string grown by ``+=`` per delta re-copies all it has, every time."""
+
+    def relayed(events: list[SSEEvent]) -> Any:
+        rnd = BridgeWire().relay({"model": "m"}).round(TOOLS)
+        for ev in events:
+            rnd.feed(ev)
+        return rnd.reply()
+
+    copied = {}
+    for n in (1000, 2000):
+        events = _deltas(kind, n)
+        reply, copied[n] = allocated(relayed, events)
+        said = reply.message.get("content") if kind == "text" else \
+            reply.message["tool_calls"][0]["function"]["arguments"]
+        assert len(said) >= 64 * n
+    assert copied[2000] <= 2.2 * copied[1000], copied

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from runloop_proxy.api.messages_stream import ERROR_TYPES
@@ -105,3 +106,39 @@ def test_a_chat_upstream_has_no_messages_endpoints_but_the_proxys(
 
 def test_an_unknown_path_outside_v1_is_openai_shaped(proxy: Any) -> None:
     check(httpx.get(proxy.base + "/v2/messages"), "/v2/messages", 404)
+
+
+# each API's required fields: a value of the wrong type, and what the message must name
+REQUIRED = {
+    "/v1/chat/completions": ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},
+                             {"model": (123, "string"), "messages": ("hi", "array")}),
+    "/v1/responses": ({"model": "gpt-4o", "input": "hi"},
+                      {"model": (["gpt-4o"], "string"),
+                       "input": (123, "a string or an array")}),
+    "/v1/messages": ({"model": "claude-sonnet-4-6", "max_tokens": 5,
+                      "messages": [{"role": "user", "content": "hi"}]},
+                     {"model": (False, "string"), "max_tokens": ("x", "integer"),
+                      "messages": ("hi", "array")}),
+}
+
+
+@pytest.mark.parametrize("path", REQUIRED)
+def test_a_required_field_missing_says_missing_and_one_of_the_wrong_type_names_the_type(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream, path: str) -> None:
+    proxy = tenant(tmp_path, make_proxy, upstream.url)
+    body, fields = REQUIRED[path]
+    for name, (wrong, expected) in fields.items():
+        for case, sent in (("missing", {k: v for k, v in body.items() if k != name}),
+                           ("wrong", {**body, name: wrong})):
+            r = send(proxy, "POST", path, KEY, orjson.dumps(sent))
+            check(r, path, 400)
+            error = r.json()["error"]
+            message = error["message"]
+            assert name in message, (path, case, message)
+            if path not in MESSAGES:
+                assert error["param"] == name, (path, case, error)
+            if case == "missing":
+                assert "missing" in message.lower(), (path, name, message)
+            else:
+                assert expected in message and "required" not in message.lower(), (
+                    path, name, message)

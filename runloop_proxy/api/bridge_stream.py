@@ -129,6 +129,7 @@ class BridgeRound(ChunkRound):
         self.tools = tools
         relay.rounds += 1
         self.text: Block | None = None
+        self.said: list[str] = []  # the text block's text: joined at the round's end
         self.blocks: list[Block] = []  # the client's blocks of this round, in order
 
     def feed(self, event: SSEEvent) -> list[bytes]:
@@ -148,7 +149,7 @@ class BridgeRound(ChunkRound):
             self.text = {"type": "text", "text": ""}
             self.blocks.append(self.text)
             out += self.relay.open_block(self.text)
-        self.text["text"] += text
+        self.said.append(text)  # a string grown per delta is quadratic
         assert self.relay.open is not None and self.relay.open[1] is self.text
         out.append(emit({"type": "content_block_delta", "index": self.relay.open[0],
                          "delta": {"type": "text_delta", "text": text}}))
@@ -162,6 +163,8 @@ class BridgeRound(ChunkRound):
         refusal = "".join(self.acc.refusal)
         if refusal:
             out += self._text(refusal)
+        if self.text is not None:
+            self.text["text"] = "".join(self.said)
         calls = [tool_use(c) for c in self.acc.tool_calls()]  # type: ignore[arg-type]
         whole = [*([self.text] if self.text else []), *calls]  # as the model answered
         for call, block in zip(self.acc.tool_calls(), calls, strict=True):

@@ -41,12 +41,10 @@ def validate_chat_request(body: Any) -> dict[str, Any]:
         raise InvalidRequest("the request body must be a JSON object")
     model = body.get("model")
     if not isinstance(model, str) or not model:
-        raise InvalidRequest("'model' is required and must be a non-empty string",
-                             param="model")
+        raise openai_required(body, "model", "a non-empty string")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequest("'messages' is required and must be a non-empty array",
-                             param="messages")
+        raise openai_required(body, "messages", "a non-empty array of messages")
     for i, m in enumerate(messages):
         if type(m) is dict and _plain(m):
             continue
@@ -76,6 +74,30 @@ TOP_LEVEL: dict[str, tuple[type, ...]] = {
     "stream": (bool,), "stream_options": (dict,), "n": _INT, "max_tokens": _INT,
     "max_completion_tokens": _INT, "user": (str,), "prompt_cache_key": (str,),
     "metadata": (dict,), "tool_choice": (str, dict), "parallel_tool_calls": (bool,)}
+def json_kind(value: Any) -> str:
+    """What a JSON value is, as an error message names it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return f"the number {value}"
+    if isinstance(value, str):
+        return "a string" if value else "an empty string"
+    if isinstance(value, list):
+        return "an array" if value else "an empty array"
+    return "an object"
+
+
+def openai_required(body: dict[str, Any], name: str, expected: str) -> InvalidRequest:
+    """A required field that is missing, or there but not what it must be, as OpenAI says it."""
+    if name not in body:
+        return InvalidRequest(f"Missing required parameter: '{name}' ({expected}).",
+                              param=name)
+    return InvalidRequest(f"Invalid type for '{name}': expected {expected}, but got "
+                          f"{json_kind(body[name])} instead.", param=name)
+
+
 KIND_NAMES = {(bool,): "a boolean", (dict,): "an object", _INT: "an integer",
               (str,): "a string", (str, dict): "a string or an object"}
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call",

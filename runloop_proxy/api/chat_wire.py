@@ -149,6 +149,7 @@ class Accumulator:
         self.content: list[str] = []
         self.refusal: list[str] = []
         self.calls: dict[int, dict[str, Any]] = {}
+        self._parts: dict[int, tuple[list[str], list[str]]] = {}  # a call's name, arguments
         self.finish_reason: str | None = None
         self.usage: dict[str, Any] | None = None
 
@@ -167,17 +168,23 @@ class Accumulator:
             if delta.get("refusal"):
                 self.refusal.append(delta["refusal"])
             for tc in delta.get("tool_calls") or []:
-                slot = self.calls.setdefault(tc.get("index", 0), {
+                at = tc.get("index", 0)
+                slot = self.calls.setdefault(at, {
                     "id": "", "type": "function", "function": {"name": "", "arguments": ""}})
                 if tc.get("id"):
                     slot["id"] = tc["id"]
                 fn = tc.get("function") or {}
-                slot["function"]["name"] += fn.get("name") or ""
-                slot["function"]["arguments"] += fn.get("arguments") or ""
+                # parts joined once the call is read: a string grown per delta is quadratic
+                name, arguments = self._parts.setdefault(at, ([], []))
+                name.append(fn.get("name") or "")
+                arguments.append(fn.get("arguments") or "")
             if choice.get("finish_reason"):
                 self.finish_reason = choice["finish_reason"]
 
     def tool_calls(self) -> list[ToolCall]:
+        for at, (name, arguments) in self._parts.items():
+            self.calls[at]["function"] = {"name": "".join(name),
+                                          "arguments": "".join(arguments)}
         return [self.calls[i] for i in sorted(self.calls)]  # type: ignore[misc]
 
     def message(self) -> Message:

@@ -20,7 +20,7 @@ from ..pipeline.values import Turn
 from ..pipeline.wire import Wire
 from ..state import AppState
 from .bridge import BridgeWire
-from .chat import MAX_DEPTH, bounded
+from .chat import MAX_DEPTH, bounded, json_kind
 from .http import ASGIResponse, answer_turn, authenticate, read_request
 from .messages_wire import MessagesWire
 
@@ -71,15 +71,14 @@ def validate_messages_request(body: Any, counting: bool = False) -> dict[str, An
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
-        raise InvalidRequest("model: Field required (a non-empty string)", param="model")
+        raise _required(body, "model", "a non-empty string")
     max_tokens = body.get("max_tokens")
-    if (max_tokens is not None or not counting) and (
+    if ("max_tokens" in body or not counting) and (
             not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
-        raise InvalidRequest("max_tokens: Field required (an integer of at least 1)",
-                             param="max_tokens")
+        raise _required(body, "max_tokens", "an integer of at least 1")
     turns = body.get("messages")
     if not isinstance(turns, list) or not turns:
-        raise InvalidRequest("messages: Field required (a non-empty array)", param="messages")
+        raise _required(body, "messages", "a non-empty array of turns")
     for i, turn in enumerate(turns):
         _validate_turn(turn, i)
     system = body.get("system")
@@ -102,6 +101,16 @@ def validate_messages_request(body: Any, counting: bool = False) -> dict[str, An
         if name != "messages":
             bounded(v, MAX_DEPTH - 1, name)
     return body
+
+
+def _required(body: dict[str, Any], name: str, expected: str) -> InvalidRequest:
+    """A required field that is missing, or there but not what it must be, as Anthropic says
+    it."""
+    if name not in body:
+        return InvalidRequest(f"{name}: Field required (missing from the body: {expected})",
+                              param=name)
+    return InvalidRequest(f"{name}: Input should be {expected} (got {json_kind(body[name])})",
+                          param=name)
 
 
 def _validate_turn(turn: Any, i: int) -> None:

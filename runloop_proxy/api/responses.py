@@ -17,7 +17,7 @@ from ..errors import InvalidRequest
 from ..pipeline.accounting import RequestLog
 from ..pipeline.values import Turn
 from ..state import AppState
-from .chat import bounded
+from .chat import bounded, openai_required
 from .http import ASGIResponse, answer_turn, authenticate, read_request
 from .responses_wire import ResponsesWire
 
@@ -52,15 +52,13 @@ def validate_responses_request(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
-        raise InvalidRequest("'model' is required and must be a non-empty string",
-                             param="model")
+        raise openai_required(body, "model", "a non-empty string")
     input_ = body.get("input")
     if isinstance(input_, list):
         for i, item in enumerate(input_):
             _validate_item(item, i)
     elif not isinstance(input_, str):
-        raise InvalidRequest("'input' is required: a string or an array of items",
-                             param="input")
+        raise openai_required(body, "input", "a string or an array of items")
     for name, kinds in (("instructions", (str,)), ("stream", (bool,)), ("store", (bool,)),
                         ("previous_response_id", (str,)), ("user", (str,)),
                         ("prompt_cache_key", (str,)), ("metadata", (dict,)),

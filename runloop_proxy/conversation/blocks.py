@@ -113,7 +113,8 @@ def to_anthropic(messages: list[Message], sent: list[Any] | None = None,
                for b in turn["content"] if _kind(b) == "tool_result"}
     system: list[Any] = []
     plain = True  # every system part a string: the system prompt stays a string
-    out: list[dict[str, Any]] = []
+    turns = _Turns()
+    out = turns.out
     for m in messages:
         role = m.get("role")
         leading = role in ("system", "developer") and not out
@@ -123,18 +124,18 @@ def to_anthropic(messages: list[Message], sent: list[Any] | None = None,
             system += _system_blocks(m, old)
         elif role in ("system", "developer"):  # a system turn, where it was
             old = m.get("blocks")
-            _add(out, "system", _system_blocks(m, old) if isinstance(old, list)
-                 else text_of(m.get("content")))
+            turns.add("system", _system_blocks(m, old) if isinstance(old, list)
+                      else text_of(m.get("content")))
         elif role == "tool":
             came = m.get("blocks") or [results.get(str(m.get("tool_call_id")), {})]
-            _add(out, "user", [{**(came[0] or {"type": "tool_result"}),
-                                "tool_use_id": m.get("tool_call_id", ""),
-                                "content": _result(m.get("content"))}])
+            turns.add("user", [{**(came[0] or {"type": "tool_result"}),
+                                 "tool_use_id": m.get("tool_call_id", ""),
+                                 "content": _result(m.get("content"))}])
         elif role == "assistant":
-            _add(out, "assistant", assistant_blocks(m))
+            turns.add("assistant", assistant_blocks(m))
         else:
             content = m.get("content")
-            _add(out, "user", content if isinstance(content, list) else str(content or ""))
+            turns.add("user", content if isinstance(content, list) else str(content or ""))
         if turn_of is not None:
             turn_of.append(-1 if leading else len(out) - 1)
     if out and out[0]["role"] != "user":
@@ -211,14 +212,28 @@ def call_input(call: ToolCall) -> Any:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def _add(out: list[dict[str, Any]], role: str, content: Any) -> None:
-    """Append a turn, merged into the previous one of the same role."""
-    if isinstance(content, list) and not content or content == "":
-        return
-    if out and out[-1]["role"] == role:
-        out[-1]["content"] = [*_as_blocks(out[-1]["content"]), *_as_blocks(content)]
-    else:
-        out.append({"role": role, "content": content})
+class _Turns:
+    """Turns as they are made, consecutive ones of a role merged into one. A merged turn's
+    blocks are a list made here, extended in place: re-copying it per merge made a run of
+    same-role messages quadratic."""
+
+    def __init__(self) -> None:
+        self.out: list[dict[str, Any]] = []
+        self._owned = False  # the last turn's content is a list made here (not the client's)
+
+    def add(self, role: str, content: Any) -> None:
+        """Append a turn, merged into the previous one of the same role."""
+        if isinstance(content, list) and not content or content == "":
+            return
+        out = self.out
+        if not out or out[-1]["role"] != role:
+            out.append({"role": role, "content": content})
+            self._owned = False
+            return
+        if not self._owned:
+            out[-1]["content"] = list(_as_blocks(out[-1]["content"]))
+            self._owned = True
+        out[-1]["content"].extend(_as_blocks(content))
 
 
 def _as_blocks(content: Any) -> list[Block]:

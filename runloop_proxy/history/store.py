@@ -55,6 +55,7 @@ from ..conversation.messages import Message, kept_json
 from ..errors import StoreError, StoreLimitExceeded
 from ..ops import logs
 from ..ops.metrics import Metrics
+from ..pipeline.offload import is_large, offload
 from .scripts import APPEND_LUA, EXPIRE_WITH_SESSION_LUA, LOAD_LUA, SYNC_LUA
 from .writes import (
     Job,
@@ -124,6 +125,11 @@ class SessionView:
     created_ms: int
     updated_ms: int
     internal: dict[str, Any]
+    size: int = 0  # the stored messages' bytes: a large session is worked on off the loop
+
+    @property
+    def large(self) -> bool:
+        return is_large(self.size, len(self.messages))
 
 
 def session_slug(session_id: str) -> str:
@@ -703,13 +709,15 @@ class RedisStore:
                     else {"parent": None, "fork_at": 0}
                 info["length"] = await self.client.llen(f"{p}:b:{b}")
                 branches[b] = info
-            return SessionView(
+            size = sum(len(b) for b in bodies if b is not None) \
+                + sum(len(r) for r in records) + sum(len(v) for v in internal.values())
+            return await offload(is_large(size, len(bodies)), lambda: SessionView(
                 session_id=meta.get("sid", session_id), tenant=namespace, head=head,
                 messages=[orjson.loads(b) for b in bodies if b is not None],
                 branches=branches, records=[orjson.loads(r) for r in records],
                 created_ms=int(meta.get("created", "0")),
                 updated_ms=int(meta.get("updated", "0")),
-                internal={_s(k): orjson.loads(v) for k, v in internal.items()})
+                internal={_s(k): orjson.loads(v) for k, v in internal.items()}, size=size))
 
         return await self._call("read", run)  # type: ignore[no-any-return]
 

@@ -23,6 +23,7 @@ from ..errors import (
 )
 from ..history.store import SessionView
 from ..history.summaries import OMIT, Job
+from ..pipeline.offload import offload
 from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
 from . import params
@@ -199,11 +200,18 @@ async def admin_session(request: Request) -> Response:
         return _store_unavailable(exc)
     if view is None:
         raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
-    out = session_summary(view)
-    out["summaries"], out["compactions"] = await _summaries(state, tenant, session_id)
-    if params.flag(request, "messages"):
-        out["messages"] = view.messages
-    return json_response(out)
+    summaries, compactions = await _summaries(state, tenant, session_id)
+    with_messages = params.flag(request, "messages")
+
+    def answer() -> Response:
+        out = session_summary(view)
+        out["summaries"], out["compactions"] = summaries, compactions
+        if with_messages:
+            out["messages"] = view.messages
+        return json_response(out)
+
+    # segmenting a large session and writing it out is the work of a large request
+    return await offload(view.large, answer)
 
 
 @shaped_errors

@@ -14,6 +14,8 @@ from starlette.responses import Response
 from ..conversation.identity import name_of
 from ..conversation.messages import Message, message_text, tool_calls_of
 from ..conversation.runloops import segment
+from ..history.store import SessionView
+from ..pipeline.offload import offload
 from ..pipeline.tools import spliced_stored
 from . import params
 from .inspector_shell import error, link, page, viewed
@@ -83,6 +85,11 @@ async def message(request: Request) -> Response:
         return seen
     _, _, tenant, sid, view = seen
     pos = params.integer(request, "pos", -1)
+    # splicing and segmenting a large session is the work of a large request: off the loop
+    return await offload(view.large, lambda: _page(tenant, sid, view, pos))
+
+
+def _page(tenant: str, sid: str, view: SessionView, pos: int) -> Response:
     messages = spliced_stored(view.messages, view.internal)[0]
     if not 0 <= pos < len(messages):
         return error("not found", "No such message.", 404)

@@ -19,6 +19,7 @@ from ..conversation.runloops import RunLoop, preview, segment
 from ..errors import StoreError
 from ..history.store import SessionView
 from ..history.summaries import OMIT
+from ..pipeline.offload import offload
 from ..pipeline.tools import spliced_stored
 from ..state import AppState
 from ..window.forms import SUMMARY_HEAD, TAG
@@ -58,6 +59,13 @@ async def session(request: Request) -> Response:
         stored = await state.store.summaries(tenant, sid)
     except StoreError as exc:
         return error("store unavailable", str(exc), 503)
+    # rebuilding a large session's window is the work of a large request: off the loop
+    return page(f"session {name_of(sid)}", await offload(view.large, lambda: _body(
+        state, cookie, tenant, sid, view, points, stored)))
+
+
+def _body(state: AppState, cookie: str, tenant: str, sid: str, view: SessionView,
+          points: list[dict[str, Any]], stored: dict[str, str]) -> str:
     spec, note = spec_of(state, tenant)
     rebuilt = rebuild(state, spec, tenant, sid, view, points, stored)
     messages = spliced_stored(view.messages, view.internal)[0]
@@ -72,7 +80,7 @@ async def session(request: Request) -> Response:
            _summaries(state, spec, tenant, sid, stored, cookie),
            _rounds(tenant, sid, view, messages), _records(view, rebuilt),
            _branches(view)]
-    return page(f"session {name_of(sid)}", "".join(out))
+    return "".join(out)
 
 
 def _window(rebuilt: Rebuilt, requests: int) -> str:
