@@ -51,27 +51,35 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"runloop-proxy: config error: {exc}", file=sys.stderr)
         return 2
-    embedded = None
-    if not config.store.redis_url:
-        # Started here, not per worker: every worker shares the one private server.
-        embedded = EmbeddedRedis(settings.data_dir)
-        try:
-            url = embedded.start()
-        except RuntimeError as exc:
-            print(f"runloop-proxy: {exc}", file=sys.stderr)
-            return 2
-        settings = Settings(**{**settings.__dict__, "redis_url": url})
-        config = load_config(settings)
+    host, port = config.server.host, config.server.port
     try:
+        sock = serving.listen(host, port)
+    except OSError as exc:
+        print(serving.cannot_listen(host, port, exc), file=sys.stderr)
+        return 1
+    embedded = None
+    try:
+        if not config.store.redis_url:
+            # Started here, not per worker: every worker shares the one private server.
+            embedded = EmbeddedRedis(settings.data_dir)
+            try:
+                url = embedded.start()
+            except RuntimeError as exc:
+                print(f"runloop-proxy: {exc}", file=sys.stderr)
+                return 2
+            settings = Settings(**{**settings.__dict__, "redis_url": url})
+            config = load_config(settings)
+        logs.get("serve").info(f"listening on {serving.address(sock)}")
         if settings.workers > 1:
             os.environ.update(settings_to_env(settings))
             serving.run(serving.server_config(
                 "runloop_proxy.app:app_from_env", config.server, factory=True,
-                workers=settings.workers, timeout_graceful_shutdown=30))
+                workers=settings.workers, timeout_graceful_shutdown=30), sock)
         else:
             serving.run(serving.server_config(create_app(settings, config), config.server,
-                                              timeout_graceful_shutdown=30))
+                                              timeout_graceful_shutdown=30), sock)
     finally:
+        sock.close()
         if embedded is not None:
             embedded.stop()
     return 0
