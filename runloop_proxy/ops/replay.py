@@ -80,7 +80,7 @@ class HttpReplay:
                 continue
             path, body = _request(self.model, conv, messages[:i])
             payload = orjson.dumps(body)
-            r = self.proxy.post("/v1" + path, content=payload, headers={
+            r = _post(self.proxy, "proxy", "/v1" + path, payload, {
                 "X-Session-Id": f"{self.run}-{idx}", "Content-Type": "application/json",
                 "X-Scripted-Cache-Scope": f"{self.run}-proxy"})
             tally.requests += 1
@@ -104,7 +104,7 @@ class HttpReplay:
             tally.over_forwarded += forwarded > self.context
             if self.direct is None:
                 continue
-            d = self.direct.post(path, content=payload, headers={
+            d = _post(self.direct, "upstream", path, payload, {
                 "Content-Type": "application/json", "X-Scripted-Cache-Scope": f"{self.run}-direct"})
             if d.status_code != 200:
                 raise ReplayError(f"conversation {idx}: the upstream answered "
@@ -127,6 +127,21 @@ class HttpReplay:
 
 class ReplayError(Exception):
     pass
+
+
+class Unreachable(ReplayError):
+    """Nothing answered at the proxy's (or the upstream's) address."""
+
+
+def _post(client: Any, what: str, path: str, payload: bytes, headers: dict[str, str]) -> Any:
+    """``client.post``, a transport failure said as such (not httpx's traceback)."""
+    import httpx
+
+    try:
+        return client.post(path, content=payload, headers=headers)
+    except httpx.TransportError as exc:
+        raise Unreachable(f"cannot reach the {what} at {client.base_url}: "
+                          f"{exc or type(exc).__name__}") from exc
 
 
 def conversation_of(line: Any) -> dict[str, Any] | None:
@@ -309,6 +324,9 @@ def run_replay(args: argparse.Namespace) -> int:
             domain = meta.get("domain") if isinstance(meta, dict) else None
             tally.add(one, str(conv.get("id") or k), str(domain or ""))
             _progress(k + 1, len(convs), started, show)
+    except Unreachable as exc:
+        print(exc, file=sys.stderr)
+        return 1
     except (ReplayError, OSError) as exc:
         print(f"replay stopped: {exc}", file=sys.stderr)
         return 1
