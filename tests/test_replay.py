@@ -207,6 +207,16 @@ def test_replay_reads_a_tenant_policy_without_its_secrets(tmp_path: Path) -> Non
     assert tight.returncode == 0, tight.stderr
     loose = json.loads(run(f, "--json").stdout)
     assert json.loads(tight.stdout)["forwarded_tokens"] < loose["forwarded_tokens"]
+    # a tenant or a policy field it does not have is named, with what there is
+    for args, said in [(["--tenant", "nosuch"], f"no tenant 'nosuch' in {tmp_path} (t)"),
+                       (["--tenant", "t", "--set", "nosuchfield=1"],
+                        "--set nosuchfield: no such policy field"),
+                       (["--set", "threshold=abc"],
+                        "--set threshold: Input should be a valid number"),
+                       (["--set", "threshold"], "--set threshold: expected FIELD=VALUE")]:
+        out = run(f, "--config", str(tmp_path), *args)
+        assert out.returncode == 2 and out.stderr.startswith(said), (args, out.stderr)
+        assert len(out.stderr.splitlines()) == 1
 
 
 def test_replay_through_a_proxy_counts_refused_requests(tmp_path: Path, make_proxy: Any) -> None:

@@ -129,6 +129,11 @@ class ReplayError(Exception):
     pass
 
 
+class BadOption(Exception):
+    """An option the replay cannot run with (a tenant the config has not, a --set it
+    refuses), said in one line."""
+
+
 class Unreachable(ReplayError):
     """Nothing answered at the proxy's (or the upstream's) address."""
 
@@ -231,20 +236,26 @@ def _tenant(args: argparse.Namespace) -> TenantSpec:
     else:
         config = load_config(Settings(config_dir=args.config, upstream="http://unused"),
                              secrets=False)  # the replay reads policies, never keys
+        if args.tenant and args.tenant not in config.tenants:
+            raise BadOption(f"no tenant {args.tenant!r} in {args.config} "
+                            f"({', '.join(sorted(config.tenants)) or 'it has none'})")
         tenant = config.tenants[args.tenant] if args.tenant else \
             config.passthrough or next(iter(config.tenants.values()))
     overrides: dict[str, Any] = {}
     for item in args.set or []:
         name, sep, value = item.partition("=")
         if not sep:
-            raise ConfigError("--set", item, "expected FIELD=VALUE")
+            raise BadOption(f"--set {item}: expected FIELD=VALUE")
         overrides[name] = orjson.loads(value) if value[:1] in "[{\"0123456789tfn" \
             and value not in ("over_threshold",) else value
     if overrides:
         try:
             policy = Policy.model_validate({**tenant.policy.model_dump(), **overrides})
         except ValidationError as exc:
-            raise ConfigError("--set", "policy", str(exc.errors()[0]["msg"])) from exc
+            raise BadOption("; ".join(
+                f"--set {'.'.join(map(str, e['loc']))}: "
+                + ("no such policy field" if e["type"] == "extra_forbidden" else e["msg"])
+                for e in exc.errors())) from exc
         tenant = tenant.model_copy(update={"policy": policy})
     return tenant
 
@@ -300,6 +311,9 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         tenant = _tenant(args)
         provider, model = _pricing(args)
+    except BadOption as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except (ConfigError, KeyError) as exc:
         print(f"config: {exc}", file=sys.stderr)
         return 2
