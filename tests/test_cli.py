@@ -207,3 +207,28 @@ def test_the_scripted_upstream_says_where_it_listens() -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)
+
+
+def test_every_command_and_every_argument_is_explained() -> None:
+    """A sweep of the parser: an argument added later without a help string fails here."""
+    import argparse
+
+    from runloop_proxy.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    for name, parser in commands.choices.items():
+        assert parser.description, name
+        for action in parser._actions:
+            assert action.help, (name, action.dest)
+    out = cli("check-config", "--help")
+    assert "the config directory" in " ".join(out.stdout.split())
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve --config"])
+def test_a_file_given_as_the_config_directory_is_said_to_be_one(command: str) -> None:
+    readme = str(CONFIG.parent / "README.md")
+    out = cli(*command.split(), readme)
+    assert out.returncode != 0
+    assert f"{readme}: not a directory" in out.stderr and "does not exist" not in out.stderr
+    assert len(out.stderr.splitlines()) == 1
