@@ -46,38 +46,61 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     logs.configure(args.log_level, args.log_format)
     settings = Settings(**{o.field: getattr(args, o.field) for o in SERVE_OPTIONS})
+    problem = _not_a_directory(settings.config_dir)
+    if problem:
+        print(f"runloop-proxy: config error: {problem}", file=sys.stderr)
+        return 2
     try:
         config = load_config(settings)
     except ConfigError as exc:
         print(f"runloop-proxy: config error: {exc}", file=sys.stderr)
         return 2
-    embedded = None
-    if not config.store.redis_url:
-        # Started here, not per worker: every worker shares the one private server.
-        embedded = EmbeddedRedis(settings.data_dir)
-        try:
-            url = embedded.start()
-        except RuntimeError as exc:
-            print(f"runloop-proxy: {exc}", file=sys.stderr)
-            return 2
-        settings = Settings(**{**settings.__dict__, "redis_url": url})
-        config = load_config(settings)
+    host, port = config.server.host, config.server.port
     try:
+        sock = serving.listen(host, port)
+    except OSError as exc:
+        print(serving.cannot_listen(host, port, exc), file=sys.stderr)
+        return 1
+    embedded = None
+    try:
+        if not config.store.redis_url:
+            # Started here, not per worker: every worker shares the one private server.
+            embedded = EmbeddedRedis(settings.data_dir)
+            try:
+                url = embedded.start()
+            except RuntimeError as exc:
+                print(f"runloop-proxy: {exc}", file=sys.stderr)
+                return 2
+            settings = Settings(**{**settings.__dict__, "redis_url": url})
+            config = load_config(settings)
+        logs.get("serve").info(f"listening on {serving.address(sock)}")
         if settings.workers > 1:
             os.environ.update(settings_to_env(settings))
             serving.run(serving.server_config(
                 "runloop_proxy.app:app_from_env", config.server, factory=True,
-                workers=settings.workers, timeout_graceful_shutdown=30))
+                workers=settings.workers, timeout_graceful_shutdown=30), sock)
         else:
             serving.run(serving.server_config(create_app(settings, config), config.server,
-                                              timeout_graceful_shutdown=30))
+                                              timeout_graceful_shutdown=30), sock)
     finally:
+        sock.close()
         if embedded is not None:
             embedded.stop()
     return 0
 
 
+def _not_a_directory(path: str | None) -> str | None:
+    """Why ``path`` cannot be a config directory when it is something else (a file)."""
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        return f"{path}: not a directory (the config directory holds runloop.toml and tenants/)"
+    return None
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
+    problem = _not_a_directory(args.dir)
+    if problem:
+        print(f"invalid config: {problem}", file=sys.stderr)
+        return 1
     settings = Settings(config_dir=args.dir, upstream=args.upstream)
     try:
         config = load_config(settings)
@@ -162,18 +185,30 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"runloop-proxy {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
-    c = sub.add_parser("check-config", help="validate a config dir and print the effective config")
-    c.add_argument("dir")
+    c = sub.add_parser(
+        "check-config", help="validate a config dir and print the effective config",
+        description="Validate a config directory (runloop.toml + tenants/*.toml) as serve "
+                    "would load it: every problem found is listed (exit 1); a valid one is "
+                    "printed as JSON, secrets redacted.")
+    c.add_argument("dir", help="the config directory, as for serve --config")
     c.add_argument("--upstream", default=None, help="as for serve (pass-through mode)")
-    i = sub.add_parser("inspect", help="show a stored session")
-    i.add_argument("session_id")
-    i.add_argument("--tenant", default=None)
+    i = sub.add_parser("inspect", help="show a stored session",
+                       description="Show a session a running proxy stored: its run loops, "
+                                   "branches, summaries and compression records (the admin "
+                                   "API, so the proxy's admin key).")
+    i.add_argument("session_id", help="the session's name (its X-Session-Id) or its stored id")
+    i.add_argument("--tenant", default=None,
+                   help="the tenant whose session it is, when more than one has one by "
+                        "that name")
     i.add_argument("--url", default=f"http://127.0.0.1:{os.environ.get('RUNLOOP_PORT', '8080')}",
                    help="the proxy's address (default http://127.0.0.1:$RUNLOOP_PORT or 8080)")
     i.add_argument("--admin-key", default=None, help="default: $RUNLOOP_ADMIN_KEY")
-    i.add_argument("--json", action="store_true")
-    r = sub.add_parser("replay", help="measure the window on recorded conversations")
-    r.add_argument("file")
+    i.add_argument("--json", action="store_true", help="print the admin API's JSON")
+    r = sub.add_parser("replay", help="measure the window on recorded conversations",
+                       description="Measure what the window saves on recorded conversations: "
+                                   "offline, or through a running proxy (--proxy).")
+    r.add_argument("file", help="the conversations, one JSON object a line: chat "
+                                "(messages), Responses (input) or Anthropic Messages")
     r.add_argument("--context", type=int, default=None,
                    help="model context window for the run (default: the model's or 128k)")
     r.add_argument("--model", default=None,
@@ -191,7 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--worst", type=int, default=5, metavar="N",
                    help="list the N conversations that save least (default 5)")
     r.add_argument("--config", default=None, metavar="DIR", help="take the policy from a tenant")
-    r.add_argument("--tenant", default=None)
+    r.add_argument("--tenant", default=None,
+                   help="with --config: the tenant whose policy (default: the pass-through "
+                        "one, else the first)")
     r.add_argument("--proxy", default=None, metavar="URL",
                    help="send every request through a running proxy instead of building offline")
     r.add_argument("--api-key", default=os.environ.get("RUNLOOP_REPLAY_KEY"),
@@ -208,14 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "stands in for its text")
     r.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="override a policy field for this run (repeatable)")
-    r.add_argument("--json", action="store_true")
-    r.add_argument("--no-progress", action="store_true")
-    d = sub.add_parser("demo", help="start a scripted upstream and the proxy, replay a sample "
-                                    "agent session through them, print the savings and the "
-                                    "inspector's address (no API key needed)")
-    d.add_argument("--port", type=int, default=8080)
+    r.add_argument("--json", action="store_true", help="print the report as JSON")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo = ("start a scripted upstream and the proxy, replay a sample agent session through "
+            "them, print the savings and the inspector's address (no API key needed)")
+    d = sub.add_parser("demo", help=demo, description=demo[:1].upper() + demo[1:] + ".")
+    d.add_argument("--port", type=int, default=8080, help="the proxy's port (default 8080)")
     d.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
-    d.add_argument("--data-dir", default=".runloop-demo")
+    d.add_argument("--data-dir", default=".runloop-demo",
+                   help="where the embedded Redis keeps its data (default .runloop-demo)")
     d.add_argument("--admin-key", default=None, help="default: a random one, printed")
     d.add_argument("--once", action="store_true", help="stop after printing")
     return parser

@@ -15,6 +15,8 @@ import contextlib
 import gzip
 import hashlib
 import itertools
+import socket
+import sys
 import threading
 import time
 from array import array
@@ -468,10 +470,14 @@ class ThreadedServer:
             uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error",
                            lifespan=lifespan, access_log=False)
         self.server = uvicorn.Server(self.config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread: threading.Thread | None = None
 
-    def start(self, port: int = 0, timeout: float = 20) -> int:
+    def start(self, port: int = 0, timeout: float = 20, sock: socket.socket | None = None
+              ) -> int:
+        """Serve on ``port``, or on ``sock`` (``serving.listen``'s) when given; the port."""
         self.config.port = port
+        self.thread = threading.Thread(target=self.server.run, daemon=True,
+                                       kwargs={"sockets": [sock] if sock else None})
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -482,7 +488,8 @@ class ThreadedServer:
 
     def stop(self, timeout: float = 15) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=timeout)
+        if self.thread is not None:
+            self.thread.join(timeout=timeout)
 
 
 def _raw(reply: Reply) -> Response:
@@ -581,8 +588,9 @@ def _item_events(at: int, item: dict[str, Any]) -> list[dict[str, Any]]:
     return events
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="scripted OpenAI-compatible upstream (echo)")
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m runloop_proxy.scripted",
+                                     description="scripted OpenAI-compatible upstream (echo)")
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="think time before every answer (an LLM is never instant)")
@@ -590,13 +598,21 @@ def main() -> None:
                         help="count prompt tokens with tiktoken and report cached_tokens the "
                              "way OpenAI's prefix cache would")
     args = parser.parse_args()
+    try:
+        sock = serving.listen("127.0.0.1", args.port)
+    except OSError as exc:
+        print(serving.cannot_listen("127.0.0.1", args.port, exc), file=sys.stderr)
+        return 1
     up = ScriptedUpstream(prompt_cache=args.prompt_cache)
     up.keep_requests = False
     up.delay = args.delay_ms / 1000
-    uvicorn.run(up.app(), host="127.0.0.1", port=args.port, log_level="warning",
-                access_log=False)
+    print(f"scripted upstream listening on {serving.address(sock)}/v1", flush=True)
+    with sock:
+        uvicorn.Server(uvicorn.Config(up.app(), log_level="warning", access_log=False)).run(
+            sockets=[sock])
+    return 0
 
 
 if __name__ == "__main__":
     with contextlib.suppress(KeyboardInterrupt):
-        main()
+        sys.exit(main())

@@ -12,6 +12,8 @@ The CLI, the worker processes and the tests all build their server with ``server
 from __future__ import annotations
 
 import asyncio
+import errno
+import socket
 from typing import Any
 
 import uvicorn
@@ -122,15 +124,46 @@ def server_config(app: Any, server: ServerSection, host: str | None = None,
     return config
 
 
-def run(config: uvicorn.Config) -> None:
-    """``uvicorn.run`` for a config built here, with its worker processes when it has them."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` and listening, as uvicorn binds one (``OSError`` when it
+    cannot be): bound before the server starts, so that a busy port is said before anything
+    else happens, and the address is known when the server says it is ready."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)  # for the worker processes
+    return sock
+
+
+def address(sock: socket.socket) -> str:
+    """The ``http://`` address a listening socket answers on."""
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> str:
+    """What to tell a user whose server could not listen (one line)."""
+    if exc.errno == errno.EADDRINUSE:
+        return f"port {port} is in use (try --port N)"
+    return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+
+
+def run(config: uvicorn.Config, sock: socket.socket) -> None:
+    """``uvicorn.run`` for a config built here, on a socket from ``listen``, with its worker
+    processes when it has them."""
     server = uvicorn.Server(config)
     try:
         if config.workers > 1:
             from uvicorn.supervisors import Multiprocess
 
-            Multiprocess(config, sockets=[config.bind_socket()]).run()
+            Multiprocess(config, sockets=[sock]).run()
         else:
-            server.run()
+            server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass

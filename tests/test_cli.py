@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 from runloop_proxy.environment import SERVE_OPTIONS, env_name, settings_from_env
 from runloop_proxy.scripted import ScriptedUpstream
 
-from .conftest import ProxyServer, serve_command
+from .conftest import ProxyServer, free_port, serve_command
 
 ADMIN_KEY = "admin-0123456789abcdef"
 CONFIG = Path(__file__).resolve().parent.parent / "config"
@@ -148,3 +149,86 @@ def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path:
     assert code == 0  # Ctrl-C is how it is meant to stop: a clean exit, both servers down
     with pytest.raises(httpx.HTTPError):
         httpx.get(found.group(1) + "/login", timeout=2)
+
+
+@pytest.mark.parametrize("command", [["serve", "--upstream", "http://127.0.0.1:9/v1"],
+                                     ["demo", "--once"], "scripted"])
+def test_a_busy_port_is_said_in_one_line(command: list[str] | str, redis_url: str,
+                                         tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        if command == "scripted":
+            out = subprocess.run([sys.executable, "-m", "runloop_proxy.scripted", "--port", port],
+                                 capture_output=True, text=True, timeout=60)
+        else:
+            out = cli(*command, "--port", port, "--redis-url", redis_url,
+                      "--data-dir", str(tmp_path))
+    assert out.returncode == 1
+    assert out.stderr == f"port {port} is in use (try --port N)\n"
+
+
+def test_serve_says_where_it_listens_before_it_is_ready(upstream: ScriptedUpstream,
+                                                        redis_url: str, tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", "serve", "--upstream",
+                             upstream.url, "--redis-url", redis_url, "--port", str(port),
+                             "--data-dir", str(tmp_path), "--log-format", "text"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        lines: list[str] = []
+        while not any("runloop-proxy ready" in line for line in lines):
+            line = proc.stderr.readline()
+            assert line, f"serve ended early: {''.join(lines)}"
+            lines.append(line)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    said = [k for k, line in enumerate(lines) if f"listening on http://127.0.0.1:{port}" in line]
+    assert said and said[0] < len(lines) - 1, lines
+
+
+def test_the_scripted_upstream_says_where_it_listens() -> None:
+    usage = subprocess.run([sys.executable, "-m", "runloop_proxy.scripted", "--help"],
+                           capture_output=True, text=True, timeout=60)
+    assert usage.stdout.startswith("usage: python -m runloop_proxy.scripted ")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy.scripted", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        url = f"http://127.0.0.1:{port}/v1"
+        assert proc.stdout.readline() == f"scripted upstream listening on {url}\n"
+        reply = httpx.post(url + "/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.json()["choices"][0]["message"]["content"] == "echo: hi"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+
+
+def test_every_command_and_every_argument_is_explained() -> None:
+    """A sweep of the parser: an argument added later without a help string fails here."""
+    import argparse
+
+    from runloop_proxy.cli import build_parser
+
+    commands = next(a for a in build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    for name, parser in commands.choices.items():
+        assert parser.description, name
+        for action in parser._actions:
+            assert action.help, (name, action.dest)
+    out = cli("check-config", "--help")
+    assert "the config directory" in " ".join(out.stdout.split())
+
+
+@pytest.mark.parametrize("command", ["check-config", "serve --config"])
+def test_a_file_given_as_the_config_directory_is_said_to_be_one(command: str) -> None:
+    readme = str(CONFIG.parent / "README.md")
+    out = cli(*command.split(), readme)
+    assert out.returncode != 0
+    assert f"{readme}: not a directory" in out.stderr and "does not exist" not in out.stderr
+    assert len(out.stderr.splitlines()) == 1

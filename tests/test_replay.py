@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,21 @@ def test_replay_through_a_running_proxy(tmp_path: Path, proxy: object,
     human = run(f, "--proxy", proxy.base)  # type: ignore[attr-defined]
     assert human.returncode == 0, human.stderr  # the text report too, to its end
     assert "not measured" in human.stdout and "compaction events" not in human.stderr
+    # what a proxy does not show is not measured, so not given a value: no cost model (no
+    # --direct) and no compaction events
+    assert "events:" not in human.stdout and "worst conversations" not in human.stdout
+    assert "cache-aware n/a, strict n/a (of 1)" in human.stdout, human.stdout
+    assert data["compaction_events"] is None and data["worst"] is None
+    assert data["costing_more"] == {"cache_aware": None, "strict": None}
+
+
+def test_replay_says_when_the_proxy_cannot_be_reached(tmp_path: Path) -> None:
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps(conversation(2)) + "\n")
+    out = run(f, "--proxy", "http://127.0.0.1:1")
+    assert out.returncode == 1
+    assert out.stderr.startswith("cannot reach the proxy at http://127.0.0.1:1: ")
+    assert len(out.stderr.splitlines()) == 1 and "Traceback" not in out.stderr
 
 
 def test_replay_against_the_upstream_direct_measures_its_cached_tokens(
@@ -118,6 +134,10 @@ def test_replay_against_the_upstream_direct_measures_its_cached_tokens(
         assert 0 < data["client_cost"] < data["client_tokens"]
         assert 0 < data["forwarded_cost"] < data["forwarded_tokens"]
         assert data["cache_aware_saving"] > 0
+        # the cache-aware model is measured, the strict one and the events are not
+        assert data["costing_more"]["cache_aware"] == 0 and data["costing_more"]["strict"] is None
+        assert [set(w) for w in data["worst"]] == \
+            [{"id", "domain", "requests", "cache_aware_saving", "money"}]
         offline = json.loads(run(f, "--json").stdout)
         assert offline["cache_aware_saving"] > 0
         # the upstream bills as the proxy counts: calibrating against it changes nothing, and
@@ -127,6 +147,10 @@ def test_replay_against_the_upstream_direct_measures_its_cached_tokens(
         # each request went both ways, the two sides in their own cache scopes
         scopes = {h["x-scripted-cache-scope"] for h in upstream.headers}
         assert len(upstream.requests) == 2 * 31 and len(scopes) == 2
+        human = run(f, "--proxy", proxy.base, "--direct", upstream.url)  # type: ignore[attr-defined]
+        assert "cache-aware 0, strict n/a" in human.stdout and "events:" not in human.stdout
+        assert re.search(r"worst conversations \(cache-aware\):\n +\d", human.stdout), \
+            human.stdout
     finally:
         upstream.prompt_cache = None
     assert run(f, "--direct", upstream.url).returncode == 2  # --direct needs --proxy
@@ -183,6 +207,16 @@ def test_replay_reads_a_tenant_policy_without_its_secrets(tmp_path: Path) -> Non
     assert tight.returncode == 0, tight.stderr
     loose = json.loads(run(f, "--json").stdout)
     assert json.loads(tight.stdout)["forwarded_tokens"] < loose["forwarded_tokens"]
+    # a tenant or a policy field it does not have is named, with what there is
+    for args, said in [(["--tenant", "nosuch"], f"no tenant 'nosuch' in {tmp_path} (t)"),
+                       (["--tenant", "t", "--set", "nosuchfield=1"],
+                        "--set nosuchfield: no such policy field"),
+                       (["--set", "threshold=abc"],
+                        "--set threshold: Input should be a valid number"),
+                       (["--set", "threshold"], "--set threshold: expected FIELD=VALUE")]:
+        out = run(f, "--config", str(tmp_path), *args)
+        assert out.returncode == 2 and out.stderr.startswith(said), (args, out.stderr)
+        assert len(out.stderr.splitlines()) == 1
 
 
 def test_replay_through_a_proxy_counts_refused_requests(tmp_path: Path, make_proxy: Any) -> None:

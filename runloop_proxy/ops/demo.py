@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import socket
 import sys
 import time
 from typing import Any
@@ -61,6 +62,18 @@ def sample_conversation(questions: int = 12) -> list[Message]:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from .. import serving
+
+    try:  # first: a busy port is said before anything is started
+        sock = serving.listen("127.0.0.1", args.port)
+    except OSError as exc:
+        print(serving.cannot_listen("127.0.0.1", args.port, exc), file=sys.stderr)
+        return 1
+    with sock:
+        return _demo(args, sock)
+
+
+def _demo(args: argparse.Namespace, sock: socket.socket) -> int:
     from ..app import create_app
     from ..history.embedded import EmbeddedRedis
 
@@ -91,7 +104,7 @@ def run_demo(args: argparse.Namespace) -> int:
     config = load_config(settings)
     server = ThreadedServer(create_app(settings, config), server=config.server)
     try:
-        port = server.start(args.port)
+        port = server.start(sock=sock)
         base = f"http://127.0.0.1:{port}"
         client_total = forwarded_total = 0
         session = f"demo-{int(time.time())}"

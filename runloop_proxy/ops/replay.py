@@ -80,7 +80,7 @@ class HttpReplay:
                 continue
             path, body = _request(self.model, conv, messages[:i])
             payload = orjson.dumps(body)
-            r = self.proxy.post("/v1" + path, content=payload, headers={
+            r = _post(self.proxy, "proxy", "/v1" + path, payload, {
                 "X-Session-Id": f"{self.run}-{idx}", "Content-Type": "application/json",
                 "X-Scripted-Cache-Scope": f"{self.run}-proxy"})
             tally.requests += 1
@@ -104,7 +104,7 @@ class HttpReplay:
             tally.over_forwarded += forwarded > self.context
             if self.direct is None:
                 continue
-            d = self.direct.post(path, content=payload, headers={
+            d = _post(self.direct, "upstream", path, payload, {
                 "Content-Type": "application/json", "X-Scripted-Cache-Scope": f"{self.run}-direct"})
             if d.status_code != 200:
                 raise ReplayError(f"conversation {idx}: the upstream answered "
@@ -127,6 +127,26 @@ class HttpReplay:
 
 class ReplayError(Exception):
     pass
+
+
+class BadOption(Exception):
+    """An option the replay cannot run with (a tenant the config has not, a --set it
+    refuses), said in one line."""
+
+
+class Unreachable(ReplayError):
+    """Nothing answered at the proxy's (or the upstream's) address."""
+
+
+def _post(client: Any, what: str, path: str, payload: bytes, headers: dict[str, str]) -> Any:
+    """``client.post``, a transport failure said as such (not httpx's traceback)."""
+    import httpx
+
+    try:
+        return client.post(path, content=payload, headers=headers)
+    except httpx.TransportError as exc:
+        raise Unreachable(f"cannot reach the {what} at {client.base_url}: "
+                          f"{exc or type(exc).__name__}") from exc
 
 
 def conversation_of(line: Any) -> dict[str, Any] | None:
@@ -216,20 +236,26 @@ def _tenant(args: argparse.Namespace) -> TenantSpec:
     else:
         config = load_config(Settings(config_dir=args.config, upstream="http://unused"),
                              secrets=False)  # the replay reads policies, never keys
+        if args.tenant and args.tenant not in config.tenants:
+            raise BadOption(f"no tenant {args.tenant!r} in {args.config} "
+                            f"({', '.join(sorted(config.tenants)) or 'it has none'})")
         tenant = config.tenants[args.tenant] if args.tenant else \
             config.passthrough or next(iter(config.tenants.values()))
     overrides: dict[str, Any] = {}
     for item in args.set or []:
         name, sep, value = item.partition("=")
         if not sep:
-            raise ConfigError("--set", item, "expected FIELD=VALUE")
+            raise BadOption(f"--set {item}: expected FIELD=VALUE")
         overrides[name] = orjson.loads(value) if value[:1] in "[{\"0123456789tfn" \
             and value not in ("over_threshold",) else value
     if overrides:
         try:
             policy = Policy.model_validate({**tenant.policy.model_dump(), **overrides})
         except ValidationError as exc:
-            raise ConfigError("--set", "policy", str(exc.errors()[0]["msg"])) from exc
+            raise BadOption("; ".join(
+                f"--set {'.'.join(map(str, e['loc']))}: "
+                + ("no such policy field" if e["type"] == "extra_forbidden" else e["msg"])
+                for e in exc.errors())) from exc
         tenant = tenant.model_copy(update={"policy": policy})
     return tenant
 
@@ -285,6 +311,9 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         tenant = _tenant(args)
         provider, model = _pricing(args)
+    except BadOption as exc:
+        print(exc, file=sys.stderr)
+        return 2
     except (ConfigError, KeyError) as exc:
         print(f"config: {exc}", file=sys.stderr)
         return 2
@@ -309,6 +338,9 @@ def run_replay(args: argparse.Namespace) -> int:
             domain = meta.get("domain") if isinstance(meta, dict) else None
             tally.add(one, str(conv.get("id") or k), str(domain or ""))
             _progress(k + 1, len(convs), started, show)
+    except Unreachable as exc:
+        print(exc, file=sys.stderr)
+        return 1
     except (ReplayError, OSError) as exc:
         print(f"replay stopped: {exc}", file=sys.stderr)
         return 1

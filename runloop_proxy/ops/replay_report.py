@@ -9,7 +9,7 @@ from typing import Any
 from ..config import Policy
 from ..pricing import Provider
 from .replay_offline import Replayer
-from .replay_tally import SEPARATE, STRICT, Tally
+from .replay_tally import MODELS, SEPARATE, STRICT, Tally
 
 # what a run through a proxy cannot measure (no windows offline, one cost model)
 _OFFLINE_ONLY = ("client_cost_strict", "forwarded_cost_strict", "cache_aware_saving_strict",
@@ -41,6 +41,16 @@ def as_json(run: Run, tally: Tally) -> dict[str, Any]:
         if not run.cache_measured:
             for key in ("client_cost", "forwarded_cost", "cache_aware_saving"):
                 out[key] = None
+        # neither the strict model nor the compaction events are seen through a proxy
+        measured = _measured(run)
+        out["compaction_events"] = None
+        out["costing_more"] = {m: n if m in measured or m == "money" else None
+                               for m, n in out["costing_more"].items()}
+        out["by_domain"] = {d: {k: v if k not in MODELS or k in measured else None
+                                for k, v in row.items()} for d, row in out["by_domain"].items()}
+        out["worst"] = [{k: v for k, v in row.as_dict().items() if k != "events"
+                         and STRICT not in k} for row in tally.worst(5, SEPARATE)] \
+            if SEPARATE in measured else None
     price = run.replayer.price
     out["money"] = None if price is None or run.provider is None else {
         "provider": run.provider.name, "client": round(tally.money[0], 6),
@@ -142,25 +152,41 @@ def _retention(out: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _measured(run: Run) -> tuple[str, ...]:
+    """The cost models a run measured: offline both; through a proxy the cache-aware one,
+    and only with the upstream's cached tokens (``--direct``)."""
+    if not run.through_proxy:
+        return MODELS
+    return (SEPARATE,) if run.cache_measured else ()
+
+
 def _losers(run: Run, tally: Tally, worst: int) -> list[str]:
+    measured = _measured(run)
     more = tally.costing_more()
     lines = ["  conversations costing more than pass-through: " + ", ".join(
-        f"{'cache-aware' if m == SEPARATE else m} {n}" for m, n in more.items())
+        f"{_name(m)} {n if m in measured or m == 'money' else 'n/a'}" for m, n in more.items())
         + f" (of {len(tally.rows)})"]
     domains = tally.by_domain()
     if len(domains) > 1:
         lines.append("  by domain (cache-aware / strict): " + "; ".join(
-            f"{d} {v[SEPARATE]:.1%} / {v[STRICT]:.1%} ({v['conversations']:.0f})"
+            f"{d} {_pct(v[SEPARATE] if SEPARATE in measured else None)} / "
+            f"{_pct(v[STRICT] if STRICT in measured else None)} ({v['conversations']:.0f})"
             for d, v in domains.items()))
     model = SEPARATE if run.through_proxy else STRICT
-    if worst and tally.rows:
-        lines.append(f"  worst conversations ({'cache-aware' if model == SEPARATE else model}):")
+    if worst and tally.rows and model in measured:
+        lines.append(f"  worst conversations ({_name(model)}):")
         for row in tally.worst(worst, model):
             c, f = row.costs[model]
-            events = ", ".join(f"{k} {v}" for k, v in sorted(row.events.items())) or "none"
+            # through a proxy its compaction events are not seen: none are listed
+            events = "" if run.through_proxy else "; events: " + (", ".join(
+                f"{k} {v}" for k, v in sorted(row.events.items())) or "none")
             lines.append(f"    {row.saving(model):7.1%}  {row.conv_id}  {row.requests} "
-                         f"requests, {c:,.0f} → {f:,.0f}; events: {events}")
+                         f"requests, {c:,.0f} → {f:,.0f}{events}")
     return lines
+
+
+def _name(model: str) -> str:
+    return "cache-aware" if model == SEPARATE else model
 
 
 def _pct(share: float | None) -> str:
