@@ -410,7 +410,8 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
     if settings.config_dir:
         root = Path(settings.config_dir)
         if not root.is_dir():
-            raise ConfigError(str(root), "", "config directory does not exist")
+            raise ConfigError(str(root), "", "not a directory" if root.exists()
+                              else "config directory does not exist")
         gpath = root / GLOBAL_FILE
         if gpath.exists():
             raw = _resolve_env(_read_toml(gpath), "", str(gpath), unset)
