@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import urllib.parse
 from typing import Any
 
 import orjson
@@ -123,7 +124,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return 2
     params = {"tenant": args.tenant} if args.tenant else {}
     try:
-        resp = httpx.get(f"{args.url.rstrip('/')}/admin/sessions/{args.session_id}",
+        # the id as one path segment, whatever it holds ('%41', '../x', '?', a tab)
+        sid = urllib.parse.quote(args.session_id, safe="")
+        resp = httpx.get(f"{args.url.rstrip('/')}/admin/sessions/{sid}",
                          params=params, headers={"Authorization": f"Bearer {key}"}, timeout=10)
     except httpx.HTTPError as exc:
         print(f"cannot reach the proxy at {args.url}: {exc}", file=sys.stderr)

@@ -111,6 +111,28 @@ def test_inspect_says_where_each_branch_comes_from(make_proxy: Any,
         ("reply", "again")]
 
 
+def test_inspect_takes_any_session_id_as_one_name(make_proxy: Any,
+                                                 upstream: ScriptedUpstream) -> None:
+    """The id goes into the admin path as one segment: '%41' is not 'A', '../x' is no path,
+    '?' starts no query, and a tab is no error."""
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY)
+    ids = ["A", "%41", "x?tenant=y", "../x"]
+    for sid in ids:
+        c = openai.OpenAI(base_url=proxy.url, api_key="sk-inspect", max_retries=0,
+                          default_headers={"X-Session-Id": sid})
+        upstream.push({"content": f"answer for {sid}"})
+        c.chat.completions.create(model="gpt-4o", messages=[  # type: ignore[arg-type]
+            {"role": "user", "content": f"I am {sid}"}])
+    proxy.settle()
+    for sid in ids:
+        out = cli("inspect", sid, "--url", proxy.base, "--admin-key", ADMIN_KEY)
+        assert out.returncode == 0, (sid, out.stderr)
+        assert f"I am {sid}" in out.stdout and "Traceback" not in out.stderr
+        assert not any(f"I am {other}" in out.stdout for other in ids if other != sid)
+    out = cli("inspect", "a\tb", "--url", proxy.base, "--admin-key", ADMIN_KEY)
+    assert out.returncode != 0 and "no session" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_demo_once_prints_no_address_it_takes_down(redis_url: str, tmp_path: Path) -> None:
     r = cli("demo", "--once", "--port", "0", "--redis-url", redis_url, "--data-dir",
             str(tmp_path), timeout=180)
