@@ -279,3 +279,47 @@ def test_the_whole_prompt_an_upstream_reports(usage: dict[str, Any],
                                               prompt: tuple[int, int]) -> None:
     from runloop_proxy.pipeline.accounting import prompt_usage
     assert prompt_usage(usage) == prompt
+
+
+def _every_mark(value: Any) -> int:
+    """cache_control marks anywhere in a body, counted without the proxy's reader."""
+    if isinstance(value, dict):
+        return int(isinstance(value.get("cache_control"), dict)) \
+            + sum(_every_mark(v) for k, v in value.items() if k != "cache_control")
+    if isinstance(value, list):
+        return sum(_every_mark(v) for v in value)
+    return 0
+
+
+_CC = {"type": "ephemeral"}
+_text = st.builds(lambda marked: {"type": "text", "text": "t", **({"cache_control": _CC}
+                                                                   if marked else {})},
+                  st.booleans())
+_result = st.builds(lambda inner, marked: {"type": "tool_result", "tool_use_id": "u",
+                                           "content": inner,
+                                           **({"cache_control": _CC} if marked else {})},
+                    st.lists(_text, max_size=3), st.booleans())
+
+
+@settings(max_examples=200, deadline=None)
+@given(system=st.lists(_text, max_size=2), tools=st.lists(st.booleans(), max_size=2),
+       turns=st.lists(st.lists(st.one_of(_text, _result), min_size=1, max_size=3),
+                      min_size=1, max_size=4),
+       stable=st.integers(-1, 3))
+def test_auto_marks_stay_within_four_wherever_the_client_put_its_own(
+        system: list[dict[str, Any]], tools: list[bool], turns: list[list[dict[str, Any]]],
+        stable: int) -> None:
+    """Every mark the client set counts — on a tool, a system block, a message's block or a
+    block inside a tool_result — and the proxy adds its own only while all of them are fewer
+    than four (nested marks were not counted: five went upstream)."""
+    from runloop_proxy.api.breakpoints import marks, with_auto
+    body = {"system": system or "s",
+            "tools": [{"name": f"t{i}", "input_schema": {}, **({"cache_control": _CC} if m
+                                                               else {})}
+                      for i, m in enumerate(tools)],
+            "messages": [{"role": "user" if k % 2 == 0 else "assistant", "content": blocks}
+                         for k, blocks in enumerate(turns)]}
+    assert len(marks(body)) == _every_mark(body)
+    out = with_auto(body, min(stable, len(turns) - 1))
+    assert _every_mark(out) <= max(4, _every_mark(body))
+    assert _every_mark(out) - _every_mark(body) <= 2

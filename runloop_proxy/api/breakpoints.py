@@ -21,8 +21,8 @@ Mark = tuple[int, int, int, str | None]  # (part, turn, block, the mark's ttl)
 
 def marks(body: dict[str, Any]) -> list[Mark]:
     """Where the request's breakpoints are, in the order the API renders the prompt —
-    (part, turn, block): part 0 the tools, 1 the system prompt, 2 the messages — with each
-    one's ``ttl``."""
+    (part, turn, block): part 0 the tools, 1 the system prompt, 2 the messages (a mark inside
+    a block, on a tool_result's content, at that block) — with each one's ``ttl``."""
     out = [(0, 0, i, _ttl(t)) for i, t in enumerate(body.get("tools") or []) if _marked(t)]
     system = body.get("system")
     if isinstance(system, list):
@@ -30,8 +30,16 @@ def marks(body: dict[str, Any]) -> list[Mark]:
     for t, turn in enumerate(body.get("messages") or []):
         content = turn.get("content") if isinstance(turn, dict) else None
         if isinstance(content, list):
-            out += [(2, t, i, _ttl(b)) for i, b in enumerate(content) if _marked(b)]
+            for i, b in enumerate(content):
+                out += [(2, t, i, _ttl(m)) for m in _with_nested(b) if _marked(m)]
     return out
+
+
+def _with_nested(block: Any) -> list[Any]:
+    """A block, and the blocks inside it (a tool_result's content): a mark on either counts
+    against the API's four."""
+    inner = block.get("content") if isinstance(block, dict) else None
+    return [block, *inner] if isinstance(inner, list) else [block]
 
 
 def with_auto(body: dict[str, Any], stable_turn: int | None) -> dict[str, Any]:
