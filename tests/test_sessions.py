@@ -575,3 +575,29 @@ def test_server_history_mode_needs_a_named_session(aproxy: ProxyServer,
         assert "named session" in str(err.value)
     assert upstream.raw_bodies[seen:] == []
     assert sessions(aproxy) == {}
+
+
+def test_server_history_mode_is_refused_where_it_cannot_be_served(
+        aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """X-Runloop-History: server asks the proxy to supply the stored conversation; the
+    Responses and Messages adapters do not, so they refuse it (in their own error shape)
+    rather than send the new message alone and store it as the session's head."""
+    c = sdk(aproxy, **{"X-Runloop-History": "server", "X-Session-Id": "mixed-1"})
+    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "my name is Zed"}])
+    aproxy.settle()
+    before = sessions(aproxy)
+    seen = len(upstream.raw_bodies)
+    headers = {"Authorization": f"Bearer {KEY}", "X-Runloop-History": "server",
+               "X-Session-Id": "mixed-1", "x-api-key": KEY}
+    r = httpx.post(aproxy.url + "/responses", headers=headers,
+                   json={"model": "m", "input": "what is my name?"})
+    assert r.status_code == 400 and "chat completions" in r.json()["error"]["message"]
+    r = httpx.post(aproxy.url + "/messages", headers=headers, json={
+        "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "my name?"}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "chat completions" in r.json()["error"]["message"]
+    assert upstream.raw_bodies[seen:] == []
+    assert sessions(aproxy) == before
+    # the chat conversation goes on whole
+    c.chat.completions.create(model="m", messages=[{"role": "user", "content": "and now?"}])
+    assert b"my name is Zed" in upstream.raw_bodies[-1]

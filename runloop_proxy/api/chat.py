@@ -17,7 +17,6 @@ from .chat_wire import ChatWire
 from .http import ASGIResponse, answer_turn, authenticate, read_request
 
 PATH = "/v1/chat/completions"
-HISTORY_HEADER = "x-runloop-history"
 WIRE = ChatWire()
 
 
@@ -30,8 +29,7 @@ async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
     raw, body = await read_request(state, request, validate_chat_request)
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
     headers = list(request.headers.items())
-    return Turn(caller, WIRE, body, raw, body["messages"], headers,
-                server_history=request.headers.get(HISTORY_HEADER, "").lower() == "server")
+    return Turn(caller, WIRE, body, raw, body["messages"], headers)
 
 
 def validate_chat_request(body: Any) -> dict[str, Any]:

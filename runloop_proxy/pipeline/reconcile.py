@@ -89,6 +89,11 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
     from) and what the store holds for it."""
     messages = turn.messages
     ns, store = turn.caller.namespace, state.store
+    if turn.server_history and turn.wire.api != "chat":
+        raise InvalidRequest("server-history mode (X-Runloop-History: server) is for chat "
+                             "completions: a Responses conversation continues upstream with "
+                             "previous_response_id, and a Messages client sends its whole "
+                             "conversation")
     if turn.server_history and ns is None:
         raise InvalidRequest("server-history mode needs an API key: the history is kept per "
                              "key, and a request without one has none")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,9 @@ class Caller:
         return headers
 
 
+HISTORY_HEADER = "x-runloop-history"  # "server": the proxy supplies the stored conversation
+
+
 @dataclass(frozen=True)
 class Turn:
     """One client request in the conversation model, from an API adapter."""
@@ -45,10 +49,17 @@ class Turn:
     raw: bytes
     messages: list[Message]
     headers: list[tuple[str, str]]
-    server_history: bool = False
     chained: str | None = None  # a Responses previous_response_id: the state is upstream
     tools: list[dict[str, Any]] | None = None  # the request's tools in chat form, if not
     counting: bool = False  # a count_tokens request: the window is sized, never sent
+
+    @functools.cached_property
+    def server_history(self) -> bool:
+        """Whether the client asks the proxy to supply the stored conversation (the
+        ``X-Runloop-History: server`` header): read here, for every API alike — the API that
+        cannot serve it refuses it (``reconcile``) instead of ignoring it."""
+        return any(k.lower() == HISTORY_HEADER and v.strip().lower() == "server"
+                   for k, v in self.headers)
 
     @property
     def chat_tools(self) -> list[dict[str, Any]] | None:
