@@ -36,6 +36,10 @@ from runloop_proxy.scripted import ScriptedUpstream  # noqa: E402
 
 KEY = "sk-hostile"
 MESSAGES = "_messages"  # a corpus entry for /v1/messages (the key is not sent)
+HEADERS = "_headers"  # a corpus entry's own headers (not sent in the body)
+# turns that share one named session whose history the proxy supplies: each later one brings
+# the stored conversation's work too, whatever its own size
+SERVER_HISTORY = {"X-Session-Id": "grown", "X-Runloop-History": "server"}
 MiB = 1 << 20
 
 
@@ -150,6 +154,18 @@ def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
             {"role": "user", "content": "x"}, *[{"role": "assistant", "content": [
                 {"type": "text", "text": "y"}]} for _ in range(15_000)],
             {"role": "user", "content": "go on"}]}, None),
+        *[(f"server history: a turn of 850 KB, {k} stored before it", {
+            HEADERS: SERVER_HISTORY, "model": "gpt-4o", "messages": [
+                user(f"read part {k}"),
+                {"role": "assistant", "content": None, "tool_calls": [{
+                    "id": f"call_{k}", "type": "function",
+                    "function": {"name": "read", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": f"call_{k}",
+                 "content": f"lorem ipsum dolor sit amet {k} " * 29_000}],
+            "tools": [tool_fn("read", {"type": "object"})]}, None)
+          for k in range(6)],
+        ("server history: a tiny turn over 5 MB stored", {
+            HEADERS: SERVER_HISTORY, "model": "gpt-4o", "messages": [user("and so?")]}, None),
         ("Messages: an input_schema nested 13 deep", {MESSAGES: True, "model": "claude-sonnet-4-6",
                                                       "max_tokens": 64, "messages": [
             {"role": "user", "content": "hi"}], "tools": [
@@ -228,6 +244,8 @@ def main() -> int:
             for n, (name, body, answer) in enumerate(corpus()):
                 if args.only and not any(o in name for o in args.only):
                     continue
+                headers = {"Content-Type": "application/json", "X-Session-Id": f"h{n}",
+                           **body.pop(HEADERS, {})}
                 path = "/v1/messages" if body.pop(MESSAGES, False) else \
                     "/v1/responses" if "input" in body else "/v1/chat/completions"
                 raw = orjson.dumps(body)
@@ -237,8 +255,7 @@ def main() -> int:
                     upstream.push(answer)
                 time.sleep(0.05)
                 start = time.monotonic()
-                with c.stream("POST", base + path, content=raw, headers={
-                        "Content-Type": "application/json", "X-Session-Id": f"h{n}"}) as r:
+                with c.stream("POST", base + path, content=raw, headers=headers) as r:
                     received = sum(len(b) for b in r.iter_raw())
                 took = time.monotonic() - start
                 time.sleep(0.05)

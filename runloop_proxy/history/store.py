@@ -624,18 +624,28 @@ class RedisStore:
 
     async def head(self, namespace: str, session_id: str) -> list[tuple[str, Message]]:
         """The head branch: (content hash, message) in order."""
+        return (await self.head_sized(namespace, session_id))[0]
+
+    async def head_sized(self, namespace: str, session_id: str
+                         ) -> tuple[list[tuple[str, Message]], int]:
+        """The head branch and its stored bytes: what it weighs decides, as a request's size
+        does, whether it is worked on off the event loop (parsed here, and by the caller)."""
         p = self.prefix(namespace, session_id)
 
-        async def run() -> list[tuple[str, Message]]:
+        async def run() -> tuple[list[Any], list[Any]]:
             head = await self.client.hget(p + ":meta", "head")
             if head is None:
-                return []
+                return [], []
             hashes = await self.client.lrange(f"{p}:b:{_s(head)}", 0, -1)
             bodies = await self.client.hmget(p + ":msg", hashes) if hashes else []
-            return [(_s(h), orjson.loads(b)) for h, b in zip(hashes, bodies, strict=True)
-                    if b is not None]
+            return hashes, bodies
 
-        return await self._call("read", run)  # type: ignore[no-any-return]
+        hashes, bodies = await self._call("read", run)
+        size = sum(len(b) for b in bodies if b is not None)
+        items = await offload(is_large(size, len(bodies)), lambda: [
+            (_s(h), orjson.loads(b)) for h, b in zip(hashes, bodies, strict=True)
+            if b is not None])
+        return items, size
 
     async def continuation(self, namespace: str, session_id: str,
                            anchors: list[str]) -> str | None:

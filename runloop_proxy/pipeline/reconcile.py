@@ -24,7 +24,7 @@ from ..history.store import Prepared, RedisStore, prepare
 from ..ops import logs
 from ..state import AppState
 from .framing import Frame
-from .offload import offload
+from .offload import is_large, offload
 from .values import History, Recent, Turn
 
 log = logs.get("reconcile")
@@ -160,16 +160,20 @@ async def _server_history(state: AppState, turn: Turn, session: Session, store: 
     """The stored conversation with the new messages after it (a system prompt the request
     sends stands in for the stored one this turn)."""
     messages = turn.messages
-    stored = [m for _, m in await store.head(ns, session.id)]
+    head, size = await store.head_sized(ns, session.id)
+    stored = [m for _, m in head]
     system = preamble_end(messages)
     full = [*messages[:system], *stored[preamble_end(stored):], *messages[system:]] \
         if system else [*stored, *messages]
     internal = store.cached_internal(ns, session.id)
     if internal is None:
         internal = (await store.load(ns, session.id, [], "")).internal
-    return History(full, await _counted(state, turn, full), internal,
+    # the work this turn brings is the stored conversation's as well as the request's
+    large = turn.large or is_large(size + len(turn.raw), len(full))
+    counted_full = await offload(large, lambda: counted(state, turn, full))
+    return History(full, counted_full, internal,
                    appended=(await _counted(state, turn, messages, hashed), system),
-                   new_from=len(full) - len(messages) + system)
+                   new_from=len(full) - len(messages) + system, large=large)
 
 
 def response_anchor(response_id: str) -> str:

@@ -41,7 +41,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     tools = ProxyTools.for_request(turn.chat_tools)
     stored = await state.summaries.stored(turn, session)
     try:
-        window, made = await offload(turn.large, lambda: compute_window(
+        window, made = await offload(turn.large or history.large, lambda: compute_window(
             state, turn, session, history, spliced, spliced_keys, protected, frame, stored))
     except Exception:  # noqa: BLE001 - a window bug must not cost the user this call
         log.exception("window failed: passing the request through uncompressed",

@@ -110,6 +110,7 @@ class History:
     earlier_at: int = 0  # where ``earlier`` goes in ``messages``: after the system prompt
     appended: tuple[list[Prepared], int] | None = None
     new_from: int | None = None
+    large: bool = False  # what the store brought is large (server-history mode): off the loop
 
     def to_store(self) -> list[Prepared]:
         """The whole conversation as it is stored: what the client sent, with what it
