@@ -43,6 +43,7 @@ from ..conversation.messages import Message, message_text, text_of, tool_calls_o
 from ..conversation.runloops import RunLoop, preamble_end, segment
 from ..errors import StoreError
 from ..ops import logs
+from ..pipeline.offload import is_large, offload
 from ..window.builder import Compactions, Summaries, batch_omission
 from ..window.digest import VERSION as EXTRACTIVE
 from ..window.digest import roll
@@ -343,15 +344,20 @@ class SummaryService:
 
         def count(text: str) -> int:
             return self.state.tokens.text(enc, text)
+        # what the new loops hold is read whole (their tool results too): off the event loop
+        # when it is large, as a large request is — this runs beside every other request
+        large = is_large(sum(len(message_text(m)) for lp in new
+                             for m in messages[lp.start:lp.end]))
         try:
             if policy.summary_model == "extractive":
-                text = digest(policy, prev_text, messages, new, count)
+                text = await offload(large, lambda: digest(policy, prev_text, messages, new,
+                                                           count))
                 usage: dict[str, int] = {}
                 summarizer = EXTRACTIVE
             else:
+                turns = await offload(large, lambda: loops_text(messages, new))
                 text, usage = await asyncio.wait_for(
-                    self._llm(job, prev_text, loops_text(messages, new), count),
-                    policy.summary_timeout_s)
+                    self._llm(job, prev_text, turns, count), policy.summary_timeout_s)
                 summarizer = f"{policy.summary_model} ({PROMPT_VERSION})"
         except Exception as exc:  # noqa: BLE001 - a summary failure never reaches a client
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
