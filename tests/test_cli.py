@@ -145,9 +145,10 @@ def test_demo_once_prints_no_address_it_takes_down(redis_url: str, tmp_path: Pat
 
 
 def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", "demo", "--port", "0",
-                             "--redis-url", redis_url, "--data-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = (tmp_path / "demo.log").open("w")  # read when it fails (a pipe nobody reads fills)
+    proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "runloop_proxy",
+                             "demo", "--port", "0", "--redis-url", redis_url, "--data-dir",
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         assert proc.stdout is not None
         lines: list[str] = []
@@ -167,7 +168,15 @@ def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path:
         assert page.status_code == 200 and "36 requests" in page.text
     finally:
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(30)
+        try:
+            code = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack, in the log
+            proc.wait(10)
+            log.close()
+            pytest.fail("demo did not stop on Ctrl-C:\n"
+                        + (tmp_path / "demo.log").read_text()[-6000:])
+        log.close()
     assert code == 0  # Ctrl-C is how it is meant to stop: a clean exit, both servers down
     with pytest.raises(httpx.HTTPError):
         httpx.get(found.group(1) + "/login", timeout=2)
