@@ -446,3 +446,23 @@ def test_a_long_streamed_answer_is_assembled_in_linear_work(kind: str) -> None:
             reply.message["tool_calls"][0]["function"]["arguments"]
         assert len(said) >= 64 * n
     assert copied[2000] <= 2.2 * copied[1000], copied
+
+
+@pytest.mark.parametrize(("system", "why"), [
+    (5, "system: must be a string or an array of content blocks"),
+    ({"type": "text", "text": "S"}, "system: must be a string or an array of content blocks"),
+    ([{"type": "image", "source": {}}], "system.0: must be a content block with a type 'text'"),
+    (["S"], "system.0: must be a content block with a type 'text'"),
+    ([{"type": "text"}], "system.0.text: Field required"),
+])
+def test_a_system_prompt_that_is_not_text_is_refused_naming_the_part(system: Any,
+                                                                     why: str) -> None:
+    """The top-level ``system`` is a string or text blocks: anything else is a 400 naming the
+    part, never a request the window then cannot read."""
+    with pytest.raises(InvalidRequest) as err:
+        validate_messages_request({"model": "m", "max_tokens": 5, "system": system,
+                                   "messages": [{"role": "user", "content": "hi"}]})
+    assert str(err.value) == why
+    ok = validate_messages_request({"model": "m", "max_tokens": 5, "messages": [
+        {"role": "user", "content": "hi"}], "system": [{"type": "text", "text": "S"}]})
+    assert ok["system"] == [{"type": "text", "text": "S"}]

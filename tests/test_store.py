@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import threading
 import time
 from typing import Any
@@ -304,6 +305,44 @@ def test_redis_killed_mid_traffic_no_client_failures(make_proxy: Any,
             model="m", messages=[{"role": "user", "content": "after"}],
             extra_headers={"X-Session-Id": "s-after"}).headers.get("x-runloop-degraded")
             is None, what="the store back")
+        assert re.search(r"^runloop_store_up 1\.0$", httpx.get(proxy.base + "/metrics").text,
+                         re.M), "the store is said to be up again"
+    finally:
+        server.cleanup()
+
+
+def test_a_store_that_lost_its_scripts_is_not_down(make_proxy: Any,
+                                                   upstream: ScriptedUpstream) -> None:
+    """Redis forgets the proxy's scripts (SCRIPT FLUSH, a failover to a replica without them):
+    the next write loads them again and retries, once — not a degraded request, not a lost
+    turn, and the store stays up."""
+    server = RedisServer().start()
+    try:
+        proxy = make_proxy(redis=server.url, admin_key=ADMIN)
+        c = sdk(proxy, "s-scripts")
+        c.chat.completions.create(model="m", messages=[{"role": "user", "content": "one"}])
+        proxy.settle()
+        redis.Redis.from_url(server.url).script_flush()
+        r = c.chat.completions.with_raw_response.create(model="m", messages=[
+            {"role": "user", "content": "one"}, {"role": "assistant", "content": "echo: one"},
+            {"role": "user", "content": "two"}])
+        assert r.headers.get("x-runloop-degraded") is None
+        proxy.settle()
+        view = httpx.get(proxy.base + "/admin/sessions/s-scripts",
+                         headers={"Authorization": f"Bearer {ADMIN}"},
+                         params={"tenant": TENANT, "messages": "1"}).json()
+        assert [m["content"] for m in view["messages"]] == [
+            "one", "echo: one", "two", "echo: two"]
+        # nothing took the store for down meanwhile: the next request is served with it
+        r = c.chat.completions.with_raw_response.create(model="m", messages=[
+            {"role": "user", "content": "three"}])
+        assert r.headers.get("x-runloop-degraded") is None
+        metrics = httpx.get(proxy.base + "/metrics").text
+        assert re.search(r"^runloop_store_up 1\.0$", metrics, re.M)
+        assert not re.search(r'^runloop_degraded_requests_total\{[^}]*reason="store"[^}]*\} '
+                             r'[1-9]', metrics, re.M), metrics
+        assert not re.search(r"^runloop_store_errors_total\{[^}]*\} [1-9]", metrics, re.M), \
+            "a lost script is reloaded, not counted as the store failing"
     finally:
         server.cleanup()
 
