@@ -102,6 +102,9 @@ def test_validation_errors_name_file_and_field(tmp_path: Path, mutate: Any, wher
 def test_passthrough_needs_an_upstream() -> None:
     with pytest.raises(ConfigError):
         load_config(Settings())
+    for bad in ("ftp://api.openai.com/v1", "api.openai.com/v1", "unix:///tmp/s"):
+        with pytest.raises(ConfigError, match="must start with http:// or https://"):
+            load_config(Settings(upstream=bad))
     cfg = load_config(Settings(upstream="https://api.openai.com/v1", context_window=32000))
     assert cfg.passthrough is not None
     assert cfg.passthrough.context_window("some-unknown-model") == 32000

@@ -139,6 +139,13 @@ def test_models_and_embeddings_pass_through(proxy: ProxyServer,
         r.headers.get("cache-control", "")
     emb = c.embeddings.create(model="text-embedding-3-small", input=["a", "b"])
     assert len(emb.data) == 2
+    # the answer is relayed as the upstream encodes it: asked only in what the client accepts
+    for accepts in ("identity", "gzip, br"):
+        upstream.other.clear()
+        httpx.get(proxy.url + "/files", headers={"Authorization": "Bearer sk-x",
+                                                 "Accept-Encoding": accepts})
+        (_, _, sent, _), = upstream.other
+        assert sent.get("accept-encoding") == accepts
 
 
 def test_langchain_chat_openai(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
@@ -160,6 +167,9 @@ def test_langchain_chat_openai(proxy: ProxyServer, upstream: ScriptedUpstream) -
      "messages[0].tool_call_id"),
     (orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
                    "stream": "yes"}), "stream"),
+    (orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                   "stream": True, "stream_options": {"include_usage": "yes"}}),
+     "stream_options.include_usage"),
 ])
 def test_invalid_requests_get_400_naming_the_field(proxy: ProxyServer, body: bytes,
                                                    param: str | None) -> None:

@@ -220,6 +220,27 @@ def test_search_history_returns_ranked_snippets(proxy: ProxyServer,
     assert "best match" in answer and f"id={ref}" in answer
 
 
+@pytest.mark.parametrize(("arguments", "why"), [
+    ("[1, 2]", "arguments must be a JSON object"),
+    ('"c1"', "arguments must be a JSON object"),
+    ("{not json", "unexpected character"),
+])
+@pytest.mark.parametrize("tool", ["recall_tool_call", "search_history"])
+def test_arguments_that_are_not_an_object_are_an_error_the_model_reads(
+        tool: str, arguments: str, why: str) -> None:
+    """The model's arguments are request content: any JSON but an object (or none) is
+    answered as an error it can read and correct, counted as bad arguments — never a crash."""
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+    runner = ToolRunner(ProxyTools.for_request(None), msgs,  # type: ignore[arg-type]
+                        [message_hash(m) for m in msgs], 5)  # type: ignore[arg-type]
+    answer = asyncio.run(runner.run({"id": "x1", "type": "function", "function": {
+        "name": tool, "arguments": arguments}}))
+    assert answer["role"] == "tool" and answer["tool_call_id"] == "x1"
+    assert str(answer["content"]).startswith("error: invalid arguments (")
+    assert why.lower() in str(answer["content"]).lower()
+    assert runner.outcomes == [(tool, "bad_arguments")]
+
+
 def recall(messages: list[dict[str, Any]], ref: str) -> tuple[Any, str]:
     runner = ToolRunner(ProxyTools.for_request(None), messages,  # type: ignore[arg-type]
                         [message_hash(m) for m in messages], 5)  # type: ignore[arg-type]

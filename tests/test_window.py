@@ -207,6 +207,28 @@ def test_in_loop_elision_keeps_recent_results_and_names_the_ref() -> None:
     assert_valid(w.messages)
 
 
+def test_an_elided_calls_long_arguments_are_cut_and_stay_json() -> None:
+    """Where results are elided, the calls before them lose their long argument values too
+    (head and tail, a note naming the ref that returns them), and stay valid JSON; short
+    values and the calls kept whole are untouched."""
+    msgs: list[Message] = [S, U()]
+    for k in range(8):
+        msgs += [A(f"c{k}", args=80), T(f"c{k}", 100)]
+    policy = Policy(keep_recent_tool_results=2, clear_at_least=0, reasoning_keep_tokens=16,
+                    names_kept=0)
+    w = build(msgs, policy, working=1000)
+    calls = [m for m in w.messages if m.get("tool_calls")]
+    cut = [c for c in calls if "arguments cut" in c["tool_calls"][0]["function"]["arguments"]]
+    assert cut and len(cut) < len(calls), "the oldest calls are cut, the recent ones whole"
+    for m in cut:
+        (call,) = m["tool_calls"]
+        value = orjson.loads(call["function"]["arguments"])["cmd"]
+        assert f'recall_tool_call(call_id="args:{call["id"]}")' in value
+        assert len(value.split()) < 80
+    assert calls[-1]["tool_calls"] == msgs[-2]["tool_calls"]
+    assert_valid(w.messages)
+
+
 def test_excluded_tools_are_never_elided() -> None:
     msgs: list[Message] = [S, U()]
     for k in range(6):
