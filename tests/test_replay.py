@@ -384,3 +384,18 @@ def test_replay_reads_messages_conversations(tmp_path: Path) -> None:
     assert out["compaction_events"] == same["compaction_events"]
     money = out["money"]
     assert money["provider"] == "anthropic" and 0 < money["forwarded"] < money["client"]
+
+
+def test_a_messages_api_line_keeps_its_id_and_meta() -> None:
+    """A conversation recorded in Anthropic's format becomes the conversation model, and keeps
+    what names it — its id (the halves split by it) and its meta (the domain rows)."""
+    from runloop_proxy.ops.replay import conversation_of, half_of
+    line = {"id": "conv-7", "meta": {"domain": "retail"}, "system": "S", "tools": [
+        {"name": "look", "input_schema": {"type": "object"}}], "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    conv = conversation_of(line)
+    assert conv is not None
+    assert conv["id"] == "conv-7" and conv["meta"] == {"domain": "retail"}
+    assert conv["messages"][0] == {"role": "system", "content": "S"}
+    assert [t["function"]["name"] for t in conv["tools"]] == ["look"]
+    assert half_of(conv) == half_of({"id": "conv-7", "messages": []})

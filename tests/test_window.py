@@ -1137,6 +1137,8 @@ def test_an_opening_task_that_alone_breaks_the_budget_is_cut_then_dropped_last()
     # cut to the share of the budget a single message gets, and recallable whole
     assert OPS.count(task) <= 0.25 * 4_000 + 30 and "tokens cut; recall_tool_call" in \
         task["content"]
+    # and the window counts it as cut, not as nothing
+    assert sum(OPS.count(m) for m in w.messages) == w.tokens_out
     # at the hard limit it goes only when nothing else is left to take
     msgs = codex_like(6, result=30)
     small = build(msgs, Policy(max_run_loops=2), working=300, hard=300)
