@@ -146,9 +146,12 @@ def test_demo_once_prints_no_address_it_takes_down(redis_url: str, tmp_path: Pat
 
 def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path: Path) -> None:
     log = (tmp_path / "demo.log").open("w")  # read when it fails (a pipe nobody reads fills)
+    # started as a script's background job is: SIGINT ignored (Python then keeps it so, and
+    # Ctrl-C stopped nothing: CI run from a script hung here), yet Ctrl-C stops it
     proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "runloop_proxy",
                              "demo", "--port", "0", "--redis-url", redis_url, "--data-dir",
-                             str(tmp_path)], stdout=subprocess.PIPE, stderr=log, text=True)
+                             str(tmp_path)], stdout=subprocess.PIPE, stderr=log, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         assert proc.stdout is not None
         lines: list[str] = []

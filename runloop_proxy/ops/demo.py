@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -59,6 +60,10 @@ def sample_conversation(questions: int = 12) -> list[Message]:
                                                      f"shipped; tracking {tracking[0]} and "
                                                      f"{tracking[1]}."})
     return msgs  # type: ignore[return-value]
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -133,6 +138,10 @@ def _demo(args: argparse.Namespace, sock: socket.socket) -> int:
         print(f"  this session: {base}/admin/ui/session?id={session}")
         print(f"the proxy stays up at {base}/v1 (scripted upstream at {upstream.url}); "
               f"Ctrl-C stops both", flush=True)
+        # Ctrl-C (or a plain kill) stops it, whatever the shell that started it left set: a
+        # script's background job starts with SIGINT ignored, and Python then keeps it so
+        signal.signal(signal.SIGINT, _interrupt)
+        signal.signal(signal.SIGTERM, _interrupt)
         try:
             while True:
                 time.sleep(3600)
