@@ -214,6 +214,31 @@ class Poller:
                     at <= since <= at + took), default=0.0)
 
 
+def start_proxy(upstream_url: str, prefix: str, *flags: str) -> tuple[subprocess.Popen[bytes],
+                                                                      str]:
+    """`runloop-proxy serve` as its own process (embedded Redis in a fresh data dir) on a free
+    port, and its base URL (``wait_ready`` before using it)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy.cli", "serve", "--upstream",
+                             upstream_url, "--port", str(port), "--data-dir",
+                             tempfile.mkdtemp(prefix=prefix), "--log-level", "error", *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(base: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the proxy did not start")
+        time.sleep(0.1)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", help="names (substrings) of the bodies to send")
@@ -221,25 +246,10 @@ def main() -> int:
     args = parser.parse_args()
     upstream = ScriptedUpstream().start()
     upstream.keep_requests = False
-    port = free_port()
-    data = tempfile.mkdtemp(prefix="hostile-")
-    proxy = subprocess.Popen([sys.executable, "-m", "runloop_proxy.cli", "serve", "--upstream",
-                              upstream.url, "--port", str(port), "--data-dir", data,
-                              "--log-level", "error"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    proxy, base = start_proxy(upstream.url, "hostile-")
     rows: list[dict[str, Any]] = []
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the proxy did not start")
-            time.sleep(0.1)
+        wait_ready(base)
         poller = Poller(base)
         time.sleep(0.5)
         with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as c:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -24,7 +22,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hostile import Poller, free_port  # noqa: E402
+from hostile import Poller, start_proxy, wait_ready  # noqa: E402
 
 from runloop_proxy.scripted import ScriptedUpstream  # noqa: E402
 
@@ -48,25 +46,10 @@ def main() -> int:
     args = ap.parse_args()
     upstream = ScriptedUpstream().start()
     upstream.keep_requests = False
-    port = free_port()
-    proxy = subprocess.Popen([sys.executable, "-m", "runloop_proxy.cli", "serve", "--upstream",
-                              upstream.url, "--port", str(port), "--data-dir",
-                              tempfile.mkdtemp(prefix="summary-stall-"), "--log-level", "error",
-                              "--summary-model", "extractive"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
+    proxy, base = start_proxy(upstream.url, "summary-stall-", "--summary-model", "extractive")
     worst = (0.0, 0)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("the proxy did not start")
-            time.sleep(0.1)
+        wait_ready(base)
         poller = Poller(base)
         time.sleep(0.5)
         messages: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import httpx
 import openai
@@ -144,6 +144,16 @@ def test_demo_once_prints_no_address_it_takes_down(redis_url: str, tmp_path: Pat
     assert "http://" not in r.stdout and "without --once" in r.stdout
 
 
+def read_until(stream: IO[str], marker: str, what: str) -> str:
+    """A process's output up to the line holding ``marker`` (failing if it ends first)."""
+    lines: list[str] = []
+    while not any(marker in line for line in lines):
+        line = stream.readline()
+        assert line, f"{what} ended early: {''.join(lines)}"
+        lines.append(line)
+    return "".join(lines)
+
+
 def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path: Path) -> None:
     log = (tmp_path / "demo.log").open("w")  # read when it fails (a pipe nobody reads fills)
     # started as a script's background job is: SIGINT ignored (Python then keeps it so, and
@@ -154,12 +164,7 @@ def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path:
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         assert proc.stdout is not None
-        lines: list[str] = []
-        while not any("Ctrl-C" in line for line in lines):
-            line = proc.stdout.readline()
-            assert line, f"demo ended early: {''.join(lines)}"
-            lines.append(line)
-        text = "".join(lines)
+        text = read_until(proc.stdout, "Ctrl-C", "demo")
         found = re.search(r"inspector: (http://127\.0\.0\.1:\d+/admin/ui)\s+\(admin key: "
                           r"(demo-\w+)\)", text)
         session = re.search(r"this session: (\S+)", text)
@@ -212,11 +217,7 @@ def test_serve_says_where_it_listens_before_it_is_ready(upstream: ScriptedUpstre
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
-        lines: list[str] = []
-        while not any("runloop-proxy ready" in line for line in lines):
-            line = proc.stderr.readline()
-            assert line, f"serve ended early: {''.join(lines)}"
-            lines.append(line)
+        lines = read_until(proc.stderr, "runloop-proxy ready", "serve").splitlines(True)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)
