@@ -125,6 +125,14 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
          "description": "Reloads by outcome (error: a broken edit, the last good config kept).",
          "targets": [(f"sum by (outcome) (increase(runloop_config_reloads_total[{R}])) "
                       "", "{{outcome}}")]},
+        {"title": "Garbage collections", "unit": "short",
+         "description": "Collections per second by generation, per process. A full one "
+                        "(generation 2) stops every thread while it scans what is alive: "
+                        "the server tunes its collector so that a large request starts "
+                        "none (serving.tune_gc).",
+         "targets": [(f"sum by (instance, generation) "
+                      f"(rate(python_gc_collections_total[{R}]))",
+                      "{{instance}} gen {{generation}}")]},
     ]),
 ]
 

@@ -25,6 +25,7 @@ from .history.store import RedisStore
 from .ops import logs
 from .ops.metrics import Metrics
 from .pipeline.tokens import TokenCounter
+from .serving import tune_gc
 from .state import AppState
 
 log = logs.get("app")
@@ -121,4 +122,6 @@ def app_from_env() -> FastPath:
     """Factory for uvicorn worker processes (``serve --workers N``)."""
     settings = settings_from_env()
     logs.configure(settings.log_level, settings.log_format)
-    return create_app(settings)
+    app = create_app(settings)
+    tune_gc()  # each worker is a server process of its own
+    return app

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import gc
 import socket
 from typing import Any
 
@@ -154,9 +155,29 @@ def cannot_listen(host: str, port: int, exc: OSError) -> str:
     return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
+# A large request keeps some 10^5 objects alive while a worker thread works on it. With
+# CPython's default thresholds (700, 10, 10) its allocations start full collections, each
+# scanning every live object while holding the GIL: the event loop stood still 30 to 50 ms
+# at a time (bench/hostile.py), whichever thread allocated. What the process holds once
+# started (modules, config, encodings) is frozen out of every collection, and collections
+# run less often: young ones every 10,000 allocations, a full one at most every 20 x 10
+# young ones (CPython also waits for the long-lived objects to grow by a quarter). Nothing
+# the proxy makes per request relies on the collector: its garbage is freed by reference
+# counts; cycles (an exception's traceback) are still collected.
+GC_THRESHOLDS = (10_000, 20, 10)
+
+
+def tune_gc() -> None:
+    """The collector set for a server process (above): called once it has loaded."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def run(config: uvicorn.Config, sock: socket.socket) -> None:
     """``uvicorn.run`` for a config built here, on a socket from ``listen``, with its worker
-    processes when it has them."""
+    processes when it has them (each tunes its collector: ``tune_gc``)."""
+    tune_gc()
     server = uvicorn.Server(config)
     try:
         if config.workers > 1:

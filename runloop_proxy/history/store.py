@@ -273,21 +273,24 @@ class RedisStore:
     def _ttl_ms(self, retention_days: float | None) -> int:
         return int((retention_days or self.cfg.retention_days) * 86_400_000)
 
-    def check_limits(self, count: int, new: list[Prepared]) -> None:
+    def check_limits(self, count: int, largest: int) -> None:
         """StoreLimitExceeded when a conversation of ``count`` messages (and a reply) cannot
-        be kept: too many messages, or one of the ``new`` ones too large."""
+        be kept: too many messages, or the largest new one (``largest`` bytes, measured where
+        the messages were prepared) too large."""
         if count + 1 > self.cfg.max_messages_per_session:
             raise StoreLimitExceeded(
                 f"the conversation has more messages than the store keeps per session "
                 f"({self.cfg.max_messages_per_session})")
-        self._check_sizes(new)
+        self._check_size(largest)
+
+    def _check_size(self, largest: int) -> None:
+        if largest > self.cfg.max_message_bytes:
+            raise StoreLimitExceeded(
+                f"a message of {largest} bytes exceeds the store's max_message_bytes "
+                f"({self.cfg.max_message_bytes})")
 
     def _check_sizes(self, items: list[Prepared]) -> None:
-        for it in items:
-            if len(it.body) > self.cfg.max_message_bytes:
-                raise StoreLimitExceeded(
-                    f"a message of {len(it.body)} bytes exceeds the store's max_message_bytes "
-                    f"({self.cfg.max_message_bytes})")
+        self._check_size(max((len(it.body) for it in items), default=0))
 
     # -- writes ---------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     generate_latest,
     multiprocess,
@@ -42,6 +43,8 @@ class Metrics:
         self._models: dict[str, set[str]] = {}  # tenant label -> its model labels
         self._bound: dict[tuple[str, str], BoundMetrics] = {}
         r = self.registry
+        # the process's garbage collections by generation (a full one stops every thread)
+        GCCollector(registry=r)
         tm = ("tenant", "model")
         self.requests = Counter("runloop_requests_total", "Conversation requests by outcome",
                                 [*tm, "status", "stream", "api"], registry=r)

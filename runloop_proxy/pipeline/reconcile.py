@@ -105,7 +105,7 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
                              "conversation, and only a session you named can reach it")
     known = None if turn.server_history else _known(state, turn, session)
     k = len(known.prepared) if known is not None else 0
-    new = await offload(turn.large, lambda: [prepare(m) for m in messages[k:]])
+    new, largest = await offload(turn.large, lambda: _prepared(messages[k:]))
     hashed = [*known.prepared, *new] if known is not None else new
 
     async def counted_all() -> list[Prepared]:
@@ -127,9 +127,9 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
             return await _chained(state, turn, session, store, ns, hashed)
         if turn.server_history:
             history = await _server_history(state, turn, session, store, ns, hashed)
-            store.check_limits(len(history.prepared), history.prepared)
+            store.check_limits(len(history.prepared), largest)
             return session, history
-        store.check_limits(len(hashed), new)
+        store.check_limits(len(hashed), largest)
         internal = store.cached_internal(ns, session.id)
         earlier: list[Message] = []
         if internal is None:
@@ -222,6 +222,12 @@ async def _continuation(turn: Turn, session: Session, store: RedisStore,
     return (Session(other, SessionKind.FINGERPRINT, "continuation", session.scope,
                     label=session.label),
             stored[preamble_end(stored):at])
+
+
+def _prepared(messages: list[Message]) -> tuple[list[Prepared], int]:
+    """The messages prepared, and the bytes of the largest (the store's limit reads it)."""
+    new = [prepare(m) for m in messages]
+    return new, max((len(p.body) for p in new), default=0)
 
 
 async def record(state: AppState, turn: Turn, session: Session, history: History,

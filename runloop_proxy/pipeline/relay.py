@@ -168,7 +168,8 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
 
     return Rounds(turn.wire, tools, out.body,
                   out.window.messages if out.window else out.conversation, runner,
-                  turn.policy.max_tool_rounds, send, state.config.server.max_answer_bytes)
+                  turn.policy.max_tool_rounds, send, state.config.server.max_answer_bytes,
+                  turn.large or history.large)
 
 
 def _count_calls(state: AppState, turn: Turn, rounds: Rounds) -> None:

@@ -34,7 +34,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         state.metrics.degraded.labels(turn.caller.label, history.degraded).inc()
     if turn.chained or history.degraded or not turn.policy.enabled:
         # a chained request's conversation lives upstream: what it carries is counted
-        return _untouched(state, turn, history, frame, rlog)
+        return await _untouched(state, turn, history, frame, rlog)
     keys = [p.hash for p in history.prepared]
     spliced, spliced_keys, protected = splice_internal(
         history.messages, keys, _chains_at(state, turn, session, history), history.internal)
@@ -48,7 +48,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
         rlog.degraded = "window"
         state.metrics.degraded.labels(turn.caller.label, "window").inc()
-        return _untouched(state, turn, history, frame, rlog)
+        return await _untouched(state, turn, history, frame, rlog)
     if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
         _after(state, turn, session, spliced, spliced_keys, window, stored, made)
     tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
@@ -67,20 +67,21 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     rlog.prompt_tokens = prompt_tokens(state, turn.caller.tenant, frame, window.tokens_in,
                                        window.tokens_out, with_tools)
     if not (window.changed or offer or turn.server_history):
-        return Outgoing(_as_sent(turn, history))
+        return Outgoing(await _as_sent(turn, history))
     extra = turn.wire.tool_definitions(tools) if with_tools else []
-    body = turn.wire.outgoing(turn.body, window.messages, extra)
+    body = await offload(turn.large or history.large, lambda: turn.wire.outgoing(
+        turn.body, window.messages, extra))
     if not turn.counting:
         log_events(state, turn, session, window)
     return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys)
 
 
-def _untouched(state: AppState, turn: Turn, history: History, frame: Frame,
-               rlog: RequestLog) -> Outgoing:
+async def _untouched(state: AppState, turn: Turn, history: History, frame: Frame,
+                     rlog: RequestLog) -> Outgoing:
     """The request goes as it came, its prompt counted as sent (and so as forwarded)."""
     n = sum(p.tokens or 0 for p in history.prepared)
     rlog.prompt_tokens = prompt_tokens(state, turn.caller.tenant, frame, n, n, False)
-    return Outgoing(_as_sent(turn, history))
+    return Outgoing(await _as_sent(turn, history))
 
 
 def _too_long(turn: Turn, window: Window) -> str:
@@ -126,13 +127,16 @@ def _chains_at(state: AppState, turn: Turn, session: Session, history: History) 
     return chains[1:]
 
 
-def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
+async def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
     """The request as the client sent it; in server-history mode, with the stored history;
-    in the upstream's API when it speaks another (the bridge)."""
+    in the upstream's API when it speaks another (the bridge). A conversion walks every
+    message: a large one's runs off the event loop, as the window's does."""
     if turn.server_history and not history.degraded:
-        return turn.wire.outgoing(turn.body, history.messages, [])
+        return await offload(turn.large or history.large, lambda: turn.wire.outgoing(
+            turn.body, history.messages, []))
     if turn.wire.translates:
-        return turn.wire.outgoing(turn.body, turn.messages, [])
+        return await offload(turn.large, lambda: turn.wire.outgoing(
+            turn.body, turn.messages, []))
     return turn.raw
 
 

@@ -45,12 +45,15 @@ class Rounds:
     max_rounds: int
     send: Send  # one upstream call, timed
     max_answer: int  # bytes of an upstream answer the rounds may hold whole
+    large: bool = False  # each round's body is made off the event loop (offload.py)
 
     async def again(self, convo: list[Message], rounds: int) -> UpstreamResponse:
         """The next round; on the last one allowed the proxy's tools are withdrawn, so the
         model has to answer."""
         withdraw = frozenset(self.tools.names) if rounds >= self.max_rounds else frozenset()
-        resp = await self.send(self.wire.next_round(self.sent, convo, withdraw))
+        sent = await offload(self.large, lambda: self.wire.next_round(self.sent, convo,
+                                                                       withdraw))
+        resp = await self.send(sent)
         if resp.status >= 400:
             body = await resp.read(self.max_answer)
             raise UpstreamError(f"the upstream answered {resp.status} to a proxy tool round: "
