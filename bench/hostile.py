@@ -128,6 +128,21 @@ def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
               tools=LOOK),
          {"tool_calls": [{"id": "s1", "name": "search_history",
                           "arguments": {"query": " ".join(f"q{i}x" for i in range(30_000))}}]}),
+        ("search_history: 1,000 a over 4 results of 110 KB of a",
+         chat(session(4, lambda k: "a" * 110_000), tools=LOOK),
+         {"tool_calls": [{"id": f"s{i}", "name": "search_history",
+                          "arguments": {"query": "a" * 1000}} for i in range(4)]}),
+        ("an agent message of 30,000 names, its call cut", chat([
+            {"role": "system", "content": "s"}, user("go"),
+            {"role": "assistant", "content": [{"type": "text", "text": " ".join(
+                f"n_{i}" for i in range(30_000))}], "tool_calls": [
+                {"id": "c1", "type": "function", "function": {
+                    "name": "look", "arguments": json.dumps({"q": "x " * 400})}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok " * 300},
+            {"role": "assistant", "content": "done"},
+            *[m for j in range(6) for m in (user(f"next {j}"),
+                                            {"role": "assistant", "content": f"fine {j}"})]],
+            tools=LOOK), None),
         ("an answer of 100 KB gzip, 100 MiB inflated", chat([user("big")]),
          {"raw_body": gz, "headers": {"Content-Encoding": "gzip"}}),
         ("Responses: 20,000 input items", {"model": "gpt-4o", "store": False, "input": [

@@ -60,8 +60,10 @@ class SSEDecoder:
         events: list[SSEEvent] = []
         start = 0
         n = len(buf)
+        lf = -2  # the next LF at or after start (-1: none): found once, not per CR line
         while start < n:
-            lf = buf.find(b"\n", start)
+            if lf != -1 and lf < start:
+                lf = buf.find(b"\n", start)
             cr = buf.find(b"\r", start, lf if lf != -1 else n)
             if cr != -1:
                 end, nxt = cr, cr + 1

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import orjson
 
 from ..conversation.messages import Message, text_of, tool_calls_of
+from .shown import Shown
 
 VERSION = "extractive-5"
 IDS_HEADER = "Identifiers:"
@@ -170,7 +171,7 @@ def found_in(m: Message) -> Found:
 
 
 def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
-         cap: int = IDS_PER_LOOP, known: str = "") -> list[str]:
+         cap: int = IDS_PER_LOOP, known: str | Shown = "") -> list[str]:
     """Up to ``cap`` identifiers of a span of messages, without repeats: the users' words,
     the calls' arguments and the final replies first, in order; then the tool results',
     strongest first. ``results``, when given, holds the tool results' (``found`` then need
@@ -179,10 +180,11 @@ def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
     shows it (``7091239`` in ``gift_card_7091239``), whichever came first."""
     out: list[str] = []
     seen: set[str] = set()
+    shows = known if isinstance(known, Shown) else Shown(known) if known else None
 
     def full(ids: tuple[str, ...]) -> bool:
         for x in ids:
-            if x in seen or x in known:
+            if x in seen or (shows is not None and x in shows):
                 continue
             seen.add(x)
             if any(x in y for y in out):
@@ -207,7 +209,8 @@ def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
     return out
 
 
-def loop_digest(messages: Sequence[Message], known: str = "") -> tuple[str, list[str]]:
+def loop_digest(messages: Sequence[Message], known: str | Shown = ""
+                ) -> tuple[str, list[str]]:
     """One loop as a line (question → answer) and the identifiers it produced (none that
     ``known`` holds)."""
     users = [text_of(m.get("content")) for m in messages if m.get("role") == "user"]
@@ -253,15 +256,20 @@ def roll(previous: str | None, loops: Sequence[Sequence[Message]], max_tokens: i
     loop). An identifier the summary or ``known`` (the system prompt) shows is not added."""
     previous = previous or ""
     new_lines, new_ids = [], []
-    shown = previous
+    # the summary and the identifiers added, and the prompt: each read into a set once, and
+    # searched at most MAX_SCANS times a loop (shown.py); a string grown by each identifier
+    # added and searched for each was quadratic in the loops
+    summary = Shown(previous)
+    prompt = Shown(known) if known else None
     for loop in loops:
-        line, found = loop_digest(loop, known)
+        line, found = loop_digest(loop, prompt.fresh() if prompt is not None else "")
         if lines_too:
             new_lines.append(line)
+        shown = summary.fresh()
         for x in found:
             if x not in shown:
                 new_ids.append(x)
-                shown += f" {x}"
+                shown.add(x)
     added = block(new_lines, new_ids)
     if not added:
         return previous
@@ -278,8 +286,17 @@ def condensed(lines: list[str], ids: list[str], max_tokens: int,
     """One block within ``max_tokens``: the oldest loop lines leave first, the identifiers
     stay longest."""
     text = block(lines, ids)
-    while count(text) > max_tokens and len(lines) > 1:
-        lines = lines[1:]  # the oldest loop's line first: its identifiers stay
+    if count(text) > max_tokens and len(lines) > 1:
+        # the oldest loop lines leave first (their identifiers stay): as few as fit, found
+        # by halving (counting the block once per line dropped was quadratic)
+        low, high = 1, len(lines) - 1  # lines[high:] is one line: the loop below, if not
+        while low < high:
+            mid = (low + high) // 2
+            if count(block(lines[mid:], ids)) <= max_tokens:
+                high = mid
+            else:
+                low = mid + 1
+        lines = lines[low:]
         text = block(lines, ids)
     while count(text) > max_tokens and ids:
         ids = ids[len(ids) // 8 + 1:]  # then the oldest identifiers

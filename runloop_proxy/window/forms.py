@@ -28,6 +28,7 @@ from ..conversation.messages import (
 from ..conversation.runloops import RunLoop, Segmenter, preamble_end
 from .digest import Found, found_in, pick
 from .names import names
+from .shown import Shown
 
 TAG = "[runloop-proxy]"
 SUMMARY_HEAD = "Summary of the turns not shown:"
@@ -540,11 +541,12 @@ class Conversation:
         does not, in order, each once."""
         out: list[str] = []
         seen: set[str] = set()
+        has = Shown(shown)
         for i in positions:
             if self.messages[i].get("role") != "assistant":
                 continue
             for x in self.names_of(i):
-                if x not in seen and x not in shown:
+                if x not in seen and x not in has:
                     seen.add(x)
                     out.append(x)
                     if len(out) >= cap:
@@ -560,7 +562,7 @@ class Conversation:
         if upto < done:
             done, out, seen = at + 1, [], set()
         out, seen = list(out), set(seen)
-        host = message_text(self.messages[at])
+        host = Shown(message_text(self.messages[at]))
         for i in range(done, upto):
             if len(out) >= cap:
                 break

@@ -55,7 +55,14 @@ def holds(text: str, ref: str) -> bool:
     (``594`` is not in ``6594``; ``separable.py`` is in ``astropy/modeling/separable.py``)."""
     start = text.find(ref)
     word_start, word_end = bool(_WORD_CHAR.match(ref[:1])), bool(_WORD_CHAR.match(ref[-1:]))
+    # each find of an overlapping occurrence compares the whole ref again: a periodic ref
+    # ("a" * 1000 in "a" * 900_000) would cost len(text) * len(ref); what one call may
+    # compare is bounded by the text instead (past it, the text reads as not holding it)
+    budget = 4 * len(text) + 4096
     while start >= 0:
+        budget -= len(ref)
+        if budget < 0:
+            return False
         end = start + len(ref)
         before = text[start - 1] if start else ""
         after = text[end] if end < len(text) else ""
