@@ -196,6 +196,24 @@ def test_body_over_limit_is_413(make_proxy: object) -> None:
     assert r.json()["error"]["code"] == "request_too_large"
 
 
+def test_a_declared_body_over_the_limit_is_refused_before_it_is_sent(make_proxy: object
+                                                                      ) -> None:
+    """A Content-Length over the limit is answered at once, from the headers: a client
+    that declares 1 GB and sends nothing gets its 413 without the proxy waiting for the body
+    (whose deadline is far later) or reading a byte of it."""
+    import socket
+
+    proxy = make_proxy(server={"body_timeout_s": 60})  # type: ignore[operator]
+    host, port = proxy.url.split("//")[1].split("/")[0].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Authorization: Bearer k\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000000000\r\n\r\n")
+        head = sock.recv(4096)  # within 10 s, where the body's deadline is 60 s
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]
+    assert b"request_too_large" in head, head[:400]
+
+
 def test_upstream_error_status_and_body_pass_through(proxy: ProxyServer,
                                                      upstream: ScriptedUpstream) -> None:
     upstream.push({"status": 400, "body": {"error": {"message": "bad thing", "type":
