@@ -399,3 +399,29 @@ def test_a_messages_api_line_keeps_its_id_and_meta() -> None:
     assert conv["messages"][0] == {"role": "system", "content": "S"}
     assert [t["function"]["name"] for t in conv["tools"]] == ["look"]
     assert half_of(conv) == half_of({"id": "conv-7", "messages": []})
+
+
+def test_replay_of_a_messages_recording_through_a_proxy_sends_messages_requests(
+        tmp_path: Path, proxy: object, upstream: ScriptedUpstream) -> None:
+    """A Messages-format recording replayed through a proxy goes as the Messages API, a
+    request per point of the conversation, each carrying that point's turns."""
+    from runloop_proxy.conversation.blocks import chat_to_tool, to_anthropic
+
+    chat = conversation(6)
+    system, turns = to_anthropic(chat["messages"])  # type: ignore[arg-type]
+    line = {"system": system, "messages": turns, "tools": [
+        chat_to_tool({"name": "bash", "parameters": {"type": "object"}})]}
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps(line) + "\n")
+    out = run(f, "--json", "--model", "claude-sonnet-4-6",
+              "--proxy", proxy.base)  # type: ignore[attr-defined]
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["requests"] == 7 and data["rejected"] == 0
+    # the proxy bridged each to the chat upstream: the last carried every step's result
+    assert len(upstream.requests) == 7
+    last = json.dumps(upstream.requests[-1])
+    assert "word5x0" in last and upstream.requests[-1]["model"] == "claude-sonnet-4-6"
+    metrics = proxy.state.metrics.render()[0].decode()  # type: ignore[attr-defined]
+    served = re.findall(r'runloop_requests_total\{[^}]*api="(\w+)"[^}]*\} (\S+)', metrics)
+    assert {api for api, n in served if float(n) > 0} == {"messages"}, served
