@@ -158,6 +158,8 @@ def test_a_tool_loop_with_images_through_the_bridge_json_and_stream_alike(
             {"type": "tool_use", "id": "call_7", "name": "bash", "input": {"cmd": "ls -la"}}]
         assert answer.stop_reason == "tool_use"
     assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop"
+    # the message is the upstream's answer, by its id, streamed or not
+    assert streamed.id.startswith("chatcmpl-") and created.id.startswith("chatcmpl-")
     sent = upstream.requests[0]
     assert sent["tools"][0] == CHAT_BASH
     assert [t["function"]["name"] for t in sent["tools"]] == [

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer
-from .test_config import ACME_KEY, write_config
+from .test_config import ACME_KEY, GLOBEX_KEY, write_config
 from .test_tools import recall_name
 
 ADMIN = "admin-0123456789abcdef"
@@ -601,3 +601,50 @@ def test_server_history_mode_is_refused_where_it_cannot_be_served(
     # the chat conversation goes on whole
     c.chat.completions.create(model="m", messages=[{"role": "user", "content": "and now?"}])
     assert b"my name is Zed" in upstream.raw_bodies[-1]
+
+
+LOOKUP = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"acct": {"type": "string"}}}}}]
+
+
+def _late_result(args: str) -> list[dict[str, Any]]:
+    """A conversation whose second loop holds a late result of the first loop's call (an
+    async tool): the second loop's ledger names that call, which lies outside the loop."""
+    rows = "status OK " + " ".join(f"row{i} fine" for i in range(300))
+    return [{"role": "system", "content": "Agent."}, {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_0", "type": "function",
+                 "function": {"name": "lookup", "arguments": args}}]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "r0"},
+            {"role": "assistant", "content": "done"},
+            {"role": "user", "content": "again"},
+            {"role": "tool", "tool_call_id": "call_0", "content": rows},
+            {"role": "assistant", "content": "fine"},
+            {"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize("stranger", ["another tenant", "another session"])
+def test_a_cached_form_of_one_session_is_never_anothers(
+        tenant_proxy: ProxyServer, upstream: ScriptedUpstream, stranger: str) -> None:
+    """Finding (red team): a reduced past loop's form was cached for the whole process under
+    a key that left out the arguments of a call outside the loop; a stranger who sent the
+    same later loop (in another tenant) was shown the victim's account number in its tool
+    ledger. The window's cross-request memo is now each session's alone (``SessionMemo``,
+    in ``framing.window_in``, the one way to a window): whatever a form's key leaves out."""
+    secret = "ACCT-80808080"
+    victim = sdk(tenant_proxy, GLOBEX_KEY, **{"X-Session-Id": "victim"})
+    victim.chat.completions.create(model="m", tools=LOOKUP,  # type: ignore[arg-type]
+                                   messages=_late_result(f'{{"acct": "{secret}"}}'))  # type: ignore[arg-type]
+    assert secret in orjson.dumps(upstream.requests[-1]).decode()  # her own ledger has it
+    assert "tools used" in orjson.dumps(upstream.requests[-1]).decode()  # the loop reduced
+    # every form the window cached is under her session's scope (whatever its own key)
+    cached = [k for k in list(tenant_proxy.state.window_memo) if k[0] != "proxy-tools"]
+    scopes = {k[0] for k in cached}
+    assert len(scopes) == 1 and scopes.pop().startswith("globex\0") and cached, cached[:3]
+    key = GLOBEX_KEY if stranger == "another session" else ACME_KEY
+    him = sdk(tenant_proxy, key, **{"X-Session-Id": "stranger"})
+    him.chat.completions.create(model="m", tools=LOOKUP,  # type: ignore[arg-type]
+                                messages=_late_result('{"acct": "mine"}'))  # type: ignore[arg-type]
+    sent = orjson.dumps(upstream.requests[-1]).decode()
+    assert "tools used" in sent and "mine" in sent
+    assert secret not in sent

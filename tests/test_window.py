@@ -1329,3 +1329,30 @@ def test_what_a_changed_plan_shares_with_the_last_request(
     the first part that differs otherwise."""
     from runloop_proxy.window.plan import shared_prefix
     assert shared_prefix(old, new) == shared
+
+
+def test_a_late_results_ledger_names_its_own_calls_arguments_through_the_memo() -> None:
+    """A loop's reduced form is memoised by what it reads: a late result's ledger line reads
+    its call's arguments, which lie in an earlier loop, so they are part of its key (two
+    conversations alike but for those arguments each get their own ledger)."""
+    rows = "status OK " + " ".join(f"row{i} fine" for i in range(300))
+
+    def conv(acct: str) -> list[Message]:
+        return [S, U(tag="hello"), {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_0", "type": "function",
+             "function": {"name": "lookup", "arguments": f'{{"acct": "{acct}"}}'}}]},
+            {"role": "tool", "tool_call_id": "call_0", "content": "r0"},
+            {"role": "assistant", "content": "done"}, U(tag="again"),
+            {"role": "tool", "tool_call_id": "call_0", "content": rows},
+            {"role": "assistant", "content": "fine"}, U(tag="x")]  # type: ignore[list-item]
+
+    memo: dict[tuple[str, ...], Any] = {}
+    policy = Policy(max_run_loops=7)
+    for acct in ("ACCT-1111", "ACCT-2222"):
+        msgs = conv(acct)
+        w = build_window(msgs, [message_hash(m) for m in msgs], [OPS.count(m) for m in msgs],
+                         policy, Budget(100_000, 1_000), OPS, memo=memo)
+        text = "\n".join(message_text(m) for m in w.messages)
+        assert "tools used" in text, text[:300]
+        assert f"acct={acct}" in text and text.count("acct=ACCT-") == text.count(
+            f"acct={acct}"), text

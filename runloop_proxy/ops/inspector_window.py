@@ -67,10 +67,11 @@ def rebuild(state: AppState, spec: TenantSpec, namespace: str, session_id: str,
     now = point["ts"] if point is not None and isinstance(point.get("ts"), int) \
         else int(time.time() * 1000)
     # when this replica first saw each loop, as the request read it (never dated here)
-    stamps = FirstSeen(state.first_seen, keys, now, f"{namespace}\0{session_id}",
-                       dating=False)
+    scope = f"{namespace}\0{session_id}"
+    stamps = FirstSeen(state.first_seen, keys, now, scope, dating=False)
     window, _ = window_in(state, spec, frame, messages, keys, counts, protected,
-                          dict(stored) if spec.policy.summary_model else {}, now, stamps)
+                          dict(stored) if spec.policy.summary_model else {}, now, stamps,
+                          scope)
     _, with_tools = sends_proxy_tools(spec, frame, window, bool(view.internal))
     client, forwarded = prompt_tokens(state, spec, frame, window.tokens_in, window.tokens_out,
                                       with_tools)

@@ -22,7 +22,7 @@ from ..conversation.runloops import RunLoop, segment
 from ..history.summaries import Made, counts_of, covers, inline_digest, summaries_of
 from ..state import AppState
 from ..window.builder import Carry, Stamps, Window, aged_loops, build_window
-from ..window.forms import DEFAULT_NAMES, Budget, ToolNames
+from ..window.forms import DEFAULT_NAMES, Budget, SessionMemo, ToolNames
 from .tokens import REPLY_PRIMING, WindowTokens
 from .tools import ProxyTools, definitions_tokens
 
@@ -99,13 +99,14 @@ def proxy_tools_tokens(state: AppState, enc: Any) -> int:
 
 def window_in(state: AppState, tenant: TenantSpec, frame: Frame, messages: list[Message],
               keys: list[str], counts: list[int], protected: frozenset[str],
-              stored: dict[str, str], now: int, stamps: Stamps | None,
+              stored: dict[str, str], now: int, stamps: Stamps | None, scope: str,
               carry: Carry | None = None, record_from: int | None = None
               ) -> tuple[Window, Made | None]:
     """The window for a request in ``frame`` carrying ``messages`` (the proxy's exchanges
     spliced in; ``counts`` per message), with the session's ``stored`` summaries; and the
     extractive summary made for it inline, if any (``stored`` then holds it too). ``carry``
-    (the last window's) only spares work."""
+    (the last window's) only spares work. ``scope`` names the session (tenant and id): the
+    forms the window caches across requests are that session's alone (``SessionMemo``)."""
     policy = tenant.policy
     enc, _ = state.tokens.encoding(frame.model, tenant.encoding_for(frame.model))
     loops = _loops(carry, messages, keys) \
@@ -122,7 +123,8 @@ def window_in(state: AppState, tenant: TenantSpec, frame: Frame, messages: list[
     summaries, compactions = summaries_of(policy, stored, cover)
     window = build_window(messages, keys, counts, policy, frame.budget(state, tenant),
                           WindowTokens(state.tokens, enc, state.cuts), protected=protected,
-                          timestamps=stamps, now_ms=now, memo=state.window_memo,
+                          timestamps=stamps, now_ms=now,
+                          memo=SessionMemo(state.window_memo, scope),
                           tool_names=frame.names, carry=carry, summaries=summaries,
                           compactions=compactions, record_from=record_from,
                           client_tools=frame.tools_tokens > 0)

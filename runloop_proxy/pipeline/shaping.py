@@ -162,7 +162,8 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
         stamps.date(len(messages) - 1)  # a loop is dated by the request that opens it
     window, made = window_in(state, tenant, frame, messages, keys, counts, protected,
                              stored if stored is not None else {}, now, stamps,
-                             state.carries.get(carried), _first_new(messages, history))
+                             "\0".join(carried), state.carries.get(carried),
+                             _first_new(messages, history))
     if window.carry is not None:
         state.carries[carried] = window.carry
     return window, made

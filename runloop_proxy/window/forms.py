@@ -9,7 +9,7 @@ and the prefix sums the window's replay runs on. Derived forms are memoised acro
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NamedTuple, Protocol
@@ -39,6 +39,34 @@ DEFAULT_NAMES: ToolNames = ("recall_tool_call", "search_history")
 LEDGER_MAX_LINES = 24
 LEDGER_INLINE_TOKENS = 16  # a result this small is shown in the ledger itself
 DROP_NAMES = 8  # a drop note keeps this many times names_kept of the names it hides
+
+
+class SessionMemo(MutableMapping[tuple[str, ...], Any]):
+    """A process's memo as one session sees it: every key it reads or writes is prefixed by
+    the session's scope, so a form cached for one session is never another's, whatever its
+    key leaves out (a key that missed a call's arguments showed one tenant's account number
+    to another). ``len`` and ``clear`` are the whole memo's (``remember`` empties it whole)."""
+
+    def __init__(self, memo: Memo, scope: str):
+        self.memo, self.scope = memo, scope
+
+    def __getitem__(self, key: tuple[str, ...]) -> Any:
+        return self.memo[(self.scope, *key)]
+
+    def __setitem__(self, key: tuple[str, ...], value: Any) -> None:
+        self.memo[(self.scope, *key)] = value
+
+    def __delitem__(self, key: tuple[str, ...]) -> None:
+        del self.memo[(self.scope, *key)]
+
+    def __iter__(self) -> Iterator[tuple[str, ...]]:
+        return (k[1:] for k in list(self.memo) if k[:1] == (self.scope,))
+
+    def __len__(self) -> int:
+        return len(self.memo)
+
+    def clear(self) -> None:
+        self.memo.clear()
 
 
 def remember(memo: Memo, key: tuple[str, ...], value: Any) -> None:
@@ -387,7 +415,10 @@ class Conversation:
         if j not in self._reduced:
             lp = self.loops[j]
             pos = range(lp.start, lp.end)
-            ident = content_hash("".join(f"{self.keys[i]}{self.refs[i]}{self.counts[i]},"
+            # a tool result's ledger line names its call, which may sit outside the loop
+            # (a result sent after the loop that made the call closed): keyed by it too
+            ident = content_hash("".join(f"{self.keys[i]}{self.refs[i]}{self.counts[i]}"
+                                         f"\0{self.tool_names[i]}\0{self.tool_args[i]},"
                                          for i in pos).encode())
             pol = self.policy
             opening = str(self.cap) if j == 0 and pol.keep_opening else ""
