@@ -466,3 +466,22 @@ def test_a_system_prompt_that_is_not_text_is_refused_naming_the_part(system: Any
     ok = validate_messages_request({"model": "m", "max_tokens": 5, "messages": [
         {"role": "user", "content": "hi"}], "system": [{"type": "text", "text": "S"}]})
     assert ok["system"] == [{"type": "text", "text": "S"}]
+
+
+@pytest.mark.parametrize("body, counting, ok", [
+    ({"max_tokens": 16}, False, True),
+    ({}, False, False),  # a message must say how long its answer may be
+    ({}, True, True),  # a count does not
+    ({"max_tokens": 16}, True, True),
+    ({"max_tokens": "16"}, True, False),  # but one it sends is checked all the same
+    ({"max_tokens": 0}, False, False),
+    ({"max_tokens": True}, False, False),
+])
+def test_max_tokens_is_required_of_a_message_and_checked_in_a_count(
+        body: dict[str, Any], counting: bool, ok: bool) -> None:
+    full = {"model": "claude-sonnet-4-6", "messages": [{"role": "user", "content": "hi"}], **body}
+    if ok:
+        validate_messages_request(full, counting)
+    else:
+        with pytest.raises(InvalidRequest, match="max_tokens"):
+            validate_messages_request(full, counting)

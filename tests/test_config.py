@@ -179,6 +179,14 @@ def test_reload_on_file_change_keeps_last_good(tmp_path: Path, make_proxy: Any,
     text = httpx.get(proxy.base + "/metrics").text
     assert 'runloop_config_reloads_total{outcome="error"}' in text
     assert 'runloop_config_reloads_total{outcome="ok"}' in text
+    # a tenant a reload adds has its series at 0 before its first request (an alert on a
+    # series that does not exist never fires)
+    (root / "tenants" / "initech.toml").write_text('keys = ["initech-key-0123456789"]\n')
+    _bump(root / "tenants" / "initech.toml")
+    until(lambda: "initech" in proxy.state.config.tenants, what="the new tenant loaded")
+    text = httpx.get(proxy.base + "/metrics").text
+    assert 'runloop_recalls_total{outcome="miss",tenant="initech",tool="search_history"} 0.0' \
+        in text, [line for line in text.splitlines() if "initech" in line][:5]
 
 
 def _bump(path: Path) -> None:

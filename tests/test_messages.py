@@ -48,3 +48,8 @@ def test_an_assistant_message_matches_on_role_text_and_calls_whatever_else_it_ca
     named = {"role": "user", "content": "hi", "name": "bob"}
     assert match_hash(user) != match_hash(named)  # type: ignore[arg-type]
     assert match_hash({**REPLY, "content": "changed"}) != match_hash(REPLY)  # type: ignore[arg-type]
+    # and an assistant's calls by their name and arguments, not their ids alone
+    for function in ({"name": "g", "arguments": REPLY["tool_calls"][0]["function"]["arguments"]},
+                     {"name": "f", "arguments": "{\"x\": 2}"}):
+        other = {**REPLY, "tool_calls": [{**REPLY["tool_calls"][0], "function": function}]}
+        assert match_hash(other) != match_hash(REPLY), function  # type: ignore[arg-type]

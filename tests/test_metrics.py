@@ -301,3 +301,26 @@ def test_upstream_usage_is_priced_as_the_provider_bills_it(
     assert not any(line.startswith("runloop_upstream_cost_usd_total")
                    and 'model="unpriced-model"' in line and not line.endswith(" 0.0")
                    for line in text.splitlines())
+
+
+def _first_tokens(proxy: ProxyServer) -> float:
+    text = httpx.get(proxy.base + "/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("runloop_time_to_first_token_seconds_count{"))
+
+
+@pytest.mark.parametrize("tools", [False, True], ids=["relayed", "through the proxy's rounds"])
+def test_a_stream_records_its_time_to_first_token_once(
+        proxy: ProxyServer, upstream: ScriptedUpstream, tools: bool) -> None:
+    """A streamed answer's first byte is timed, whether it is relayed as it came or comes
+    through the proxy's tool rounds (the proxy's tools went out with it), once a stream."""
+    client = openai.OpenAI(base_url=proxy.url, api_key="k", max_retries=0)
+    before = _first_tokens(proxy)
+    extra: dict[str, Any] = {"tools": CLIENT_TOOLS} if tools else {}
+    stream = client.chat.completions.create(
+        model="gpt-4o", stream=True, messages=[{"role": "user", "content": "hi"}], **extra)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    if tools:
+        assert any(t["function"]["name"] == "search_history"
+                   for t in upstream.requests[-1].get("tools") or [])
+    assert _first_tokens(proxy) == before + 1

@@ -343,6 +343,14 @@ def test_a_store_that_lost_its_scripts_is_not_down(make_proxy: Any,
                              r'[1-9]', metrics, re.M), metrics
         assert not re.search(r"^runloop_store_errors_total\{[^}]*\} [1-9]", metrics, re.M), \
             "a lost script is reloaded, not counted as the store failing"
+        # and loaded only then: later writes run them by their hash, with no SCRIPT LOAD
+        stats = redis.Redis.from_url(server.url).info("commandstats")
+        loads = stats.get("cmdstat_script|load", {}).get("calls", 0)
+        for k in range(4):
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": f"{k}"}])
+            proxy.settle()
+        stats = redis.Redis.from_url(server.url).info("commandstats")
+        assert stats.get("cmdstat_script|load", {}).get("calls", 0) == loads
     finally:
         server.cleanup()
 

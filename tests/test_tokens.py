@@ -231,6 +231,25 @@ def test_tool_schemas_cost_less_than_their_json_and_are_cached() -> None:
     assert tc.tools(enc, [WEATHER, WEATHER]) > n
 
 
+def test_the_same_tools_are_rendered_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request of an agent carries the same tools: their rendering is counted once."""
+    from runloop_proxy.pipeline import tokens
+
+    rendered: list[int] = []
+    real = tokens.render_tools
+
+    def counting(*args: Any) -> str:
+        rendered.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(tokens, "render_tools", counting)
+    tc = TokenCounter()
+    enc, _ = tc.encoding("gpt-4")
+    first = tc.tools(enc, [WEATHER])
+    assert [tc.tools(enc, [dict(WEATHER)]) for _ in range(3)] == [first] * 3
+    assert len(rendered) == 1
+
+
 def test_a_black_holed_network_costs_a_bounded_wait_never_a_hang(tmp_path: Path) -> None:
     """tiktoken fetches an encoding not shipped (p50k_base) with no timeout, holding its
     registry lock: through a proxy that accepts connections and never answers, loading must
