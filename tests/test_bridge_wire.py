@@ -476,12 +476,15 @@ def test_a_system_prompt_that_is_not_text_is_refused_naming_the_part(system: Any
     ({"max_tokens": "16"}, True, False),  # but one it sends is checked all the same
     ({"max_tokens": 0}, False, False),
     ({"max_tokens": True}, False, False),
+    ({"max_tokens": 16, "model": ""}, False, False),  # and a model, in every case
+    ({"model": None}, True, False),
 ])
-def test_max_tokens_is_required_of_a_message_and_checked_in_a_count(
+def test_a_model_always_and_max_tokens_of_a_message_are_required(
         body: dict[str, Any], counting: bool, ok: bool) -> None:
     full = {"model": "claude-sonnet-4-6", "messages": [{"role": "user", "content": "hi"}], **body}
     if ok:
         validate_messages_request(full, counting)
     else:
-        with pytest.raises(InvalidRequest, match="max_tokens"):
+        with pytest.raises(InvalidRequest, match="max_tokens" if "model" not in body
+                           else "model"):
             validate_messages_request(full, counting)

@@ -17,6 +17,7 @@ from runloop_proxy.conversation.identity import (
     anchors,
     chained_key,
     check_source,
+    claude_code_session,
     continued,
     identify,
     named_key,
@@ -211,3 +212,19 @@ def test_lining_up_a_trimmed_history_is_linear_work(n: int) -> None:
     (_, large) = calls(continued, *case(2 * n))
     assert large < 2.3 * small, (small, large)
     assert found is None  # the newest replies do not line up: no continuation
+
+
+@pytest.mark.parametrize("headers, metadata, tools, found", [
+    ({"x-claude-code-session-id": "s-head"}, {"user_id": '{"session_id": "s-json"}'}, True,
+     "s-head"),  # the header first (2.1.86 on)
+    ({}, {"user_id": '{"device_id": "d", "session_id": "s-json"}'}, True, "s-json"),
+    ({}, {"user_id": "user_ab12_account_4f2c_session_9e1d-77"}, True, "9e1d-77"),  # before
+    ({}, {"user_id": "just-a-user"}, True, None),
+    ({}, {"user_id": "{not json"}, True, None),
+    ({}, {"user_id": 7}, True, None),
+    ({"x-claude-code-session-id": "s-head"}, {}, False, None),  # a side request: no tools
+])
+def test_the_session_claude_code_names(headers: dict[str, str], metadata: dict[str, Any],
+                                       tools: bool, found: str | None) -> None:
+    body: dict[str, Any] = {"metadata": metadata, **({"tools": [{"name": "t"}]} if tools else {})}
+    assert claude_code_session(headers, body)[0] == found

@@ -1356,3 +1356,20 @@ def test_a_late_results_ledger_names_its_own_calls_arguments_through_the_memo() 
         assert "tools used" in text, text[:300]
         assert f"acct={acct}" in text and text.count("acct=ACCT-") == text.count(
             f"acct={acct}"), text
+
+
+def test_the_hard_limit_takes_the_opening_task_then_more_exchanges() -> None:
+    """Over the hard limit with everything elided and every past loop omitted, the oldest
+    exchanges go, then the opening task (last of all), then again the oldest exchanges its
+    going left in: the request fits with its newest exchange, where it was refused before."""
+    msgs: list[Message] = [S, U(400, tag="task"), F(5), U(5, tag="next")]
+    for k in range(10):
+        msgs += [A(f"c{k}", 3), T(f"c{k}", 200)]
+    w = build(msgs, Policy(), hard=130, working=100)
+    assert w.fits and w.tokens_out <= 130
+    assert w.events[-1].kind.value == "hard_truncation"
+    text = "\n".join(message_text(m) for m in w.messages)
+    assert "task" not in text
+    tools = [m for m in w.messages if m.get("role") == "tool"]
+    assert [m["tool_call_id"] for m in tools] == ["c9"]
+    assert_valid(w.messages)
