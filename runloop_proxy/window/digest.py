@@ -256,16 +256,15 @@ def roll(previous: str | None, loops: Sequence[Sequence[Message]], max_tokens: i
     loop). An identifier the summary or ``known`` (the system prompt) shows is not added."""
     previous = previous or ""
     new_lines, new_ids = [], []
-    # the summary and the identifiers added, and the prompt: each read into a set once, and
-    # searched at most MAX_SCANS times a loop (shown.py); a string grown by each identifier
-    # added and searched for each was quadratic in the loops
-    summary = Shown(previous)
+    # the summary (and the identifiers added) and the prompt: each read into a set once
+    # (shown.py); a string grown by each identifier added and searched for each was
+    # quadratic in the loops
+    shown = Shown(previous)
     prompt = Shown(known) if known else None
     for loop in loops:
-        line, found = loop_digest(loop, prompt.fresh() if prompt is not None else "")
+        line, found = loop_digest(loop, prompt if prompt is not None else "")
         if lines_too:
             new_lines.append(line)
-        shown = summary.fresh()
         for x in found:
             if x not in shown:
                 new_ids.append(x)

@@ -1,9 +1,13 @@
 """Whether a text shows a name, asked for many names (pure). ``name in text`` for each of
 many names scans the text once per name: a text of 300 KB and 40,000 names of its own was
-8 s of one request's CPU (the kept-names check of a trimmed message). Every such question
-goes through ``Shown``: a name that is a run of the text, or a piece of one, is answered from
-a set made in one pass; only the others are looked for, at most ``MAX_SCANS`` times a text,
-so the work is bounded by the text's length whatever the number of names.
+8 s of one request's CPU (the kept-names check of a trimmed message), and a summary's
+identifiers checked against the system prompt and a summary string grown by each were
+quadratic in the loops. Every such question goes through ``Shown``, which reads the text
+once into the set of what a reader takes as a name in it — its runs of name characters,
+those runs without their edge punctuation, their words and the words' parts — and answers
+from the set alone: work linear in the text, and constant per name. A name that occurs in
+the text only inside a longer run (``od_0.p`` in ``pkg/mod_0.py``) reads as not shown: a
+note may repeat it, never leave out one the text does not show.
 """
 
 from __future__ import annotations
@@ -12,44 +16,25 @@ import re
 
 _RUN = re.compile(r"[A-Za-z0-9_./\-$@~+:]+")
 _PIECE = re.compile(r"\w+")
+_PART = re.compile(r"[A-Za-z0-9]+")  # a word's parts (``7091239`` of ``gift_card_7091239``)
 _EDGE = "./-:~+$"
-MAX_SCANS = 256  # past these, a name reads as shown: nothing more is added for it
 
 
 class Shown:
-    """``name in Shown(text)``: whether ``text`` holds ``name`` (as a substring), in work
-    bounded by the text; ``add`` grows the text by a name (a summary's new identifiers)."""
+    """``name in Shown(text)``: whether ``text`` shows ``name`` as a run, a run without its
+    edge punctuation, a word or a word's part; ``add`` shows more (a summary's
+    identifiers)."""
 
-    def __init__(self, text: str):
-        self.text = text
+    def __init__(self, text: str = ""):
         self.known: set[str] = set()
-        self.added: list[str] = []
-        self.scans = 0
-        self._learn(text)
+        self.add(text)
 
-    def _learn(self, text: str) -> None:
+    def add(self, text: str) -> None:
         runs = _RUN.findall(text)
         self.known.update(runs)
         self.known.update(r.strip(_EDGE) for r in runs)
         self.known.update(_PIECE.findall(text))
+        self.known.update(_PART.findall(text))
 
-    def fresh(self) -> Shown:
-        """The same text with a budget of its own (the set is shared, not made again): for a
-        text asked about once per loop, such as the system prompt."""
-        out = Shown.__new__(Shown)
-        out.text, out.known, out.added, out.scans = self.text, self.known, self.added, 0
-        return out  # what it adds, the others see
-
-    def add(self, name: str) -> None:
-        self.added.append(name)
-        self.known.add(name)
-        self._learn(name)
-
-    def __contains__(self, name: str) -> bool:
-        if name in self.known:
-            return True
-        if self.scans >= MAX_SCANS:
-            return True
-        self.scans += 1
-        return name in self.text or any(name in a for a in self.added[-MAX_SCANS:])
-        # (the names added are short, and the newest MAX_SCANS of them are searched)
+    def __contains__(self, name: object) -> bool:
+        return name in self.known
