@@ -13,6 +13,7 @@ from starlette.requests import Request
 
 from .caches import SHARES, ByteLRU
 from .config import ProxyConfig, Settings, config_mtimes, load_config
+from .conversation.messages import Message
 from .errors import ConfigError
 from .history.embedded import EmbeddedRedis
 from .history.store import RedisStore
@@ -127,10 +128,23 @@ class AppState:
 
 
 def carry_size(key: tuple[str, str], carry: Carry) -> int:
-    """What a carried window holds: the conversation's messages (about four bytes a token)
-    and a few hundred bytes of derived facts per message."""
+    """What a carried window holds: the conversation's messages — their text as Python holds
+    it, not their tokens (a token of o200k can be 128 spaces: counted at four bytes a token,
+    2 MB of spaces passed for 64 KB) — and a few hundred bytes of derived facts per
+    message."""
     conv = carry.conv
-    return conv.prefix[-1] * 4 + conv.n * 600
+    return max(conv.prefix[-1] * 4, sum(map(_held, conv.messages))) + conv.n * 600
+
+
+def _held(m: Message) -> int:
+    """The bytes a message's texts take in memory (1 a character for ASCII, else up to 4)."""
+    content = m.get("content")
+    texts = [content] if isinstance(content, str) else [
+        p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) \
+        else []
+    texts += [(c.get("function") or {}).get("arguments") for c in m.get("tool_calls") or []
+              if isinstance(c, dict)]
+    return sum(len(t) * (1 if t.isascii() else 4) for t in texts if isinstance(t, str))
 
 
 def state_of(request: Request) -> AppState:

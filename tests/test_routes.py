@@ -8,6 +8,7 @@ import gzip
 import http.client
 import socket
 import time
+from typing import Any
 
 import httpx
 import openai
@@ -444,3 +445,29 @@ def test_a_compressed_pass_through_body_keeps_its_encoding(proxy: ProxyServer,
         "Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert status == 200, answer
     assert [d["index"] for d in orjson.loads(answer)["data"]] == [0, 1]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/responses", {"input": "hi"}),
+    ("/messages", {"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}),
+    ("/messages/count_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_a_model_name_longer_than_any_is_refused_in_every_api(
+        proxy: ProxyServer, upstream: ScriptedUpstream, path: str, body: dict[str, Any]) -> None:
+    """Finding (red team): a model's name keys the token counter's caches, its calibration
+    table, metric labels and log lines; 400 requests with 1 MB names held 380 MB. Every API's
+    request becomes a turn in one place, which bounds it."""
+    long = {**body, "model": "m" * 257}
+    r = httpx.post(proxy.url + path, json=long, headers={"Authorization": "Bearer k"})
+    assert r.status_code == 400, r.text[:300]
+    error = r.json()["error"]
+    assert "model" in error["message"] and "257 characters" in error["message"]
+    if path.startswith("/messages"):
+        assert r.json()["type"] == "error" and error["type"] == "invalid_request_error"
+    else:
+        assert error["param"] == "model"
+    assert upstream.requests == []
+    ok = httpx.post(proxy.url + path, json={**body, "model": "m" * 256},
+                    headers={"Authorization": "Bearer k"})
+    assert ok.status_code == 200, ok.text[:300]

@@ -207,6 +207,41 @@ def test_tool_call_ids_reused_are_kept_apart(redis_url: str) -> None:
     asyncio.run(go())
 
 
+def test_results_under_one_call_id_are_stored_in_work_linear_in_them() -> None:
+    """Finding (red team): each result of a reused call id re-read, searched and re-wrote
+    the id's whole list inside the sync script — quadratic, with Redis blocked for every
+    tenant (9,999 results: 5 s). Counted, not timed: the script's HSETs of result lists do
+    not grow with the results (one per id and sync), and every result is kept, in order."""
+    server = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(server.url)
+
+        def sync(n: int) -> int:
+            async def go() -> list[Any]:
+                store = RedisStore(server.url, StoreSection(key_prefix=f"t-one-{n}-"),
+                                   Metrics())
+                msgs: list[dict[str, Any]] = [{"role": "user", "content": "go"}]
+                for k in range(n):
+                    msgs += [{"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "call_0", "type": "function",
+                         "function": {"name": "f", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "call_0", "content": f"r{k}"}]
+                await store.sync("t", "s", [prepare(m) for m in msgs])  # type: ignore[arg-type]
+                results = await store.tool_results("t", "s", "call_0")
+                await store.close()
+                return [m["content"] for m in results]
+
+            before = client.info("commandstats").get("cmdstat_hset", {}).get("calls", 0)
+            kept = asyncio.run(go())
+            assert kept == [f"r{k}" for k in range(n)]
+            return int(client.info("commandstats")["cmdstat_hset"]["calls"] - before)
+
+        small, large = sync(200), sync(400)
+        assert large <= small + 2, (small, large)  # was one per result
+    finally:
+        server.cleanup()
+
+
 def test_limits_degrade_instead_of_failing(make_proxy: Any, upstream: ScriptedUpstream) -> None:
     proxy = make_proxy(admin_key=ADMIN, store={"max_messages_per_session": 10})
     c = sdk(proxy, "s-big")

@@ -1373,3 +1373,21 @@ def test_the_hard_limit_takes_the_opening_task_then_more_exchanges() -> None:
     tools = [m for m in w.messages if m.get("role") == "tool"]
     assert [m["tool_call_id"] for m in tools] == ["c9"]
     assert_valid(w.messages)
+
+
+def test_a_carried_window_is_sized_by_the_text_it_holds() -> None:
+    """Finding (red team): a carried window was sized at four bytes a token, and a token can
+    be 128 spaces: 2 MB of spaces passed for 64 KB, and the carries held 15 times their
+    share. It is sized by the text its messages hold, whatever it tokenizes to."""
+    from runloop_proxy.state import carry_size
+
+    spaces = " " * 2_000_000
+    msgs: list[Message] = [S, U(tag="q0"), {"role": "assistant", "content": spaces},
+                           U(tag="q1"), A("c1"), {"role": "tool", "tool_call_id": "c1",
+                                                  "content": "é" * 1000}]
+    counts = [OPS.count(m) for m in msgs]
+    counts[2] = 2_000_000 // 128  # what o200k makes of it
+    w = build_window(msgs, [message_hash(m) for m in msgs], counts, Policy(),
+                     Budget(100_000, 1_000), OPS)
+    assert w.carry is not None
+    assert carry_size(("t", "s"), w.carry) >= 2_000_000 + 4 * 1000

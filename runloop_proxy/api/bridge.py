@@ -35,6 +35,8 @@ CARRIED = frozenset({"model", "messages", "system", "max_tokens", "temperature",
 OPAQUE = frozenset({"thinking", "redacted_thinking"})
 IMAGES_NOTE = "[runloop-proxy] images from the tool results above ({ids})"
 
+LOGGED_DROPS = 16  # names of what the bridge dropped, in its log line
+
 
 class BridgeWire:
     """A Messages request, its upstream speaking chat completions (one per request)."""
@@ -53,8 +55,12 @@ class BridgeWire:
         out = self.chat.outgoing(chat_request(body, self.dropped),
                                  to_chat(messages, self.dropped), extra_tools)
         if self.dropped:  # once a request: its later rounds are next_round's
+            # a log line is bounded whatever a client sent: the first few names, and a count
+            names = sorted(self.dropped)
             log.info("bridge: dropped what chat completions cannot carry",
-                     extra={"model": body.get("model"), "dropped": sorted(self.dropped)})
+                     extra={"model": str(body.get("model"))[:64],
+                            "dropped": [name[:64] for name in names[:LOGGED_DROPS]],
+                            "dropped_count": len(names)})
         return out
 
     def next_round(self, sent: dict[str, Any], messages: list[Message],

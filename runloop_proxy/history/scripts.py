@@ -15,14 +15,29 @@ the client sent, ``r`` a reply the proxy recorded from the upstream.
 """
 
 COMMON = r"""
+local TOOLS = {}
+local function flush_tools(p)
+  for id, t in pairs(TOOLS) do
+    if t.dirty then redis.call('HSET', p .. ':tool', id, table.concat(t.parts)) end
+  end
+  TOOLS = {}
+end
+
 local function store_message(p, h, body, tool_id, tokens, now)
   redis.call('HSETNX', p .. ':msg', h, body)
   redis.call('HSETNX', p .. ':ts', h, now)
   if tool_id ~= '' then
-    -- every result of a call id, in order: ids repeat in real traces
-    local cur = redis.call('HGET', p .. ':tool', tool_id) or ''
-    if not string.find(cur, h, 1, true) then
-      redis.call('HSET', p .. ':tool', tool_id, cur .. h)
+    -- every result of a call id, in order: ids repeat in real traces. Gathered per script
+    -- run (a set and a list per id) and written once by flush_tools: linear in the results
+    local t = TOOLS[tool_id]
+    if not t then
+      local cur = redis.call('HGET', p .. ':tool', tool_id) or ''
+      t = {seen = {}, parts = {cur}, dirty = false}
+      for i = 1, #cur, 32 do t.seen[string.sub(cur, i, i + 31)] = true end
+      TOOLS[tool_id] = t
+    end
+    if not t.seen[h] then
+      t.seen[h] = true; t.parts[#t.parts + 1] = h; t.dirty = true
     end
   end
   if tokens ~= '' then redis.call('HSETNX', p .. ':tok', h, tokens) end
@@ -184,6 +199,7 @@ for i = common + 1, n do
 end
 redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
 if tipk then redis.call('HSET', meta, 'tipk', tipk) end
+flush_tools(p)
 redis.call('HSETNX', meta, 'created', now)
 touch(p, head, now, ttl)
 local internal = {}
@@ -219,6 +235,7 @@ redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'si
 if tipk then redis.call('HSET', meta, 'tipk', tipk) end
 redis.call('HSETNX', meta, 'created', now)
 redis.call('HSET', meta, 'xat', 0)  -- appends are rare: refresh every branch's expiry now
+flush_tools(p)
 touch(p, head, now, ttl)
 return {'ok', tostring(L)}
 """

@@ -12,6 +12,8 @@ from ..ops.metrics import BoundMetrics, Metrics
 log = logs.get("request")
 CLIENT_CLOSED = 499  # nginx's "client closed request", for logs and metrics
 
+LOGGED_MODEL_CHARS = 64
+
 
 class RequestLog:
     """Created when a request arrives; the stages fill it in; ``finish`` counts it once."""
@@ -40,7 +42,7 @@ class RequestLog:
 
     def identify(self, tenant: str, label: str, model: str, stream: bool) -> None:
         self.tenant, self.label, self.stream = tenant, label, stream
-        self.model = model
+        self.model = model[:LOGGED_MODEL_CHARS]  # a log line is bounded whatever a client sent
         self._bound = self.metrics.bound(label, self.metrics.model_label(label, model))
 
     @property

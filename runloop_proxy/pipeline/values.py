@@ -11,6 +11,7 @@ from multidict import CIMultiDict
 
 from ..config import Policy, TenantSpec
 from ..conversation.messages import Message
+from ..errors import InvalidRequest
 from ..history.store import Prepared
 from ..window.builder import Window
 from .offload import is_large
@@ -36,6 +37,7 @@ class Caller:
         return headers
 
 
+MAX_MODEL_CHARS = 256  # the longest model name a request may give (the longest real: ~60)
 HISTORY_HEADER = "x-runloop-history"  # "server": the proxy supplies the stored conversation
 
 
@@ -52,6 +54,14 @@ class Turn:
     chained: str | None = None  # a Responses previous_response_id: the state is upstream
     tools: list[dict[str, Any]] | None = None  # the request's tools in chat form, if not
     counting: bool = False  # a count_tokens request: the window is sized, never sent
+
+    def __post_init__(self) -> None:
+        # a model's name keys caches, a calibration table, metric labels and log lines: a
+        # client's name is bounded here, where every API's request becomes a turn
+        if len(self.model) > MAX_MODEL_CHARS:
+            raise InvalidRequest(f"model: a name of {len(self.model)} characters is longer "
+                                 f"than any model's (at most {MAX_MODEL_CHARS})",
+                                 param="model")
 
     @functools.cached_property
     def server_history(self) -> bool:
