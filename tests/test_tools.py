@@ -586,9 +586,11 @@ def test_calls_past_the_per_request_bound_are_refused_without_work() -> None:
     msgs = long_session(steps=3, size=20)
     runner = ToolRunner(ProxyTools.for_request(None), msgs,  # type: ignore[arg-type]
                         [message_hash(m) for m in msgs], 5)  # type: ignore[arg-type]
-    call = {"id": "s", "type": "function",
-            "function": {"name": "search_history", "arguments": '{"query": "line1_7"}'}}
-    answers = [asyncio.run(runner.run(call)) for _ in range(MAX_CALLS + 5)]  # type: ignore[arg-type]
+    def call(i: int) -> dict[str, Any]:  # each a question of its own (a repeat is a pointer)
+        return {"id": f"s{i}", "type": "function", "function": {
+            "name": "search_history", "arguments": f'{{"query": "line1_7 q{i}"}}'}}
+
+    answers = [asyncio.run(runner.run(call(i))) for i in range(MAX_CALLS + 5)]  # type: ignore[arg-type]
     assert all("best match" in str(a["content"]) for a in answers[:MAX_CALLS])
     assert all("more than 32 calls" in str(a["content"]) for a in answers[MAX_CALLS:])
     assert [o for _, o in runner.outcomes].count("refused") == 5
@@ -654,3 +656,30 @@ def test_search_history_finds_what_an_edit_wrote_as_the_model_wrote_it() -> None
           for k in range(6)), edit]
     text, outcome = _search(msgs, "except KeyError: pass")
     assert outcome == "hit" and "calls=c1" in text.splitlines()[1], text
+
+
+def test_a_result_recalled_again_in_a_request_is_not_copied_again(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """Finding (red team): a model that recalled one result 32 times in a round had it sent
+    upstream, and stored with the session's exchanges, 32 times (6.6 MB for a 200 KB
+    request). A question the proxy's tools answered in this request is answered again by a
+    pointer to that answer."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last["role"] == "tool" and last["tool_call_id"].startswith("rc_"):
+            return {"content": "done"}
+        name, ref = recall_name(body), elided_ref(body["messages"], "call_0")
+        assert name and ref
+        return {"content": "", "tool_calls": [
+            {"id": f"rc_{i}", "name": name, "arguments": {"call_id": ref}} for i in range(4)]}
+
+    upstream.responder = respond
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-t", max_retries=0)
+    r = c.chat.completions.create(model="gpt-4o-mini", messages=long_session())  # type: ignore[arg-type]
+    assert r.choices[0].message.content == "done"
+    answers = [m for m in upstream.requests[-1]["messages"]
+               if m["role"] == "tool" and m["tool_call_id"].startswith("rc_")]
+    assert [m["tool_call_id"] for m in answers] == ["rc_0", "rc_1", "rc_2", "rc_3"]
+    assert str(answers[0]["content"]).startswith("OUT0 line0_0")
+    assert [m["content"] for m in answers[1:]] == [
+        "[runloop-proxy] the same as the answer to rc_0 above"] * 3

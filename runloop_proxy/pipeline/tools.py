@@ -205,6 +205,7 @@ class ToolRunner:
         self.branch_results = branch_results
         self.outcomes: list[tuple[str, str]] = []  # (tool, outcome) for metrics
         self._docs: list[Doc] | None = None  # the corpus as search reads it, read once
+        self._asked: dict[tuple[str, str], str] = {}  # a question answered -> its call's id
 
     async def run(self, call: ToolCall) -> Message:
         fn = call.get("function") or {}
@@ -220,11 +221,22 @@ class ToolRunner:
         except (orjson.JSONDecodeError, ValueError) as exc:
             self.outcomes.append((kind, "bad_arguments"))
             return _tool_message(call, f"error: invalid arguments ({exc})")
+        asked = (kind, str(args.get("call_id" if kind == RECALL else "query", "")).strip())
+        first = self._asked.get(asked)
+        if first is not None:
+            # asked again in this request: its answer is above, in the model's own rounds.
+            # Not copied again — a result recalled 32 times went upstream, and into the
+            # session's stored exchanges, 32 times
+            self.outcomes.append((kind, "hit"))
+            return _tool_message(call, f"[runloop-proxy] the same as the answer to {first} "
+                                       f"above")
         if kind == RECALL:
-            content, outcome = await self.recall(str(args.get("call_id", "")))
+            content, outcome = await self.recall(asked[1])
         else:
-            content, outcome = await self.search(str(args.get("query", "")))
+            content, outcome = await self.search(asked[1])
         self.outcomes.append((kind, outcome))
+        if outcome == "hit":
+            self._asked[asked] = str(call.get("id", ""))
         return _tool_message(call, content)
 
     def _lineage(self) -> list[tuple[str, Message]]:
