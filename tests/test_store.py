@@ -334,7 +334,12 @@ def test_redis_killed_mid_traffic_no_client_failures(make_proxy: Any,
         assert failures == 0 and i > 20
         assert degraded > 0
         text = httpx.get(proxy.base + "/metrics").text
-        assert "runloop_degraded_requests_total" in text
+        # each degraded answer counted once, by its reason, and no other request counted
+        counted = {reason: float(n) for reason, n in re.findall(
+            r'^runloop_degraded_requests_total\{reason="(\w*)",tenant="[^"]*"\} (\S+)$',
+            text, re.M)}
+        assert counted.get("store") == degraded, (counted, degraded)
+        assert all(n == 0 for reason, n in counted.items() if reason != "store"), counted
         # recovered: a fresh request is served with the store again
         until(lambda: c.chat.completions.with_raw_response.create(
             model="m", messages=[{"role": "user", "content": "after"}],
