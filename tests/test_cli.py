@@ -208,13 +208,19 @@ def test_a_busy_port_is_said_in_one_line(command: list[str] | str, redis_url: st
     assert out.stderr == f"port {port} is in use (try --port N)\n"
 
 
+def spawn_serve(upstream: ScriptedUpstream, redis_url: str, data_dir: Path,
+                port: int) -> subprocess.Popen[str]:
+    """``runloop-proxy serve`` as a process on ``port``, its log (text) on its stderr."""
+    return subprocess.Popen([sys.executable, "-m", "runloop_proxy", "serve", "--upstream",
+                             upstream.url, "--redis-url", redis_url, "--port", str(port),
+                             "--data-dir", str(data_dir), "--log-format", "text"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def test_serve_says_where_it_listens_before_it_is_ready(upstream: ScriptedUpstream,
                                                         redis_url: str, tmp_path: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", "serve", "--upstream",
-                             upstream.url, "--redis-url", redis_url, "--port", str(port),
-                             "--data-dir", str(tmp_path), "--log-format", "text"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = spawn_serve(upstream, redis_url, tmp_path, port)
     try:
         assert proc.stderr is not None
         lines = read_until(proc.stderr, "runloop-proxy ready", "serve").splitlines(True)
@@ -286,10 +292,7 @@ def test_a_large_request_starts_no_full_collection_in_a_served_process(
     before), counted from the process's own /metrics."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", "serve", "--upstream",
-                             upstream.url, "--redis-url", redis_url, "--port", str(port),
-                             "--data-dir", str(tmp_path), "--log-format", "text"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = spawn_serve(upstream, redis_url, tmp_path, port)
     try:
         assert proc.stderr is not None
         read_until(proc.stderr, "runloop-proxy ready", "serve")

@@ -357,19 +357,27 @@ def test_replay_names_the_conversations_that_cost_more_and_prices_them(tmp_path:
     assert json.loads(run(f, "--json", "--model", "house-model").stdout)["money"] is None
 
 
+def messages_recording(tmp_path: Path, steps: int) -> tuple[Path, Any, list[Any]]:
+    """``conversation(steps)`` recorded in Anthropic's Messages format (a ``bash`` tool with
+    an input_schema), as a file of one line; and its ``system`` and turns."""
+    from runloop_proxy.conversation.blocks import chat_to_tool, to_anthropic
+
+    system, turns = to_anthropic(conversation(steps)["messages"])  # type: ignore[arg-type]
+    line = {"system": system, "messages": turns, "tools": [
+        chat_to_tool({"name": "bash", "parameters": {"type": "object"}})]}
+    f = tmp_path / "m.jsonl"
+    f.write_text(json.dumps(line) + "\n")
+    return f, system, turns
+
+
 def test_replay_reads_messages_conversations(tmp_path: Path) -> None:
     """A Messages-format recording (system, tool_use and tool_result blocks, tools with an
     input_schema) replays as the same conversation in chat form does, and prices in
     Anthropic's cache model with --provider anthropic (marks at the end of the system prompt
     and of each request, as Claude Code places them)."""
-    from runloop_proxy.conversation.blocks import chat_to_tool, to_anthropic, to_messages
+    from runloop_proxy.conversation.blocks import to_messages
 
-    chat = conversation(40)
-    system, turns = to_anthropic(chat["messages"])  # type: ignore[arg-type]
-    line = {"system": system, "messages": turns, "tools": [
-        chat_to_tool({"name": "bash", "parameters": {"type": "object"}})]}
-    f = tmp_path / "m.jsonl"
-    f.write_text(json.dumps(line) + "\n")
+    f, system, turns = messages_recording(tmp_path, 40)
     args = ("--json", "--model", "claude-sonnet-4-6", "--provider", "anthropic")
     out = json.loads(run(f, *args).stdout)
     c = tmp_path / "c.jsonl"  # the same conversation in chat form (its calls' input as JSON)
@@ -405,14 +413,7 @@ def test_replay_of_a_messages_recording_through_a_proxy_sends_messages_requests(
         tmp_path: Path, proxy: object, upstream: ScriptedUpstream) -> None:
     """A Messages-format recording replayed through a proxy goes as the Messages API, a
     request per point of the conversation, each carrying that point's turns."""
-    from runloop_proxy.conversation.blocks import chat_to_tool, to_anthropic
-
-    chat = conversation(6)
-    system, turns = to_anthropic(chat["messages"])  # type: ignore[arg-type]
-    line = {"system": system, "messages": turns, "tools": [
-        chat_to_tool({"name": "bash", "parameters": {"type": "object"}})]}
-    f = tmp_path / "m.jsonl"
-    f.write_text(json.dumps(line) + "\n")
+    f, _, _ = messages_recording(tmp_path, 6)
     out = run(f, "--json", "--model", "claude-sonnet-4-6",
               "--proxy", proxy.base)  # type: ignore[attr-defined]
     assert out.returncode == 0, out.stderr

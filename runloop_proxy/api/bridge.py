@@ -20,6 +20,7 @@ import orjson
 from ..conversation.blocks import assistant, tool_to_chat
 from ..conversation.messages import Message, ToolCall, text_of
 from ..ops import logs
+from ..pipeline.accounting import LOGGED_MODEL_CHARS
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Reply, bad_reply
 from .bridge_stream import BridgeRelay, stop_reason, tool_use, usage_of_chat
@@ -58,8 +59,9 @@ class BridgeWire:
             # a log line is bounded whatever a client sent: the first few names, and a count
             names = sorted(self.dropped)
             log.info("bridge: dropped what chat completions cannot carry",
-                     extra={"model": str(body.get("model"))[:64],
-                            "dropped": [name[:64] for name in names[:LOGGED_DROPS]],
+                     extra={"model": str(body.get("model"))[:LOGGED_MODEL_CHARS],
+                            "dropped": [name[:LOGGED_MODEL_CHARS]
+                                        for name in names[:LOGGED_DROPS]],
                             "dropped_count": len(names)})
         return out
 

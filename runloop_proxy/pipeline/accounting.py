@@ -12,7 +12,7 @@ from ..ops.metrics import BoundMetrics, Metrics
 log = logs.get("request")
 CLIENT_CLOSED = 499  # nginx's "client closed request", for logs and metrics
 
-LOGGED_MODEL_CHARS = 64
+LOGGED_MODEL_CHARS = 64  # of a client's name (a model's, a field's) in a log line
 
 
 class RequestLog:

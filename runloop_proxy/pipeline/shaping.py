@@ -69,8 +69,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     if not (window.changed or offer or turn.server_history):
         return Outgoing(await _as_sent(turn, history))
     extra = turn.wire.tool_definitions(tools) if with_tools else []
-    body = await offload(turn.large or history.large, lambda: turn.wire.outgoing(
-        turn.body, window.messages, extra))
+    body = await _converted(turn, turn.large or history.large, window.messages, extra)
     if not turn.counting:
         log_events(state, turn, session, window)
     return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys)
@@ -132,12 +131,17 @@ async def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
     in the upstream's API when it speaks another (the bridge). A conversion walks every
     message: a large one's runs off the event loop, as the window's does."""
     if turn.server_history and not history.degraded:
-        return await offload(turn.large or history.large, lambda: turn.wire.outgoing(
-            turn.body, history.messages, []))
+        return await _converted(turn, turn.large or history.large, history.messages)
     if turn.wire.translates:
-        return await offload(turn.large, lambda: turn.wire.outgoing(
-            turn.body, turn.messages, []))
+        return await _converted(turn, turn.large, turn.messages)
     return turn.raw
+
+
+async def _converted(turn: Turn, large: bool, messages: list[Message],
+                     extra: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The request's body in the upstream's API around ``messages`` (and ``extra`` tools):
+    a walk over every message, off the event loop when ``large``."""
+    return await offload(large, lambda: turn.wire.outgoing(turn.body, messages, extra or []))
 
 
 def compute_window(state: AppState, turn: Turn, session: Session, history: History,

@@ -180,11 +180,11 @@ def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
     shows it (``7091239`` in ``gift_card_7091239``), whichever came first."""
     out: list[str] = []
     seen: set[str] = set()
-    shows = known if isinstance(known, Shown) else Shown(known) if known else None
+    shows = known if isinstance(known, Shown) else Shown(known)
 
     def full(ids: tuple[str, ...]) -> bool:
         for x in ids:
-            if x in seen or (shows is not None and x in shows):
+            if x in seen or x in shows:
                 continue
             seen.add(x)
             if any(x in y for y in out):
@@ -260,9 +260,9 @@ def roll(previous: str | None, loops: Sequence[Sequence[Message]], max_tokens: i
     # (shown.py); a string grown by each identifier added and searched for each was
     # quadratic in the loops
     shown = Shown(previous)
-    prompt = Shown(known) if known else None
+    prompt = Shown(known)
     for loop in loops:
-        line, found = loop_digest(loop, prompt if prompt is not None else "")
+        line, found = loop_digest(loop, prompt)
         if lines_too:
             new_lines.append(line)
         for x in found:
