@@ -219,6 +219,9 @@ class StoreSection(_Strict):
     max_messages_per_session: int = Field(20_000, ge=10)
     max_message_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_branches: int = Field(256, ge=1)
+    max_branch_messages: int = Field(
+        100_000, ge=10, description="entries a session's branches hold together (every fork "
+        "copies its prefix); past it the least recently used branches are pruned")
     timeout_s: float = Field(0.5, gt=0)
     retry_after_s: float = Field(2.0, ge=0)
     write_retry_s: float = Field(

@@ -298,6 +298,32 @@ def test_past_max_branches_the_least_recently_used_branch_is_pruned(
     assert "runloop_branches_pruned_total 2.0" in metrics
 
 
+def test_a_session_forking_every_turn_holds_its_branches_within_a_bound(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding (red team): every fork copies its prefix, so a client that edits its last
+    message every turn stored a copy of its whole conversation each time, up to
+    max_branches (256) copies. The branches together hold at most max_branch_messages
+    entries; past it the least recently used go, recorded and counted; the head stays."""
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN, store={"max_branch_messages": 100})
+    c = sdk(proxy, **{"X-Session-Id": "edits"})
+    base = [{"role": "user" if k % 2 == 0 else "assistant", "content": f"m{k}"}
+            for k in range(39)]
+    for k in range(6):  # each request edits the last message: a fork at 38
+        r = c.chat.completions.with_raw_response.create(
+            model="m", messages=[*base, {"role": "user", "content": f"edit {k}"}])
+        assert r.http_response.status_code == 200 and "x-runloop-degraded" not in r.headers
+        proxy.settle()
+    view = sessions(proxy)["n:edits"]
+    held = {b: info["length"] for b, info in view["branches"].items()}
+    assert sum(held.values()) <= 100 and len(held) == 2, held
+    assert texts(view)[-2:] == ["edit 5", "echo: edit 5"]
+    pruned = [r for r in view["compression_records"] if r["kind"] == "branch_pruned"]
+    assert [(p["branch"], p["reason"]) for p in pruned] == \
+        [(b, "max_branch_messages") for b in range(4)]
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert "runloop_branches_pruned_total 4.0" in metrics
+
+
 def test_without_a_key_nothing_is_kept(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     r = httpx.post(aproxy.url + "/chat/completions", json={
         "model": "m", "messages": [{"role": "user", "content": "no key"}]})

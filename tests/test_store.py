@@ -242,6 +242,69 @@ def test_results_under_one_call_id_are_stored_in_work_linear_in_them() -> None:
         server.cleanup()
 
 
+def test_a_sync_reads_the_proxys_exchanges_it_has_not_read() -> None:
+    """Finding (red team): every sync read the session's proxy exchanges back whole (a
+    session recalling a 50 KB result: 1.96 MB a request at turn 40). Counted in the bytes
+    Redis sends: a replica's sync reads only the exchanges written since its last read,
+    another replica's as well as its own; a replica that held none reads them all once; a
+    session stored before the exchange log had one gets it from its first sync."""
+    server = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(server.url)
+        cfg = StoreSection(key_prefix="t-int-")
+        big = "x" * 20_000
+
+        def sent() -> int:
+            return int(client.info("stats")["total_net_output_bytes"])
+
+        async def go() -> None:
+            a = RedisStore(server.url, cfg, Metrics())
+            b = RedisStore(server.url, cfg, Metrics())
+            msgs: list[dict[str, Any]] = [{"role": "user", "content": "q0"}]
+
+            async def sync(store: RedisStore) -> tuple[int, dict[str, Any]]:
+                before = sent()
+                result = await store.sync("t", "s", [prepare(m) for m in msgs])  # type: ignore[arg-type]
+                return sent() - before, result.internal
+
+            await sync(a)
+            await sync(b)
+            for k in range(10):
+                await a.add_internal("t", "s", f"anchor{k}", {"before": [big + str(k)]})
+            msgs.append({"role": "assistant", "content": "a0"})
+            cost, held = await sync(a)
+            assert cost < 2_000 and len(held) == 10, cost  # a wrote them: nothing to read
+            cost, held = await sync(b)
+            assert 200_000 < cost < 210_000 and len(held) == 10, cost  # b reads the ten once
+            assert held == a.cached_internal("t", "s")
+            msgs.append({"role": "user", "content": "q1"})
+            cost, _ = await sync(b)
+            assert cost < 2_000, cost
+            await a.add_internal("t", "s", "anchor3", {"before": ["rewritten"]})
+            msgs.append({"role": "assistant", "content": "a1"})
+            cost, held = await sync(b)
+            assert cost < 2_000 and held["anchor3"] == {"before": ["rewritten"]}, cost
+            assert held == a.cached_internal("t", "s")
+            cold = RedisStore(server.url, cfg, Metrics())
+            cost, held = await sync(cold)
+            assert cost > 180_000 and held == a.cached_internal("t", "s")  # nine of 20 KB
+            # a session stored before the log: its first sync makes the log from the hash
+            p = a.prefix("t", "s")
+            client.delete(p + ":intk")
+            old = RedisStore(server.url, cfg, Metrics())
+            cost, held = await sync(old)
+            assert len(held) == 10 and client.llen(p + ":intk") == 10
+            cost, held = await sync(old)
+            assert cost < 2_000 and len(held) == 10
+            assert 0 < client.pttl(p + ":intk") <= client.pttl(p + ":meta") + 1000
+            for s in (a, b, cold, old):
+                await s.close()
+
+        asyncio.run(go())
+    finally:
+        server.cleanup()
+
+
 def test_limits_degrade_instead_of_failing(make_proxy: Any, upstream: ScriptedUpstream) -> None:
     proxy = make_proxy(admin_key=ADMIN, store={"max_messages_per_session": 10})
     c = sdk(proxy, "s-big")

@@ -49,14 +49,15 @@ local function record(p, rec)
 end
 
 -- the least recently used branch but keep, gone (its messages stay content-addressed)
-local function prune_lru(p, keep, now)
+local function prune_lru(p, keep, now, reason)
   local oldest = redis.call('ZRANGE', p .. ':bused', 0, 1)
   local victim = oldest[1]
   if victim == keep then victim = oldest[2] end
-  if not victim then return '' end
+  if not victim then return '', 0 end
   local info = redis.call('HGET', p .. ':branches', victim)
+  local length = redis.call('LLEN', p .. ':b:' .. victim)
   local rec = {kind = 'branch_pruned', branch = tonumber(victim), ts = tonumber(now),
-               length = redis.call('LLEN', p .. ':b:' .. victim), reason = 'max_branches'}
+               length = length, reason = reason}
   if info then
     local b = cjson.decode(info)
     rec.parent = b.parent; rec.fork_at = b.fork_at
@@ -65,7 +66,7 @@ local function prune_lru(p, keep, now)
   redis.call('DEL', p .. ':b:' .. victim, p .. ':c:' .. victim)
   redis.call('ZREM', p .. ':bused', victim)
   redis.call('HDEL', p .. ':branches', victim)
-  return victim
+  return victim, length
 end
 
 -- every key of the session expires ttl after its last write: the session's own keys and the
@@ -74,7 +75,7 @@ end
 local function touch(p, head, now, ttl)
   redis.call('ZADD', p .. ':bused', now, head)
   local meta = p .. ':meta'
-  for _, k in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'rec',
+  for _, k in ipairs({'meta', 'msg', 'ts', 'tok', 'tool', 'branches', 'int', 'intk', 'rec',
                       'bused', 'sum', 'req', 'b:' .. head, 'c:' .. head}) do
     redis.call('PEXPIRE', p .. ':' .. k, ttl)
   end
@@ -177,7 +178,23 @@ if common < 0 then
       cjson.encode({parent = tonumber(head), fork_at = lo, created = tonumber(now)}))
     head = tostring(nb); bl = nbl; cl = ncl; L = lo; common = lo; forked = 1
     redis.call('ZADD', p .. ':bused', now, head)
-    if redis.call('ZCARD', p .. ':bused') > maxb then pruned = prune_lru(p, head, now) end
+    if redis.call('ZCARD', p .. ':bused') > maxb then
+      pruned = prune_lru(p, head, now, 'max_branches')
+    end
+    -- every fork copies its prefix: the session's branches together hold at most ARGV[16]
+    -- entries, max_branch_messages (a client forking every turn would otherwise keep
+    -- max_branches copies of its whole conversation); the least recently used go first
+    local held = 0
+    for _, b in ipairs(redis.call('ZRANGE', p .. ':bused', 0, -1)) do
+      held = held + redis.call('LLEN', p .. ':b:' .. b)
+    end
+    local cap = tonumber(ARGV[16] or '0')
+    while cap > 0 and held > cap and redis.call('ZCARD', p .. ':bused') > 1 do
+      local victim, length = prune_lru(p, head, now, 'max_branch_messages')
+      if victim == '' then break end
+      held = held - length
+      pruned = pruned == '' and victim or (pruned .. ',' .. victim)
+    end
   end
 end
 local tipk = nil
@@ -202,9 +219,31 @@ if tipk then redis.call('HSET', meta, 'tipk', tipk) end
 flush_tools(p)
 redis.call('HSETNX', meta, 'created', now)
 touch(p, head, now, ttl)
+-- the proxy's tool exchanges written since the caller last read them (ARGV[15]: how many
+-- entries of the :intk log it has): a sync reads what is new, not the session's whole past
 local internal = {}
-if redis.call('EXISTS', p .. ':int') == 1 then internal = redis.call('HGETALL', p .. ':int') end
-return {'ok', tostring(L), head, tostring(forked), tostring(common), internal, pruned}
+local logk = p .. ':intk'
+local nk = redis.call('LLEN', logk)
+if nk == 0 and redis.call('EXISTS', p .. ':int') == 1 then
+  -- a session stored before the log existed: its anchors become the log, once
+  for _, a in ipairs(redis.call('HKEYS', p .. ':int')) do redis.call('RPUSH', logk, a) end
+  redis.call('PEXPIRE', logk, ttl)
+  nk = redis.call('LLEN', logk)
+end
+local seen = tonumber(ARGV[15] or '0')
+if seen > nk then seen = 0 end
+if seen < nk then
+  local got = {}
+  for _, a in ipairs(redis.call('LRANGE', logk, seen, -1)) do
+    if not got[a] then
+      got[a] = true
+      local v = redis.call('HGET', p .. ':int', a)
+      if v then internal[#internal + 1] = a; internal[#internal + 1] = v end
+    end
+  end
+end
+return {'ok', tostring(L), head, tostring(forked), tostring(common), internal, pruned,
+        tostring(nk), tostring(seen)}
 """
 
 APPEND_LUA = COMMON + r"""

@@ -14,6 +14,8 @@ slot and every update is a single atomic Lua script (scripts.py)::
     P:{n:s}:bused     zset   live branches by last use (the least recent is pruned first)
     P:{n:s}:int       hash   chain hash at a client-visible message -> the proxy's tool
                              exchange spliced around it (only that lineage finds it)
+    P:{n:s}:intk      list   the anchors of :int in the order written (a replica's sync
+                             reads the exchanges after the ones it holds)
     P:{n:s}:rec       list   compression records and branch events (seed 004 §3.4)
     P:{n:s}:req       list   per request: prompt tokens as sent and as forwarded (last 500)
     P:{n:s}:sum       hash   "<loops>:<cover hash>" -> a summary of those loops, or "late"
@@ -81,9 +83,14 @@ _RECONNECT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError,
 
 @dataclass
 class _Cached:
+    """What this replica knows of a session: the head's length and chain tip, and the
+    proxy's tool exchanges as of the ``seen``-th entry of the session's exchange log (None:
+    not known whole, read again)."""
+
     length: int
     chain: str
-    internal: dict[str, Any]
+    internal: dict[str, Any] | None
+    seen: int = 0
 
 
 @dataclass
@@ -303,7 +310,7 @@ class RedisStore:
             if self._settle(job, reply):
                 cached = self._sessions[job.key]
                 return SyncResult(cached.length, _s(reply[2]), reply[3] in (b"1", "1"),
-                                  cached.internal)
+                                  cached.internal or {})
         raise StoreError("sync did not converge")
 
     def submit(self, namespace: str, session_id: str, items: list[Prepared],
@@ -379,9 +386,16 @@ class RedisStore:
                 # of 20,000 new messages costs three arguments, not 60,000
                 b"".join(it.body for it in items[hint:]),
                 orjson.dumps([[len(it.body), it.tool_call_id, _tokens_field(it)]
-                              for it in items[hint:]])]
-        job.hint = hint
+                              for it in items[hint:]]),
+                self._seen(job.key), self.cfg.max_branch_messages]
+        job.hint, job.seen = hint, args[14]
         return args
+
+    def _seen(self, key: tuple[str, str]) -> int:
+        """How many entries of a session's exchange log this replica holds the exchanges
+        of: the sync reads only the ones after them (0: all)."""
+        cached = self._sessions.get(key)
+        return cached.seen if cached is not None and cached.internal is not None else 0
 
     async def _job_args(self, job: Job) -> list[Any]:
         """``_args``, made off the event loop for a job of many messages (a new session of
@@ -417,11 +431,14 @@ class RedisStore:
         if status == "ok":
             length = int(reply[1])
             chain = job.chains[length] if length <= len(job.items) else ""
-            self._remember(job.key, length, chain, _pairs(reply[5]))
-            if len(reply) > 6 and reply[6]:
-                self.metrics.branches_pruned.inc()
-                log.info("least recently used branch pruned (max_branches)",
-                         extra={"tenant": job.namespace, "branch": _s(reply[6])})
+            self._remember(job.key, length, chain, *self._exchanges(job, reply))
+            if reply[6]:
+                pruned = _s(reply[6]).split(",")
+                self.metrics.branches_pruned.inc(len(pruned))
+                log.info("least recently used branches pruned (max_branches, "
+                         "max_branch_messages)",
+                         extra={"tenant": job.namespace, "branch": ",".join(pruned[:16]),
+                                "count": len(pruned)})
             return True
         stored = int(reply[1])
         job.retry_hint = stored if 0 < stored <= len(job.items) and stored != job.hint else 0
@@ -512,9 +529,22 @@ class RedisStore:
         pipe.zremrangebyscore(key, "-inf", now - ttl - int(INDEX_EVERY_S * 1000))
         pipe.pexpire(key, ttl)
 
+    def _exchanges(self, job: Job, reply: Any) -> tuple[dict[str, Any] | None, int]:
+        """The session's proxy exchanges after a sync's reply, and the log entries they
+        cover: the reply's new ones over what this replica held when it asked, or the reply
+        alone when it read the log from its start."""
+        new, logged, since = _pairs(reply[5]), int(reply[7]), int(reply[8])
+        if since == 0:
+            return new, logged
+        cached = self._sessions.get(job.key)
+        if cached is None or cached.internal is None or cached.seen < since:
+            return None, 0  # what came before ``since`` is no longer held here: read it all
+        cached.internal.update(new)
+        return cached.internal, max(logged, cached.seen)
+
     def _remember(self, key: tuple[str, str], length: int, chain: str,
-                  internal: dict[str, Any]) -> None:
-        self._sessions[key] = _Cached(length, chain, internal)
+                  internal: dict[str, Any] | None, seen: int = 0) -> None:
+        self._sessions[key] = _Cached(length, chain, internal, seen)
 
     async def add_internal(self, namespace: str, session_id: str, anchor: str,
                            entry: dict[str, Any]) -> None:
@@ -522,16 +552,19 @@ class RedisStore:
         the message the client saw: that message, in that lineage) in later windows."""
         p = self.prefix(namespace, session_id)
 
-        async def run() -> None:
+        async def run() -> int:
             pipe = self.client.pipeline(transaction=False)
             pipe.hset(p + ":int", anchor, orjson.dumps(entry))
-            _expire_with_session(pipe, p, p + ":int")
-            await pipe.execute()
+            pipe.rpush(p + ":intk", anchor)  # the log a replica's sync reads on from
+            _expire_with_session(pipe, p, p + ":int", p + ":intk")
+            return int((await pipe.execute())[1])
 
-        await self._call("internal", run)
+        logged = await self._call("internal", run)
         cached = self._sessions.get((namespace, session_id))
-        if cached is not None:
+        if cached is not None and cached.internal is not None:
             cached.internal[anchor] = entry
+            if cached.seen == logged - 1:
+                cached.seen = logged  # else another replica wrote between: the sync reads it
 
     async def add_record(self, namespace: str, session_id: str, record: dict[str, Any]) -> None:
         await self.add_records(namespace, session_id, [record])

@@ -78,6 +78,7 @@ class Job:
     chains: list[str] = field(default_factory=list)  # sync: chain after each item
     hint: int = 0
     retry_hint: int | None = None
+    seen: int = 0  # sync: the proxy exchanges' log entries this replica had read (see store)
     attempts: int = 0
     deadline: float = 0.0
     size: int = 0  # bytes it holds, roughly (the queue is bounded in bytes)
