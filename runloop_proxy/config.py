@@ -316,6 +316,16 @@ class ProxyConfig:
     sources: tuple[Path, ...] = ()
     prices: PriceTable | None = None  # what upstream usage is priced with (metrics)
 
+    def upstream_secret(self, tenant: TenantSpec) -> str | None:
+        """The key the proxy calls ``tenant``'s upstream with, for its requests and for
+        anything it sends on the tenant's behalf (a summary, "compact now"): the tenant's
+        own ``upstream_key``, else its upstream's ``api_key``; None for a tenant whose
+        clients' keys go upstream (``forward_client_key``): the proxy holds none of it."""
+        if tenant.forward_client_key:
+            return None
+        upstream = self.upstreams.get(tenant.upstream)
+        return tenant.upstream_key or (upstream.api_key if upstream is not None else None)
+
     def tenant_for_key(self, key: str | None) -> TenantSpec | None:
         if key is None:
             return None

@@ -30,6 +30,12 @@ import orjson
 class ProxyError(Exception):
     """Base of every error raised by runloop-proxy."""
 
+    @property
+    def log_text(self) -> str:
+        """What a log line says of this error: its message, less any text it quotes from
+        an upstream's answer (which can quote the prompt; the client reads it whole)."""
+        return str(self)
+
 
 class ClientError(ProxyError):
     status = 400
@@ -87,10 +93,19 @@ class UpstreamError(ProxyError):
     error_type = "upstream_error"
     code = "upstream_error"
 
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, status: int | None = None, *, quoted: str = ""):
+        """``quoted``: the upstream's own text, shown to the client after ``message`` and
+        never logged."""
+        super().__init__(message + quoted)
+        self.logged = message if not quoted else \
+            f"{message or 'the upstream reported an error'} [{len(quoted)} characters of " \
+            f"its text, not logged]"
         if status is not None:
             self.status = status
+
+    @property
+    def log_text(self) -> str:
+        return self.logged
 
     def body(self) -> dict[str, Any]:
         return error_body(str(self), self.error_type, None, self.code)

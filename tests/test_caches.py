@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import threading
+from typing import Any
 
+import httpx
 from hypothesis import given
 from hypothesis import strategies as st
 
 from runloop_proxy.caches import ENTRY_OVERHEAD, ByteLRU, approx_size
+from runloop_proxy.scripted import ScriptedUpstream
 
 
 def test_the_least_recently_used_goes_first() -> None:
@@ -75,3 +78,67 @@ def test_clearing_empties_it_and_its_byte_count() -> None:
     assert len(c) == 0 and c.bytes == 0 and c.get("3") is None
     c["again"] = "y"
     assert c.get("again") == "y" and c.bytes == approx_size("y") + ENTRY_OVERHEAD
+
+
+# What may grow with the number of distinct strings clients send (models, keys, sessions),
+# each with the bound that holds it. Everything else a process keeps per client string is
+# a ByteLRU, bounded in bytes by construction.
+COUNT_CAPPED = {
+    "state.store._indexed": "SESSION_CACHE_SIZE sessions (history.store)",
+    "state.tokens._by_model": "MODELS_KEPT model names (pipeline.tokens)",
+}
+
+
+def _sizes(root: object) -> dict[str, int]:
+    """The length of every dict, list and set reachable from ``root`` through the
+    proxy's own objects (ByteLRUs skipped: bounded in bytes), by attribute path."""
+    from runloop_proxy.caches import ByteLRU
+
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, object, int]] = [("state", root, 0)]
+    while stack:
+        path, o, depth = stack.pop()
+        if id(o) in seen or depth > 6 or isinstance(o, ByteLRU):
+            continue
+        seen.add(id(o))
+        if isinstance(o, (dict, list, set)):
+            out[path] = len(o)
+            if isinstance(o, dict):
+                stack += [(f"{path}[]", v, depth + 1) for v in list(o.values())[:50]]
+            continue
+        if type(o).__module__.startswith("runloop_proxy") and hasattr(o, "__dict__"):
+            stack += [(f"{path}.{k}", v, depth + 1) for k, v in vars(o).items()]
+    return out
+
+
+def test_nothing_a_process_keeps_grows_with_the_strings_clients_send(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding (red team): the token counter's calibration was a dict keyed by the model
+    names clients send (30,000 names: 9 MB, never released). The class, swept: after
+    requests with distinct models, keys and sessions over every API, the only structures
+    of the process that grew with them are the count-capped ones named above; the rest are
+    ByteLRUs (a new unbounded one fails here, naming its path)."""
+    proxy = make_proxy()
+
+    def burst(a: int, b: int) -> None:
+        for k in range(a, b):
+            headers = {"Authorization": f"Bearer sk-growth-{k}", "X-Session-Id": f"s-{k}"}
+            path, body = [
+                ("/chat/completions", {"model": f"model-{k}", "messages": [
+                    {"role": "user", "content": f"hello {k}"}]}),
+                ("/responses", {"model": f"model-{k}", "input": f"hello {k}"}),
+                ("/messages", {"model": f"model-{k}", "max_tokens": 16, "messages": [
+                    {"role": "user", "content": f"hello {k}"}]}),
+                ("/messages/count_tokens", {"model": f"model-{k}", "messages": [
+                    {"role": "user", "content": f"hello {k}"}]}),
+            ][k % 4]
+            r = httpx.post(proxy.url + path, json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+        proxy.settle()
+
+    burst(0, 40)
+    before = _sizes(proxy.state)
+    burst(40, 160)
+    grew = {p for p, n in _sizes(proxy.state).items() if n - before.get(p, 0) >= 60}
+    assert grew <= set(COUNT_CAPPED), sorted(grew - set(COUNT_CAPPED))

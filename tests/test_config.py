@@ -279,3 +279,56 @@ def test_proxy_tools_always_keeps_the_tool_list_stable_for_agents(
     assert [t["function"]["name"] for t in upstream.requests[-1]["tools"]] == ["lookup"]
     client, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
     assert client == forwarded > 0
+
+
+def test_what_one_tenants_upstream_reports_moves_no_other_tenants_counts(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding (red team): the token counter's calibration (a model without its own
+    encoding, corrected by what the upstream reports) was one factor per model name for the
+    whole process: 12 of acme's requests whose upstream reported ten times the proxy's count
+    doubled globex's count_tokens (and halved its working budget). The class: what is
+    learned from a caller's upstream answers is that caller's (``Caller.scope``)."""
+    proxy: ProxyServer = make_proxy(config_dir=str(write_config(tmp_path, upstream.url)))
+    model = "claude-sonnet-4-6"  # counted with a fallback encoding: calibrated
+    body = {"model": model, "messages": [{"role": "user", "content": "how many? " * 50}]}
+
+    def count(key: str) -> int:
+        r = httpx.post(proxy.url + "/messages/count_tokens", json=body,
+                       headers={"x-api-key": key})
+        assert r.status_code == 200, r.text
+        return int(r.json()["input_tokens"])
+
+    globex_before, acme_before = count(GLOBEX_KEY), count(ACME_KEY)
+    acme = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0)
+    for _ in range(12):
+        upstream.push({"content": "ok", "prompt_tokens": 10 * acme_before})
+        acme.chat.completions.create(model=model, messages=body["messages"])  # type: ignore[arg-type]
+    assert count(ACME_KEY) > 1.5 * acme_before  # acme's own counts learned its upstream
+    assert count(GLOBEX_KEY) == globex_before
+
+
+def test_compact_now_calls_the_summary_model_with_the_tenants_own_key(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding (red team): "compact now" sent a tenant's conversation to the summary model
+    under the upstream's shared key, not the tenant's own ``upstream_key`` its requests go
+    with (another organisation's account, billing and data terms). One rule gives the key
+    a tenant's upstream is called with (``ProxyConfig.upstream_secret``), for its requests
+    and for what the proxy sends on its behalf."""
+    root = write_config(tmp_path, upstream.url, acme_policy='summary_model = "m-sum"\n'
+                                                          'max_run_loops = 1')
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    acme = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0,
+                         default_headers={"X-Session-Id": "to-compact"})
+    msgs: list[Any] = []
+    for k in range(3):
+        msgs.append({"role": "user", "content": f"question {k}"})
+        reply = acme.chat.completions.create(model="m", messages=msgs)
+        msgs.append({"role": "assistant", "content": reply.choices[0].message.content})
+    proxy.settle()
+    upstream.headers.clear()
+    r = httpx.post(proxy.base + "/admin/sessions/to-compact/compact",
+                   params={"tenant": "acme"},
+                   headers={"Authorization": "Bearer admin-0123456789abcdef"})
+    assert r.status_code == 200, r.text
+    calls = [h["authorization"] for h in upstream.headers]
+    assert calls and set(calls) == {"Bearer sk-acme-upstream"}, calls

@@ -142,3 +142,65 @@ def test_a_required_field_missing_says_missing_and_one_of_the_wrong_type_names_t
             else:
                 assert expected in message and "required" not in message.lower(), (
                     path, name, message)
+
+
+CANARY = "SSN 078-05-1120"
+LOOK = [{"type": "function", "function": {"name": "look", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("case", ["wrong shape", "tool round refused", "stream error event",
+                                  "Responses failed", "Messages stream error"])
+def test_what_an_upstream_quotes_reaches_the_client_and_never_the_logs(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
+        caplog: pytest.LogCaptureFixture, case: str) -> None:
+    """Finding (red team): an upstream's text quoted into an error (a gateway echoing the
+    prompt, an error body quoting the input) went into two log lines a request. One rule:
+    an UpstreamError keeps what it quotes apart (``quoted``), the client reads it whole,
+    and every log line says ``log_text``. Swept over each way an upstream's text becomes
+    an error: a body of the wrong shape, a proxy tool round refused, and an error event in
+    a chat, Responses and Messages stream."""
+    cfg = tmp_path / "cfg"
+    (cfg / "tenants").mkdir(parents=True)
+    (cfg / "runloop.toml").write_text(f'[upstreams.up]\nurl = "{upstream.url}"\n'
+                                      f'api_key = "sk-up"\nmax_retries = 0\n')
+    # the proxy's tools ride along: it reads every answer (a relayed one is the client's)
+    (cfg / "tenants" / "acme.toml").write_text(
+        f'keys = ["{KEY}"]\nupstream = "up"\n[policy]\nproxy_tools = "always"\n')
+    proxy = make_proxy(config_dir=str(cfg))
+    echo = {"error": {"message": f"invalid input: {CANARY}", "type": "invalid_request_error"}}
+    path, body = "/chat/completions", {"model": "m", "tools": LOOK, "messages": [
+        {"role": "user", "content": f"my {CANARY}"}]}
+    if case == "wrong shape":
+        upstream.push({"raw_body": orjson.dumps({"echo": body["messages"]}),
+                       "headers": {"Content-Type": "application/json"}})
+    elif case == "tool round refused":
+        upstream.push({"tool_calls": [{"id": "s1", "name": "search_history",
+                                       "arguments": {"query": "x"}}]},
+                      {"status": 400, "body": echo})
+    elif case == "stream error event":
+        body["stream"] = True
+        upstream.push({"raw_body": b"data: " + orjson.dumps(echo) + b"\n\n",
+                       "headers": {"Content-Type": "text/event-stream"}})
+    elif case == "Responses failed":
+        path, body = "/responses", {"model": "m", "input": f"my {CANARY}", "stream": True,
+                                    "tools": [{"type": "function", "name": "look",
+                                               "parameters": LOOK[0]["function"]["parameters"]}]}
+        upstream.push({"raw_body": b"data: " + orjson.dumps({"type": "error", **echo})
+                       + b"\n\n", "headers": {"Content-Type": "text/event-stream"}})
+    else:
+        path, body = "/messages", {"model": "m", "max_tokens": 64, "stream": True,
+                                   "messages": [{"role": "user", "content": f"my {CANARY}"}],
+                                   "tools": [{"name": "look", "input_schema":
+                                              LOOK[0]["function"]["parameters"]}]}
+        upstream.push({"raw_body": b"event: error\ndata: " + orjson.dumps(
+            {"type": "error", "error": {"type": "api_error", "message": echo["error"]["message"]}})
+            + b"\n\n", "headers": {"Content-Type": "text/event-stream"}})
+    with caplog.at_level("INFO"):
+        r = httpx.post(proxy.url + path, json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {KEY}"})
+        proxy.settle()
+    assert CANARY in r.text, (r.status_code, r.text)  # the client can tell what went wrong
+    logged = [rec.getMessage() + " " + repr(rec.__dict__) for rec in caplog.records]
+    assert logged and not [line for line in logged if CANARY in line]
+    assert any("not logged" in line for line in logged)

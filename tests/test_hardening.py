@@ -579,6 +579,72 @@ def test_a_large_request_leaves_little_work_on_the_event_loop(
     assert calls < n, f"{calls / n:.1f} calls per message on the event loop"
 
 
+def _wide(kind: str, scale: int, salt: str) -> tuple[str, dict[str, Any],
+                                                     list[dict[str, Any]]]:
+    """A body of few messages and many bytes (``scale`` times a base size, its names ending
+    in ``salt``), and what the upstream answers it with."""
+    if kind == "wide tool schema":
+        props = {f"p{i}{salt}": {} for i in range(15_000 * scale)}
+        return "/chat/completions", {"model": "gpt-4o", "messages": [
+            {"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+                "name": "f", "parameters": {"type": "object", "properties": props}}}]}, []
+    if kind == "wide Messages schema":
+        return "/messages", {"model": "claude-sonnet-4-6", "max_tokens": 64, "messages": [
+            {"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": {
+                "type": "object", "properties": {"x": {"anyOf": [
+                    {"const": f"{i}{salt}"} for i in range(8_000 * scale)]}}}}]}, []
+    words = [" ".join(f"w{k}x{i}{salt}" for i in range(6_000 * scale)) for k in range(2)]
+    searches = [{"id": f"s{i}", "name": "search_history",
+                 "arguments": {"query": f"w{i % 2}x{i}"}} for i in range(32)]
+    return "/chat/completions", {"model": "gpt-4o", "tools": CLIENT_TOOLS, "messages": [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"k{k}", "type": "function", "function": {"name": "bash",
+                                                             "arguments": "{}"}}
+            for k in range(2)]},
+        *[{"role": "tool", "tool_call_id": f"k{k}", "content": words[k]} for k in range(2)],
+        {"role": "user", "content": "and now?"}]}, [{"tool_calls": searches},
+                                                    {"content": "found"}]
+
+
+@pytest.mark.parametrize("kind", ["wide tool schema", "wide Messages schema",
+                                  "32 searches of large results"])
+def test_a_body_of_few_large_parts_leaves_little_work_on_the_event_loop(
+        proxy: ProxyServer, upstream: ScriptedUpstream, kind: str) -> None:
+    """Finding (red team): what decided that a request's work leaves the event loop counted
+    messages, not bytes, in two places: the client's tool schemas were rendered for counting
+    on the loop (80,000 properties: 122 ms), and the proxy's search_history read its corpus
+    there when it held few messages (32 searches over two results of 97 KB: 271 ms, 835 ms
+    at 777 KB). Whatever reads a large request's content, its tool schemas and the proxy's
+    tool calls over it included, runs in a worker thread: counted on the loop thread, the
+    calls for a body twice as large are not more (they were nearly twice as many)."""
+
+    def loop_calls(scale: int, salt: str) -> tuple[int, int]:
+        path, body, replies = _wide(kind, scale, salt)
+        upstream.keep_requests = bool(replies)
+        upstream.requests.clear()
+        upstream.push(*replies)
+        answers: list[httpx.Response] = []
+        calls = _loop_calls(proxy, lambda: answers.append(post_to(proxy, path, body,
+                                                                   f"{kind}-{salt}")))
+        r = answers[0]
+        if replies:  # the proxy answered the model's 32 searches, then the client
+            assert r.status_code == 200 and len(upstream.requests) == 2, r.text[:300]
+            assert r.json()["choices"][0]["message"]["content"] == "found"
+        else:  # counted, and answered or refused for its size
+            assert r.status_code in (200, 400), r.text[:300]
+        return calls, len(orjson.dumps(body))
+
+    loop_calls(1, "w")  # warm: what a process's first request loads
+    # the schemas: both large by their bytes (a small one is rendered on the loop, 2 calls a
+    # byte: 184 KB, ~25 ms); the searches: both under that size (what the calls may read is
+    # the request times the calls it may make)
+    one = 2 if "schema" in kind else 1
+    (small, size), (large, double) = loop_calls(one, "a"), loop_calls(2 * one, "b")
+    print(f"\n{kind}: {small:,} event-loop calls for {size:,} bytes, {large:,} for {double:,}")
+    assert large < small * 1.25 + 1000, "the event loop's work grows with the body's bytes"
+
+
 def post_to(proxy: ProxyServer, path: str, body: Any, session: str) -> httpx.Response:
     return HTTP.post(proxy.url + path, content=orjson.dumps(body),
                      headers={"Authorization": f"Bearer {KEY}", "X-Session-Id": session,

@@ -116,6 +116,37 @@ def test_summaries_back_off_after_three_failures_in_a_row_every_time() -> None:
     assert pauses == ([False] * (FAILURES_BEFORE_BACKOFF - 1) + [True]) * 3
 
 
+def test_one_callers_failing_summaries_pause_no_other_callers() -> None:
+    """Finding (red team): summary failures and pauses were kept per tenant name, and every
+    pass-through key is the tenant "passthrough": one key that cannot use the summary
+    model paused every other key's summaries. They are kept per caller (its namespace)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from runloop_proxy.config import Policy
+    from runloop_proxy.history.summaries import FAILURES_BEFORE_BACKOFF, Job, SummaryService
+    from runloop_proxy.ops.metrics import Metrics
+
+    asked: list[str] = []
+
+    async def lock_summary(ns: str, session_id: str, ttl: float) -> bool:
+        asked.append(ns)
+        return False  # another replica makes it: the call ends there
+
+    service = SummaryService(SimpleNamespace(  # type: ignore[arg-type]
+        metrics=Metrics(), store=SimpleNamespace(lock_summary=lock_summary)))
+    policy = Policy(summary_model="m-sum")
+    for _ in range(FAILURES_BEFORE_BACKOFF):
+        service._failed("pt-alice", "passthrough", "error", 300.0)
+
+    def job(ns: str) -> Job:
+        return Job(policy, ns, "passthrough", "passthrough", "m", "default", None)
+
+    for ns in ("pt-alice", "pt-bob"):
+        asyncio.run(service.make(job(ns), "s", [], [], 2, "c", None, {}))
+    assert asked == ["pt-bob"]  # alice's are paused, bob's go on
+
+
 def test_an_undeclared_parameter_is_a_programming_error() -> None:
     """A page reading a parameter ops/params.py does not declare fails loudly in its tests,
     never quietly with a default."""

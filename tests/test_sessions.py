@@ -324,6 +324,34 @@ def test_a_session_forking_every_turn_holds_its_branches_within_a_bound(
     assert "runloop_branches_pruned_total 4.0" in metrics
 
 
+def test_callers_the_upstream_knows_apart_are_apart_here(
+        aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """Finding (red team): in pass-through mode a caller's namespace came from the first
+    credential header it sent, while every credential header went upstream: two users
+    sending a placeholder bearer beside their own x-api-key were one namespace, and Bob's
+    server-history request carried Alice's message upstream. The namespace is every
+    credential that goes upstream; one key alone keeps the namespace it always had."""
+    alice = {"Authorization": "Bearer placeholder", "x-api-key": "sk-alice-real",
+             "X-Session-Id": "support", "X-Runloop-History": "server"}
+    bob = {**alice, "x-api-key": "sk-bob-real"}
+    for who, text in ((alice, "alice: my card is 4111"), (bob, "bob: hello")):
+        r = httpx.post(aproxy.url + "/chat/completions", headers=who, json={
+            "model": "m", "messages": [{"role": "user", "content": text}]})
+        assert r.status_code == 200, r.text
+        aproxy.settle()
+    assert "alice" not in str(upstream.requests[-1]["messages"])
+    assert upstream.headers[-1]["x-api-key"] == "sk-bob-real"
+    tenants = httpx.get(aproxy.base + "/admin/tenants",
+                        headers={"Authorization": f"Bearer {ADMIN}"}).json()["tenants"]
+    one = "pt-" + hashlib.sha256(b"sk-carol").hexdigest()[:16]
+    httpx.post(aproxy.url + "/chat/completions", headers={"Authorization": "Bearer sk-carol"},
+               json={"model": "m", "messages": [{"role": "user", "content": "carol"}]})
+    aproxy.settle()
+    after = httpx.get(aproxy.base + "/admin/tenants",
+                      headers={"Authorization": f"Bearer {ADMIN}"}).json()["tenants"]
+    assert len(tenants) == 2 and one in {t["tenant"] for t in after}
+
+
 def test_without_a_key_nothing_is_kept(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     r = httpx.post(aproxy.url + "/chat/completions", json={
         "model": "m", "messages": [{"role": "user", "content": "no key"}]})

@@ -226,8 +226,8 @@ def decode_chunk(event: SSEEvent) -> dict[str, Any] | None:
         return None
     if isinstance(chunk, dict) and chunk.get("error"):
         err = chunk["error"]
-        raise UpstreamError(str(err.get("message", "upstream error")) if isinstance(err, dict)
-                            else str(err), status=error_status(err))
+        raise UpstreamError("", quoted=str(err.get("message", "upstream error"))
+                            if isinstance(err, dict) else str(err), status=error_status(err))
     problem = chunk_problem(chunk)
     if problem:
         raise bad_reply(f"a chat-completion chunk: {problem}", chunk)

@@ -88,7 +88,7 @@ def shaped_errors(handler: Handler) -> Handler:
         except ClientError as exc:
             return error_response(request.url.path, exc.status, exc.body(), exc)
         except UpstreamError as exc:
-            log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
+            log.warning("upstream error", extra={"error": exc.log_text, "status": exc.status})
             return error_response(request.url.path, exc.status, exc.body(), exc)
     return wrapped
 
@@ -96,6 +96,7 @@ def shaped_errors(handler: Handler) -> Handler:
 # what an upstream of chat completions never gets: a client's key in any header but the
 # bearer token the proxy sets, and Anthropic's own headers
 CHAT_DROP = PROXY_KEY_HEADERS | {"anthropic-version", "anthropic-beta"}
+CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")
 INTERNAL_ERROR = error_body("internal error in runloop-proxy", "server_error", None,
                             "internal_error")
 
@@ -139,6 +140,26 @@ def bearer(request: Request) -> str | None:
     return request.headers.get("api-key") or request.headers.get("x-api-key")
 
 
+def credentials(request: Request) -> list[str]:
+    """Every credential the client sent (a bearer token as its key), in a fixed order."""
+    out = []
+    for header in CREDENTIAL_HEADERS:
+        value = request.headers.get(header)
+        if value and header == "authorization" and value[:7].lower() == "bearer ":
+            value = value[7:].strip()
+        if value and value not in out:
+            out.append(value)
+    return sorted(out)
+
+
+def namespace_of(keys: list[str]) -> str | None:
+    """A pass-through caller's namespace: the hash of its key (of its keys, when it sends
+    more than one); None without one (nothing is kept)."""
+    if not keys:
+        return None
+    return "pt-" + hashlib.sha256("\0".join(keys).encode()).hexdigest()[:16]
+
+
 def authenticate(state: AppState, request: Request) -> Caller:
     """Who is calling, and how the upstream is to know it: an upstream of Anthropic's format
     takes its key as ``x-api-key``; one of chat completions only (the bridge's) as a bearer
@@ -148,11 +169,15 @@ def authenticate(state: AppState, request: Request) -> Caller:
     if cfg.passthrough is not None:
         # Single-tenant pass-through: the client's own key goes upstream; its hash keeps
         # each key's sessions apart, and without a key nothing is kept.
-        ns = "pt-" + hashlib.sha256(key.encode()).hexdigest()[:16] if key else None
         if cfg.upstreams[cfg.passthrough.upstream].format == "chat":
-            return Caller(cfg.passthrough, "passthrough", ns, f"Bearer {key}" if key else None,
-                          CHAT_DROP)
-        return Caller(cfg.passthrough, "passthrough", ns, request.headers.get("authorization"))
+            return Caller(cfg.passthrough, "passthrough", namespace_of([key] if key else []),
+                          f"Bearer {key}" if key else None, CHAT_DROP)
+        # every credential the client sent goes upstream: the namespace is all of them, so
+        # two callers the upstream knows apart are never one here (a placeholder bearer
+        # beside a real x-api-key)
+        sent = credentials(request) if key else []
+        return Caller(cfg.passthrough, "passthrough", namespace_of(sent),
+                      request.headers.get("authorization"))
     if key is None:
         raise AuthenticationFailed("Missing API key: send it as 'Authorization: Bearer <key>'.")
     tenant = cfg.tenant_for_key(key)
@@ -165,7 +190,7 @@ def authenticate(state: AppState, request: Request) -> Caller:
             return Caller(tenant, tenant.name, tenant.name, f"Bearer {key}", drop)
         return Caller(tenant, tenant.name, tenant.name, request.headers.get("authorization"),
                       drop - {"x-api-key"} if fmt == "anthropic" else drop)
-    secret = tenant.upstream_key or cfg.upstreams[tenant.upstream].api_key
+    secret = cfg.upstream_secret(tenant)
     if fmt == "anthropic":  # its key goes as x-api-key
         return Caller(tenant, tenant.name, tenant.name, None, drop, secret)
     upstream_auth = f"Bearer {secret}" if secret else None
@@ -210,15 +235,15 @@ async def answer_turn(request: Request, api: str, make_turn: TurnMaker,
         rlog.finish(CLIENT_CLOSED, "client disconnected")
         raise
     except ClientError as exc:
-        rlog.finish(exc.status, str(exc))
+        rlog.finish(exc.status, exc.log_text)
         return json_response(shape(exc.status, exc.body(), exc), exc.status)
     except UpstreamError as exc:
-        log.warning("upstream error", extra={"error": str(exc), "status": exc.status})
-        rlog.finish(exc.status, str(exc))
+        log.warning("upstream error", extra={"error": exc.log_text, "status": exc.status})
+        rlog.finish(exc.status, exc.log_text)
         return json_response(shape(exc.status, exc.body(), exc), exc.status)
     except Unavailable as exc:
-        log.warning("request refused: unavailable", extra={"error": str(exc)})
-        rlog.finish(exc.status, str(exc))
+        log.warning("request refused: unavailable", extra={"error": exc.log_text})
+        rlog.finish(exc.status, exc.log_text)
         return json_response(shape(exc.status, exc.body(), exc), exc.status,
                              {"Retry-After": str(max(1, round(exc.retry_after)))})
     except Exception as exc:

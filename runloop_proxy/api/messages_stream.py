@@ -51,7 +51,7 @@ def decode(event: SSEEvent) -> dict[str, Any] | None:
     kind = data["type"]
     if kind == "error":
         err: dict[str, Any] = data["error"] if isinstance(data.get("error"), dict) else {}
-        raise UpstreamError(str(err.get("message", "the upstream's stream failed")),
+        raise UpstreamError("", quoted=str(err.get("message", "the upstream's stream failed")),
                             status=STATUSES.get(str(err.get("type")), 502))
     problem = _problem(data)
     if problem:

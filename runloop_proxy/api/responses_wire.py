@@ -107,7 +107,7 @@ def _decode(event: SSEEvent) -> dict[str, Any] | None:
     data = typed_event(event, "a Responses event")
     if data is not None and data["type"] in ("error", "response.failed"):
         err = data.get("error") or (data.get("response") or {}).get("error") or data
-        raise UpstreamError(str(err.get("message", "the upstream's response failed"))
+        raise UpstreamError("", quoted=str(err.get("message", "the upstream's response failed"))
                             if isinstance(err, dict) else str(err))
     return data
 

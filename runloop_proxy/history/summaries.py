@@ -95,6 +95,7 @@ FAILURES_BEFORE_BACKOFF = 3
 SUMMARY_ANSWER_BYTES = 4 << 20  # a summary model's answer, at most (it asks for ~1k tokens)
 LATE = "late"
 PENDING_BYTES = 8 << 20  # the summaries waiting for a reply, over all sessions
+BACKOFF_BYTES = 1 << 20  # the failure counts and pauses of summaries, over all callers
 OMIT = "omit:"  # a compaction's field: omit:<e>:<cover> -> the request point it applies from
 
 
@@ -251,8 +252,12 @@ class SummaryService:
 
     def __init__(self, state: Host):
         self.state = state
-        self.failures: dict[str, int] = {}
-        self.paused_until: dict[str, float] = {}
+        # failures and pauses per caller (``Job.namespace``: a tenant, a pass-through key):
+        # one key that cannot use the summary model pauses no other's summaries. Bounded:
+        # pass-through keys are clients'
+        self.failures: ByteLRU[str, int] = ByteLRU(BACKOFF_BYTES, lambda k, v: 100 + len(k))
+        self.paused_until: ByteLRU[str, float] = ByteLRU(BACKOFF_BYTES,
+                                                          lambda k, v: 100 + len(k))
         # per session, a summary the reply to its last request will make due (bounded)
         self.pending: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
             PENDING_BYTES, lambda k, v: 256 + 64 * len(v.keys))
@@ -329,7 +334,7 @@ class SummaryService:
         store, ns, policy = self.state.store, job.namespace, job.policy
         tl, tenant = job.label, job.tenant
         assert store is not None and policy.summary_model
-        if time.monotonic() < self.paused_until.get(tenant, 0):
+        if time.monotonic() < (self.paused_until.get(ns) or 0.0):
             self.state.metrics.summaries.labels(tl, "backoff").inc()
             return None
         try:
@@ -361,14 +366,14 @@ class SummaryService:
                 summarizer = f"{policy.summary_model} ({PROMPT_VERSION})"
         except Exception as exc:  # noqa: BLE001 - a summary failure never reaches a client
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
-            self._failed(tenant, tl, outcome, policy.summary_backoff_s)
+            self._failed(ns, tl, outcome, policy.summary_backoff_s)
             log.warning("summary failed: the window stays without one",
                         extra={"tenant": tenant, "session": session_id, "outcome": outcome,
                                "error": type(exc).__name__})
             await store.unlock_summary(ns, session_id)
             return None
         ms = round((time.perf_counter() - started) * 1000, 1)
-        self.failures[tenant] = 0
+        self.failures[ns] = 0
         metrics = self.state.metrics
         metrics.summaries.labels(tl, "ok").inc()
         metrics.summary_seconds.labels(tl).observe(ms / 1000)
@@ -411,12 +416,13 @@ class SummaryService:
                 pass
         self.state.spawn(put())
 
-    def _failed(self, tenant: str, label: str, outcome: str, backoff_s: float) -> None:
+    def _failed(self, namespace: str, label: str, outcome: str, backoff_s: float) -> None:
         self.state.metrics.summaries.labels(label, outcome).inc()
-        self.failures[tenant] = self.failures.get(tenant, 0) + 1
-        if self.failures[tenant] >= FAILURES_BEFORE_BACKOFF:
-            self.paused_until[tenant] = time.monotonic() + backoff_s
-            self.failures[tenant] = 0
+        failed = (self.failures.get(namespace) or 0) + 1
+        self.failures[namespace] = failed
+        if failed >= FAILURES_BEFORE_BACKOFF:
+            self.paused_until[namespace] = time.monotonic() + backoff_s
+            self.failures[namespace] = 0
 
     async def _llm(self, job: Job, previous: str | None, turns: str,
                    count: Callable[[str], int]) -> tuple[str, dict[str, int]]:

@@ -170,10 +170,9 @@ async def compact(state: AppState, tenant: str, session_id: str) -> dict[str, An
     if not spec.policy.summary_model:
         raise Conflict(f"tenant {tenant!r} has no summary_model: nothing to compact with",
                        param="summary_model")
-    auth = None
-    upstream = state.config.upstreams.get(spec.upstream)
-    if upstream is not None and upstream.api_key:
-        auth = f"Bearer {upstream.api_key}"
+    # the key the tenant's own requests go with (one rule: ProxyConfig.upstream_secret)
+    secret = state.config.upstream_secret(spec)
+    auth = f"Bearer {secret}" if secret else None
     if spec.policy.summary_model != "extractive" and auth is None:
         raise Conflict("an LLM summary needs an upstream key: pass-through tenants use the "
                        "caller's own, so only summary_model = \"extractive\" compacts here")

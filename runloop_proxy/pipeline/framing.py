@@ -40,7 +40,7 @@ class Frame:
 
     @classmethod
     def of(cls, state: AppState, tenant: TenantSpec, body: dict[str, Any],
-           tools: list[dict[str, Any]] | None) -> Frame:
+           tools: list[dict[str, Any]] | None, scope: str = "") -> Frame:
         """The frame of a request's ``body``; ``tools``: its tools in chat form (what the
         API's adapter made of them: ``Turn.chat_tools``)."""
         model = str(body["model"])
@@ -50,7 +50,7 @@ class Frame:
         choices = body.get("n")
         return cls(model, reserve if isinstance(reserve, int) else None,
                    state.tokens.tools(enc, tools),
-                   1.0 if exact else state.tokens.factor(model),
+                   1.0 if exact else state.tokens.factor(model, scope),
                    ProxyTools.for_request(tools).window_names,
                    choices if isinstance(choices, int) and choices > 0 else 1)
 

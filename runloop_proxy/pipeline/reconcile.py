@@ -290,7 +290,8 @@ def request_point(state: AppState, turn: Turn, history: History,
     frame its window was built in (``framing.Frame``, taken then: the answer may have
     recalibrated the model since) — or that it chained on a response upstream."""
     if frame is None:
-        frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools).point()
+        frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools,
+                         turn.caller.scope).point()
     out: dict[str, Any] = {"messages": len(history.messages), **frame}
     if history.earlier:
         out["earlier"] = [history.earlier_at, len(history.earlier)]

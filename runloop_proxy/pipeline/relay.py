@@ -20,7 +20,7 @@ from .offload import is_large, offload
 from .reconcile import record
 from .sse import SSEDecoder
 from .toolloop import Outcome, Rounds, answer_json, answer_stream
-from .tools import ProxyTools, ToolRunner
+from .tools import MAX_CALLS, ProxyTools, ToolRunner
 from .upstream import UpstreamResponse, json_headers, upstream_headers
 from .values import Answer, History, Outgoing, Turn
 from .wire import Reply, Wire
@@ -120,7 +120,7 @@ async def _passed_through(state: AppState, turn: Turn, session: Session, history
         # the connection broke mid-answer: the client's body must end cut, never as whole
         status = exc.status
         log.warning("upstream failed mid-answer", extra={"tenant": turn.caller.tenant.name,
-                                                         "error": str(exc)})
+                                                         "error": exc.log_text})
         raise
     except (GeneratorExit, asyncio.CancelledError):
         status = CLIENT_CLOSED
@@ -161,7 +161,9 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
         # the session's other branches: only where the client named the session itself
         branches=(lambda: store.all_messages(ns, session.id)) if named else None,  # type: ignore[union-attr,arg-type]
         branch_results=(lambda cid: store.tool_results(ns, session.id, cid))  # type: ignore[union-attr,arg-type]
-        if named else None)
+        if named else None,
+        # each of the up to MAX_CALLS calls reads the request's conversation: charged so
+        large=turn.large or history.large or is_large(MAX_CALLS * len(turn.raw)))
 
     async def send(body: dict[str, Any]) -> UpstreamResponse:
         return await forward(state, turn, body, rlog)
@@ -195,7 +197,8 @@ def _calibrate(state: AppState, turn: Turn, rlog: RequestLog,
     _, exact = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
     reported, _ = prompt_usage(usage)
     if not exact and reported:
-        state.tokens.calibrate(turn.model, rlog.prompt_tokens[1], reported)
+        state.tokens.calibrate(turn.model, rlog.prompt_tokens[1], reported,
+                               turn.caller.scope)
 
 
 async def _streamed(state: AppState, turn: Turn, session: Session, history: History,
@@ -240,7 +243,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
     except UpstreamError as exc:
         status = exc.status
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,
-                                                         "error": str(exc)})
+                                                         "error": exc.log_text})
         yield relay.error(exc)
     except (GeneratorExit, asyncio.CancelledError):
         status = CLIENT_CLOSED  # the client went away: the relay was cancelled

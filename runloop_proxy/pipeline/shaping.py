@@ -28,7 +28,10 @@ STEPS_KEPT = 24  # a request's window steps recorded one by one (the earlier one
 async def shape(state: AppState, turn: Turn, session: Session, history: History,
                 rlog: RequestLog) -> Outgoing:
     """The body that goes upstream: the client's, byte for byte, unless a window changes it."""
-    frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools)
+    # the client's tool schemas are rendered to be counted: request content, off the event
+    # loop when the request is large (as its messages are)
+    frame = await offload(turn.large, lambda: Frame.of(
+        state, turn.caller.tenant, turn.body, turn.chat_tools, turn.caller.scope))
     rlog.frame = frame.point()
     if history.degraded:
         state.metrics.degraded.labels(turn.caller.label, history.degraded).inc()

@@ -41,6 +41,7 @@ IMAGE_PART_TOKENS = 765
 MEDIA_PARTS = ("image_url", "input_image", "input_audio", "image", "document")
 FRAME = 100_264  # stands for the chat format's framing tokens (cl100k's <|im_start|>)
 TOOLS_OVERHEAD = 6  # the system turn the tools section rides in
+MODELS_KEPT = 4096  # model names resolved to encodings, at most (clients name them)
 COUNT_ENTRY_BYTES = 260  # a cached count: the key tuple, two strings, an int, a slot
 EXACT_CHARS = 65_536  # texts up to this long are counted exactly
 SAMPLE_CHARS = 16_384  # longer ones: estimated from this much of their head and of their tail
@@ -62,7 +63,10 @@ class TokenCounter:
         # (encoding, content hash) -> count: entries of one size, so bytes bound the count
         self._cache: ByteLRU[tuple[str, str], int] = ByteLRU(
             cache_bytes, lambda k, v: COUNT_ENTRY_BYTES)
-        self._factors: dict[str, float] = {}
+        # (scope, model) -> factor: a scope is one tenant (a pass-through key's namespace),
+        # so no tenant's traffic moves another's counts; bounded, model names are clients'
+        self._factors: ByteLRU[tuple[str, str], float] = ByteLRU(
+            4 << 20, lambda k, v: 200 + len(k[0]) + len(k[1]))
 
     def resize(self, cache_bytes: int) -> None:
         self._cache.max_bytes = cache_bytes
@@ -73,7 +77,7 @@ class TokenCounter:
         hit = self._by_model.get(key)
         if hit is None:
             hit = self._by_model[key] = self._resolve(model, override)
-            if len(self._by_model) > 4096:  # model names come from clients
+            if len(self._by_model) > MODELS_KEPT:  # model names come from clients
                 self._by_model.pop(next(iter(self._by_model)))
         return hit
 
@@ -170,16 +174,17 @@ class TokenCounter:
 
     # -- calibration ----------------------------------------------------------------------
 
-    def factor(self, model: str) -> float:
-        return self._factors.get(model, 1.0)
+    def factor(self, model: str, scope: str = "") -> float:
+        hit = self._factors.get((scope, model))
+        return 1.0 if hit is None else float(hit)
 
-    def calibrate(self, model: str, estimated: int, reported: int) -> None:
+    def calibrate(self, model: str, estimated: int, reported: int, scope: str = "") -> None:
         """Fold an upstream-reported prompt size into the model's correction factor."""
         if estimated <= 0 or reported <= 0:
             return
         ratio = max(0.5, min(2.0, reported / estimated))
-        old = self._factors.get(model)
-        self._factors[model] = ratio if old is None else \
+        old = self._factors.get((scope, model))
+        self._factors[(scope, model)] = ratio if old is None else \
             old * (1 - CALIBRATION_WEIGHT) + ratio * CALIBRATION_WEIGHT
 
     def counter(self, model: str, override: str | None = None) -> tuple[Counter, float]:

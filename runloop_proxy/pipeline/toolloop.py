@@ -56,8 +56,8 @@ class Rounds:
         resp = await self.send(sent)
         if resp.status >= 400:
             body = await resp.read(self.max_answer)
-            raise UpstreamError(f"the upstream answered {resp.status} to a proxy tool round: "
-                                f"{body[:300].decode(errors='replace')}",
+            raise UpstreamError(f"the upstream answered {resp.status} to a proxy tool round",
+                                quoted=f": {body[:300].decode(errors='replace')}",
                                 status=resp.status if resp.status >= 500 else 502)
         return resp
 

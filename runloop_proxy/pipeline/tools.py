@@ -196,8 +196,13 @@ class ToolRunner:
     def __init__(self, tools: ProxyTools, messages: list[Message], keys: list[str],
                  max_results: int,
                  branches: Callable[[], Awaitable[list[tuple[str, Message]]]] | None = None,
-                 branch_results: Callable[[str], Awaitable[list[Message]]] | None = None):
+                 branch_results: Callable[[str], Awaitable[list[Message]]] | None = None,
+                 large: bool = False):
         self.tools = tools
+        # what the calls read is large (the request's bytes times the calls it may make, or
+        # its messages): every walk a call makes over it runs off the event loop, however
+        # few messages it is spread over
+        self.large = large
         self.messages = messages
         self.keys = keys
         self.max_results = max_results
@@ -245,19 +250,15 @@ class ToolRunner:
     async def recall(self, ref: str) -> tuple[Any, str]:
         """A message by the short ref a note shows (a tool result as it was, content parts
         included; any other message's text), or a result by its tool call's id; with
-        ``args:<call id>``, the call's own arguments (cut in the window when long)."""
+        ``args:<call id>``, the call's own arguments (cut in the window when long). What
+        the request holds is read off the event loop when it is large; the session's other
+        branches, from the store."""
         ref = ref.strip()
         if not ref:
             return "error: call_id is required", "bad_arguments"
-        if ref.startswith("args:"):
-            return self._arguments(ref[5:])
-        ordered = message_refs(self.keys)
-        for m, r in zip(self.messages, ordered, strict=True):
-            if r == ref:
-                return (m.get("content") if m.get("role") == "tool" else message_text(m)), "hit"
-        refs = dict(zip(self.keys, ordered, strict=True))
-        found = [(refs.get(k, ""), m) for k, m in self._lineage()
-                 if m.get("role") == "tool" and m.get("tool_call_id") == ref]
+        hit, found = await offload(self.large, lambda: self._in_request(ref))
+        if hit is not None:
+            return hit
         if not found and self.branch_results is not None:
             try:
                 found = [("", m) for m in await self.branch_results(ref)]
@@ -276,6 +277,21 @@ class ToolRunner:
             content = (content if isinstance(content, str) else message_text(found[0][1])) \
                 + note
         return content, "hit"
+
+    def _in_request(self, ref: str) -> tuple[tuple[Any, str] | None,
+                                              list[tuple[str, Message]]]:
+        """What the request holds for ``ref``: an answer (a call's arguments, a message by
+        its ref), or the results with that call id and their refs."""
+        if ref.startswith("args:"):
+            return self._arguments(ref[5:]), []
+        ordered = message_refs(self.keys)
+        for m, r in zip(self.messages, ordered, strict=True):
+            if r == ref:
+                return ((m.get("content") if m.get("role") == "tool" else message_text(m)),
+                        "hit"), []
+        refs = dict(zip(self.keys, ordered, strict=True))
+        return None, [(refs.get(k, ""), m) for k, m in self._lineage()
+                      if m.get("role") == "tool" and m.get("tool_call_id") == ref]
 
     def _arguments(self, call_id: str) -> tuple[str, str]:
         for _, m in self._lineage():
@@ -296,7 +312,9 @@ class ToolRunner:
                     stored = []
                 known = {k for k, _ in corpus}
                 corpus += [(k, m) for k, m in stored if k not in known]
-            self._docs = await offload(is_large(0, len(corpus) * 8),
+            # a named session's stored branches: read whole, whatever the request's size
+            self._docs = await offload(self.large or self.branches is not None
+                                       or is_large(0, len(corpus) * 8),
                                        lambda: [doc(k, m) for k, m in corpus])
         return self._docs
 
@@ -307,10 +325,11 @@ class ToolRunner:
         if not terms and len(" ".join(query.split())) < MIN_PHRASE:
             return "error: query must contain words", "bad_arguments"
         docs = await self._corpus()
-        loop_of = _loop_index(self.messages, self.keys)
-        ref_of = dict(zip(self.keys, message_refs(self.keys), strict=True))
-        hits = await offload(is_large(0, len(docs) * 8),
-                             lambda: rank_docs(terms, docs, self.max_results, query))
+        large = self.large or is_large(0, len(docs) * 8)
+        hits = await offload(large, lambda: rank_docs(terms, docs, self.max_results, query))
+        loop_of, ref_of = await offload(large, lambda: (
+            _loop_index(self.messages, self.keys),
+            dict(zip(self.keys, message_refs(self.keys), strict=True))))
         said = f"{query!r}" + (f" (the first {MAX_QUERY_CHARS} characters)" if cut else "")
         if not hits:
             return f"no match for {said} in this conversation's history", "miss"

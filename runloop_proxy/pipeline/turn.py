@@ -61,6 +61,6 @@ async def count(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
         rlog.prompt_tokens = (n, n)
     headers = {"X-Session-Id": session.header_value, "Content-Type": "application/json",
                "X-Runloop-Tokens": "{};{}".format(*rlog.prompt_tokens)}
-    tokens = round(rlog.prompt_tokens[1] * state.tokens.factor(turn.model))
+    tokens = round(rlog.prompt_tokens[1] * state.tokens.factor(turn.model, turn.caller.scope))
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps({"input_tokens": tokens}))

@@ -30,6 +30,12 @@ class Caller:
     drop_headers: frozenset[str] = frozenset()  # client headers never forwarded (its proxy key)
     upstream_api_key: str | None = None  # sent as x-api-key (an upstream of Anthropic's format)
 
+    @property
+    def scope(self) -> str:
+        """What per-caller state (a model's calibration) is kept apart by: the namespace
+        (a tenant, a pass-through key), else the label."""
+        return self.namespace or self.label
+
     def authorize(self, headers: CIMultiDict[str]) -> CIMultiDict[str]:
         """``headers`` with the upstream key where its format wants it."""
         if self.upstream_api_key:

@@ -179,8 +179,8 @@ def add_usage(total: dict[str, Any], usage: dict[str, Any] | None) -> None:
 
 def bad_reply(what: str, data: Any) -> UpstreamBadReply:
     shown = repr(data)
-    return UpstreamBadReply(f"the upstream's answer is not {what} "
-                            f"({shown[:120]}{'…' if len(shown) > 120 else ''})")
+    return UpstreamBadReply(f"the upstream's answer is not {what}",
+                            quoted=f" ({shown[:120]}{'…' if len(shown) > 120 else ''})")
 
 
 def event_json(event: SSEEvent) -> Any:
