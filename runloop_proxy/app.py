@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from .api.http import ClientGone, error_response
-from .api.routes import CONVERSATIONS, routes
+from .api.routes import CONVERSATIONS, base_url_hint, routes
 from .caches import SHARES
 from .config import ProxyConfig, Settings, load_config
 from .environment import settings_from_env
@@ -78,7 +78,8 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
-        body = error_body(f"{request.method} {request.url.path}: {exc.detail}",
+        body = error_body(f"{request.method} {request.url.path}: {exc.detail}"
+                          f"{base_url_hint(request.url.path) if exc.status_code == 404 else ''}",
                           "invalid_request_error", None,
                           "not_found" if exc.status_code == 404 else None)
         return error_response(request.url.path, exc.status_code, body, exc)

@@ -16,7 +16,7 @@ import orjson
 
 from . import __version__
 from .config import Settings, describe, load_config
-from .environment import SERVE_OPTIONS, env_name, env_value, settings_to_env
+from .environment import SERVE_OPTIONS, env_name, env_value, port_number, settings_to_env
 from .errors import ConfigError
 from .ops.views import branch_origin, loop_span, record_line
 
@@ -253,7 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo = ("start a scripted upstream and the proxy, replay a sample agent session through "
             "them, print the savings and the inspector's address (no API key needed)")
     d = sub.add_parser("demo", help=demo, description=demo[:1].upper() + demo[1:] + ".")
-    d.add_argument("--port", type=int, default=8080, help="the proxy's port (default 8080)")
+    d.add_argument("--port", type=port_number, default=8080,
+                   help="the proxy's port (default 8080)")
     d.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     d.add_argument("--data-dir", default=".runloop-demo",
                    help="where the embedded Redis keeps its data (default .runloop-demo)")
@@ -273,7 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handlers = {"serve": cmd_serve, "check-config": cmd_check_config, "inspect": cmd_inspect,
                 "replay": cmd_replay, "demo": cmd_demo}
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except BrokenPipeError:
+        # the reader went away (``| head``): stop quietly, as other tools do; stdout is
+        # pointed at nothing so that flushing it at exit does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ the command line (``cli``) and by the worker processes ``serve --workers N`` sta
 
 from __future__ import annotations
 
+import argparse
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 from .config import Settings
@@ -13,11 +14,27 @@ from .config import Settings
 ENV_PREFIX = "RUNLOOP_"
 
 
+class NotAPort(argparse.ArgumentTypeError, ValueError):
+    """A port that is none: argparse says why in one line; the environment's reader sees a
+    ValueError like any other bad number."""
+
+
+def port_number(text: str) -> int:
+    """A TCP port (0: any free one), from the command line or the environment."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= 65535:
+        raise NotAPort(f"{text!r} is not a port number (0-65535)")
+    return n
+
+
 class Option(NamedTuple):
     flags: tuple[str, ...]  # the first is the option's name; the rest are old spellings
     field: str  # the Settings field
     env: str  # RUNLOOP_<env>
-    kind: type[Any]  # str or int
+    kind: Callable[[str], Any]  # str, int, port_number
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
@@ -27,7 +44,8 @@ class Option(NamedTuple):
 
 SERVE_OPTIONS: tuple[Option, ...] = (
     Option(("--host",), "host", "HOST", str, None, "listen address (default 127.0.0.1)"),
-    Option(("--port",), "port", "PORT", int, None, "listen port (default 8080)"),
+    Option(("--port",), "port", "PORT", port_number, None, "listen port (default 8080)",
+           metavar="N"),
     Option(("--upstream",), "upstream", "UPSTREAM", str, None,
            "upstream base URL, e.g. https://api.openai.com/v1 (pass-through mode)",
            metavar="URL"),

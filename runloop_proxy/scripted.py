@@ -36,6 +36,7 @@ from . import serving
 from .config import ServerSection
 from .conversation.items import to_messages, tool_to_chat
 from .conversation.messages import Message, message_hash
+from .environment import port_number
 from .pipeline import encodings
 from .pipeline.schemas import render_tools
 from .pipeline.tokens import (
@@ -591,7 +592,7 @@ def _item_events(at: int, item: dict[str, Any]) -> list[dict[str, Any]]:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m runloop_proxy.scripted",
                                      description="scripted OpenAI-compatible upstream (echo)")
-    parser.add_argument("--port", type=int, default=9000)
+    parser.add_argument("--port", type=port_number, default=9000)
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="think time before every answer (an LLM is never instant)")
     parser.add_argument("--prompt-cache", action="store_true",

@@ -12,7 +12,7 @@ from typing import Any
 from starlette.requests import Request
 
 from .caches import SHARES, ByteLRU
-from .config import ProxyConfig, Settings, config_mtimes, load_config
+from .config import ProxyConfig, Settings, config_mtimes, load_config, redact_url
 from .conversation.messages import Message
 from .errors import ConfigError
 from .history.embedded import EmbeddedRedis
@@ -83,7 +83,11 @@ class AppState:
         for name, spec in self.config.upstreams.items():
             client = old.get(name)
             if client is None or client.spec != spec:
-                client = UpstreamClient(name, spec)
+                # the pass-through upstream is the URL its user typed (--upstream): errors
+                # name it so; a configured one is named by its name alone
+                typed = self.config.passthrough is not None \
+                    and name == self.config.passthrough.upstream
+                client = UpstreamClient(name, spec, redact_url(spec.url) if typed else None)
                 await client.start()
             new[name] = client
         self.upstreams = new

@@ -55,7 +55,7 @@ def test_settings_from_the_environment_are_the_command_line_s() -> None:
         (9123, "k" * 20, "redis://r/1", 4096, 3)
     assert s.data_dir == ".runloop" and s.log_format == "json"
     bad = cli("serve", env={**os.environ, "RUNLOOP_PORT": "eighty"})
-    assert bad.returncode == 2 and "--port: invalid int value: 'eighty'" in bad.stderr
+    assert bad.returncode == 2 and "--port: 'eighty' is not a port number (0-65535)" in bad.stderr
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -340,3 +340,34 @@ def test_every_served_worker_tunes_its_collector(monkeypatch: pytest.MonkeyPatch
     finally:
         gc.set_threshold(*previous)
         gc.unfreeze()
+
+
+def test_a_reader_that_goes_away_ends_the_output_quietly(tmp_path: Path) -> None:
+    """Found by a newcomer: ``runloop-proxy inspect … | head`` ended in a BrokenPipeError
+    traceback. Any command whose reader closes the pipe stops quietly (141, as a shell's
+    tools do)."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"messages": [{"role": "user", "content": "hi"}, '
+                     '{"role": "assistant", "content": "hello"}]}\n')
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy.cli", "replay",
+                             "--json", "--no-progress", str(trace)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141 and "Traceback" not in err, err
+
+
+def test_a_port_or_data_dir_that_cannot_be_used_is_one_line(tmp_path: Path,
+                                                            upstream: ScriptedUpstream) -> None:
+    """Found by a newcomer: ``--port 99999`` and a ``--data-dir`` that cannot be one (a file,
+    a path under /proc, a directory nobody may write) ended in tracebacks. Each is one line
+    naming the option, exit status 2."""
+    bad_port = cli("serve", "--upstream", upstream.url, "--port", "99999")
+    assert bad_port.returncode == 2 and "'99999' is not a port number" in bad_port.stderr
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for where in (a_file, Path("/proc/runloop-nope")):
+        out = cli("serve", "--upstream", upstream.url, "--port", "0", "--data-dir", str(where))
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert "cannot use the data directory" in out.stderr and "--data-dir" in out.stderr

@@ -108,6 +108,24 @@ def test_an_unknown_path_outside_v1_is_openai_shaped(proxy: Any) -> None:
     check(httpx.get(proxy.base + "/v2/messages"), "/v2/messages", 404)
 
 
+@pytest.mark.parametrize(("path", "hint"), [
+    ("/chat/completions", "did you mean /v1/chat/completions?"),
+    ("/responses", "did you mean /v1/responses?"),
+    ("/messages", "did you mean /v1/messages?"),
+    ("/v1/v1/messages", "the Anthropic SDKs add /v1 themselves"),
+    ("/v1/v1/chat/completions", "ends in /v1 twice"),
+])
+def test_a_base_url_off_by_v1_is_told_so(proxy: Any, upstream: ScriptedUpstream, path: str,
+                                         hint: str) -> None:
+    """Found by a newcomer: an OpenAI SDK without /v1 in its base URL, or an Anthropic SDK
+    with it (then /v1/v1/messages went upstream with the client's key), got a bare 404. Each
+    is a 404 in the path's shape that says what to change, answered by the proxy."""
+    r = httpx.post(proxy.base + path, json={}, headers={"Authorization": "Bearer sk-x"})
+    check(r, path, 404)
+    assert hint in r.json()["error"]["message"]
+    assert not upstream.other and not upstream.requests
+
+
 # each API's required fields: a value of the wrong type, and what the message must name
 REQUIRED = {
     "/v1/chat/completions": ({"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]},

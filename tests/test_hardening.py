@@ -69,6 +69,19 @@ def test_session_ids_beyond_latin1_and_with_control_characters(
     assert metric(proxy, "runloop_requests_total", status="400") == 1
 
 
+def test_a_session_header_in_utf8_names_the_session_its_client_wrote(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """Found by a newcomer: ``X-Session-Id: café-1`` (UTF-8 on the wire, as every client
+    sends text) was read as Latin-1 and became the session ``cafÃ©-1``, echoed as
+    ``caf%C3%83%C2%A9-1``; ``inspect café-1`` did not find it. A header's text is read as
+    UTF-8 where it is; bytes that are not stay as read."""
+    for raw, echoed in (("café-1".encode(), "caf%C3%A9-1"), (b"caf\xe9-2", "caf%C3%A9-2")):
+        r = HTTP.post(proxy.url + "/chat/completions", json={
+            "model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            headers={"Authorization": f"Bearer {KEY}", "X-Session-Id": raw})
+        assert r.status_code == 200 and r.headers["x-session-id"] == echoed, r.headers
+
+
 def test_a_user_outside_latin1_is_just_a_scope(proxy: ProxyServer,
                                                upstream: ScriptedUpstream) -> None:
     def ask(user: str) -> httpx.Response:

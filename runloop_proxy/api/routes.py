@@ -57,12 +57,27 @@ def v1_subpath(raw_path: bytes) -> str:
     return urllib.parse.quote(path[len(PREFIX) - 1:], safe=_SEGMENT_SAFE)
 
 
+def base_url_hint(path: str) -> str:
+    """What a client that asked for ``path`` likely has wrong in its base URL (a known API
+    path without ``/v1``: an OpenAI SDK's base URL without it; ``/v1/v1/``: an Anthropic
+    SDK's with it), said after a 404; "" when nothing."""
+    if path.startswith("/v1/v1/"):
+        return (" (the base URL ends in /v1 twice: the Anthropic SDKs add /v1 themselves, "
+                "so theirs is http://HOST:PORT without it)")
+    if "/v1" + path in CONVERSATIONS or path.startswith(("/models", "/embeddings")):
+        return f" (did you mean /v1{path}? An OpenAI SDK's base URL ends in /v1)"
+    return ""
+
+
 @shaped_errors
 async def passthrough(request: Request) -> ASGIResponse:
     """Any other /v1 endpoint (models, embeddings, files, …) goes through untouched both ways:
     bodies and their Content-Encoding, the query string; the path only when it stays below
     /v1/."""
     state = state_of(request)
+    if request.url.path.startswith("/v1/v1/"):  # never the upstream's: a doubled base URL
+        raise NotFound(f"{request.method} {request.url.path}: no such endpoint"
+                       f"{base_url_hint(request.url.path)}")
     caller = authenticate(state, request)
     path = v1_subpath(request.scope.get("raw_path") or request.scope["path"].encode())
     if anthropic_path(request.url.path) \

@@ -93,9 +93,14 @@ class EmbeddedRedis:
     def start(self) -> str:
         """Start (or join an already running one on the same data dir), and keep it running
         until ``stop``; return its URL."""
-        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._stopping.clear()
-        if not self._ensure():
+        try:
+            self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._stopping.clear()
+            joined = not self._ensure()
+        except OSError as exc:  # a data dir that cannot be one: one line, not a traceback
+            raise RuntimeError(f"cannot use the data directory {self.data_dir} "
+                               f"(--data-dir): {exc.strerror or exc}") from exc
+        if joined:
             log.info("joining the embedded redis already running",
                      extra={"dir": str(self.data_dir)})
         self._keeper = threading.Thread(target=self._keep, name="embedded-redis", daemon=True)

@@ -102,7 +102,12 @@ def _demo(args: argparse.Namespace, sock: socket.socket) -> int:
     redis_url = args.redis_url
     if not redis_url:
         embedded = EmbeddedRedis(args.data_dir)
-        redis_url = embedded.start()
+        try:
+            redis_url = embedded.start()
+        except RuntimeError as exc:
+            upstream.stop()
+            print(f"runloop-proxy: {exc}", file=sys.stderr)
+            return 2
     admin_key = args.admin_key or "demo-" + secrets.token_hex(12)
     settings = Settings(upstream=upstream.url, redis_url=redis_url, data_dir=args.data_dir,
                         admin_key=admin_key, summary_model="extractive", port=args.port)

@@ -168,9 +168,10 @@ def _zlib_header(data: bytes) -> bool:
 
 
 class UpstreamClient:
-    def __init__(self, name: str, spec: UpstreamSpec):
+    def __init__(self, name: str, spec: UpstreamSpec, shown: str | None = None):
         self.name = name
         self.spec = spec
+        self.shown = shown or name  # what an error calls it
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
@@ -213,16 +214,16 @@ class UpstreamClient:
                     aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
                 if attempt >= self.spec.max_retries:
                     if isinstance(exc, aiohttp.ConnectionTimeoutError):
-                        raise UpstreamTimeout(f"upstream {self.name} connect timed out") from exc
-                    raise UpstreamUnreachable(f"upstream {self.name} could not be reached "
+                        raise UpstreamTimeout(f"upstream {self.shown} connect timed out") from exc
+                    raise UpstreamUnreachable(f"upstream {self.shown} could not be reached "
                                               f"(connection refused or lost)") from exc
                 await asyncio.sleep(self._backoff(attempt, None))
                 attempt += 1
                 continue
             except TimeoutError as exc:
-                raise UpstreamTimeout(f"upstream {self.name} timed out") from exc
+                raise UpstreamTimeout(f"upstream {self.shown} timed out") from exc
             except aiohttp.ClientError as exc:
-                raise UpstreamUnreachable(f"upstream {self.name} sent no valid HTTP answer"
+                raise UpstreamUnreachable(f"upstream {self.shown} sent no valid HTTP answer"
                                           ) from exc
             if resp.status in RETRY_STATUSES and attempt < self.spec.max_retries:
                 wait = self._backoff(attempt, resp.headers.get("Retry-After"))
