@@ -132,6 +132,14 @@ def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
          chat(session(4, lambda k: "a" * 110_000), tools=LOOK),
          {"tool_calls": [{"id": f"s{i}", "name": "search_history",
                           "arguments": {"query": "a" * 1000}} for i in range(4)]}),
+        ("search_history: 32 searches over 2 results of 97 KB of distinct words",
+         chat(session(2, lambda k: " ".join(f"w{k}x{i}" for i in range(12_000))),
+              tools=LOOK),
+         {"tool_calls": [{"id": f"s{i}", "name": "search_history",
+                          "arguments": {"query": f"w{i % 2}x{i}"}} for i in range(32)]}),
+        ("tool schema: an object of 80,000 properties", chat([user("hi")], tools=[
+            tool_fn("f", {"type": "object", "properties": {
+                f"p{i}": {} for i in range(80_000)}})]), None),
         ("an agent message of 30,000 names, its call cut", chat([
             {"role": "system", "content": "s"}, user("go"),
             {"role": "assistant", "content": [{"type": "text", "text": " ".join(
