@@ -189,6 +189,35 @@ def test_reload_on_file_change_keeps_last_good(tmp_path: Path, make_proxy: Any,
         in text, [line for line in text.splitlines() if "initech" in line][:5]
 
 
+def test_a_reload_that_changes_an_upstream_takes_effect(tmp_path: Path, make_proxy: Any,
+                                                        upstream: ScriptedUpstream) -> None:
+    """An operator rotating an upstream's key (or moving its URL) reloads and the next
+    request goes with the new one (a planted-bug survivor: a reload that kept the old
+    client of an upstream whose spec changed went on with the old key)."""
+    root = write_config(tmp_path, upstream.url)
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    globex = openai.OpenAI(base_url=proxy.url, api_key=GLOBEX_KEY, max_retries=0)
+
+    moved = ScriptedUpstream().start()
+    try:
+        def ask(where: ScriptedUpstream) -> str:
+            before = len(where.headers)
+            globex.chat.completions.create(model="m",
+                                           messages=[{"role": "user", "content": "x"}])
+            assert len(where.headers) == before + 1
+            return where.headers[-1]["authorization"]
+
+        assert ask(upstream) == "Bearer sk-shared-upstream"
+        text = (root / "runloop.toml").read_text()
+        (root / "runloop.toml").write_text(
+            text.replace('api_key = "${TEST_UPSTREAM_KEY}"', 'api_key = "sk-rotated"')
+            .replace(upstream.url, moved.url))
+        assert proxy.run(proxy.state.reload("test")) is True
+        assert ask(moved) == "Bearer sk-rotated"
+    finally:
+        moved.stop()
+
+
 def _bump(path: Path) -> None:
     t = time.time() + 1
     os.utime(path, (t, t))

@@ -147,6 +147,38 @@ def test_one_callers_failing_summaries_pause_no_other_callers() -> None:
     assert asked == ["pt-bob"]  # alice's are paused, bob's go on
 
 
+def test_a_summary_made_clears_the_failures_before_it() -> None:
+    """Three failures *in a row* pause a caller's summaries: one made in between starts the
+    count again (a mutation sample's survivor: without the reset, three failures a day apart
+    paused them)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from runloop_proxy.config import Policy
+    from runloop_proxy.history.summaries import FAILURES_BEFORE_BACKOFF, Job, SummaryService
+    from runloop_proxy.ops.metrics import Metrics
+    from runloop_proxy.pipeline.tokens import TokenCounter
+
+    async def yes(*args: object) -> bool:
+        return True
+
+    store = SimpleNamespace(lock_summary=yes, unlock_summary=yes, put_summary=yes,
+                            add_record=yes)
+    service = SummaryService(SimpleNamespace(  # type: ignore[arg-type]
+        metrics=Metrics(), store=store, tokens=TokenCounter()))
+    job = Job(Policy(summary_model="extractive"), "pt-a", "passthrough", "passthrough",
+              "gpt-4o", "default", None)
+    for _ in range(FAILURES_BEFORE_BACKOFF - 1):
+        service._failed("pt-a", "passthrough", "error", 300.0)
+    messages = [{"role": "user", "content": "order #W1"}, {"role": "assistant", "content": "ok"}]
+    from runloop_proxy.conversation.runloops import segment
+
+    made = asyncio.run(service.make(job, "s", messages, segment(messages), 1, "c", None, {}))
+    assert made is not None
+    service._failed("pt-a", "passthrough", "error", 300.0)
+    assert service.paused_until.get("pt-a") is None  # one failure since the last made
+
+
 def test_an_undeclared_parameter_is_a_programming_error() -> None:
     """A page reading a parameter ops/params.py does not declare fails loudly in its tests,
     never quietly with a default."""

@@ -273,6 +273,10 @@ def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None
                             "summary_model=gpt-4o-mini", "--summary-cost", "500").stdout)
     assert priced["summary_tokens"] == 500 * priced["summaries"]
     assert priced["forwarded_tokens"] == digest["forwarded_tokens"] + priced["summary_tokens"]
+    # the summary calls are paid in every cost model, at full price (a mutation sample's
+    # survivor: they were added to the tokens and to no cost)
+    for cost in ("forwarded_cost", "forwarded_cost_strict"):
+        assert priced[cost] == digest[cost] + priced["summary_tokens"], cost
     human = run(f, "--set", "max_run_loops=3")
     assert "references kept window" in human.stdout and "pass-through 100.0%" in human.stdout
     assert ", lost 0" in human.stdout

@@ -12,6 +12,7 @@ its control: the same request with the right credential is answered, with the da
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import Enum
@@ -24,6 +25,7 @@ import pytest
 from starlette.routing import BaseRoute, Mount, Route
 
 from runloop_proxy.api.routes import CONVERSATIONS, routes
+from runloop_proxy.ops.inspector_shell import sign
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer
@@ -189,7 +191,12 @@ def refusing(sweep: Sweep, access: Access) -> list[Credential]:
                             {"rl_admin": sweep.foreign["wrong"]}),
                  Credential("a login cookie the tenant's proxy key signed", {},
                             {"rl_admin": sweep.foreign["tenant"]}),
-                 Credential("a forged cookie", {}, {"rl_admin": "9999999999.deadbeef"})]
+                 Credential("a forged cookie", {}, {"rl_admin": "9999999999.deadbeef"}),
+                 # signed by the admin key itself, its time over (a planted-bug survivor:
+                 # an expiry not checked let a login cookie work for good)
+                 Credential("an expired login cookie the admin key signed", {},
+                            {"rl_admin": f"{int(time.time()) - 1}."
+                                         f"{sign(ADMIN_KEY, f'ui:{int(time.time()) - 1}')}"})]
     if access is Access.TENANT:
         keys = [Credential("no key", {}, {}), Credential("a wrong key", bearer(WRONG_KEY), {}),
                 Credential("the admin key", bearer(ADMIN_KEY), {}),

@@ -364,6 +364,45 @@ def test_compressed_stream_without_proxy_tools_adds_no_usage_chunk(
     assert "stream_options" not in sent and "tools" not in sent  # n>1: no proxy tools
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_over_the_proxys_rounds_is_summed_and_sent_only_when_asked(
+        proxy: ProxyServer, upstream: ScriptedUpstream, stream: bool) -> None:
+    """A request the proxy answered in two rounds reports both rounds' usage, every count
+    summed, the nested ones too (``prompt_tokens_details.cached_tokens``); a stream sends
+    its usage chunk only to a client that asked for it (``include_usage``). Two survivors
+    of a planted-bug pass: the first round's details kept alone; a usage chunk sent to any
+    client with ``stream_options``."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        reply = recalling_responder("call_2")(body)
+        return {**reply, "cached_tokens": 40 if reply["content"] == "Let me look." else 60}
+
+    bodies = []
+    for asked in (True, False):
+        upstream.responder = respond
+        body: dict[str, Any] = {"model": "gpt-4o-mini", "messages": long_session(),
+                                "tools": CLIENT_TOOLS}
+        if stream:
+            body |= {"stream": True, "stream_options": {"include_usage": asked}}
+        r = httpx.post(proxy.url + "/chat/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        assert len(upstream.requests) >= 2  # the proxy's recall round went upstream
+        upstream.requests.clear()
+        if not stream:
+            bodies.append(r.json()["usage"])
+            break
+        chunks = [orjson.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        usage = [c["usage"] for c in chunks if c.get("usage")]
+        if not asked:
+            assert usage == [] and not [c for c in chunks if c.get("choices") == []]
+        else:
+            assert len(usage) == 1
+            bodies.append(usage[0])
+    (usage,) = bodies
+    assert usage["prompt_tokens"] == 200
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 100
+
+
 def test_a_failing_window_passes_the_request_through(proxy: ProxyServer,
                                                      upstream: ScriptedUpstream,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
