@@ -21,7 +21,9 @@ FN = {"type": "object", "properties": {"q": {"type": "string"}}}
 BODIES: dict[str, tuple[Callable[[Any], Any], dict[str, Any]]] = {
     "chat": (validate_chat_request, {
         "model": "m", "metadata": {"k": "v"}, "response_format": {"type": "json_object"},
-        "tools": [{"type": "function", "function": {"name": "f", "parameters": FN}}],
+        # a tool of another kind too: a bound applied to function tools alone fails here
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": FN}},
+                  {"type": "custom", "custom": {"name": "g", "format": {"type": "text"}}}],
         "messages": [
             {"role": "system", "content": "s"},
             {"role": "user", "content": [{"type": "text", "text": "hi"}]},
@@ -31,7 +33,8 @@ BODIES: dict[str, tuple[Callable[[Any], Any], dict[str, Any]]] = {
             {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}),
     "responses": (validate_responses_request, {
         "model": "m", "metadata": {"k": "v"}, "text": {"format": {"type": "text"}},
-        "tools": [{"type": "function", "name": "f", "parameters": FN}],
+        "tools": [{"type": "function", "name": "f", "parameters": FN},
+                  {"type": "web_search", "filters": {"allowed_domains": ["a.example"]}}],
         "input": [
             {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
@@ -39,7 +42,9 @@ BODIES: dict[str, tuple[Callable[[Any], Any], dict[str, Any]]] = {
     "messages": (validate_messages_request, {
         "model": "m", "max_tokens": 16, "metadata": {"user_id": "u"},
         "system": [{"type": "text", "text": "s"}],
-        "tools": [{"name": "f", "input_schema": FN}],
+        "tools": [{"name": "f", "input_schema": FN},
+                  {"type": "web_search_20250305", "name": "web_search",
+                   "user_location": {"type": "approximate", "city": "Oslo"}}],
         "messages": [
             {"role": "user", "content": [{"type": "text", "text": "hi"}]},
             {"role": "assistant", "content": [
