@@ -374,5 +374,5 @@ def test_a_stateless_session_shows_its_summary_after_the_marker(
     assert sent[at - 1]["role"] == "user" and "task 0" in str(sent[at - 1]["content"])
     assert "- Q: task 0: look at f0 [tools: shell] → A: f0 looks fine" in text
     assert "task 4: look at f4" in text and "task 5: look at f5" not in text  # loops 0-4
-    assert "0-0" not in text  # an output's short numbers measure rows: no identifiers
+    assert "0-0" not in text  # an output's row coordinates are no identifiers (amounts are)
     assert sent[-1] == {"role": "user", "content": "next"}

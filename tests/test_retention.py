@@ -310,13 +310,17 @@ def test_loop_digest_keeps_what_was_said_first_then_the_strongest_results() -> N
                     "seats 253 at 11:00:00 on 2024-05-20 price 54.04 code HAT023 user u_77",
                     "done: 1234 moved")
     _, ids = loop_digest(loop)  # type: ignore[arg-type]
-    # a result's short numbers and prices come last (a later reply quotes a fare or a
-    # refund: 1.7 points of the careful reader's past retention on both halves); its clock
-    # times are left out
+    # a result's amounts come last (a later reply quotes a fare or a refund: 1.7 points of
+    # the careful reader's past retention on both halves); its clock times and row
+    # coordinates are left out
     assert ids == ["1234", "XEWRD9", "HAT023", "u_77", "2024-05-20", "253", "54.04"]
     loop[-1] = {"role": "assistant", "content": "moved to seat 14C on 2024-05-20"}
     _, ids = loop_digest(loop)  # type: ignore[arg-type]  # the reply's before the results'
     assert ids[:4] == ["1234", "XEWRD9", "14C", "2024-05-20"] and ids[4] == "HAT023"
+    rows = one_loop("show rows", "get", '{"table": "t"}',
+                    "0-0 0-1 11:30 $12.50 " + " ".join(str(n) for n in range(101, 111)), "done")
+    _, ids = loop_digest(rows)  # type: ignore[arg-type]
+    assert ids == ["$12.50", *(str(n) for n in range(101, 108))]  # AMOUNTS of them
 
 
 def test_a_tool_call_passes_identifiers_whole_and_a_result_names_none_by_its_fields() -> None:

@@ -5,8 +5,9 @@ paths, numbers, e-mail addresses, names with digits — taken from the user's wo
 the calls' arguments (every short value the agent passed a tool, digits or not: a booking code,
 an airport, a surname), the agent's replies, then the values of the tool results (not their
 field names), strongest first: codes mixing letters and digits, then paths, addresses, dates
-and long numbers, then short numbers and prices (they measure a record more often than they
-name one, but a later reply quotes a fare or a refund); clock times are left out.
+and long numbers, then a few amounts (short numbers and prices: they measure a record more
+often than they name one, but a later reply quotes a fare or a refund); clock times and row
+coordinates are left out.
 Deduplicated across the whole summary; an identifier inside a longer one kept (``7091239``
 in ``gift_card_7091239``) or in the system prompt, which the model always sees, is not
 repeated.
@@ -48,6 +49,10 @@ _TRIM = ".:!?*"
 _MARK = re.compile(r"[\d/@]")
 _DATE = re.compile(r"\d{4}-\d\d-\d\d")
 _CLOCK = re.compile(r"\d:\d\d")
+# of a result's short numbers, the amounts (a fare, a refund, a count: ``250``, ``$54.04``),
+# not a row's coordinates or a clock (``0-0``, ``11:00``), at most AMOUNTS a result
+_AMOUNT = re.compile(r"[$€£]?\d{1,4}(?:\.\d{1,2})?")
+AMOUNTS = 8
 _OPENS_JSON = re.compile(r"\s*[\[{]")
 _TOKEN_OR_KEY = re.compile(r"""([^\s,;()\[\]{}<>="'`|]+)("\s*:)?""")  # a key: ("...":)
 
@@ -159,7 +164,8 @@ def found_in(m: Message) -> Found:
         ranked: tuple[dict[str, None], dict[str, None], dict[str, None]] = ({}, {}, {})
         for x in result_identifiers(text_of(m.get("content"))):
             s = strength(x)
-            if len(ranked[s]) < RESULT_IDS and not (s == 2 and _CLOCK.search(x)):
+            if len(ranked[s]) < (RESULT_IDS if s < 2 else AMOUNTS) \
+                    and (s < 2 or _AMOUNT.fullmatch(x)):
                 ranked[s][x] = None
         return Found(results=tuple(map(tuple, ranked)))
     if role != "assistant":
