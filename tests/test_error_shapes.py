@@ -222,3 +222,23 @@ def test_what_an_upstream_quotes_reaches_the_client_and_never_the_logs(
     logged = [rec.getMessage() + " " + repr(rec.__dict__) for rec in caplog.records]
     assert logged and not [line for line in logged if CANARY in line]
     assert any("not logged" in line for line in logged)
+
+
+@pytest.mark.parametrize("path", REQUIRED)
+@pytest.mark.parametrize(("field", "value", "expected"), [
+    ("stream", "yes", "a boolean"), ("tools", "x", "an array"), ("metadata", [1], "an object")])
+def test_an_optional_field_of_the_wrong_type_names_what_it_must_be_in_every_api(
+        proxy: Any, upstream: ScriptedUpstream, path: str, field: str, value: Any,
+        expected: str) -> None:
+    """Found by a newcomer: the same mistake was told three ways ('must be a boolean', 'has
+    the wrong type', 'wrong type'). Every API names what the field must be and what it got."""
+    body = {**REQUIRED[path][0], field: value}
+    r = httpx.post(proxy.base + path, json=body, headers={"Authorization": "Bearer sk-x"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert expected in message and json_kind_of(value) in message, message
+    assert not upstream.requests
+
+
+def json_kind_of(value: Any) -> str:
+    return {str: "a string", list: "an array"}[type(value)]

@@ -51,7 +51,7 @@ def validate_chat_request(body: Any) -> dict[str, Any]:
     for name, kinds in TOP_LEVEL.items():
         v = body.get(name)
         if v is not None and (not isinstance(v, kinds) or _is_bool_int(v, kinds)):
-            raise InvalidRequest(f"'{name}' must be {KIND_NAMES[kinds]}", param=name)
+            raise openai_required(body, name, kind_words(kinds))
     for name in ("max_tokens", "max_completion_tokens", "n"):
         if (body.get(name) or 0) < 0:
             raise InvalidRequest(f"'{name}' must not be negative", param=name)
@@ -87,6 +87,13 @@ def json_kind(value: Any) -> str:
     return "an object"
 
 
+def kind_words(kinds: tuple[type, ...]) -> str:
+    """What a field of these Python types must be, in an error message's words."""
+    words = {bool: "a boolean", dict: "an object", int: "an integer", str: "a string",
+             list: "an array", float: "a number"}
+    return " or ".join(words.get(k, k.__name__) for k in kinds)
+
+
 def openai_required(body: dict[str, Any], name: str, expected: str) -> InvalidRequest:
     """A required field that is missing, or there but not what it must be, as OpenAI says it."""
     if name not in body:
@@ -96,8 +103,6 @@ def openai_required(body: dict[str, Any], name: str, expected: str) -> InvalidRe
                           f"{json_kind(body[name])} instead.", param=name)
 
 
-KIND_NAMES = {(bool,): "a boolean", (dict,): "an object", _INT: "an integer",
-              (str,): "a string", (str, dict): "a string or an object"}
 MESSAGE_FIELDS = {"role", "content", "name", "tool_calls", "tool_call_id", "function_call",
                   "refusal"}
 
@@ -212,7 +217,7 @@ def _validate_tools(tools: Any) -> None:
     if tools is None:
         return
     if not isinstance(tools, list):
-        raise InvalidRequest("'tools' must be an array", param="tools")
+        raise openai_required({"tools": tools}, "tools", "an array")
     for i, t in enumerate(tools):
         if not isinstance(t, dict):
             raise InvalidRequest(f"tools[{i}] must be an object", param=f"tools[{i}]")

@@ -20,7 +20,7 @@ from ..pipeline.values import Turn
 from ..pipeline.wire import Wire
 from ..state import AppState
 from .bridge import BridgeWire
-from .chat import MAX_DEPTH, bounded, json_kind
+from .chat import MAX_DEPTH, bounded, json_kind, kind_words
 from .http import ASGIResponse, answer_turn, authenticate, read_request
 from .messages_wire import MessagesWire
 
@@ -89,7 +89,7 @@ def validate_messages_request(body: Any, counting: bool = False) -> dict[str, An
                         ("stop_sequences", (list,))):
         v = body.get(name)
         if v is not None and not isinstance(v, kinds):
-            raise InvalidRequest(f"{name}: wrong type", param=name)
+            raise _required(body, name, kind_words(kinds))
     for i, tool in enumerate(body.get("tools") or []):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
             raise InvalidRequest(f"tools.{i}: each tool needs a name", param=f"tools.{i}")

@@ -17,7 +17,7 @@ from ..errors import InvalidRequest
 from ..pipeline.accounting import RequestLog
 from ..pipeline.values import Turn
 from ..state import AppState
-from .chat import bounded, openai_required
+from .chat import bounded, kind_words, openai_required
 from .http import ASGIResponse, answer_turn, authenticate, read_request
 from .responses_wire import ResponsesWire
 
@@ -65,7 +65,7 @@ def validate_responses_request(body: Any) -> dict[str, Any]:
                         ("max_output_tokens", (int,)), ("tools", (list,))):
         v = body.get(name)
         if v is not None and (not isinstance(v, kinds) or _bad_count(v, kinds)):
-            raise InvalidRequest(f"'{name}' has the wrong type", param=name)
+            raise openai_required(body, name, kind_words(kinds))
     for i, tool in enumerate(body.get("tools") or []):
         if not isinstance(tool, dict):
             raise InvalidRequest(f"tools[{i}] must be an object", param=f"tools[{i}]")
