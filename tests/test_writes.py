@@ -105,3 +105,46 @@ def test_a_growing_conversation_queued_together_is_one_write_and_sessions_stay_a
     queued, a, b, points = asyncio.run(go())
     assert queued == 1 and points == 10
     assert a == b == [["q0", "q1", "q2", "q3"]]
+
+
+def test_a_write_redis_refuses_waits_and_is_counted() -> None:
+    """Finding (red team): a write Redis refused (out of memory, read-only after a failover,
+    busy, loading) was sent again at once, for write_retry_s: one request during an
+    out-of-memory spell made 54,889 commands in 3 s, with nothing logged or counted. A
+    refused job waits, doubling each time, is counted (``runloop_store_errors_total{op=
+    "sync"}``), and is written once Redis takes it."""
+    import time
+
+    import redis
+
+    from .conftest import RedisServer
+
+    server = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(server.url)
+
+        async def go() -> None:
+            metrics = Metrics()
+            store = RedisStore(server.url, StoreSection(key_prefix="t-oom-"), metrics)
+            await store.start()
+            await store.sync("t", "s", [prepare({"role": "user", "content": "warm"})])
+            client.config_set("maxmemory", "1")  # every write now answers OOM
+            client.config_resetstat()
+            store.submit("t", "s", [prepare({"role": "user", "content": f"m{k}"})
+                                    for k in range(3)])
+            await asyncio.sleep(1.5)
+            calls = client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+            assert calls <= 12, calls  # a few tries a second, not thousands
+            refused = metrics.store_errors.labels("sync")._value.get()
+            assert refused == calls and refused >= 2
+            client.config_set("maxmemory", "0")
+            assert await store.drain(10)
+            head = await store.head("t", "s")
+            assert [m["content"] for _, m in head] == ["m0", "m1", "m2"]
+            await store.close()
+
+        started = time.monotonic()
+        asyncio.run(go())
+        assert time.monotonic() - started < 15
+    finally:
+        server.cleanup()

@@ -181,7 +181,8 @@ class RedisStore:
         self._scripts_loaded = False
         self.writes = WriteBehind(self._pipeline, self._settle, self._available_in,
                                   cfg.write_retry_s, self._lost, cfg.write_queue_mb << 20,
-                                  metrics.write_queue.set)
+                                  metrics.write_queue.set, self._refused)
+        self._refused_logged = 0.0
 
     # -- health ---------------------------------------------------------------------------
 
@@ -443,6 +444,17 @@ class RedisStore:
         stored = int(reply[1])
         job.retry_hint = stored if 0 < stored <= len(job.items) and stored != job.hint else 0
         return False
+
+    def _refused(self, job: Job, why: str) -> None:
+        """Redis refused a job's write (out of memory, read-only, busy): counted each time,
+        logged at most once a second (the job waits and is sent again)."""
+        self.metrics.store_errors.labels("sync").inc()
+        now = time.monotonic()
+        if now - self._refused_logged >= 1.0:
+            self._refused_logged = now
+            log.warning("Redis refused a history write; it waits and is sent again",
+                        extra={"tenant": job.namespace, "error": why[:200],
+                               "attempts": job.attempts + 1})
 
     def _lost(self, job: Job, why: str) -> None:
         self.metrics.store_errors.labels("write_lost").inc()

@@ -13,6 +13,7 @@ mode); appends are never merged and keep their order.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,9 @@ from ..ops import logs
 log = logs.get("store")
 BATCH = 256
 MAX_QUEUE = 100_000
+BACKOFF_S, BACKOFF_MAX_S = 0.05, 5.0  # a refused job's wait: doubled each time, at most this
+# replies no retry can change (a key of another type, a script's own error): dropped at once
+NEVER_RETRIED = ("WRONGTYPE", "ERR Error running script", "ERR user_script")
 EMPTY_CHAIN = ""
 
 
@@ -79,7 +83,9 @@ class Job:
     hint: int = 0
     retry_hint: int | None = None
     seen: int = 0  # sync: the proxy exchanges' log entries this replica had read (see store)
+    gen: str = ""  # sync: the generation of that log (see store)
     attempts: int = 0
+    not_before: float = 0.0  # a job Redis refused waits (backing off) before it is sent again
     deadline: float = 0.0
     size: int = 0  # bytes it holds, roughly (the queue is bounded in bytes)
     points: list[bytes] = field(default_factory=list)  # per-request token points it carries
@@ -106,8 +112,10 @@ class WriteBehind:
 
     def __init__(self, run: Runner, settle: Settler, available: Callable[[], float],
                  retry_s: float, on_lost: Callable[[Job, str], None],
-                 max_bytes: int = 256 << 20, depth: Callable[[int], None] = lambda n: None):
+                 max_bytes: int = 256 << 20, depth: Callable[[int], None] = lambda n: None,
+                 on_refused: Callable[[Job, str], None] = lambda job, why: None):
         self._run = run
+        self._on_refused = on_refused  # told of each job Redis refused (counted, logged)
         self._settle = settle
         self._available_in = available  # seconds until the store is tried again (0: now)
         self.retry_s = retry_s
@@ -170,11 +178,17 @@ class WriteBehind:
             del self._queued[job.key]
         self._on_lost(job, why)
 
-    def _requeue(self, job: Job, why: str) -> None:
+    def _requeue(self, job: Job, why: str, backoff: bool = False) -> None:
+        """Queue ``job`` again; ``backoff``: Redis refused it (out of memory, read-only after
+        a failover, busy, loading), so it waits, doubling each time, instead of being sent
+        again at once (one refused job was sent 18,000 times a second)."""
         job.attempts += 1
         if time.monotonic() > job.deadline:
             self._drop(job, why)
             return
+        if backoff:
+            job.not_before = time.monotonic() + min(BACKOFF_MAX_S,
+                                                    BACKOFF_S * 2 ** min(job.attempts, 16))
         if not job.append and self._queued.get(job.key) not in (None, job):
             return  # a newer sync of the session is queued: it carries this one
         self._queue.append(job)
@@ -192,7 +206,21 @@ class WriteBehind:
                     await asyncio.sleep(min(max(0.05, wait), 1.0))
                     self._expire()
                     continue
-                batch, self._queue = self._queue[:BATCH], self._queue[BATCH:]
+                now = time.monotonic()
+                if self._queue[0].not_before > now:
+                    # what waits on a refusal waits; anything submitted meanwhile wakes this
+                    soonest = min(j.not_before for j in self._queue)
+                    if soonest > now:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._wake.wait(), min(soonest - now, 1.0))
+                        self._wake.clear()
+                        self._expire()
+                        continue
+                    self._queue.sort(key=lambda j: j.not_before > now)  # the ready ones first
+                ready = next((k for k, j in enumerate(self._queue) if j.not_before > now),
+                             len(self._queue))
+                cut = min(BATCH, ready)
+                batch, self._queue = self._queue[:cut], self._queue[cut:]
                 for job in batch:
                     self.bytes -= job.size
                     if self._queued.get(job.key) is job:
@@ -229,7 +257,12 @@ class WriteBehind:
             if isinstance(reply, StoreLimitExceeded):
                 self._drop(job, str(reply))
             elif isinstance(reply, Exception):
-                self._requeue(job, str(reply))
+                why = str(reply)
+                self._on_refused(job, why)
+                if why.startswith(NEVER_RETRIED):
+                    self._drop(job, why)  # sending it again cannot succeed
+                else:
+                    self._requeue(job, why, backoff=True)
             else:
                 try:
                     done = self._settle(job, reply)
