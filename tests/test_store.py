@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 import redis
 
@@ -247,7 +248,11 @@ def test_a_sync_reads_the_proxys_exchanges_it_has_not_read() -> None:
     session recalling a 50 KB result: 1.96 MB a request at turn 40). Counted in the bytes
     Redis sends: a replica's sync reads only the exchanges written since its last read,
     another replica's as well as its own; a replica that held none reads them all once; a
-    session stored before the exchange log had one gets it from its first sync."""
+    session stored before the exchange log had one gets it from its first sync.
+
+    And (a second red-team pass) what a replica holds is never a stale or partial set it
+    takes for the whole: the log is lost apart from the hash, or the session expires and
+    another replica makes it again — each replica's next sync holds what Redis holds."""
     server = RedisServer().start()
     try:
         client = redis.Redis.from_url(server.url)
@@ -261,43 +266,70 @@ def test_a_sync_reads_the_proxys_exchanges_it_has_not_read() -> None:
             a = RedisStore(server.url, cfg, Metrics())
             b = RedisStore(server.url, cfg, Metrics())
             msgs: list[dict[str, Any]] = [{"role": "user", "content": "q0"}]
+            p = a.prefix("t", "s")
 
-            async def sync(store: RedisStore) -> tuple[int, dict[str, Any]]:
+            def held() -> dict[str, Any]:
+                return {k.decode(): orjson.loads(v)
+                        for k, v in client.hgetall(p + ":int").items()}
+
+            async def sync(store: RedisStore, more: bool = True) -> tuple[int, dict[str, Any]]:
+                if more:
+                    msgs.append({"role": "assistant" if len(msgs) % 2 else "user",
+                                 "content": f"m{len(msgs)}"})
                 before = sent()
                 result = await store.sync("t", "s", [prepare(m) for m in msgs])  # type: ignore[arg-type]
                 return sent() - before, result.internal
 
-            await sync(a)
-            await sync(b)
+            await sync(a, more=False)
+            await sync(b, more=False)
             for k in range(10):
                 await a.add_internal("t", "s", f"anchor{k}", {"before": [big + str(k)]})
-            msgs.append({"role": "assistant", "content": "a0"})
-            cost, held = await sync(a)
-            assert cost < 2_000 and len(held) == 10, cost  # a wrote them: nothing to read
-            cost, held = await sync(b)
-            assert 200_000 < cost < 210_000 and len(held) == 10, cost  # b reads the ten once
-            assert held == a.cached_internal("t", "s")
-            msgs.append({"role": "user", "content": "q1"})
+            cost, mine = await sync(a)
+            assert cost < 2_000 and len(mine) == 10, cost  # a wrote them: nothing to read
+            cost, mine = await sync(b)
+            assert 200_000 < cost < 210_000 and mine == held(), cost  # b reads the ten once
             cost, _ = await sync(b)
             assert cost < 2_000, cost
             await a.add_internal("t", "s", "anchor3", {"before": ["rewritten"]})
-            msgs.append({"role": "assistant", "content": "a1"})
-            cost, held = await sync(b)
-            assert cost < 2_000 and held["anchor3"] == {"before": ["rewritten"]}, cost
-            assert held == a.cached_internal("t", "s")
+            cost, mine = await sync(b)
+            assert cost < 2_000 and mine["anchor3"] == {"before": ["rewritten"]}, cost
+            assert mine == held() == a.cached_internal("t", "s")
             cold = RedisStore(server.url, cfg, Metrics())
-            cost, held = await sync(cold)
-            assert cost > 180_000 and held == a.cached_internal("t", "s")  # nine of 20 KB
-            # a session stored before the log: its first sync makes the log from the hash
-            p = a.prefix("t", "s")
+            cost, mine = await sync(cold)
+            assert cost > 180_000 and mine == held()  # nine of 20 KB
+            # the log lost apart from the hash (evicted, deleted): made again, read again
             client.delete(p + ":intk")
+            await a.add_internal("t", "s", "anchor10", {"before": ["after the loss"]})
+            assert len(held()) == 11
+            for store in (a, b, cold):
+                _, mine = await sync(store)
+                assert mine == held(), sorted(mine)
+            # the session gone (expired, Redis restarted empty) and made again by another
+            # replica with other exchanges: no replica goes on with the old ones
+            client.delete(*client.keys(p + "*"))
+            msgs[:] = [{"role": "user", "content": "q0"}]
+            fresh = RedisStore(server.url, cfg, Metrics())
+            await sync(fresh, more=False)
+            for k in range(3):
+                await fresh.add_internal("t", "s", f"new{k}", {"before": [f"new {k}"]})
+            for store in (a, b, cold):
+                _, mine = await sync(store)
+                assert mine == held() and sorted(mine) == ["new0", "new1", "new2"]
+            # a replica of an earlier version (a rolling upgrade) writes the hash alone
+            client.hset(p + ":int", "legacy", orjson.dumps({"before": ["from v1"]}))
+            for store in (a, fresh):
+                _, mine = await sync(store)
+                assert mine == held() and "legacy" in mine
+            # a session stored before the log had generations: its first sync makes one
+            client.delete(p + ":intk")
+            client.rpush(p + ":intk", "new0", "new1", "new2", "legacy")  # the first version's
             old = RedisStore(server.url, cfg, Metrics())
-            cost, held = await sync(old)
-            assert len(held) == 10 and client.llen(p + ":intk") == 10
-            cost, held = await sync(old)
-            assert cost < 2_000 and len(held) == 10
+            _, mine = await sync(old)
+            assert mine == held() and client.lindex(p + ":intk", 0).startswith(b"g:")
+            cost, mine = await sync(old)
+            assert cost < 2_000 and mine == held()
             assert 0 < client.pttl(p + ":intk") <= client.pttl(p + ":meta") + 1000
-            for s in (a, b, cold, old):
+            for s in (a, b, cold, fresh, old):
                 await s.close()
 
         asyncio.run(go())

@@ -113,7 +113,34 @@ end
 return t
 """
 
-SYNC_LUA = COMMON + r"""
+# The proxy's exchanges of a session: the :int hash (anchor -> exchange) and the :intk log, its
+# anchors in the order written after a first entry "g:<generation>". A replica remembers how
+# far it read which generation; a log that is missing, from before generations, or shorter
+# than the hash (a key evicted, expired or deleted apart from the other) is made again under
+# a new generation, so every replica reads it all again: none goes on with a stale or partial
+# set it takes for the whole. A log whose hash is gone goes too.
+INTK = r"""
+local function intk_log(p, new_gen, ttl)
+  local logk, intk = p .. ':intk', p .. ':int'
+  local first = redis.call('LINDEX', logk, 0)
+  local nk = redis.call('LLEN', logk) - 1
+  local held = redis.call('HLEN', intk)
+  if held == 0 then
+    if first then redis.call('DEL', logk) end
+    return 0, ''
+  end
+  if not first or string.sub(first, 1, 2) ~= 'g:' or nk < held then
+    redis.call('DEL', logk)
+    redis.call('RPUSH', logk, 'g:' .. new_gen)
+    for _, a in ipairs(redis.call('HKEYS', intk)) do redis.call('RPUSH', logk, a) end
+    if ttl and ttl > 0 then redis.call('PEXPIRE', logk, ttl) end
+    return held, new_gen
+  end
+  return nk, string.sub(first, 3)
+end
+"""
+
+SYNC_LUA = COMMON + INTK + r"""
 local p = ARGV[1]
 local hint = tonumber(ARGV[2]); local n = tonumber(ARGV[3])
 local chains = ARGV[4]; local hashes = ARGV[5]
@@ -219,22 +246,15 @@ if tipk then redis.call('HSET', meta, 'tipk', tipk) end
 flush_tools(p)
 redis.call('HSETNX', meta, 'created', now)
 touch(p, head, now, ttl)
--- the proxy's tool exchanges written since the caller last read them (ARGV[15]: how many
--- entries of the :intk log it has): a sync reads what is new, not the session's whole past
+-- the proxy's tool exchanges written since the caller last read them: ARGV[15] entries of
+-- the :intk log of generation ARGV[17] (a sync reads what is new, not the session's past)
 local internal = {}
-local logk = p .. ':intk'
-local nk = redis.call('LLEN', logk)
-if nk == 0 and redis.call('EXISTS', p .. ':int') == 1 then
-  -- a session stored before the log existed: its anchors become the log, once
-  for _, a in ipairs(redis.call('HKEYS', p .. ':int')) do redis.call('RPUSH', logk, a) end
-  redis.call('PEXPIRE', logk, ttl)
-  nk = redis.call('LLEN', logk)
-end
+local nk, gen = intk_log(p, ARGV[18], ttl)
 local seen = tonumber(ARGV[15] or '0')
-if seen > nk then seen = 0 end
+if gen ~= ARGV[17] or seen > nk then seen = 0 end  -- another log than the caller's: all of it
 if seen < nk then
   local got = {}
-  for _, a in ipairs(redis.call('LRANGE', logk, seen, -1)) do
+  for _, a in ipairs(redis.call('LRANGE', p .. ':intk', seen + 1, -1)) do
     if not got[a] then
       got[a] = true
       local v = redis.call('HGET', p .. ':int', a)
@@ -243,7 +263,26 @@ if seen < nk then
   end
 end
 return {'ok', tostring(L), head, tostring(forked), tostring(common), internal, pruned,
-        tostring(nk), tostring(seen)}
+        tostring(nk), tostring(seen), gen}
+"""
+
+# A proxy tool exchange kept (``RedisStore.add_internal``): the :int hash and its :intk log
+# written together. KEYS[1]: the session's meta; ARGV: prefix, anchor, exchange, and a new
+# generation, used if the log is made anew (then every replica reads it all again).
+ADD_INTERNAL_LUA = INTK + r"""
+local p = ARGV[1]
+local nk, gen = intk_log(p, ARGV[4], 0)  -- the log as it stands, made right
+redis.call('HSET', p .. ':int', ARGV[2], ARGV[3])
+if gen == '' then  -- the session held none: its log starts now
+  nk, gen = intk_log(p, ARGV[4], 0)
+else
+  redis.call('RPUSH', p .. ':intk', ARGV[2])
+end
+local t = redis.call('PTTL', KEYS[1])
+if t > 0 then
+  redis.call('PEXPIRE', p .. ':int', t); redis.call('PEXPIRE', p .. ':intk', t)
+end
+return {redis.call('LLEN', p .. ':intk') - 1, gen, gen == ARGV[4] and 1 or 0}
 """
 
 APPEND_LUA = COMMON + r"""

@@ -37,6 +37,7 @@ import functools
 import hashlib
 import re
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -58,7 +59,7 @@ from ..errors import StoreError, StoreLimitExceeded
 from ..ops import logs
 from ..ops.metrics import Metrics
 from ..pipeline.offload import is_large, offload
-from .scripts import APPEND_LUA, EXPIRE_WITH_SESSION_LUA, LOAD_LUA, SYNC_LUA
+from .scripts import ADD_INTERNAL_LUA, APPEND_LUA, EXPIRE_WITH_SESSION_LUA, LOAD_LUA, SYNC_LUA
 from .writes import (
     Job,
     Prepared,
@@ -91,6 +92,7 @@ class _Cached:
     chain: str
     internal: dict[str, Any] | None
     seen: int = 0
+    gen: str = ""  # the generation of the exchange log ``seen`` counts in (scripts.INTK)
 
 
 @dataclass
@@ -171,6 +173,7 @@ class RedisStore:
         self._sync = self.client.register_script(SYNC_LUA)
         self._append = self.client.register_script(APPEND_LUA)
         self._load = self.client.register_script(LOAD_LUA)
+        self._add_internal = self.client.register_script(ADD_INTERNAL_LUA)
         self._sessions: ByteLRU[tuple[str, str], _Cached] = ByteLRU(
             cache_bytes[0], lambda k, v: 300 + approx_size(v.internal))
         self._chains: ByteLRU[tuple[str, str], tuple[list[str], list[str]]] = ByteLRU(
@@ -388,15 +391,18 @@ class RedisStore:
                 b"".join(it.body for it in items[hint:]),
                 orjson.dumps([[len(it.body), it.tool_call_id, _tokens_field(it)]
                               for it in items[hint:]]),
-                self._seen(job.key), self.cfg.max_branch_messages]
-        job.hint, job.seen = hint, args[14]
+                *self._seen(job.key, self.cfg.max_branch_messages)]
+        job.hint, job.seen, job.gen = hint, args[14], args[16]
         return args
 
-    def _seen(self, key: tuple[str, str]) -> int:
-        """How many entries of a session's exchange log this replica holds the exchanges
-        of: the sync reads only the ones after them (0: all)."""
+    def _seen(self, key: tuple[str, str], cap: int) -> tuple[int, int, str, str]:
+        """How many entries of a session's exchange log, of which generation, this replica
+        holds the exchanges of (the sync reads only the ones after them; another generation
+        or none: all), with the branches' cap between and a generation for a log made anew."""
         cached = self._sessions.get(key)
-        return cached.seen if cached is not None and cached.internal is not None else 0
+        if cached is None or cached.internal is None:
+            return 0, cap, "", new_generation()
+        return cached.seen, cap, cached.gen, new_generation()
 
     async def _job_args(self, job: Job) -> list[Any]:
         """``_args``, made off the event loop for a job of many messages (a new session of
@@ -541,22 +547,23 @@ class RedisStore:
         pipe.zremrangebyscore(key, "-inf", now - ttl - int(INDEX_EVERY_S * 1000))
         pipe.pexpire(key, ttl)
 
-    def _exchanges(self, job: Job, reply: Any) -> tuple[dict[str, Any] | None, int]:
-        """The session's proxy exchanges after a sync's reply, and the log entries they
-        cover: the reply's new ones over what this replica held when it asked, or the reply
-        alone when it read the log from its start."""
-        new, logged, since = _pairs(reply[5]), int(reply[7]), int(reply[8])
+    def _exchanges(self, job: Job, reply: Any) -> tuple[dict[str, Any] | None, int, str]:
+        """The session's proxy exchanges after a sync's reply, the log entries they cover and
+        the log's generation: the reply's new ones over what this replica held when it asked
+        (the same generation), or the reply alone when it read the log from its start."""
+        new, logged, since, gen = _pairs(reply[5]), int(reply[7]), int(reply[8]), _s(reply[9])
         if since == 0:
-            return new, logged
+            return new, logged, gen
         cached = self._sessions.get(job.key)
-        if cached is None or cached.internal is None or cached.seen < since:
-            return None, 0  # what came before ``since`` is no longer held here: read it all
+        if cached is None or cached.internal is None or cached.gen != gen \
+                or cached.seen < since:
+            return None, 0, ""  # what came before ``since`` is not held here: read it all
         cached.internal.update(new)
-        return cached.internal, max(logged, cached.seen)
+        return cached.internal, max(logged, cached.seen), gen
 
     def _remember(self, key: tuple[str, str], length: int, chain: str,
-                  internal: dict[str, Any] | None, seen: int = 0) -> None:
-        self._sessions[key] = _Cached(length, chain, internal, seen)
+                  internal: dict[str, Any] | None, seen: int = 0, gen: str = "") -> None:
+        self._sessions[key] = _Cached(length, chain, internal, seen, gen)
 
     async def add_internal(self, namespace: str, session_id: str, anchor: str,
                            entry: dict[str, Any]) -> None:
@@ -564,19 +571,19 @@ class RedisStore:
         the message the client saw: that message, in that lineage) in later windows."""
         p = self.prefix(namespace, session_id)
 
-        async def run() -> int:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.hset(p + ":int", anchor, orjson.dumps(entry))
-            pipe.rpush(p + ":intk", anchor)  # the log a replica's sync reads on from
-            _expire_with_session(pipe, p, p + ":int", p + ":intk")
-            return int((await pipe.execute())[1])
-
-        logged = await self._call("internal", run)
+        # the hash and the log a replica's sync reads on from, written together (scripts)
+        logged, gen, fresh = await self._call("internal", lambda: self._add_internal(
+            keys=[p + ":meta"], args=[p, anchor, orjson.dumps(entry), new_generation()]))
         cached = self._sessions.get((namespace, session_id))
         if cached is not None and cached.internal is not None:
-            cached.internal[anchor] = entry
-            if cached.seen == logged - 1:
-                cached.seen = logged  # else another replica wrote between: the sync reads it
+            if int(fresh) and not cached.internal and not cached.gen and int(logged) == 1:
+                cached.internal, cached.seen, cached.gen = {anchor: entry}, 1, _s(gen)
+            elif int(fresh) or cached.gen != _s(gen):
+                cached.internal = None  # the log was made anew: read it all again
+            else:
+                cached.internal[anchor] = entry
+                if cached.seen == int(logged) - 1:
+                    cached.seen = int(logged)  # else another replica wrote between
 
     async def add_record(self, namespace: str, session_id: str, record: dict[str, Any]) -> None:
         await self.add_records(namespace, session_id, [record])
@@ -851,6 +858,11 @@ def _tokens_field(it: Prepared) -> str:
 
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def new_generation() -> str:
+    """A generation for an exchange log made anew (scripts.INTK)."""
+    return uuid.uuid4().hex[:16]
 
 
 def _pairs(flat: list[Any]) -> dict[str, Any]:
