@@ -82,6 +82,61 @@ def test_a_session_header_in_utf8_names_the_session_its_client_wrote(
         assert r.status_code == 200 and r.headers["x-session-id"] == echoed, r.headers
 
 
+@pytest.mark.parametrize("depth", [300, 900])
+def test_json_nested_deep_inside_a_string_is_text_to_the_window(
+        proxy: ProxyServer, upstream: ScriptedUpstream, depth: int,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Finding (red team): the request's depth bound does not see inside strings, and a
+    tool call's arguments nested 300 deep (a model can write them) made the window's
+    serialisers fail on every later request of the session: sent whole, degraded, and at
+    900 deep a 131 KB traceback a request. JSON inside a string deeper than the bound is
+    text to every reader (``messages.embedded_json``); a logged traceback is bounded."""
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."}]
+    for loop in range(14):  # past loops reduced: their calls go into a ledger
+        args = "[" * depth + json.dumps({"k": "z" * 3000}) + "]" * depth if loop == 0 \
+            else json.dumps({"cmd": f"cat /src/file{loop}.py"})
+        msgs += [{"role": "user", "content": f"task {loop}: " + "please look " * 40},
+                 {"role": "assistant", "content": None, "tool_calls": [{
+                     "id": f"call_{loop}", "type": "function",
+                     "function": {"name": "bash", "arguments": args}}]},
+                 {"role": "tool", "tool_call_id": f"call_{loop}",
+                  "content": f"result {loop} " + "data " * 300},
+                 {"role": "assistant", "content": f"done {loop} " + "ok " * 50}]
+    msgs.append({"role": "user", "content": "next"})
+    with caplog.at_level("INFO"):
+        r = post(proxy, {"model": "gpt-4o-mini", "messages": msgs, "tools": CLIENT_TOOLS})
+    assert r.status_code == 200 and "x-runloop-degraded" not in r.headers, r.headers
+    client, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
+    assert forwarded < client  # the window is on
+    assert max((len(rec.getMessage()) + len(rec.exc_text or "")) for rec in caplog.records) \
+        < 5000
+
+
+def test_a_logged_traceback_is_bounded() -> None:
+    """Whatever is logged with its traceback (every formatter): the innermost frames,
+    within TRACE_CHARS."""
+    import logging
+
+    from runloop_proxy.ops import logs
+
+    def one(n: int) -> None:  # two functions in turn: Python folds no repeated frame
+        if n:
+            other(n - 1)
+        raise ValueError("deep")
+
+    def other(n: int) -> None:
+        one(n)
+
+    try:
+        one(300)
+    except ValueError:
+        info = sys.exc_info()
+    record = logging.LogRecord("runloop.x", logging.ERROR, __file__, 1, "failed", (), info)
+    for fmt in (logs.JsonFormatter(), logs.TextFormatter()):
+        line = fmt.format(record)
+        assert len(line) < logs.TRACE_CHARS + 1000 and "ValueError: deep" in line
+
+
 def test_a_user_outside_latin1_is_just_a_scope(proxy: ProxyServer,
                                                upstream: ScriptedUpstream) -> None:
     def ask(user: str) -> httpx.Response:

@@ -400,6 +400,35 @@ def test_restart_with_embedded_redis_keeps_history(upstream: ScriptedUpstream,
         list((tmp_path / "d" / "redis").glob("*.aof*"))
 
 
+@pytest.mark.parametrize(("path", "body"), [
+    ("/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/chat/completions", {"model": "m", "stream": True,
+                           "messages": [{"role": "user", "content": "hi"}]}),
+    ("/responses", {"model": "m", "input": "hi"}),
+    ("/responses", {"model": "m", "input": "hi", "stream": True}),
+    ("/messages", {"model": "m", "max_tokens": 16,
+                   "messages": [{"role": "user", "content": "hi"}]}),
+    ("/messages", {"model": "m", "max_tokens": 16, "stream": True,
+                   "messages": [{"role": "user", "content": "hi"}]}),
+    ("/messages/count_tokens", {"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+])
+def test_every_api_served_without_redis_says_so(make_proxy: Any, upstream: ScriptedUpstream,
+                                                path: str, body: dict[str, Any]) -> None:
+    """With Redis gone, every API answers, and says it served degraded, in the header every
+    answer of the proxy's goes through (``relay.proxy_headers``): count_tokens left it out
+    (a red-team pass)."""
+    server = RedisServer().start()
+    proxy = make_proxy(redis=server.url, store={"retry_after_s": 0.2, "timeout_s": 0.2})
+    server.stop()
+    try:
+        r = httpx.post(proxy.url + path, json=body, timeout=30,
+                       headers={"Authorization": f"Bearer {KEY}", "X-Session-Id": "gone"})
+        assert r.status_code == 200, r.text
+        assert r.headers.get("x-runloop-degraded") == "store", dict(r.headers)
+    finally:
+        server.cleanup()
+
+
 def test_redis_killed_mid_traffic_no_client_failures(make_proxy: Any,
                                                      upstream: ScriptedUpstream) -> None:
     server = RedisServer().start()

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from .messages import Message, ToolCall, assistant_of, text_of
+from .messages import NOT_JSON, Message, ToolCall, assistant_of, embedded_json, text_of
 
 Block = dict[str, Any]
 OPENING = "[runloop-proxy] (earlier turns not shown)"
@@ -205,9 +205,8 @@ def _after_thinking(blocks: list[Block]) -> int:
 def call_input(call: ToolCall) -> Any:
     """A call's arguments as a tool_use input (the window keeps trimmed ones valid JSON)."""
     raw = (call.get("function") or {}).get("arguments") or "{}"
-    try:
-        value = orjson.loads(raw)
-    except orjson.JSONDecodeError:
+    value = embedded_json(raw)
+    if value is NOT_JSON:
         return {"arguments": raw}
     return value if isinstance(value, dict) else {"value": value}
 

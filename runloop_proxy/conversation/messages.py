@@ -47,6 +47,27 @@ class Message(TypedDict, total=False):
 
 
 _EMPTY_DROPPABLE = ("annotations", "tool_calls")
+EMBEDDED_DEPTH = 64  # levels of JSON a string inside a message may nest and still be read
+NOT_JSON: Any = object()  # what ``embedded_json`` gives for text it does not read as JSON
+
+
+def embedded_json(text: str) -> Any:
+    """The value of JSON a message carries inside a string (a call's arguments, a field) —
+    or NOT_JSON when the text is none, or nests deeper than EMBEDDED_DEPTH: such text is
+    only text to whatever reads it (the request's own depth bound does not see inside its
+    strings, and a value too deep for the serialisers turned a session's window off)."""
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return NOT_JSON
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth >= EMBEDDED_DEPTH:
+                return NOT_JSON
+            stack.extend((x, depth + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return value
 
 
 def canonical(msg: Message) -> dict[str, Any]:

@@ -5,15 +5,31 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import traceback
 from typing import Any
 
 import orjson
 
 LOGGER = "runloop"
 _RESERVED = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
+TRACE_FRAMES = 12  # the innermost frames of a traceback a log line shows
+TRACE_CHARS = 4000  # and at most this much of it: a recursion 900 deep was 131 KB a line
 
 
-class JsonFormatter(logging.Formatter):
+def bounded_trace(exc_info: Any) -> str:
+    """A traceback as a log line carries it: its innermost frames, within a size (every
+    formatter's, so no exception logged anywhere writes more)."""
+    kind, value, tb = exc_info
+    text = "".join(traceback.format_exception(kind, value, tb, limit=-TRACE_FRAMES))
+    return text if len(text) <= TRACE_CHARS else "…" + text[-TRACE_CHARS:]
+
+
+class _Bounded(logging.Formatter):
+    def formatException(self, ei: Any) -> str:  # noqa: N802 - logging's name
+        return bounded_trace(ei)
+
+
+class JsonFormatter(_Bounded):
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -30,7 +46,7 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out, default=str).decode()
 
 
-class TextFormatter(logging.Formatter):
+class TextFormatter(_Bounded):
     def format(self, record: logging.LogRecord) -> str:
         extra = " ".join(f"{k}={v}" for k, v in record.__dict__.items()
                          if k not in _RESERVED and not k.startswith("_"))

@@ -138,8 +138,14 @@ def _too_large_to_record(state: AppState, turn: Turn, size: int | None = None) -
 
 def response_headers(resp: UpstreamResponse, session: Session,
                      rlog: RequestLog) -> dict[str, str]:
-    headers = dict(resp.forward_headers())
-    headers["X-Session-Id"] = session.header_value
+    return {**dict(resp.forward_headers()), **proxy_headers(session, rlog)}
+
+
+def proxy_headers(session: Session, rlog: RequestLog) -> dict[str, str]:
+    """What the proxy tells a client of every answer it makes, whatever the API: the
+    session, whether it served it degraded (and why), the prompt's tokens as sent and as
+    forwarded."""
+    headers = {"X-Session-Id": session.header_value}
     if rlog.degraded:
         headers["X-Runloop-Degraded"] = rlog.degraded
     if rlog.prompt_tokens is not None:

@@ -18,7 +18,7 @@ from ..conversation.identity import identify
 from ..state import AppState
 from .accounting import RequestLog
 from .reconcile import reconcile
-from .relay import forward, read, relay, response_headers
+from .relay import forward, proxy_headers, read, relay, response_headers
 from .shaping import shape
 from .tokens import REPLY_PRIMING
 from .values import Answer, Turn
@@ -59,8 +59,7 @@ async def count(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
         n = sum(p.tokens or 0 for p in history.prepared) \
             + state.tokens.tools(enc, turn.chat_tools) + REPLY_PRIMING
         rlog.prompt_tokens = (n, n)
-    headers = {"X-Session-Id": session.header_value, "Content-Type": "application/json",
-               "X-Runloop-Tokens": "{};{}".format(*rlog.prompt_tokens)}
+    headers = {"Content-Type": "application/json", **proxy_headers(session, rlog)}
     tokens = round(rlog.prompt_tokens[1] * state.tokens.factor(turn.model, turn.caller.scope))
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps({"input_tokens": tokens}))

@@ -18,9 +18,11 @@ import orjson
 
 from ..config import Policy
 from ..conversation.messages import (
+    NOT_JSON,
     REF_CHARS,
     Message,
     content_hash,
+    embedded_json,
     message_text,
     text_of,
     tool_calls_of,
@@ -295,10 +297,7 @@ class Conversation:
         """A call's arguments for the ledger: ``key=value`` pairs when they are a flat JSON
         object (cheaper than JSON's quotes and braces), cut at ``ledger_arg_chars``."""
         raw = self.tool_args[i]
-        try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            parsed = None
+        parsed = embedded_json(raw)
         if isinstance(parsed, dict):
             args = ", ".join(f"{k}={v}" if isinstance(v, (str, int, float, bool)) or v is None
                              else f"{k}={orjson.dumps(v).decode()}" for k, v in parsed.items())
@@ -388,9 +387,8 @@ class Conversation:
 
     def _trim_arguments(self, args: str, keep: int, call_id: str) -> str:
         """Cut long string values inside JSON arguments; the result still parses as JSON."""
-        try:
-            parsed = orjson.loads(args)
-        except orjson.JSONDecodeError:
+        parsed = embedded_json(args)
+        if parsed is NOT_JSON:
             return args
         note = f'…{TAG} arguments cut; {self.recall}(call_id="args:{call_id}") returns them…'
 

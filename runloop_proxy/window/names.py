@@ -9,9 +9,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import orjson
-
-from ..conversation.messages import Message, text_of, tool_calls_of
+from ..conversation.messages import NOT_JSON, Message, embedded_json, text_of, tool_calls_of
 from .digest import leaves
 
 # runs of identifier characters, then what inside them names something
@@ -86,8 +84,7 @@ def decoded(m: Message) -> str:
         fn: Any = c.get("function") or c.get("custom") or {}
         args = fn.get("arguments") or fn.get("input") or ""
         parts += [str(c.get("id") or ""), str(fn.get("name") or ""), str(args)]
-        try:
-            parts += leaves(orjson.loads(args)) if isinstance(args, str) and args else []
-        except orjson.JSONDecodeError:
-            continue
+        value = embedded_json(args) if isinstance(args, str) and args else NOT_JSON
+        if value is not NOT_JSON:
+            parts += leaves(value)
     return "\n".join(parts)
