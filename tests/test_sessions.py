@@ -350,6 +350,17 @@ def test_callers_the_upstream_knows_apart_are_apart_here(
     after = httpx.get(aproxy.base + "/admin/tenants",
                       headers={"Authorization": f"Bearer {ADMIN}"}).json()["tenants"]
     assert len(tenants) == 2 and one in {t["tenant"] for t in after}
+    # a gateway's key beside the same bearer (a second red-team pass), or an OpenAI
+    # organization: another caller to the upstream, another namespace here
+    for extra in ({"x-portkey-api-key": "pk-dave"}, {"x-portkey-api-key": "pk-erin"},
+                  {"OpenAI-Organization": "org-frank"}, {"Idempotency-Key": "k1"}):
+        httpx.post(aproxy.url + "/chat/completions",
+                   headers={"Authorization": "Bearer sk-carol", **extra},
+                   json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    aproxy.settle()
+    last = httpx.get(aproxy.base + "/admin/tenants",
+                     headers={"Authorization": f"Bearer {ADMIN}"}).json()["tenants"]
+    assert len(last) == len(after) + 3  # an idempotency key names no caller
 
 
 def test_without_a_key_nothing_is_kept(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
@@ -96,7 +97,12 @@ def shaped_errors(handler: Handler) -> Handler:
 # what an upstream of chat completions never gets: a client's key in any header but the
 # bearer token the proxy sets, and Anthropic's own headers
 CHAT_DROP = PROXY_KEY_HEADERS | {"anthropic-version", "anthropic-beta"}
-CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")
+CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")  # a key alone: as it was
+# headers that may name the caller to an upstream or a gateway in front of it (Portkey's,
+# Cloudflare's, Google's keys, OpenAI's organization and project, a proxy's authorization)
+IDENTITY = re.compile(r"(^|-)(authorization|api-?key|key|token|secret|organization|project)"
+                      r"($|-)")
+NOT_IDENTITY = frozenset({"idempotency-key"})  # differs on every request: names no caller
 INTERNAL_ERROR = error_body("internal error in runloop-proxy", "server_error", None,
                             "internal_error")
 
@@ -141,14 +147,21 @@ def bearer(request: Request) -> str | None:
 
 
 def credentials(request: Request) -> list[str]:
-    """Every credential the client sent (a bearer token as its key), in a fixed order."""
+    """Everything the client sends that may tell the upstream who it is, in a fixed order:
+    the value of every header named like a credential (``IDENTITY``: a key, a token, an
+    authorization, an organization or project, a gateway's own — every value of each),
+    a bearer token as its key alone. A pass-through namespace is all of them: two callers
+    the upstream tells apart by any of them are apart here too."""
     out = []
-    for header in CREDENTIAL_HEADERS:
-        value = request.headers.get(header)
-        if value and header == "authorization" and value[:7].lower() == "bearer ":
-            value = value[7:].strip()
-        if value and value not in out:
-            out.append(value)
+    for name in sorted({k.lower() for k in request.headers}):
+        if not IDENTITY.search(name) or name in NOT_IDENTITY:
+            continue
+        for value in request.headers.getlist(name):
+            if name == "authorization" and value[:7].lower() == "bearer ":
+                value = value[7:].strip()
+            item = value if name in CREDENTIAL_HEADERS else f"{name}:{value}"
+            if value and item not in out:
+                out.append(item)
     return sorted(out)
 
 
