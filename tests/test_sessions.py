@@ -324,13 +324,16 @@ def test_a_session_forking_every_turn_holds_its_branches_within_a_bound(
     assert "runloop_branches_pruned_total 4.0" in metrics
 
 
+@pytest.mark.parametrize("fmt", ["any", "chat"])
 def test_callers_the_upstream_knows_apart_are_apart_here(
-        aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+        make_proxy: Any, upstream: ScriptedUpstream, fmt: str) -> None:
     """Finding (red team): in pass-through mode a caller's namespace came from the first
     credential header it sent, while every credential header went upstream: two users
     sending a placeholder bearer beside their own x-api-key were one namespace, and Bob's
     server-history request carried Alice's message upstream. The namespace is every
-    credential that goes upstream; one key alone keeps the namespace it always had."""
+    credential that goes upstream; one key alone keeps the namespace it always had. For an
+    upstream of chat completions only (the bridge) as well."""
+    aproxy: ProxyServer = make_proxy(admin_key=ADMIN, upstream_format=fmt)
     alice = {"Authorization": "Bearer placeholder", "x-api-key": "sk-alice-real",
              "X-Session-Id": "support", "X-Runloop-History": "server"}
     bob = {**alice, "x-api-key": "sk-bob-real"}
@@ -340,7 +343,8 @@ def test_callers_the_upstream_knows_apart_are_apart_here(
         assert r.status_code == 200, r.text
         aproxy.settle()
     assert "alice" not in str(upstream.requests[-1]["messages"])
-    assert upstream.headers[-1]["x-api-key"] == "sk-bob-real"
+    if fmt == "any":  # what the upstream knows him by (the bridge sends the bearer alone)
+        assert upstream.headers[-1]["x-api-key"] == "sk-bob-real"
     tenants = httpx.get(aproxy.base + "/admin/tenants",
                         headers={"Authorization": f"Bearer {ADMIN}"}).json()["tenants"]
     one = "pt-" + hashlib.sha256(b"sk-carol").hexdigest()[:16]
@@ -353,14 +357,16 @@ def test_callers_the_upstream_knows_apart_are_apart_here(
     # a gateway's key beside the same bearer (a second red-team pass), or an OpenAI
     # organization: another caller to the upstream, another namespace here
     for extra in ({"x-portkey-api-key": "pk-dave"}, {"x-portkey-api-key": "pk-erin"},
-                  {"OpenAI-Organization": "org-frank"}, {"Idempotency-Key": "k1"}):
+                  {"OpenAI-Organization": "org-frank"}, {"Helicone-Auth": "Bearer h-gil"},
+                  {"Cookie": "sid=hal"}, {"Idempotency-Key": "k1"},
+                  {"User-Agent": "another SDK/9.9"}):
         httpx.post(aproxy.url + "/chat/completions",
                    headers={"Authorization": "Bearer sk-carol", **extra},
                    json={"model": "m", "messages": [{"role": "user", "content": "x"}]})
     aproxy.settle()
     last = httpx.get(aproxy.base + "/admin/tenants",
                      headers={"Authorization": f"Bearer {ADMIN}"}).json()["tenants"]
-    assert len(last) == len(after) + 3  # an idempotency key names no caller
+    assert len(last) == len(after) + 5  # an idempotency key, a user agent: no caller
 
 
 def test_without_a_key_nothing_is_kept(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:

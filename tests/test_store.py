@@ -315,6 +315,21 @@ def test_a_sync_reads_the_proxys_exchanges_it_has_not_read() -> None:
             for store in (a, b, cold):
                 _, mine = await sync(store)
                 assert mine == held() and sorted(mine) == ["new0", "new1", "new2"]
+            # a failover that lost writes: both keys back to an earlier state of the same
+            # log, grown again by another replica to the length this one had read
+            snapshot = {k: client.dump(p + k) for k in (":int", ":intk")}
+            for k in range(2):
+                await fresh.add_internal("t", "s", f"lost{k}", {"before": [f"lost {k}"]})
+            for store in (a, b):
+                _, mine = await sync(store)
+                assert "lost1" in mine
+            for k, v in snapshot.items():
+                client.restore(p + k, 0, v, replace=True)
+            for k in range(2):
+                await fresh.add_internal("t", "s", f"again{k}", {"before": [f"again {k}"]})
+            for store in (a, b):
+                _, mine = await sync(store)
+                assert mine == held() and "lost1" not in mine and "again1" in mine
             # a replica of an earlier version (a rolling upgrade) writes the hash alone
             client.hset(p + ":int", "legacy", orjson.dumps({"before": ["from v1"]}))
             for store in (a, fresh):

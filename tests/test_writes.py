@@ -141,6 +141,17 @@ def test_a_write_redis_refuses_waits_and_is_counted() -> None:
             assert await store.drain(10)
             head = await store.head("t", "s")
             assert [m["content"] for _, m in head] == ["m0", "m1", "m2"]
+            # a session's turns keep their order: one refused longer is not overtaken by a
+            # later one that waited less (server-history appends, a second red-team pass)
+            client.config_set("maxmemory", "1")
+            store.submit_append("t", "s", [prepare({"role": "user", "content": "turn 1"})])
+            await asyncio.sleep(1.2)  # turn 1 has backed off a few times
+            store.submit_append("t", "s", [prepare({"role": "user", "content": "turn 2"})])
+            await asyncio.sleep(0.2)
+            client.config_set("maxmemory", "0")
+            assert await store.drain(10)
+            head = await store.head("t", "s")
+            assert [m["content"] for _, m in head][-2:] == ["turn 1", "turn 2"]
             await store.close()
 
         started = time.monotonic()
@@ -148,3 +159,27 @@ def test_a_write_redis_refuses_waits_and_is_counted() -> None:
         assert time.monotonic() - started < 15
     finally:
         server.cleanup()
+
+
+def test_a_session_waiting_on_a_refusal_holds_its_later_jobs() -> None:
+    """The batch a flush sends: jobs in the order queued, none waiting on a refusal, and
+    none of a session behind one of its own that waits (turn 2 must not be stored before
+    turn 1 because turn 1 was refused longer); other sessions go on."""
+    import time
+
+    from runloop_proxy.history.writes import Job, WriteBehind
+
+    async def nothing(batch: list[Job]) -> list[object]:
+        return []
+
+    queue = WriteBehind(nothing, lambda job, reply: True, lambda: 0.0, 60.0,
+                        lambda job, why: None)
+    now = time.monotonic()
+    waiting = Job("t", "s", [], None, append=True, not_before=now + 5)
+    behind = Job("t", "s", [], None, append=True)
+    other = Job("t", "other", [], None, append=True)
+    queue._queue = [waiting, behind, other]
+    batch, rest = queue._ready(now)
+    assert batch == [other] and rest == [waiting, behind]
+    batch, rest = queue._ready(now + 6)
+    assert batch == [waiting, behind, other] and rest == []

@@ -100,9 +100,10 @@ CHAT_DROP = PROXY_KEY_HEADERS | {"anthropic-version", "anthropic-beta"}
 CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")  # a key alone: as it was
 # headers that may name the caller to an upstream or a gateway in front of it (Portkey's,
 # Cloudflare's, Google's keys, OpenAI's organization and project, a proxy's authorization)
-IDENTITY = re.compile(r"(^|-)(authorization|api-?key|key|token|secret|organization|project)"
-                      r"($|-)")
-NOT_IDENTITY = frozenset({"idempotency-key"})  # differs on every request: names no caller
+IDENTITY = re.compile(r"(^|-)(auth|authentication|authorization|api-?key|apikey|key|token|"
+                      r"secret|organization|org|project|account|user|cookie)($|-)")
+# named like one, and no caller's: it differs on every request, or it is the client program's
+NOT_IDENTITY = frozenset({"idempotency-key", "user-agent"})
 INTERNAL_ERROR = error_body("internal error in runloop-proxy", "server_error", None,
                             "internal_error")
 
@@ -182,15 +183,14 @@ def authenticate(state: AppState, request: Request) -> Caller:
     if cfg.passthrough is not None:
         # Single-tenant pass-through: the client's own key goes upstream; its hash keeps
         # each key's sessions apart, and without a key nothing is kept.
+        # the namespace is every credential the client sends (what goes upstream names it
+        # there): two callers the upstream knows apart — a placeholder bearer beside their
+        # own x-api-key, a gateway's key — are never one here, whatever the upstream speaks
+        ns = namespace_of(credentials(request)) if key else None
         if cfg.upstreams[cfg.passthrough.upstream].format == "chat":
-            return Caller(cfg.passthrough, "passthrough", namespace_of([key] if key else []),
+            return Caller(cfg.passthrough, "passthrough", ns,
                           f"Bearer {key}" if key else None, CHAT_DROP)
-        # every credential the client sent goes upstream: the namespace is all of them, so
-        # two callers the upstream knows apart are never one here (a placeholder bearer
-        # beside a real x-api-key)
-        sent = credentials(request) if key else []
-        return Caller(cfg.passthrough, "passthrough", namespace_of(sent),
-                      request.headers.get("authorization"))
+        return Caller(cfg.passthrough, "passthrough", ns, request.headers.get("authorization"))
     if key is None:
         raise AuthenticationFailed("Missing API key: send it as 'Authorization: Bearer <key>'.")
     tenant = cfg.tenant_for_key(key)

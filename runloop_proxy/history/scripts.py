@@ -252,6 +252,9 @@ local internal = {}
 local nk, gen = intk_log(p, ARGV[18], ttl)
 local seen = tonumber(ARGV[15] or '0')
 if gen ~= ARGV[17] or seen > nk then seen = 0 end  -- another log than the caller's: all of it
+-- the same log, rolled back (a failover that lost writes) and grown again: the entry the
+-- caller read last (ARGV[19]) is not where it read it
+if seen > 0 and redis.call('LINDEX', p .. ':intk', seen) ~= ARGV[19] then seen = 0 end
 if seen < nk then
   local got = {}
   for _, a in ipairs(redis.call('LRANGE', p .. ':intk', seen + 1, -1)) do
@@ -262,8 +265,10 @@ if seen < nk then
     end
   end
 end
+local last = ''
+if nk > 0 then last = redis.call('LINDEX', p .. ':intk', nk) end
 return {'ok', tostring(L), head, tostring(forked), tostring(common), internal, pruned,
-        tostring(nk), tostring(seen), gen}
+        tostring(nk), tostring(seen), gen, last}
 """
 
 # A proxy tool exchange kept (``RedisStore.add_internal``): the :int hash and its :intk log

@@ -93,6 +93,7 @@ class _Cached:
     internal: dict[str, Any] | None
     seen: int = 0
     gen: str = ""  # the generation of the exchange log ``seen`` counts in (scripts.INTK)
+    last: str = ""  # the anchor at ``seen`` in that log (a log rolled back is told by it)
 
 
 @dataclass
@@ -395,14 +396,15 @@ class RedisStore:
         job.hint, job.seen, job.gen = hint, args[14], args[16]
         return args
 
-    def _seen(self, key: tuple[str, str], cap: int) -> tuple[int, int, str, str]:
+    def _seen(self, key: tuple[str, str], cap: int) -> tuple[int, int, str, str, str]:
         """How many entries of a session's exchange log, of which generation, this replica
         holds the exchanges of (the sync reads only the ones after them; another generation
-        or none: all), with the branches' cap between and a generation for a log made anew."""
+        or none: all), with the branches' cap between, a generation for a log made anew, and
+        the anchor it read last (a log rolled back and grown again does not hold it there)."""
         cached = self._sessions.get(key)
         if cached is None or cached.internal is None:
-            return 0, cap, "", new_generation()
-        return cached.seen, cap, cached.gen, new_generation()
+            return 0, cap, "", new_generation(), ""
+        return cached.seen, cap, cached.gen, new_generation(), cached.last
 
     async def _job_args(self, job: Job) -> list[Any]:
         """``_args``, made off the event loop for a job of many messages (a new session of
@@ -547,23 +549,27 @@ class RedisStore:
         pipe.zremrangebyscore(key, "-inf", now - ttl - int(INDEX_EVERY_S * 1000))
         pipe.pexpire(key, ttl)
 
-    def _exchanges(self, job: Job, reply: Any) -> tuple[dict[str, Any] | None, int, str]:
-        """The session's proxy exchanges after a sync's reply, the log entries they cover and
-        the log's generation: the reply's new ones over what this replica held when it asked
-        (the same generation), or the reply alone when it read the log from its start."""
-        new, logged, since, gen = _pairs(reply[5]), int(reply[7]), int(reply[8]), _s(reply[9])
+    def _exchanges(self, job: Job, reply: Any
+                   ) -> tuple[dict[str, Any] | None, int, str, str]:
+        """The session's proxy exchanges after a sync's reply, the log entries they cover, the
+        log's generation and its last anchor: the reply's new ones over what this replica
+        held when it asked (the same generation), or the reply alone when it read the log
+        from its start."""
+        new, logged, since = _pairs(reply[5]), int(reply[7]), int(reply[8])
+        gen, last = _s(reply[9]), _s(reply[10])
         if since == 0:
-            return new, logged, gen
+            return new, logged, gen, last
         cached = self._sessions.get(job.key)
         if cached is None or cached.internal is None or cached.gen != gen \
-                or cached.seen < since:
-            return None, 0, ""  # what came before ``since`` is not held here: read it all
+                or cached.seen != since:
+            return None, 0, "", ""  # not what this replica held when it asked: read it all
         cached.internal.update(new)
-        return cached.internal, max(logged, cached.seen), gen
+        return cached.internal, logged, gen, last
 
     def _remember(self, key: tuple[str, str], length: int, chain: str,
-                  internal: dict[str, Any] | None, seen: int = 0, gen: str = "") -> None:
-        self._sessions[key] = _Cached(length, chain, internal, seen, gen)
+                  internal: dict[str, Any] | None, seen: int = 0, gen: str = "",
+                  last: str = "") -> None:
+        self._sessions[key] = _Cached(length, chain, internal, seen, gen, last)
 
     async def add_internal(self, namespace: str, session_id: str, anchor: str,
                            entry: dict[str, Any]) -> None:
@@ -578,12 +584,14 @@ class RedisStore:
         if cached is not None and cached.internal is not None:
             if int(fresh) and not cached.internal and not cached.gen and int(logged) == 1:
                 cached.internal, cached.seen, cached.gen = {anchor: entry}, 1, _s(gen)
+                cached.last = anchor
             elif int(fresh) or cached.gen != _s(gen):
                 cached.internal = None  # the log was made anew: read it all again
             else:
                 cached.internal[anchor] = entry
                 if cached.seen == int(logged) - 1:
-                    cached.seen = int(logged)  # else another replica wrote between
+                    cached.seen, cached.last = int(logged), anchor  # else another replica
+                    # wrote between: the next sync reads it
 
     async def add_record(self, namespace: str, session_id: str, record: dict[str, Any]) -> None:
         await self.add_records(namespace, session_id, [record])

@@ -206,21 +206,17 @@ class WriteBehind:
                     await asyncio.sleep(min(max(0.05, wait), 1.0))
                     self._expire()
                     continue
-                now = time.monotonic()
-                if self._queue[0].not_before > now:
-                    # what waits on a refusal waits; anything submitted meanwhile wakes this
+                batch, self._queue = self._ready(time.monotonic())
+                if not batch:
+                    # what waits on a refusal waits (and a session's later jobs behind it);
+                    # anything submitted meanwhile wakes this
                     soonest = min(j.not_before for j in self._queue)
-                    if soonest > now:
-                        with contextlib.suppress(TimeoutError):
-                            await asyncio.wait_for(self._wake.wait(), min(soonest - now, 1.0))
-                        self._wake.clear()
-                        self._expire()
-                        continue
-                    self._queue.sort(key=lambda j: j.not_before > now)  # the ready ones first
-                ready = next((k for k, j in enumerate(self._queue) if j.not_before > now),
-                             len(self._queue))
-                cut = min(BATCH, ready)
-                batch, self._queue = self._queue[:cut], self._queue[cut:]
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(),
+                                               min(max(0.01, soonest - time.monotonic()), 1.0))
+                    self._wake.clear()
+                    self._expire()
+                    continue
                 for job in batch:
                     self.bytes -= job.size
                     if self._queued.get(job.key) is job:
@@ -231,6 +227,22 @@ class WriteBehind:
                     await self._flush(batch)
                 finally:
                     self._in_flight = 0
+
+    def _ready(self, now: float) -> tuple[list[Job], list[Job]]:
+        """The next batch and what stays queued: jobs in the order queued, but none that
+        waits on a refusal and none of a session behind one of its own that is not sent
+        now (a session's turns are stored in the order they came: an append that waited
+        less must not overtake one that waits)."""
+        batch: list[Job] = []
+        rest: list[Job] = []
+        held: set[tuple[str, str]] = set()
+        for job in self._queue:
+            if len(batch) < BATCH and job.not_before <= now and job.key not in held:
+                batch.append(job)
+            else:
+                held.add(job.key)
+                rest.append(job)
+        return batch, rest
 
     def _expire(self) -> None:
         """While the store is away, jobs past their deadline are given up."""
