@@ -211,26 +211,29 @@ def continued(stored: list[Message], request: list[Message]) -> int | None:
     return None
 
 
-def header_text(value: str | None) -> str | None:
+def header_text(value: str | None, name: str = "the session header") -> str | None:
     """A header's value as its sender wrote it: HTTP carries bytes and the server reads them
-    as Latin-1, while clients send text as UTF-8 (``café`` arrives as ``cafÃ©``); bytes that
-    are not UTF-8 stay as read."""
+    as Latin-1, while clients send text as UTF-8 (``café`` arrives as ``cafÃ©``). Bytes that
+    are not UTF-8 are refused: read as Latin-1 they would name the same session as other
+    bytes (``caf\\xe9`` and ``café`` in UTF-8), and two ids must be one only when they are
+    the same bytes."""
     if value is None or value.isascii():
         return value
     try:
         return value.encode("latin-1").decode("utf-8")
     except (UnicodeEncodeError, UnicodeDecodeError):
-        return value
+        raise InvalidRequest(f"{name} is not UTF-8: send the session id as UTF-8 text",
+                             param=name) from None
 
 
 def _lookup(source: str, headers: dict[str, str], body: dict[str, Any],
             session_header: str) -> tuple[Any, str]:
     if source == "header":
         name = session_header.lower()
-        return header_text(headers.get(name)), f"header:{name}"
+        return header_text(headers.get(name), name), f"header:{name}"
     if source.startswith("header:"):
         name = source[7:].lower()
-        return header_text(headers.get(name)), f"header:{name}"
+        return header_text(headers.get(name), name), f"header:{name}"
     if source.startswith("metadata."):
         meta = body.get("metadata")
         return (meta.get(source[9:]) if isinstance(meta, dict) else None), source
@@ -247,7 +250,7 @@ def claude_code_session(headers: dict[str, str], body: dict[str, Any]) -> tuple[
     their own (fingerprinted), not branches of the conversation."""
     if not body.get("tools"):
         return None, "claude_code"
-    value = header_text(headers.get(CLAUDE_CODE_HEADER))
+    value = header_text(headers.get(CLAUDE_CODE_HEADER), CLAUDE_CODE_HEADER)
     if isinstance(value, str) and value:
         return value, f"header:{CLAUDE_CODE_HEADER}"
     meta = body.get("metadata")
