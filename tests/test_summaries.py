@@ -565,3 +565,25 @@ def test_the_event_that_omits_e_loops(max_run_loops: int, batch: int, e: int, at
                             [OPS.count(m) for m in part], policy,  # type: ignore[arg-type]
                             Budget(100_000, 50_000), OPS).omitted_loops
     assert omitted(at - 1) < e <= omitted(at)
+
+
+def test_a_summary_upstream_is_called_with_its_own_key(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """``summary_upstream`` sends the summary calls to another configured upstream, with
+    that upstream's own key — never the tenant's, never the client's (a line no test ran,
+    the CI mutation smoke's survivor)."""
+    summariser = ScriptedUpstream().start()
+    try:
+        summariser.responder = lambda body: {"content": "Goals: track orders."}
+        upstream.responder = model()
+        root = write_config(tmp_path / "cfg", upstream.url, extra_global=(
+            f'[upstreams.summaries]\nurl = "{summariser.url}"\napi_key = "sk-summaries"\n'
+            f'max_retries = 0\n'), acme_policy=POLICY.format(model="m-sum", timeout=30)
+            + 'summary_upstream = "summaries"\n')
+        proxy = make_proxy(config_dir=str(root))
+        converse(proxy, "sum-elsewhere", 5, after=lambda k: proxy.settle())
+        until(lambda: summariser.requests, what="a summary call to the summary upstream")
+        assert {h["authorization"] for h in summariser.headers} == {"Bearer sk-summaries"}
+        assert not [b for b in upstream.requests if is_summary_call(b)]
+    finally:
+        summariser.stop()
