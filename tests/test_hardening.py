@@ -19,6 +19,7 @@ import openai
 import orjson
 import pytest
 
+from runloop_proxy.pipeline.offload import LARGE_BYTES
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, RedisServer, until
@@ -510,7 +511,8 @@ def test_an_answer_cut_part_way_never_looks_whole(impatient_proxy: ProxyServer,
     """The upstream promises a whole body and stops half-way (its read times out). A client
     that already has part of it sees the body end incomplete (the connection closed
     mid-body); one that has nothing gets an error status. Never a 200 that ends cleanly."""
-    body = BIG[: 4 << 20] if where == "chat, large" else _completion("y" * 200_000)
+    # a small answer is one the proxy holds whole (under LARGE_BYTES), a large one it relays
+    body = BIG[: 4 << 20] if where == "chat, large" else _completion("y" * (LARGE_BYTES // 2))
     upstream.push({"raw_body": body, "cut_after": len(body) // 2, "hang": 3})
     if where == "pass-through route":
         send = lambda: HTTP.get(impatient_proxy.url + "/files/file-1/content",  # noqa: E731

@@ -608,6 +608,27 @@ def test_no_id_the_proxy_shows_or_derives_can_be_claimed(
             "what do you know" not in t and "again?" not in t for t in texts(after[key]))
 
 
+def test_an_anchor_this_replica_set_is_found_before_redis_holds_it() -> None:
+    """A response's anchor (how a request chained on it finds its session) is written to
+    Redis behind the answer; an agent that chains at once raced it and began a session of
+    its own (a flaky test showed it). ``record`` notes the anchor before it waits on
+    anything, and the replica finds it there: here with no Redis at all."""
+    import asyncio
+
+    from runloop_proxy.config import StoreSection
+    from runloop_proxy.history.store import RedisStore
+    from runloop_proxy.ops.metrics import Metrics
+
+    async def go() -> None:
+        store = RedisStore("redis://127.0.0.1:9/0", StoreSection(timeout_s=0.2), Metrics())
+        store.note_anchor("t", "anchor-1", "fp-session")
+        assert await store.anchored("t", "anchor-1") == "fp-session"
+        assert ("u", "anchor-1") not in store._anchors  # noted under its namespace only
+        await store.close()
+
+    asyncio.run(go())
+
+
 def test_a_response_id_is_no_name_for_a_named_session(
         tenant_proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     """Someone shown the id of a response recorded in a named session chains on it without

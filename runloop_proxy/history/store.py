@@ -74,6 +74,7 @@ __all__ = ["Prepared", "RedisStore", "prepare"]
 log = logs.get("store")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,160}")
 SESSION_CACHE_SIZE = 50_000
+ANCHORS_BYTES = 2 << 20  # the anchors noted locally (note_anchor), newest kept
 MAX_POINTS = 500
 LARGE_JOB = 2_000  # messages in a write job whose arguments are made off the event loop
 MAX_RECORDS = 1_000
@@ -187,6 +188,9 @@ class RedisStore:
                                   cfg.write_retry_s, self._lost, cfg.write_queue_mb << 20,
                                   metrics.write_queue.set, self._refused)
         self._refused_logged = 0.0
+        # anchors this replica set, until Redis holds them (a few hundred bytes each)
+        self._anchors: ByteLRU[tuple[str, str], str] = ByteLRU(
+            ANCHORS_BYTES, lambda k, v: 200 + len(k[0]) + len(k[1]) + len(v))
 
     # -- health ---------------------------------------------------------------------------
 
@@ -729,8 +733,17 @@ class RedisStore:
             return None
         return next((_s(r) for r in replies[1:] if r), None)
 
+    def note_anchor(self, namespace: str, anchor: str, session_id: str) -> None:
+        """An anchor this replica is about to store (``set_anchor``, written behind the
+        answer): found at once here, so a request that chains on the answer the moment it
+        arrives finds its session (it raced the write and began a session of its own)."""
+        self._anchors[(namespace, anchor)] = session_id
+
     async def anchored(self, namespace: str, anchor: str) -> str | None:
         """The session an anchor was set for, if any."""
+        noted = self._anchors.get((namespace, anchor))
+        if noted is not None:
+            return noted
         found = await self._call("read", lambda: self.client.get(
             self._anchor_key(namespace, anchor)))
         return _s(found) if found else None

@@ -242,6 +242,11 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     store, ns = state.store, turn.caller.namespace
     if store is None or ns is None or history.degraded == "store":
         return
+    if answer_id is not None and turn.wire.api == "responses" \
+            and turn.body.get("store") is not False and not session.explicit:
+        # before anything here waits: a request chaining on this answer may come before
+        # Redis holds its anchor (written below, behind the answer), and find it here
+        store.note_anchor(ns, response_anchor(answer_id), session.id)
     answer = await offload(large, lambda: counted(state, turn, [reply], reply=True)) \
         if reply is not None else []
     conversation = [*history.to_store(), *answer]
