@@ -788,3 +788,35 @@ def test_a_stream_that_never_ends_its_event_is_bounded(impatient_proxy: ProxySer
                                "messages": [{"role": "user", "content": "x"}]})
     assert r.content == b"".join(endless)
     until(lambda: metric(impatient_proxy, "runloop_store_errors_total", op="too_large") == 1)
+
+
+def test_a_callers_credentials_are_read_in_work_linear_in_its_headers() -> None:
+    """A header block may carry thousands of credential-like values (64 KiB of them): the
+    namespace reads each once, into a set (a list searched per value compared them pairwise:
+    counted here by the values' own comparisons, 20 million for 6,500 values)."""
+    from types import SimpleNamespace
+
+    from runloop_proxy.api.http import credentials
+
+    compared = [0]
+
+    class Value(str):
+        def __eq__(self, other: object) -> bool:
+            compared[0] += 1
+            return str.__eq__(self, other)
+
+        __hash__ = str.__hash__
+
+    class Headers(dict[str, list[str]]):
+        def getlist(self, name: str) -> list[str]:
+            return self[name]
+
+    def read(n: int) -> int:
+        compared[0] = 0
+        values = [Value(f"k{i}") for i in range(n)]
+        keys = credentials(SimpleNamespace(headers=Headers({"x-api-key": values})))  # type: ignore[arg-type]
+        assert len(keys) == n
+        return compared[0]
+
+    small, large = read(500), read(2000)
+    assert large <= 4 * small + 100, (small, large)

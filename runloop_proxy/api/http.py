@@ -153,16 +153,15 @@ def credentials(request: Request) -> list[str]:
     authorization, an organization or project, a gateway's own — every value of each),
     a bearer token as its key alone. A pass-through namespace is all of them: two callers
     the upstream tells apart by any of them are apart here too."""
-    out = []
-    for name in sorted({k.lower() for k in request.headers}):
+    out: set[str] = set()
+    for name in {k.lower() for k in request.headers}:
         if not IDENTITY.search(name) or name in NOT_IDENTITY:
             continue
         for value in request.headers.getlist(name):
             if name == "authorization" and value[:7].lower() == "bearer ":
                 value = value[7:].strip()
-            item = value if name in CREDENTIAL_HEADERS else f"{name}:{value}"
-            if value and item not in out:
-                out.append(item)
+            if value:
+                out.add(value if name in CREDENTIAL_HEADERS else f"{name}:{value}")
     return sorted(out)
 
 
@@ -181,11 +180,10 @@ def authenticate(state: AppState, request: Request) -> Caller:
     cfg = state.config
     key = bearer(request)
     if cfg.passthrough is not None:
-        # Single-tenant pass-through: the client's own key goes upstream; its hash keeps
-        # each key's sessions apart, and without a key nothing is kept.
-        # the namespace is every credential the client sends (what goes upstream names it
-        # there): two callers the upstream knows apart — a placeholder bearer beside their
-        # own x-api-key, a gateway's key — are never one here, whatever the upstream speaks
+        # Single-tenant pass-through: the client's own key goes upstream, and without a key
+        # nothing is kept. The namespace is every credential the client sends (what goes
+        # upstream names it there): two callers the upstream knows apart — a placeholder
+        # bearer beside their own x-api-key, a gateway's key — are never one here
         ns = namespace_of(credentials(request)) if key else None
         if cfg.upstreams[cfg.passthrough.upstream].format == "chat":
             return Caller(cfg.passthrough, "passthrough", ns,
