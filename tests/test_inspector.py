@@ -180,11 +180,12 @@ def test_the_last_requests_window_is_the_one_that_went_upstream(
     for cut in cuts[:-1]:
         client.send(conversation[:cut])
     # the model is counted with a fallback encoding and a factor learned from usage
-    proxy.state.tokens.calibrate("my-local-model", 100, 130)
+    # (a caller's own: a factor is learned per namespace)
+    proxy.state.tokens.calibrate("my-local-model", 100, 130, TENANT)
     # the last request: its open loop's large result fits only what its output reserve leaves
     last = client.send(conversation[:cuts[-1]], **{
         "max_tokens" if api == "chat" else "max_output_tokens": 6000})
-    proxy.state.tokens.calibrate("my-local-model", 100, 50)  # learned on since
+    proxy.state.tokens.calibrate("my-local-model", 100, 50, TENANT)  # learned on since
     sent = upstream.requests[-1]
     proxy.settle()
     html = logged_in(proxy).get("/admin/ui/session", params={

@@ -191,15 +191,15 @@ def test_counts_are_cached_by_content() -> None:
 
 def test_calibration_moves_towards_reported_usage() -> None:
     tc = TokenCounter()
-    assert tc.factor("m") == 1.0
-    tc.calibrate("m", 1000, 1300)
-    assert tc.factor("m") == 1.3
+    assert tc.factor("m", "t") == 1.0
+    tc.calibrate("m", 1000, 1300, "t")
+    assert tc.factor("m", "t") == 1.3
     for _ in range(30):
-        tc.calibrate("m", 1000, 1100)
-    assert 1.09 < tc.factor("m") < 1.12
-    tc.calibrate("m", 0, 5)  # nonsense is ignored
-    tc.calibrate("m", 1000, 100_000)  # and extremes are clamped
-    assert tc.factor("m") <= 2.0
+        tc.calibrate("m", 1000, 1100, "t")
+    assert 1.09 < tc.factor("m", "t") < 1.12
+    tc.calibrate("m", 0, 5, "t")  # nonsense is ignored
+    tc.calibrate("m", 1000, 100_000, "t")  # and extremes are clamped
+    assert tc.factor("m", "t") <= 2.0
 
 
 WEATHER = {"type": "function", "function": {

@@ -397,7 +397,7 @@ class RedisStore:
                 orjson.dumps([[len(it.body), it.tool_call_id, _tokens_field(it)]
                               for it in items[hint:]]),
                 *self._seen(job.key, self.cfg.max_branch_messages)]
-        job.hint, job.seen, job.gen = hint, args[14], args[16]
+        job.hint = hint
         return args
 
     def _seen(self, key: tuple[str, str], cap: int) -> tuple[int, int, str, str, str]:

@@ -82,8 +82,6 @@ class Job:
     chains: list[str] = field(default_factory=list)  # sync: chain after each item
     hint: int = 0
     retry_hint: int | None = None
-    seen: int = 0  # sync: the proxy exchanges' log entries this replica had read (see store)
-    gen: str = ""  # sync: the generation of that log (see store)
     attempts: int = 0
     not_before: float = 0.0  # a job Redis refused waits (backing off) before it is sent again
     deadline: float = 0.0

@@ -40,7 +40,7 @@ class Frame:
 
     @classmethod
     def of(cls, state: AppState, tenant: TenantSpec, body: dict[str, Any],
-           tools: list[dict[str, Any]] | None, scope: str = "") -> Frame:
+           tools: list[dict[str, Any]] | None, scope: str) -> Frame:
         """The frame of a request's ``body``; ``tools``: its tools in chat form (what the
         API's adapter made of them: ``Turn.chat_tools``)."""
         model = str(body["model"])

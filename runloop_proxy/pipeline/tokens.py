@@ -17,7 +17,7 @@ import functools
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterable, MutableMapping
+from collections.abc import Iterable, MutableMapping
 from typing import Any
 
 import orjson
@@ -51,7 +51,6 @@ FETCH_TIMEOUT_S = 3.0
 # the encodings of current OpenAI models, loaded at startup (shipped: no download)
 WARM_ENCODINGS = ("o200k_base", "cl100k_base")
 
-Counter = Callable[[Message], int]
 
 
 class TokenCounter:
@@ -174,11 +173,13 @@ class TokenCounter:
 
     # -- calibration ----------------------------------------------------------------------
 
-    def factor(self, model: str, scope: str = "") -> float:
+    def factor(self, model: str, scope: str) -> float:
+        """The correction learned for ``model`` from the upstream answers of one caller
+        (``scope``: ``Caller.scope``); 1.0 before any."""
         hit = self._factors.get((scope, model))
         return 1.0 if hit is None else float(hit)
 
-    def calibrate(self, model: str, estimated: int, reported: int, scope: str = "") -> None:
+    def calibrate(self, model: str, estimated: int, reported: int, scope: str) -> None:
         """Fold an upstream-reported prompt size into the model's correction factor."""
         if estimated <= 0 or reported <= 0:
             return
@@ -186,12 +187,6 @@ class TokenCounter:
         old = self._factors.get((scope, model))
         self._factors[(scope, model)] = ratio if old is None else \
             old * (1 - CALIBRATION_WEIGHT) + ratio * CALIBRATION_WEIGHT
-
-    def counter(self, model: str, override: str | None = None) -> tuple[Counter, float]:
-        """A per-message counter for ``model`` and the factor to apply to its totals."""
-        enc, exact = self.encoding(model, override)
-        factor = 1.0 if exact else self.factor(model)
-        return (lambda m: self.message(enc, m)), factor
 
 
 @functools.cache
