@@ -210,11 +210,8 @@ def pick(found: Sequence[Found], results: Iterable[Found] | None = None,
         read.append(f)
         if full(f.results[0]):
             return out
-    for f in read:
-        if full(f.results[1]):
-            return out
-    for f in read:
-        if full(f.results[2]):
+    for strength in (1, 2):  # then the weaker kinds, each over every result read
+        if any(full(f.results[strength]) for f in read):
             break
     return out
 
