@@ -303,6 +303,9 @@ class Settings:
     summary_model: str | None = None  # pass-through mode's policy.summary_model
 
 
+KEY_NAMESPACE = "+"  # <tenant>+<hash of a caller's own key>: no tenant's name has one
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """The effective, validated configuration shared by every request."""
@@ -313,6 +316,8 @@ class ProxyConfig:
     tenants: dict[str, TenantSpec]
     passthrough: TenantSpec | None
     key_index: dict[str, str] = field(default_factory=dict)  # sha256(key) -> tenant name
+    # tenants whose upstream key another tenant's requests go with too (``shares_key``)
+    shared_keys: frozenset[str] = frozenset()
     sources: tuple[Path, ...] = ()
     prices: PriceTable | None = None  # what upstream usage is priced with (metrics)
 
@@ -321,16 +326,32 @@ class ProxyConfig:
         anything it sends on the tenant's behalf (a summary, "compact now"): the tenant's
         own ``upstream_key``, else its upstream's ``api_key``; None for a tenant whose
         clients' keys go upstream (``forward_client_key``): the proxy holds none of it."""
-        if tenant.forward_client_key:
-            return None
-        upstream = self.upstreams.get(tenant.upstream)
-        return tenant.upstream_key or (upstream.api_key if upstream is not None else None)
+        return _secret(tenant, self.upstreams)
+
+    def spec_of_namespace(self, namespace: str) -> TenantSpec | None:
+        """The tenant whose sessions a namespace holds: a tenant's own, one of its callers'
+        own keys (``forward_client_key``: ``<tenant>+<hash>``), else pass-through's."""
+        return self.tenants.get(namespace) or self.tenants.get(
+            namespace.partition(KEY_NAMESPACE)[0]) or self.passthrough
+
+    def shares_key(self, tenant: TenantSpec) -> bool:
+        """Whether the key the proxy calls ``tenant``'s upstream with is another tenant's
+        too (the upstream's ``api_key``, or one ``upstream_key`` written twice): then the
+        upstream account, and whatever it stores, is not the tenant's alone."""
+        return tenant.name in self.shared_keys
 
     def tenant_for_key(self, key: str | None) -> TenantSpec | None:
         if key is None:
             return None
         name = self.key_index.get(hash_key(key))
         return self.tenants.get(name) if name else None
+
+
+def _secret(tenant: TenantSpec, upstreams: dict[str, UpstreamSpec]) -> str | None:
+    if tenant.forward_client_key:
+        return None
+    upstream = upstreams.get(tenant.upstream)
+    return tenant.upstream_key or (upstream.api_key if upstream is not None else None)
 
 
 def hash_key(key: str) -> str:
@@ -471,6 +492,7 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
                 and not upstreams[tenant.upstream].api_key:
             raise ConfigError(str(path), "upstream_key",
                               "no upstream key (set upstream_key or the upstream's api_key)")
+        _check_summary_upstream(tenant, upstreams, str(path))
         for digest in _key_hashes(tenant, str(path)):
             if digest in key_index:
                 raise ConfigError(str(path), "keys",
@@ -489,12 +511,36 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
             raise ConfigError("<settings>", "upstream",
                               "no tenants are configured: give --upstream (pass-through mode)")
         passthrough = passthrough_tenant(settings, defaults)
+    if passthrough is not None:
+        _check_summary_upstream(passthrough, upstreams, "<settings>")
     prices = PriceTable.in_config(settings.config_dir)
     if settings.config_dir and (Path(settings.config_dir) / PRICES_FILE).is_file():
         sources.append(Path(settings.config_dir) / PRICES_FILE)
+    users: dict[tuple[str, str], list[str]] = {}
+    for tenant in tenants.values():
+        if (secret := _secret(tenant, upstreams)) is not None:
+            users.setdefault((tenant.upstream, secret), []).append(tenant.name)
+    shared = frozenset(n for names in users.values() if len(names) > 1 for n in names)
     return ProxyConfig(server=server, store=store, upstreams=upstreams, tenants=tenants,
-                       passthrough=passthrough, key_index=key_index, sources=tuple(sources),
-                       prices=prices)
+                       passthrough=passthrough, key_index=key_index, shared_keys=shared,
+                       sources=tuple(sources), prices=prices)
+
+
+def _check_summary_upstream(tenant: TenantSpec, upstreams: dict[str, UpstreamSpec],
+                            where: str) -> None:
+    """A summary upstream is a configured one; another than the tenant's own is called with
+    its own ``api_key`` only (a key goes only to the upstream it was given for)."""
+    name = tenant.policy.summary_upstream
+    if name is None or name == tenant.upstream:
+        return
+    if name not in upstreams:
+        raise ConfigError(where, "policy.summary_upstream",
+                          f"unknown upstream {name!r} "
+                          f"(known: {', '.join(sorted(upstreams)) or 'none'})")
+    if not upstreams[name].api_key:
+        raise ConfigError(where, "policy.summary_upstream",
+                          f"upstream {name!r} has no api_key: the proxy calls a summary "
+                          f"upstream with its own key only, never the tenant's or a client's")
 
 
 def describe(config: ProxyConfig) -> dict[str, Any]:

@@ -73,6 +73,12 @@ class AuthenticationFailed(ClientError):
     code = "invalid_api_key"
 
 
+class PermissionDenied(ClientError):
+    status = 403
+    error_type = "permission_error"
+    code = "permission_denied"
+
+
 class NotFound(ClientError):
     status = 404
     code = "not_found"

@@ -35,6 +35,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.max_header_bytes: int = getattr(config, "runloop_max_header_bytes", 65_536)
         self._deadline: asyncio.TimerHandle | None = None
         self._header_bytes = 0  # of the request being read: its URL and header lines
+        self._refused = False  # the request being read was answered before the app saw it
 
     # -- deadlines ------------------------------------------------------------------------
 
@@ -87,6 +88,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_bytes = 0
+        self._refused = False
         if self._deadline is None:
             self._arm(self.header_timeout)
 
@@ -99,12 +101,23 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        if self._header_bytes > self.max_header_bytes:
+            # refused before the app is given the request: a header block that came in one
+            # read would otherwise be served (its work done) and only then answered 431
+            self._refused = True
+            self._refuse(431, "request headers too large")
+            return
         self._arm(self.body_timeout)
         super().on_headers_complete()
 
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
         self._disarm()
-        super().on_message_complete()
+        if not self._refused:
+            super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # arms uvicorn's keep-alive timeout for an idle wait

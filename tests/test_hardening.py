@@ -791,10 +791,16 @@ def test_a_stream_that_never_ends_its_event_is_bounded(impatient_proxy: ProxySer
 
 
 def test_a_callers_credentials_are_read_in_work_linear_in_its_headers() -> None:
-    """A header block may carry thousands of credential-like values (64 KiB of them): the
-    namespace reads each once, into a set (a list searched per value compared them pairwise:
-    counted here by the values' own comparisons, 20 million for 6,500 values)."""
+    """A header block may carry thousands of credential-like headers (64 KiB of them): the
+    namespace reads each header once. Two ways it was quadratic, on the event loop, before
+    any key was checked (red team): the values kept in a list searched per value (counted
+    here by the values' own comparisons: 20 million for 6,500 values), then a lookup by
+    name per distinct name (Starlette's ``getlist`` scans every header: 2,500 names, a
+    420 ms stall; counted here by the lines Python runs, in a real Starlette request)."""
+    import sys
     from types import SimpleNamespace
+
+    from starlette.requests import Request
 
     from runloop_proxy.api.http import credentials
 
@@ -807,16 +813,37 @@ def test_a_callers_credentials_are_read_in_work_linear_in_its_headers() -> None:
 
         __hash__ = str.__hash__
 
-    class Headers(dict[str, list[str]]):
-        def getlist(self, name: str) -> list[str]:
-            return self[name]
+    class Raw(bytes):
+        def decode(self, *args: Any) -> str:  # type: ignore[override]
+            return Value(bytes.decode(self, *args))
 
-    def read(n: int) -> int:
+    def compared_for(n: int) -> int:
         compared[0] = 0
-        values = [Value(f"k{i}") for i in range(n)]
-        keys = credentials(SimpleNamespace(headers=Headers({"x-api-key": values})))  # type: ignore[arg-type]
+        raw = [(b"x-api-key", Raw(f"k{i}".encode())) for i in range(n)]
+        keys = credentials(SimpleNamespace(headers=SimpleNamespace(raw=raw)))  # type: ignore[arg-type]
         assert len(keys) == n
         return compared[0]
 
-    small, large = read(500), read(2000)
+    def lines_for(n: int, distinct: bool) -> int:
+        headers = [((f"x-api-key-{i}" if distinct else "x-api-key").encode(), f"k{i}".encode())
+                   for i in range(n)]
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": headers})
+        count = [0]
+
+        def trace(frame: Any, event: str, arg: Any) -> Any:
+            count[0] += event == "line"
+            return trace
+
+        sys.settrace(trace)
+        try:
+            keys = credentials(request)
+        finally:
+            sys.settrace(None)
+        assert len(keys) == n
+        return count[0]
+
+    small, large = compared_for(500), compared_for(2000)
     assert large <= 4 * small + 100, (small, large)
+    for distinct in (True, False):
+        small, large = lines_for(500, distinct), lines_for(1000, distinct)
+        assert large <= 2.2 * small, (distinct, small, large)

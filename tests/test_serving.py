@@ -109,3 +109,40 @@ def test_a_kept_alive_connection_serves_its_next_request(make_proxy: Any) -> Non
         for _ in range(4):
             assert client.get("/healthz").json() == {"status": "ok"}
             time.sleep(0.3)  # under keep_alive_s, above nothing: the deadline is re-armed
+
+
+def test_a_header_block_too_large_is_refused_before_the_app_sees_it() -> None:
+    """A header block over the limit that arrives in one read was parsed whole, handed to the
+    app (its work done: 5,000 credential headers stalled every request for a second) and only
+    then answered 431. The refusal comes before the request is dispatched: under the
+    proxy's server, an app that notes every request it is given never sees it, and the
+    connection's next bytes are not read as a request."""
+    from runloop_proxy.config import ServerSection
+    from runloop_proxy.scripted import ThreadedServer
+
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        seen.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    server = ThreadedServer(app, lifespan="off", server=ServerSection(**LIMITS))
+    port = server.start()
+    try:
+        body = b'{"model": "m"}'
+        block = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 + b"".join(b"X-Api-Key-%d: k%d\r\n" % (i, i) for i in range(400))
+                 + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        assert len(block) > LIMITS["max_header_bytes"]
+        got, _ = _dribble(port, [block], gap=0.0, until=3.0)
+        assert got.startswith(b"HTTP/1.1 431 "), got[:200]
+        assert got.count(b"HTTP/1.1") == 1
+        time.sleep(0.2)
+        assert seen == []
+        assert httpx.get(f"http://127.0.0.1:{port}/next", timeout=10).text == "ok"
+        assert seen == ["/next"]
+    finally:
+        server.stop()

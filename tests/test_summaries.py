@@ -282,7 +282,12 @@ def test_rolling_summary_input_stays_bounded_over_40_turns(
     root = write_config(tmp_path / "cfg", upstream.url, acme_policy=POLICY.format(
         model="gpt-4o-mini", timeout=30) + "summary_max_tokens = 64\n")
     proxy = make_proxy(config_dir=str(root))
-    converse(proxy, "sum-40", 40, after=lambda k: proxy.settle())
+    def settled(k: int) -> None:  # each batch's summary made before the next turn (a
+        # loaded machine otherwise lets one call take two batches, which is not what is tested)
+        until(lambda: not proxy.state.background, what="the background summaries")
+        proxy.settle()
+
+    converse(proxy, "sum-40", 40, after=settled)
     until(lambda: len(prompts) >= 15, timeout=20, what="a summary per omission batch")
     turns = [p.split("Turns to add:\n", 1)[1] for p in prompts]
     previous = [p.split("Turns to add:\n", 1)[0].rsplit(":\n", 2)[-2] for p in prompts]

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import functools
 import hashlib
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
@@ -22,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from ..config import KEY_NAMESPACE
 from ..errors import (
     AuthenticationFailed,
     ClientError,
@@ -35,7 +35,7 @@ from ..ops import logs
 from ..pipeline.accounting import CLIENT_CLOSED, RequestLog
 from ..pipeline.offload import is_large, offload
 from ..pipeline.turn import serve
-from ..pipeline.upstream import PROXY_KEY_HEADERS
+from ..pipeline.upstream import PROXY_KEY_HEADERS, names_caller
 from ..pipeline.values import Answer, Caller, Turn
 from ..state import AppState, state_of
 from .messages_wire import error_shape as anthropic_shape
@@ -98,12 +98,6 @@ def shaped_errors(handler: Handler) -> Handler:
 # bearer token the proxy sets, and Anthropic's own headers
 CHAT_DROP = PROXY_KEY_HEADERS | {"anthropic-version", "anthropic-beta"}
 CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")  # a key alone: as it was
-# headers that may name the caller to an upstream or a gateway in front of it (Portkey's,
-# Cloudflare's, Google's keys, OpenAI's organization and project, a proxy's authorization)
-IDENTITY = re.compile(r"(^|-)(auth|authentication|authorization|api-?key|apikey|key|token|"
-                      r"secret|organization|org|project|account|user|cookie)($|-)")
-# named like one, and no caller's: it differs on every request, or it is the client program's
-NOT_IDENTITY = frozenset({"idempotency-key", "user-agent"})
 INTERNAL_ERROR = error_body("internal error in runloop-proxy", "server_error", None,
                             "internal_error")
 
@@ -154,14 +148,15 @@ def credentials(request: Request) -> list[str]:
     a bearer token as its key alone. A pass-through namespace is all of them: two callers
     the upstream tells apart by any of them are apart here too."""
     out: set[str] = set()
-    for name in {k.lower() for k in request.headers}:
-        if not IDENTITY.search(name) or name in NOT_IDENTITY:
+    for raw_name, raw_value in request.headers.raw:  # each header once: no lookup by name,
+        name = raw_name.decode("latin-1").lower()   # which scans them all (quadratic)
+        if not names_caller(name):
             continue
-        for value in request.headers.getlist(name):
-            if name == "authorization" and value[:7].lower() == "bearer ":
-                value = value[7:].strip()
-            if value:
-                out.add(value if name in CREDENTIAL_HEADERS else f"{name}:{value}")
+        value = raw_value.decode("latin-1")
+        if name == "authorization" and value[:7].lower() == "bearer ":
+            value = value[7:].strip()
+        if value:
+            out.add(value if name in CREDENTIAL_HEADERS else f"{name}:{value}")
     return sorted(out)
 
 
@@ -176,15 +171,18 @@ def namespace_of(keys: list[str]) -> str | None:
 def authenticate(state: AppState, request: Request) -> Caller:
     """Who is calling, and how the upstream is to know it: an upstream of Anthropic's format
     takes its key as ``x-api-key``; one of chat completions only (the bridge's) as a bearer
-    token, whichever header the client sent its key in, and none of Anthropic's headers."""
+    token, whichever header the client sent its key in, and none of Anthropic's headers.
+
+    One caller, one identity, both sides: where the client's own credentials go upstream
+    (pass-through, ``forward_client_key``), its namespace is all of them (``credentials``),
+    so two callers the upstream tells apart by any of them are apart here too; where the
+    proxy's key goes, no client header that names a caller goes with it."""
     cfg = state.config
     key = bearer(request)
     if cfg.passthrough is not None:
-        # Single-tenant pass-through: the client's own key goes upstream, and without a key
-        # nothing is kept. The namespace is every credential the client sends (what goes
-        # upstream names it there): two callers the upstream knows apart — a placeholder
-        # bearer beside their own x-api-key, a gateway's key — are never one here
-        ns = namespace_of(credentials(request)) if key else None
+        # Single-tenant pass-through: the client's own credentials go upstream, and without
+        # any nothing is kept
+        ns = namespace_of(credentials(request))
         if cfg.upstreams[cfg.passthrough.upstream].format == "chat":
             return Caller(cfg.passthrough, "passthrough", ns,
                           f"Bearer {key}" if key else None, CHAT_DROP)
@@ -196,16 +194,18 @@ def authenticate(state: AppState, request: Request) -> Caller:
         raise AuthenticationFailed("Incorrect API key provided.")
     fmt = cfg.upstreams[tenant.upstream].format
     drop = CHAT_DROP if fmt == "chat" else PROXY_KEY_HEADERS
-    if tenant.forward_client_key:
+    if tenant.forward_client_key:  # each caller's own key: its own namespace in the tenant
+        ns = f"{tenant.name}{KEY_NAMESPACE}{(namespace_of(credentials(request)) or '')[3:]}"
         if fmt == "chat":
-            return Caller(tenant, tenant.name, tenant.name, f"Bearer {key}", drop)
-        return Caller(tenant, tenant.name, tenant.name, request.headers.get("authorization"),
+            return Caller(tenant, tenant.name, ns, f"Bearer {key}", drop)
+        return Caller(tenant, tenant.name, ns, request.headers.get("authorization"),
                       drop - {"x-api-key"} if fmt == "anthropic" else drop)
     secret = cfg.upstream_secret(tenant)
+    shared = cfg.shares_key(tenant)
     if fmt == "anthropic":  # its key goes as x-api-key
-        return Caller(tenant, tenant.name, tenant.name, None, drop, secret)
+        return Caller(tenant, tenant.name, tenant.name, None, drop, secret, True, shared)
     upstream_auth = f"Bearer {secret}" if secret else None
-    return Caller(tenant, tenant.name, tenant.name, upstream_auth, drop)
+    return Caller(tenant, tenant.name, tenant.name, upstream_auth, drop, None, True, shared)
 
 
 async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:

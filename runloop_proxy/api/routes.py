@@ -3,6 +3,7 @@ and every other ``/v1`` endpoint passed through untouched."""
 
 from __future__ import annotations
 
+import re
 import urllib.parse
 from typing import Any
 
@@ -10,10 +11,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from ..errors import InvalidRequest, NotFound
+from ..errors import InvalidRequest, NotFound, PermissionDenied
 from ..ops.admin import admin_routes
 from ..ops.inspector import inspector_routes
-from ..pipeline.upstream import upstream_headers
 from ..state import state_of
 from .chat import PATH as CHAT_PATH
 from .chat import chat_completions
@@ -57,6 +57,23 @@ def v1_subpath(raw_path: bytes) -> str:
     return urllib.parse.quote(path[len(PREFIX) - 1:], safe=_SEGMENT_SAFE)
 
 
+# What a caller may reach through a key other tenants use too: endpoints whose answer is
+# made from the request alone, never from what the upstream account stores (files, batches,
+# stored completions and responses, conversations, vector stores, fine-tunes ...), which
+# would be every such tenant's. A list of what is allowed, so an endpoint the upstream adds
+# is refused until it is known to keep nothing.
+_STATELESS = re.compile(
+    r"POST /(embeddings|moderations|completions|audio/(speech|transcriptions|translations)"
+    r"|images/(generations|edits|variations)|responses/input_tokens|messages/count_tokens)"
+    r"|GET /models(/[^/]+)?")
+
+
+def stateless(method: str, path: str) -> bool:
+    """Whether ``method path`` (below /v1, as ``v1_subpath`` gives it) keeps nothing in
+    the upstream's account that another caller could read."""
+    return bool(_STATELESS.fullmatch(f"{method.upper()} {path}"))
+
+
 def base_url_hint(path: str) -> str:
     """What a client that asked for ``path`` likely has wrong in its base URL (a known API
     path without ``/v1``: an OpenAI SDK's base URL without it; ``/v1/v1/``: an Anthropic
@@ -80,14 +97,19 @@ async def passthrough(request: Request) -> ASGIResponse:
                        f"{base_url_hint(request.url.path)}")
     caller = authenticate(state, request)
     path = v1_subpath(request.scope.get("raw_path") or request.scope["path"].encode())
+    if caller.shared_key and not stateless(request.method, path):
+        raise PermissionDenied(
+            f"{request.method} {request.url.path}: this tenant's upstream key is other tenants' "
+            f"too, so the proxy forwards only endpoints that keep nothing upstream (models, "
+            f"embeddings, moderations, audio, images); files, batches and stored responses "
+            f"need the tenant's own upstream_key")
     if anthropic_path(request.url.path) \
             and state.config.upstreams[caller.tenant.upstream].format == "chat":
         raise NotFound(f"{request.url.path}: the upstream speaks chat completions, which have "
                        f"no such endpoint (the proxy answers /v1/messages and "
                        f"/v1/messages/count_tokens itself)")
     raw = await read_body(request, state.config.server.max_body_bytes)
-    headers = caller.authorize(upstream_headers(request.headers.items(), caller.upstream_auth,
-                                                caller.drop_headers, body_as_sent=True))
+    headers = caller.upstream_headers(request.headers.items(), body_as_sent=True)
     # the answer comes back as the upstream encodes it, so only in what the client accepts
     headers["Accept-Encoding"] = request.headers.get("accept-encoding", "identity")
     client = state.upstream(caller.tenant.upstream)

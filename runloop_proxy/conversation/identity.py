@@ -113,6 +113,16 @@ def name_of(key: str) -> str:
     return key[2:] if key.startswith("n:") else key
 
 
+def log_name(key: str) -> str:
+    """A session key as a log line may show it. A plain named id is the client's id, and an
+    id is a capability (whoever holds the tenant's key and the id reads the session), so a
+    log shows a digest of it, ``n#…`` (the inspector's search finds the session by it);
+    every other key is a hash or the proxy's own already."""
+    if not key.startswith("n:"):
+        return key
+    return "n#" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def chained_key(response_id: str) -> str:
     """Where a conversation chained on a response nobody recorded is stored."""
     return "chain-" + hashlib.sha256(response_id.encode()).hexdigest()[:32]

@@ -437,10 +437,14 @@ class SummaryService:
         body = {"model": policy.summary_model, "max_tokens": room,
                 "messages": [{"role": "user", "content": prompt}]}
         auth, name = job.auth, job.upstream
-        if policy.summary_upstream and policy.summary_upstream in self.state.upstreams:
-            name = policy.summary_upstream  # a configured upstream, with its own key
-            key = self.state.config.upstreams[name].api_key
-            auth = f"Bearer {key}" if key else auth
+        if policy.summary_upstream and policy.summary_upstream != job.upstream:
+            # another upstream: called with its own key only, never the tenant's or the
+            # client's (config validation refuses one without a key)
+            name = policy.summary_upstream
+            spec = self.state.config.upstreams.get(name)
+            if spec is None or not spec.api_key:
+                raise RuntimeError(f"summary upstream {name!r} has no key of its own")
+            auth = f"Bearer {spec.api_key}"
         headers = json_headers(upstream_headers([], auth, job.drop_headers))
         resp = await self.state.upstream(name).request("POST", "/chat/completions", headers,
                                                        orjson.dumps(body))

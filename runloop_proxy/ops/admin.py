@@ -164,7 +164,7 @@ async def admin_compact(request: Request) -> Response:
 
 async def compact(state: AppState, tenant: str, session_id: str) -> dict[str, Any]:
     assert state.store is not None
-    spec = state.config.tenants.get(tenant) or state.config.passthrough
+    spec = state.config.spec_of_namespace(tenant)
     if spec is None:
         raise NotFound(f"no tenant {tenant!r}")
     if not spec.policy.summary_model:
@@ -179,8 +179,7 @@ async def compact(state: AppState, tenant: str, session_id: str) -> dict[str, An
     view = await state.store.session(tenant, session_id)
     if view is None:
         raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
-    job = Job(spec.policy, tenant, spec.name, spec.name if tenant in state.config.tenants
-              else "passthrough", "gpt-4o", spec.upstream, auth)
+    job = Job(spec.policy, tenant, spec.name, spec.name, "gpt-4o", spec.upstream, auth)
     messages, keys, _ = spliced_stored(view.messages, view.internal)
     made, omitted = await state.summaries.compact(job, session_id, messages, keys)
     return {"session_id": session_id, "tenant": tenant,

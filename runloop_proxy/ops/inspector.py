@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from ..conversation.identity import name_of, stored_id
+from ..conversation.identity import log_name, name_of, stored_id
 from ..errors import InvalidRequest, ProxyError, StoreError
 from ..state import state_of
 from . import params
@@ -122,7 +122,8 @@ async def sessions(request: Request) -> Response:
         rows, total = await state.store.list_sessions(tenant, 0 if search else at * PAGE,
                                                       SEARCHED if search else PAGE)
         if search:
-            rows = [r for r in rows if search.lower() in name_of(r[0]).lower()]
+            rows = [r for r in rows if search.lower() in name_of(r[0]).lower()
+                    or search == log_name(r[0])]  # a log line's digest of it
             total = len(rows)
             rows = rows[at * PAGE:(at + 1) * PAGE]
         overviews = await state.store.overviews(tenant, [sid for sid, _ in rows])

@@ -40,7 +40,7 @@ FATES = {"omitted": "omitted (behind the marker)", "reduced": "reduced to questi
 def spec_of(state: AppState, tenant: str) -> tuple[TenantSpec, str]:
     """The tenant's config, and a note when the namespace's own is gone (its sessions are
     still stored): then another tenant's stands in for the rebuild."""
-    spec = state.config.tenants.get(tenant) or state.config.passthrough
+    spec = state.config.spec_of_namespace(tenant)
     if spec is not None:
         return spec, ""
     spec = next(iter(state.config.tenants.values()))

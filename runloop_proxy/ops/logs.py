@@ -10,7 +10,10 @@ from typing import Any
 
 import orjson
 
+from ..conversation.identity import log_name
+
 LOGGER = "runloop"
+SESSION_FIELDS = ("session",)  # a log line's fields that name a session: written by log_name
 _RESERVED = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 TRACE_FRAMES = 12  # the innermost frames of a traceback a log line shows
 TRACE_CHARS = 4000  # and at most this much of it: a recursion 900 deep was 131 KB a line
@@ -22,6 +25,16 @@ def bounded_trace(exc_info: Any) -> str:
     kind, value, tb = exc_info
     text = "".join(traceback.format_exception(kind, value, tb, limit=-TRACE_FRAMES))
     return text if len(text) <= TRACE_CHARS else "…" + text[-TRACE_CHARS:]
+
+
+def fields(record: logging.LogRecord) -> dict[str, Any]:
+    """A record's own fields as every formatter writes them: a session by ``log_name``."""
+    out = {k: v for k, v in record.__dict__.items()
+           if k not in _RESERVED and not k.startswith("_")}
+    for k in SESSION_FIELDS:
+        if isinstance(out.get(k), str):
+            out[k] = log_name(out[k])
+    return out
 
 
 class _Bounded(logging.Formatter):
@@ -38,9 +51,7 @@ class JsonFormatter(_Bounded):
             "logger": record.name,
             "msg": record.getMessage(),
         }
-        for k, v in record.__dict__.items():
-            if k not in _RESERVED and not k.startswith("_"):
-                out[k] = v
+        out.update(fields(record))
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(out, default=str).decode()
@@ -48,8 +59,7 @@ class JsonFormatter(_Bounded):
 
 class TextFormatter(_Bounded):
     def format(self, record: logging.LogRecord) -> str:
-        extra = " ".join(f"{k}={v}" for k, v in record.__dict__.items()
-                         if k not in _RESERVED and not k.startswith("_"))
+        extra = " ".join(f"{k}={v}" for k, v in fields(record).items())
         base = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.getMessage()}"
         text = f"{base} {extra}" if extra else base
         return text + ("\n" + self.formatException(record.exc_info) if record.exc_info else "")

@@ -102,7 +102,11 @@ def record_line(rec: Mapping[str, Any]) -> str:
 
 def tenant_label(namespace: str, configured: bool) -> str:
     """A tenant as a person reads it: a configured tenant by its name; a pass-through
-    namespace (``pt-`` and the hash of a client's key) says that is what it is."""
+    namespace (``pt-`` and the hash of a client's key) says that is what it is, and so does
+    one caller's own key of a tenant that forwards them (``<tenant>+<hash>``)."""
+    tenant, sep, key = namespace.partition("+")
+    if sep:
+        return f"{tenant}, caller key {key}"
     if configured or not namespace.startswith("pt-"):
         return namespace
     return f"pass-through key {namespace}"

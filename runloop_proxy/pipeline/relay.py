@@ -21,7 +21,7 @@ from .reconcile import record
 from .sse import SSEDecoder
 from .toolloop import Outcome, Rounds, answer_json, answer_stream
 from .tools import MAX_CALLS, ProxyTools, ToolRunner
-from .upstream import UpstreamResponse, json_headers, upstream_headers
+from .upstream import UpstreamResponse, json_headers
 from .values import Answer, History, Outgoing, Turn
 from .wire import Reply, Wire
 
@@ -32,8 +32,7 @@ async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
                   rlog: RequestLog, suffix: str = "") -> UpstreamResponse:
     """One upstream call, timed (the client's headers, less hop-by-hop and the proxy's own)."""
     payload = body if isinstance(body, bytes) else orjson.dumps(body)
-    headers = turn.caller.authorize(json_headers(upstream_headers(
-        turn.headers, turn.caller.upstream_auth, turn.caller.drop_headers)))
+    headers = json_headers(turn.caller.upstream_headers(turn.headers))
     started = rlog.upstream_started()
     try:
         return await state.upstream(turn.caller.tenant.upstream).request(

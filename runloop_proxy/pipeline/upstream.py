@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import random
+import re
 import time
 import zlib
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
@@ -29,6 +30,12 @@ HOP_BY_HOP = frozenset({
 _DROP_REQUEST = HOP_BY_HOP | {"authorization", "accept-encoding", "x-runloop-history"}
 # the client's credentials for the proxy itself, never forwarded in tenant mode
 PROXY_KEY_HEADERS = frozenset({"api-key", "x-api-key"})
+# headers that may name the caller to an upstream or a gateway in front of it (Portkey's,
+# Cloudflare's, Google's keys, OpenAI's organization and project, a proxy's authorization)
+IDENTITY = re.compile(r"(^|-)(auth|authentication|authorization|api-?key|apikey|key|token|"
+                      r"secret|organization|org|project|account|user|cookie)($|-)")
+# named like one, and no caller's: it differs on every request, or it is the client program's
+NOT_IDENTITY = frozenset({"idempotency-key", "user-agent"})
 # the server adds its own (two of each confuse clients and caches)
 _DROP_RESPONSE = HOP_BY_HOP | {"date", "server"}
 
@@ -257,16 +264,24 @@ def parse_retry_after(value: str) -> float | None:
     return max(0.0, when.timestamp() - time.time())
 
 
+def names_caller(header: str) -> bool:
+    """Whether a (lower-case) header may tell an upstream who is calling."""
+    return bool(IDENTITY.search(header)) and header not in NOT_IDENTITY
+
+
 def upstream_headers(client_headers: Iterable[tuple[str, str]], authorization: str | None,
-                     drop: frozenset[str] = frozenset(), body_as_sent: bool = False
-                     ) -> CIMultiDict[str]:
+                     drop: frozenset[str] = frozenset(), body_as_sent: bool = False,
+                     proxy_key: bool = False) -> CIMultiDict[str]:
     """The client's headers minus hop-by-hop and proxy-control ones (and ``drop``), with the
     upstream's auth. ``body_as_sent``: the client's body goes upstream byte for byte, so the
-    header that says how it is encoded goes with it (a rewritten body is sent plain)."""
+    header that says how it is encoded goes with it (a rewritten body is sent plain).
+    ``proxy_key``: the upstream gets the proxy's key, not the client's, so nothing that names
+    a caller goes with it (an organization or project header would pick where the operator's
+    key acts; a cookie or a gateway's key would act as someone the operator never named)."""
     out: CIMultiDict[str] = CIMultiDict()
     for k, v in client_headers:
         lk = k.lower()
-        if lk in drop or lk.startswith("x-runloop-") or (
+        if lk in drop or lk.startswith("x-runloop-") or (proxy_key and names_caller(lk)) or (
                 lk in _DROP_REQUEST and not (body_as_sent and lk == "content-encoding")):
             continue
         out.add(k, v)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +16,7 @@ from ..history.store import Prepared
 from ..window.builder import Window
 from .offload import is_large
 from .tools import ProxyTools
+from .upstream import upstream_headers
 from .wire import Wire
 
 
@@ -29,6 +30,12 @@ class Caller:
     upstream_auth: str | None  # the Authorization header the upstream gets
     drop_headers: frozenset[str] = frozenset()  # client headers never forwarded (its proxy key)
     upstream_api_key: str | None = None  # sent as x-api-key (an upstream of Anthropic's format)
+    # the upstream gets a key of the proxy's (a tenant's secret), not the client's own: no
+    # client header that names a caller goes with it
+    proxy_key: bool = False
+    # ... and another tenant's requests go with that same key: the upstream account and what
+    # it stores (files, batches, stored responses) are not this caller's alone
+    shared_key: bool = False
 
     @property
     def scope(self) -> str:
@@ -36,8 +43,12 @@ class Caller:
         (a tenant, a pass-through key), else the label."""
         return self.namespace or self.label
 
-    def authorize(self, headers: CIMultiDict[str]) -> CIMultiDict[str]:
-        """``headers`` with the upstream key where its format wants it."""
+    def upstream_headers(self, client_headers: Iterable[tuple[str, str]],
+                         body_as_sent: bool = False) -> CIMultiDict[str]:
+        """What the upstream gets of ``client_headers`` for this caller, with the upstream
+        key where its format wants it: every request the proxy forwards goes through this."""
+        headers = upstream_headers(client_headers, self.upstream_auth, self.drop_headers,
+                                   body_as_sent, self.proxy_key)
         if self.upstream_api_key:
             headers["x-api-key"] = self.upstream_api_key
         return headers
