@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -68,3 +70,21 @@ def test_events_under_the_limit_pass_and_the_count_starts_afresh_each_event() ->
     decoder = SSEDecoder(limit=4096)
     events = [e for _ in range(20) for e in decoder.feed(one)]  # 60 KB in all, 3 KB an event
     assert len(events) == 20 and all(len(e.data) == 3000 for e in events)
+
+
+@pytest.mark.parametrize("line", [b"data:\n", b"data: ab\n", b"data: \xc3\xa9\xc3\xa9\n",
+                                  b"data:" + b"q" * 40 + b"\n"])
+def test_what_an_event_holds_is_bounded_by_the_limit_whatever_its_lines(line: bytes) -> None:
+    """An event's size is what holding it costs: counted by its data's values alone, an
+    upstream's endless run of empty data lines (0 bytes each) held 142 MB for 100 MB sent
+    under an 8 MB limit (red team). Each held line costs its bytes and ``LINE_COST``, so
+    what the decoder holds when it refuses is within a small factor of the limit."""
+    limit = 64 * 1024
+    decoder = SSEDecoder(limit=limit)
+    fed = 0
+    with pytest.raises(UpstreamTooLarge):
+        for _ in range(10 ** 4):
+            decoder.feed(line * 64)
+            fed += 64
+    held = sys.getsizeof(decoder._data) + sum(sys.getsizeof(v) for v in decoder._data)
+    assert held <= 2 * limit, (fed, held)

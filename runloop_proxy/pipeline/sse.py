@@ -13,6 +13,11 @@ import orjson
 
 from ..errors import UpstreamTooLarge
 
+# What holding one data line costs beyond its bytes (a str object and its slot in the list):
+# an event's size is what it holds, so an endless run of empty or tiny data lines, counted by
+# their values alone (0 or 2 bytes each), cannot hold gigabytes under a limit of megabytes
+LINE_COST = 64
+
 
 class SSEEvent(NamedTuple):
     data: str
@@ -26,9 +31,10 @@ class SSEEvent(NamedTuple):
 
 class SSEDecoder:
     """Feed bytes, get complete events; ``flush()`` at end of stream yields a trailing event.
-    ``limit``: the most an event (its lines not ended yet, its data so far) may hold — an
-    upstream that streams without ever ending a line or an event raises UpstreamTooLarge
-    there, not after holding all it sends."""
+    ``limit``: the most an event (its lines not ended yet, its data so far, each data line
+    counted with what holding it costs, ``LINE_COST``) may hold — an upstream that streams
+    without ever ending a line or an event raises UpstreamTooLarge there, not after holding
+    all it sends."""
 
     def __init__(self, limit: int | None = None) -> None:
         self._parts: list[bytes] = []  # a line not ended yet, as it arrived (never re-copied)
@@ -113,7 +119,7 @@ class SSEDecoder:
             value = value[1:]
         if name == "data":
             self._data.append(value)
-            self._data_bytes += len(value)
+            self._data_bytes += len(raw) + LINE_COST
             self._check()
         elif name == "event":
             self._event = value
