@@ -33,7 +33,7 @@ from ..errors import (
 )
 from ..ops import logs
 from ..pipeline.accounting import CLIENT_CLOSED, RequestLog
-from ..pipeline.offload import is_large, offload
+from ..pipeline.offload import is_large_body, offload
 from ..pipeline.turn import serve
 from ..pipeline.upstream import PROXY_KEY_HEADERS, names_caller
 from ..pipeline.values import Answer, Caller, Turn
@@ -122,7 +122,7 @@ async def read_request(state: AppState, request: Request, check: Callable[[Any],
     convert it) — off the event loop when it is large: a check walks every message and item,
     and a large body's walk must not hold up the other requests."""
     raw = await read_body(request, state.config.server.max_body_bytes)
-    return raw, await offload(is_large(len(raw)), lambda: check(parse_json(raw)))
+    return raw, await offload(is_large_body(raw), lambda: check(parse_json(raw)))
 
 
 def parse_json(raw: bytes) -> Any:

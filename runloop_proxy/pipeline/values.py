@@ -14,7 +14,7 @@ from ..conversation.messages import Message
 from ..errors import InvalidRequest
 from ..history.store import Prepared
 from ..window.builder import Window
-from .offload import is_large
+from .offload import is_large, is_large_body
 from .tools import ProxyTools
 from .upstream import upstream_headers
 from .wire import Wire
@@ -105,10 +105,11 @@ class Turn:
     def policy(self) -> Policy:
         return self.caller.tenant.policy
 
-    @property
+    @functools.cached_property
     def large(self) -> bool:
-        """Worked on off the event loop (offload.py)."""
-        return is_large(len(self.raw), len(self.messages))
+        """Worked on off the event loop (offload.py): by the body's bytes or items, or the
+        conversation's messages (a stored history can hold more than the body)."""
+        return is_large_body(self.raw) or is_large(0, len(self.messages))
 
 
 @dataclass(frozen=True)
