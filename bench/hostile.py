@@ -33,7 +33,7 @@ import httpx
 import orjson
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from runloop_proxy.scripted import ScriptedUpstream  # noqa: E402
+from runloop_proxy.scripted import ScriptedUpstream, calls_chunk  # noqa: E402
 
 KEY = "sk-hostile"
 MESSAGES = "_messages"  # a corpus entry for /v1/messages (the key is not sent)
@@ -195,7 +195,33 @@ def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
                                                       "max_tokens": 64, "messages": [
             {"role": "user", "content": "hi"}], "tools": [
             {"name": "f", "input_schema": nested_kinds(13)}]}, None),
+        # the upstream as the hostile side: what a stream's answer costs the proxy to read
+        ("upstream: a Messages stream of 40,000 text deltas", {
+            MESSAGES: True, "model": "claude-sonnet-4-6", "max_tokens": 64, "stream": True,
+            "messages": [{"role": "user", "content": "hi"}]},
+         {"raw_chunks": messages_stream(40_000)}),
+        ("upstream: a chat stream of 20,000 tool calls in one event", chat(
+            [user("hi")], stream=True, tools=[tool_fn("look", {"type": "object"})]),
+         {"raw_chunks": [calls_chunk(20_000), b"data: [DONE]\n\n"]}),
     ]
+
+
+def messages_stream(deltas: int) -> list[bytes]:
+    """A Messages event stream of one text block in ``deltas`` deltas of 64 characters."""
+    def event(kind: str, data: dict[str, Any]) -> bytes:
+        return f"event: {kind}\ndata: ".encode() + orjson.dumps({"type": kind, **data}) + b"\n\n"
+    usage = {"input_tokens": 5, "output_tokens": 1}
+    head = [event("message_start", {"message": {
+        "id": "msg_h", "type": "message", "role": "assistant", "model": "claude-sonnet-4-6",
+        "content": [], "stop_reason": None, "usage": usage}}),
+        event("content_block_start", {"index": 0, "content_block": {"type": "text",
+                                                                    "text": ""}})]
+    delta = event("content_block_delta", {"index": 0, "delta": {"type": "text_delta",
+                                                                "text": "x" * 64}})
+    tail = [event("content_block_stop", {"index": 0}),
+            event("message_delta", {"delta": {"stop_reason": "end_turn"}, "usage": usage}),
+            event("message_stop", {})]
+    return [*head, *([delta * 1000] * (deltas // 1000)), *tail]
 
 
 POLL = """

@@ -11,6 +11,7 @@ given as ``sha256:<hex>`` so the plain key never sits in a file.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
@@ -188,7 +189,7 @@ class UpstreamSpec(_Strict):
     @classmethod
     def _http_url(cls, v: str) -> str:
         if not v.startswith(("http://", "https://")):
-            raise ValueError("must start with http:// or https://")
+            raise ValueError(f"must start with http:// or https:// (got {redact_url(v)!r})")
         return v.rstrip("/")
 
 
@@ -212,8 +213,18 @@ class ServerSection(_Strict):
                                                   "in all (window carries, forms, counts)")
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")
+
+
 class StoreSection(_Strict):
     redis_url: str | None = None
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(REDIS_SCHEMES):
+            raise ValueError(f"must start with {', '.join(REDIS_SCHEMES)} (got {redact_url(v)!r})")
+        return v
     key_prefix: str = "rl"
     retention_days: float = Field(30, gt=0)
     max_messages_per_session: int = Field(20_000, ge=10)
@@ -401,13 +412,27 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(str(path), "", f"cannot read: {exc.strerror}") from exc
 
 
-def _validate(model: type[_Strict], data: dict[str, Any], file: str) -> Any:
+def _validate(model: type[_Strict], data: dict[str, Any], file: str, prefix: str = "") -> Any:
+    """``data`` as ``model``; else a ConfigError naming every problem (file, field, why), a
+    misspelled field with the name it is likely to be."""
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        raise ConfigError(file, loc, err["msg"]) from exc
+        found = [ConfigError(file, prefix + ".".join(str(p) for p in err["loc"]),
+                             _why(model, err)) for err in exc.errors()]
+        raise ConfigError(found[0].file, found[0].field, found[0].why, also=found[1:]) from exc
+
+
+def _why(model: type[BaseModel], err: Any) -> str:
+    if err["type"] != "extra_forbidden":
+        return str(err["msg"]).removeprefix("Value error, ")
+    where: Any = model
+    for part in err["loc"][:-1]:  # the model the unknown field sits in
+        field_info = getattr(where, "model_fields", {}).get(str(part))
+        where = field_info.annotation if field_info is not None else None
+    known = list(getattr(where, "model_fields", {}))
+    close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+    return "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
 def _key_hashes(tenant: TenantSpec, file: str) -> list[str]:
@@ -463,9 +488,12 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
     server_over = {k: v for k, v in (("host", settings.host), ("port", settings.port),
                                      ("admin_key", settings.admin_key),
                                      ("cache_mb", settings.cache_mb)) if v is not None}
-    server = gfile.server.model_copy(update=server_over)
-    store = gfile.store.model_copy(update={"redis_url": settings.redis_url}
-                                   if settings.redis_url else {})
+    over = "the command line or RUNLOOP_*"
+    server = _validate(ServerSection, {**gfile.server.model_dump(), **server_over}, over,
+                       "server.") if server_over else gfile.server
+    store = _validate(StoreSection, {**gfile.store.model_dump(),
+                                     "redis_url": settings.redis_url}, over, "store.") \
+        if settings.redis_url else gfile.store
     upstreams = dict(gfile.upstreams)
     if settings.upstream:
         upstreams["default"] = _validate(UpstreamSpec, {
@@ -474,6 +502,9 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
     defaults = dict(gfile.defaults)
     if settings.context_window:
         defaults["default_context_window"] = settings.context_window
+    # the defaults checked where they are written: a mistake in them is not a tenant file's
+    _validate(TenantSpec, {"name": "defaults", **defaults},
+              str(sources[0]) if sources else over, "defaults.")
 
     tenants: dict[str, TenantSpec] = {}
     key_index: dict[str, str] = {}

@@ -12,11 +12,16 @@ from typing import Any, NamedTuple
 from .config import Settings
 
 ENV_PREFIX = "RUNLOOP_"
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-class NotAPort(argparse.ArgumentTypeError, ValueError):
-    """A port that is none: argparse says why in one line; the environment's reader sees a
-    ValueError like any other bad number."""
+class BadValue(argparse.ArgumentTypeError, ValueError):
+    """An option's value that is none of its kind: argparse says why in one line; the
+    environment's reader (a worker's) sees a ValueError like any other bad number."""
+
+
+class NotAPort(BadValue):
+    """A port that is none."""
 
 
 def port_number(text: str) -> int:
@@ -30,11 +35,34 @@ def port_number(text: str) -> int:
     return n
 
 
+def at_least(low: int) -> Callable[[str], int]:
+    """A whole number no less than ``low``, from the command line or the environment."""
+    def whole(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise BadValue(f"{text!r} is not a whole number of at least {low}")
+        return n
+    return whole
+
+
+def one_of(*choices: str) -> Callable[[str], str]:
+    """One of ``choices``: checked for a value from the environment too (argparse checks its
+    choices only on the command line)."""
+    def choice(text: str) -> str:
+        if text not in choices:
+            raise BadValue(f"{text!r} is not one of {', '.join(choices)}")
+        return text
+    return choice
+
+
 class Option(NamedTuple):
     flags: tuple[str, ...]  # the first is the option's name; the rest are old spellings
     field: str  # the Settings field
     env: str  # RUNLOOP_<env>
-    kind: Callable[[str], Any]  # str, int, port_number
+    kind: Callable[[str], Any]  # str, port_number, at_least(n), one_of(...)
     default: Any
     help: str
     choices: tuple[str, ...] | None = None
@@ -49,7 +77,8 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option(("--upstream",), "upstream", "UPSTREAM", str, None,
            "upstream base URL, e.g. https://api.openai.com/v1 (pass-through mode)",
            metavar="URL"),
-    Option(("--upstream-format",), "upstream_format", "UPSTREAM_FORMAT", str, None,
+    Option(("--upstream-format",), "upstream_format", "UPSTREAM_FORMAT",
+           one_of("any", "anthropic", "chat"), None,
            "what --upstream speaks: any (every API goes as it came, the default), anthropic "
            "(Anthropic's API), chat (chat completions only: a /v1/messages client, Claude "
            "Code, is translated to and from them)", choices=("any", "anthropic", "chat")),
@@ -63,21 +92,21 @@ SERVE_OPTIONS: tuple[Option, ...] = (
     Option(("--admin-key",), "admin_key", "ADMIN_KEY", str, None,
            "the key of the admin API and the session inspector (/admin/ui); none: both are "
            "off unless the config file sets server.admin_key", metavar="KEY"),
-    Option(("--log-level",), "log_level", "LOG_LEVEL", str, "info", "default info",
-           choices=("debug", "info", "warning", "error")),
-    Option(("--log-format",), "log_format", "LOG_FORMAT", str, "json", "default json",
-           choices=("json", "text")),
+    Option(("--log-level",), "log_level", "LOG_LEVEL", one_of(*LOG_LEVELS), "info",
+           "default info", choices=LOG_LEVELS),
+    Option(("--log-format",), "log_format", "LOG_FORMAT", one_of("json", "text"), "json",
+           "default json", choices=("json", "text")),
     Option(("--default-context-window", "--context-window"), "context_window",
-           "CONTEXT_WINDOW", int, None,
+           "CONTEXT_WINDOW", at_least(1024), None,
            "context window assumed for models neither the config nor the proxy knows (known "
            "models keep their own); --context-window is the old spelling", metavar="N"),
     Option(("--summary-model",), "summary_model", "SUMMARY_MODEL", str, None,
            'pass-through mode: "extractive" or a model that summarises the loops an omission '
            "leaves out (tenant files set policy.summary_model)", metavar="M"),
-    Option(("--cache-mb",), "cache_mb", "CACHE_MB", int, None,
+    Option(("--cache-mb",), "cache_mb", "CACHE_MB", at_least(1), None,
            "memory the per-process caches may use in all (default 128)", metavar="N"),
-    Option(("--workers",), "workers", "WORKERS", int, 1, "uvicorn worker processes (default 1)",
-           metavar="N"),
+    Option(("--workers",), "workers", "WORKERS", at_least(1), 1,
+           "uvicorn worker processes (default 1)", metavar="N"),
 )
 
 

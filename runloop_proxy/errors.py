@@ -154,6 +154,17 @@ class StoreUnavailable(Unavailable):
     code = "store_unavailable"
 
 
+class ShuttingDown(Unavailable):
+    """A request the proxy aborted because its operator asked it to stop at once (a second
+    Ctrl-C): answered with a 503 in the API's shape, never a traceback."""
+
+    code = "shutting_down"
+
+
+# the message a request's task is cancelled with when the proxy aborts it (``serving``)
+ABORTED = "runloop-proxy: aborted at shutdown"
+
+
 class StoreError(ProxyError):
     pass
 

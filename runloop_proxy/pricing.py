@@ -24,6 +24,7 @@ parameters, per model its input, cached-input, cache-write and output prices.
 
 from __future__ import annotations
 
+import difflib
 import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -249,6 +250,7 @@ class PriceTable:
                 over = tomllib.loads(Path(path).read_text(encoding="utf-8"))
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigError(str(path), "", f"cannot read prices: {exc}") from exc
+            _unknown(over, PROVIDERS, str(path), "")
             raw = _merge(raw, over)
         return cls({name: _provider(name, spec, str(path or "prices.toml"))
                     for name, spec in raw.items()})
@@ -274,9 +276,27 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+PROVIDER_FIELDS = ("cache", "cache_min", "cache_step", "max_breakpoints", "cache_ttl_s",
+                   "cache_read", "cache_write", "models")
+MODEL_FIELDS = ("input", "cached_input", "cache_write", "output")
+
+
+def _unknown(given: Any, known: Sequence[str], file: str, where: str) -> None:
+    """A misspelled name in a price table is an error naming it (a typo would otherwise leave
+    a model unpriced, or priced by the built-in table, and the cost metrics wrong)."""
+    for key in given if isinstance(given, dict) else ():
+        if key not in known:
+            close = difflib.get_close_matches(str(key), list(known), n=1)
+            raise ConfigError(file, f"{where}{key}", "unknown name" + (
+                f" (did you mean {close[0]!r}?)" if close else f" (known: {', '.join(known)})"))
+
+
 def _provider(name: str, spec: Any, file: str) -> Provider:
     if not isinstance(spec, dict):
         raise ConfigError(file, name, "expected a table")
+    _unknown(spec, PROVIDER_FIELDS, file, f"{name}.")
+    for model, p in (spec.get("models") or {}).items():
+        _unknown(p, MODEL_FIELDS, file, f"{name}.models.{model}.")
     try:
         cache = str(spec.get("cache", "prefix"))
         if cache not in ("prefix", "breakpoints"):

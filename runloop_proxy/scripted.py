@@ -493,6 +493,18 @@ class ThreadedServer:
             self.thread.join(timeout=timeout)
 
 
+def calls_chunk(calls: int, name: str = "look") -> bytes:
+    """One chat-completions stream chunk (an SSE event) carrying ``calls`` tool calls: what a
+    hostile or broken upstream may send (``bench/hostile.py``, the tests), as ``raw_chunks``."""
+    return b"data: " + orjson.dumps({
+        "id": "c", "object": "chat.completion.chunk", "created": 0, "model": "gpt-4o",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "delta": {
+            "role": "assistant", "tool_calls": [
+                {"index": i, "id": f"call_{i}", "type": "function",
+                 "function": {"name": name, "arguments": "{}"}} for i in range(calls)]}}]}) \
+        + b"\n\n"
+
+
 def _raw(reply: Reply) -> Response:
     """Exactly ``raw_body``'s bytes, whatever they are, with ``headers`` (a
     ``Content-Encoding: gzip`` for a body given compressed); ``cut_after``: the headers

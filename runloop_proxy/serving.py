@@ -21,6 +21,8 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from .config import ServerSection
+from .errors import ABORTED
+from .ops import logs
 
 
 class GuardedHttpTools(HttpToolsProtocol):
@@ -187,11 +189,42 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, saying what a stop does. A first Ctrl-C (or SIGTERM) stops taking
+    requests and waits for those in flight, saying how many; a second Ctrl-C aborts them:
+    each is answered a 503 in its API's shape (a stream already started is cut), one log line
+    says so, and the app still closes what it holds — where uvicorn alone cancelled them into
+    tracebacks and a plain-text 500."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        busy = len(self.server_state.tasks)
+        if first:
+            logs.get("serve").info(f"shutting down: {busy} request(s) in flight"
+                        + (" (Ctrl-C again to abort them)" if busy else ""))
+        elif self.force_exit and self._loop is not None:
+            logs.get("serve").warning(f"aborting {busy} request(s) in flight")
+            for task in list(self.server_state.tasks):
+                self._loop.call_soon_threadsafe(task.cancel, ABORTED)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit:  # uvicorn skips the app's own shutdown then: it closes its
+            await self.lifespan.shutdown()  # clients and its history writes all the same
+
+
 def run(config: uvicorn.Config, sock: socket.socket) -> None:
     """``uvicorn.run`` for a config built here, on a socket from ``listen``, with its worker
     processes when it has them (each tunes its collector: ``tune_gc``)."""
     tune_gc()
-    server = uvicorn.Server(config)
+    server = StoppingServer(config)
     try:
         if config.workers > 1:
             from uvicorn.supervisors import Multiprocess

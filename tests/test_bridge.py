@@ -459,4 +459,4 @@ def test_serve_takes_the_upstreams_format(how: str, upstream: ScriptedUpstream,
         assert upstream.headers[-1]["authorization"] == f"Bearer {KEY}"
     bad = subprocess.run([sys.executable, "-m", "runloop_proxy", *args[:len(args) - len(flags)],
                           "--upstream-format", "grpc"], capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 2 and "invalid choice: 'grpc'" in bad.stderr
+    assert bad.returncode == 2 and "'grpc' is not one of any, anthropic, chat" in bad.stderr

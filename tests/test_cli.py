@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
-from runloop_proxy.environment import SERVE_OPTIONS, env_name, settings_from_env
+from runloop_proxy.environment import ENV_PREFIX, SERVE_OPTIONS, env_name, settings_from_env
 from runloop_proxy.scripted import ScriptedUpstream
 
-from .conftest import ProxyServer, free_port, serve_command
+from .conftest import ProxyServer, free_port, serve_command, until
 
 ADMIN_KEY = "admin-0123456789abcdef"
 CONFIG = Path(__file__).resolve().parent.parent / "config"
@@ -371,3 +371,92 @@ def test_a_port_or_data_dir_that_cannot_be_used_is_one_line(tmp_path: Path,
         out = cli("serve", "--upstream", upstream.url, "--port", "0", "--data-dir", str(where))
         assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
         assert "cannot use the data directory" in out.stderr and "--data-dir" in out.stderr
+
+
+# A value of the wrong kind for each serve option that has a kind: every option whose kind is
+# not plain text is in this table, or the sweep fails naming it.
+BAD_VALUES = {"port": "99999", "upstream_format": "openai", "log_level": "verbose",
+              "log_format": "pretty", "context_window": "12", "cache_mb": "-1",
+              "workers": "0", "redis_url": "localhost:6379", "upstream": "api.openai.com/v1"}
+
+
+@pytest.mark.parametrize("where", ["command line", "environment"])
+def test_every_serve_option_of_the_wrong_kind_is_one_line_before_anything_starts(
+        where: str, tmp_path: Path) -> None:
+    """Found by newcomers, one option at a time: ``--port 99999`` (a traceback), then
+    ``RUNLOOP_LOG_LEVEL=verbose`` (argparse checks its choices only on the command line),
+    ``REDIS_URL=localhost:6379`` (a traceback after "listening on"), ``--workers 0`` and
+    ``--cache-mb -1`` (taken without a word). Swept over every option, from the command line
+    and from the environment: exit 2, one line naming the option (after argparse's usage, for
+    those it reads), nothing started."""
+    kinds = {o.field for o in SERVE_OPTIONS if o.kind is not str} | {"redis_url", "upstream"}
+    assert kinds == set(BAD_VALUES), "give each option with a kind a bad value here"
+    for option in SERVE_OPTIONS:
+        if option.field not in BAD_VALUES:
+            continue
+        value = BAD_VALUES[option.field]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RUNLOOP_")
+               and k != "REDIS_URL"}
+        args = ["serve", "--data-dir", str(tmp_path / "data")]
+        if option.field != "port":  # the command line wins over the environment
+            args += ["--port", "0"]
+        if option.field != "upstream":
+            args += ["--upstream", "http://127.0.0.1:9/v1"]
+        if where == "command line":
+            args += [option.flags[0], value]
+        else:
+            env[ENV_PREFIX + option.env] = value
+        out = cli(*args, env=env, timeout=60)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2, (option.field, out.returncode, out.stderr[-500:])
+        assert "Traceback" not in out.stderr, (option.field, out.stderr)
+        assert lines[-1].startswith("runloop-proxy") and value in lines[-1], lines[-1]
+        assert all(line.startswith(("usage:", " ")) for line in lines[:-1]), lines  # argparse's
+        assert not (tmp_path / "data").exists()  # nothing started: no embedded Redis
+
+
+def test_a_stop_says_what_it_waits_for_and_a_second_one_aborts_cleanly(
+        upstream: ScriptedUpstream, redis_url: str, tmp_path: Path) -> None:
+    """Found by newcomers (twice): a first Ctrl-C waited for the request in flight without a
+    word; a second one printed two CancelledError tracebacks and gave the client a plain-text
+    500. Now the first says how many requests it waits for; the second aborts them: the
+    client gets a 503 in its API's shape, the log one line, and no traceback anywhere."""
+    import threading
+
+    port = free_port()
+    proc = spawn_serve(upstream, redis_url, tmp_path, port)
+    answers: list[httpx.Response] = []
+    try:
+        assert proc.stderr is not None
+        read_until(proc.stderr, "runloop-proxy ready", "serve")
+
+        def ask(path: str, body: dict[str, Any]) -> None:
+            answers.append(httpx.post(f"http://127.0.0.1:{port}{path}", json=body, timeout=60,
+                                      headers={"Authorization": "Bearer sk-a",
+                                               "x-api-key": "sk-a",
+                                               "X-Scripted-Delay-Ms": "20000"}))
+        asking = [threading.Thread(target=ask, args=a) for a in (
+            ("/v1/chat/completions", {"model": "m", "messages": [
+                {"role": "user", "content": "slow"}]}),
+            ("/v1/messages", {"model": "claude-sonnet-4-6", "max_tokens": 5, "messages": [
+                {"role": "user", "content": "slow"}]}))]
+        for t in asking:
+            t.start()
+        until(lambda: len(upstream.requests) == 2, what="both requests upstream")
+        proc.send_signal(signal.SIGINT)
+        said = read_until(proc.stderr, "in flight", "the first stop")
+        assert "shutting down: 2 request(s) in flight (Ctrl-C again to abort them)" in said
+        proc.send_signal(signal.SIGINT)
+        for t in asking:
+            t.join(30)
+        _, rest = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = said + rest
+    assert "Traceback" not in log and "CancelledError" not in log, log
+    assert "aborting 2 request(s) in flight" in log
+    assert log.count("request aborted at shutdown") == 2
+    by_shape = sorted(r.json().get("type", "openai") for r in answers)
+    assert [r.status_code for r in answers] == [503, 503] and by_shape == ["error", "openai"]
+    assert {r.headers["retry-after"] for r in answers} == {"5"}

@@ -361,3 +361,28 @@ def test_compact_now_calls_the_summary_model_with_the_tenants_own_key(
     assert r.status_code == 200, r.text
     calls = [h["authorization"] for h in upstream.headers]
     assert calls and set(calls) == {"Bearer sk-acme-upstream"}, calls
+
+
+def test_a_mistake_is_blamed_on_the_file_it_is_in_with_every_other_one(tmp_path: Path) -> None:
+    """Found by a newcomer: a mistake in ``[defaults.policy]`` was blamed on a tenant file
+    (the defaults were checked only once merged into it), only the first mistake was told,
+    and a misspelled field was "Extra inputs are not permitted". The defaults are checked
+    where they are written, every mistake of a file is told, and a misspelled field is
+    named with the field it is likely to be."""
+    root = write_config(tmp_path, "http://up/v1")
+    text = (root / "runloop.toml").read_text()
+    (root / "runloop.toml").write_text(text.replace(
+        "max_run_loops = 7", 'max_run_loops = 7\nthreshold = "high"\nclear_at_leest = 6000'))
+    with pytest.raises(ConfigError) as err:
+        load_config(Settings(config_dir=str(root)))
+    lines = str(err.value).splitlines()
+    assert [line.split(": ")[:2] for line in lines] == [
+        [str(root / "runloop.toml"), "defaults.policy.threshold"],
+        [str(root / "runloop.toml"), "defaults.policy.clear_at_leest"]]
+    assert lines[1].endswith("unknown field (did you mean 'clear_at_least'?)")
+    (root / "runloop.toml").write_text(text)
+    (root / "tenants" / "acme.toml").write_text(
+        (root / "tenants" / "acme.toml").read_text() + "keep_recent_tool_result = 2\n")
+    with pytest.raises(ConfigError, match=r"acme.toml: policy.keep_recent_tool_result: unknown "
+                                          r"field \(did you mean 'keep_recent_tool_results'\?\)"):
+        load_config(Settings(config_dir=str(root)))

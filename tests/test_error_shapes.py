@@ -119,9 +119,11 @@ def test_a_base_url_off_by_v1_is_told_so(proxy: Any, upstream: ScriptedUpstream,
                                          hint: str) -> None:
     """Found by a newcomer: an OpenAI SDK without /v1 in its base URL, or an Anthropic SDK
     with it (then /v1/v1/messages went upstream with the client's key), got a bare 404. Each
-    is a 404 in the path's shape that says what to change, answered by the proxy."""
+    is a 404 that says what to change, answered by the proxy, in the shape of the API the
+    client speaks (a newcomer's Claude Code with /v1 in its base URL read an OpenAI-shaped
+    404 as "the model may not exist")."""
     r = httpx.post(proxy.base + path, json={}, headers={"Authorization": "Bearer sk-x"})
-    check(r, path, 404)
+    check(r, "/v1/messages" if path == "/v1/v1/messages" else path, 404)
     assert hint in r.json()["error"]["message"]
     assert not upstream.other and not upstream.requests
 

@@ -672,6 +672,32 @@ def test_a_body_of_many_small_items_leaves_little_work_on_the_event_loop(
     assert calls < 20 * n, f"{calls / n:.1f} calls per item on the event loop"
 
 
+@pytest.mark.parametrize("tools", [True, False])
+def test_a_streamed_answer_of_many_calls_leaves_little_work_on_the_event_loop(
+        proxy: ProxyServer, upstream: ScriptedUpstream, tools: bool) -> None:
+    """Whether an answer's work leaves the loop was decided for JSON answers only: a
+    stream's events were read, rewritten and its answer counted for the record on the
+    loop, whatever their size (red team: one event of 20,000 calls held everyone 0.5 s, 40,000
+    over a second). A stream's events go by their size as a JSON answer does, and the record
+    weighs every answer itself (``answer_is_large``): with the proxy's rounds or relayed
+    as it came, 20,000 calls leave a few calls each on the loop (counted, not timed)."""
+    from runloop_proxy.scripted import calls_chunk
+
+    n = 20_000
+    body = {"model": "gpt-4o", "stream": True, "messages": [{"role": "user", "content": "go"}]}
+    if tools:
+        body["tools"] = CLIENT_TOOLS
+    upstream.push({"raw_chunks": [calls_chunk(50), b"data: [DONE]\n\n"]})
+    post_to(proxy, "/chat/completions", body, "warm-stream")
+    upstream.push({"raw_chunks": [calls_chunk(n), b"data: [DONE]\n\n"]})
+    got: list[httpx.Response] = []
+    calls = _loop_calls(proxy, lambda: got.append(post_to(proxy, "/chat/completions", body,
+                                                          f"calls-{tools}")))
+    assert got[0].status_code == 200 and got[0].text.count('"call_') >= n
+    print(f"\n{n:,} streamed calls: {calls:,} event-loop calls")
+    assert calls < 8 * n, f"{calls / n:.1f} event-loop calls per streamed call"
+
+
 def _wide(kind: str, scale: int, salt: str) -> tuple[str, dict[str, Any],
                                                      list[dict[str, Any]]]:
     """A body of few messages and many bytes (``scale`` times a base size, its names ending

@@ -107,3 +107,15 @@ def test_the_window_is_pure() -> None:
             assert banned not in text, f"{name} has {banned!r}"
         assert not {m for m in graph[name] if m.startswith(("runloop_proxy.history",
                                                              "runloop_proxy.pipeline"))}
+
+
+def test_no_wait_for_anywhere() -> None:
+    """``asyncio.wait_for`` can swallow a cancellation that arrives as the awaited thing
+    completes (Python 3.11): the write-behind flusher, waiting on a wake with it, then never
+    stopped on SIGTERM while Redis refused its writes (red team). The package bounds its
+    waits with ``asyncio.timeout`` instead, everywhere: a rule checked here, not case by case."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+             for path in PACKAGE.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Attribute) and node.attr == "wait_for"]
+    assert not found, found

@@ -172,3 +172,21 @@ def test_the_price_table_ships_both_providers_and_merges_an_operators(tmp_path: 
     mine.write_text("not toml [")
     with pytest.raises(ConfigError, match="cannot read prices"):
         PriceTable.load(mine)
+
+
+@pytest.mark.parametrize("text, where", [
+    ('[openai.models."house-model"]\ninptu = 9.00\n',
+     "openai.models.house-model.inptu: unknown name (did you mean 'input'?)"),
+    ('[opnai.models."gpt-4o"]\ninput = 9.0\n', "opnai: unknown name (did you mean 'openai'?)"),
+    ('[anthropic]\ncache_ttl = 300\n', "anthropic.cache_ttl: unknown name (did you mean "
+                                       "'cache_ttl_s'?)")])
+def test_a_misspelled_name_in_a_price_table_is_refused(tmp_path: Path, text: str,
+                                                       where: str) -> None:
+    """Found by a newcomer: a misspelled price, model field or provider was ignored — the
+    model went unpriced, or kept the built-in price, and the cost metrics were wrong. Every
+    name of an operator's table is known or refused, naming it."""
+    path = tmp_path / "prices.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        PriceTable.load(path)
+    assert str(err.value) == f"{path}: {where}"

@@ -214,7 +214,15 @@ def test_replay_reads_a_tenant_policy_without_its_secrets(tmp_path: Path) -> Non
                         "--set nosuchfield: no such policy field"),
                        (["--set", "threshold=abc"],
                         "--set threshold: Input should be a valid number"),
-                       (["--set", "threshold"], "--set threshold: expected FIELD=VALUE")]:
+                       (["--set", "threshold"], "--set threshold: expected FIELD=VALUE"),
+                       # what is not JSON is text, and the field says whether it takes it
+                       # (a newcomer's "ten" and "[read" were tracebacks)
+                       (["--set", "max_run_loops=ten"],
+                        "--set max_run_loops: Input should be a valid integer"),
+                       (["--set", "exclude_tools=[read"],
+                        "--set exclude_tools: Input should be a valid tuple"),
+                       (["--set", "threshold=1e"],
+                        "--set threshold: Input should be a valid number")]:
         out = run(f, "--config", str(tmp_path), *args)
         assert out.returncode == 2 and out.stderr.startswith(said), (args, out.stderr)
         assert len(out.stderr.splitlines()) == 1

@@ -379,6 +379,23 @@ def test_without_a_key_nothing_is_kept(aproxy: ProxyServer, upstream: ScriptedUp
     assert sessions(aproxy, "pt-anonymous") == {}
 
 
+@pytest.mark.parametrize("value", ["sever", "Server-side", "server, client"])
+def test_a_history_header_that_is_neither_mode_is_refused(
+        aproxy: ProxyServer, upstream: ScriptedUpstream, value: str) -> None:
+    """Found by a newcomer: ``X-Runloop-History: sever`` was read as the default (the client
+    sends its conversation), so the model answered without the stored one — a mode meant to
+    fail closed failed open on a typo. Any value but ``server`` or ``client`` is a 400."""
+    r = httpx.post(aproxy.url + "/chat/completions", headers={
+        "Authorization": "Bearer sk-own", "X-Session-Id": "s-77", "X-Runloop-History": value},
+        json={"model": "m", "messages": [{"role": "user", "content": "again"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Runloop-History"
+    assert value.split(",")[0].lower() in r.json()["error"]["message"] and not upstream.requests
+    ok = httpx.post(aproxy.url + "/chat/completions", headers={
+        "Authorization": "Bearer sk-own", "X-Runloop-History": "client"},
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200
+
+
 def test_a_refused_request_is_not_stored(aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     upstream.push({"status": 401, "body": {"error": {"message": "bad key", "type": "x",
                                                      "param": None, "code": "invalid_api_key"}}})

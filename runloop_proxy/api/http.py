@@ -23,10 +23,12 @@ from starlette.types import Receive, Scope, Send
 
 from ..config import KEY_NAMESPACE
 from ..errors import (
+    ABORTED,
     AuthenticationFailed,
     ClientError,
     InvalidRequest,
     PayloadTooLarge,
+    ShuttingDown,
     Unavailable,
     UpstreamError,
     error_body,
@@ -71,6 +73,8 @@ def anthropic_path(path: str) -> bool:
 def error_shape(path: str) -> ErrorShape:
     """The one rule for the shape of an error the proxy answers: Anthropic's for Anthropic's
     API (the proxy's own routes and those it passes through alike), OpenAI's elsewhere."""
+    while path.startswith("/v1/v1/"):  # a base URL off by a /v1 (told in a 404): the
+        path = path[3:]                   # client still reads the error in its API's shape
     return anthropic_shape if anthropic_path(path) else openai_shape
 
 
@@ -188,10 +192,14 @@ def authenticate(state: AppState, request: Request) -> Caller:
                           f"Bearer {key}" if key else None, CHAT_DROP)
         return Caller(cfg.passthrough, "passthrough", ns, request.headers.get("authorization"))
     if key is None:
-        raise AuthenticationFailed("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        raise AuthenticationFailed(
+            "Missing API key: send a proxy key of your tenant as 'Authorization: Bearer <key>' "
+            "(or 'x-api-key: <key>', as Anthropic's clients do).")
     tenant = cfg.tenant_for_key(key)
     if tenant is None:
-        raise AuthenticationFailed("Incorrect API key provided.")
+        raise AuthenticationFailed(
+            "Incorrect API key provided: not a proxy key of any tenant of this proxy (its "
+            "tenants' keys are in its config; a provider's own key is not one).")
     fmt = cfg.upstreams[tenant.upstream].format
     drop = CHAT_DROP if fmt == "chat" else PROXY_KEY_HEADERS
     if tenant.forward_client_key:  # each caller's own key: its own namespace in the tenant
@@ -215,7 +223,11 @@ async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(request.receive())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the request itself cancelled (the proxy stopping):
+            task.cancel()               # its work goes with it, never left running alone
+            raise
         if not task.done():
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -245,6 +257,15 @@ async def answer_turn(request: Request, api: str, make_turn: TurnMaker,
     except ClientGone:
         rlog.finish(CLIENT_CLOSED, "client disconnected")
         raise
+    except asyncio.CancelledError as exc:
+        if ABORTED not in exc.args:
+            raise
+        stop = ShuttingDown("the proxy is shutting down: this request was aborted; "
+                            "send it again", retry_after=5)
+        log.warning("request aborted at shutdown", extra={"api": api})
+        rlog.finish(stop.status, "aborted at shutdown")
+        return json_response(shape(stop.status, stop.body(), stop), stop.status,
+                             {"Retry-After": "5"})
     except ClientError as exc:
         rlog.finish(exc.status, exc.log_text)
         return json_response(shape(exc.status, exc.body(), exc), exc.status)

@@ -361,8 +361,8 @@ class SummaryService:
                 summarizer = EXTRACTIVE
             else:
                 turns = await offload(large, lambda: loops_text(messages, new))
-                text, usage = await asyncio.wait_for(
-                    self._llm(job, prev_text, turns, count), policy.summary_timeout_s)
+                async with asyncio.timeout(policy.summary_timeout_s):  # never swallows
+                    text, usage = await self._llm(job, prev_text, turns, count)  # a cancel
                 summarizer = f"{policy.summary_model} ({PROMPT_VERSION})"
         except Exception as exc:  # noqa: BLE001 - a summary failure never reaches a client
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"

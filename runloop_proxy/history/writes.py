@@ -27,6 +27,7 @@ from ..ops import logs
 log = logs.get("store")
 BATCH = 256
 MAX_QUEUE = 100_000
+REWALK_S = 0.05  # a queue held by refusals is walked at most this often
 BACKOFF_S, BACKOFF_MAX_S = 0.05, 5.0  # a refused job's wait: doubled each time, at most this
 # replies no retry can change (a key of another type, a script's own error): dropped at once
 NEVER_RETRIED = ("WRONGTYPE", "ERR Error running script", "ERR user_script")
@@ -207,11 +208,18 @@ class WriteBehind:
                 batch, self._queue = self._ready(time.monotonic())
                 if not batch:
                     # what waits on a refusal waits (and a session's later jobs behind it);
-                    # anything submitted meanwhile wakes this
+                    # anything submitted meanwhile wakes this — but the queue is walked at
+                    # most every REWALK_S however many requests come (a walk a request made
+                    # each one cost the whole queue: 11,700 held jobs, 2.3 -> 6.9 ms a request)
                     soonest = min(j.not_before for j in self._queue)
+                    await asyncio.sleep(REWALK_S)
+                    # asyncio.timeout, not wait_for: a cancellation arriving as the wake does
+                    # is never swallowed (3.11's wait_for can lose it: the proxy then never
+                    # stopped on SIGTERM while Redis refused its writes)
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(),
-                                               min(max(0.01, soonest - time.monotonic()), 1.0))
+                        async with asyncio.timeout(
+                                min(max(0.0, soonest - time.monotonic()), 1.0)):
+                            await self._wake.wait()
                     self._wake.clear()
                     self._expire()
                     continue

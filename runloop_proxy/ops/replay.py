@@ -246,8 +246,7 @@ def _tenant(args: argparse.Namespace) -> TenantSpec:
         name, sep, value = item.partition("=")
         if not sep:
             raise BadOption(f"--set {item}: expected FIELD=VALUE")
-        overrides[name] = orjson.loads(value) if value[:1] in "[{\"0123456789tfn" \
-            and value not in ("over_threshold",) else value
+        overrides[name] = _set_value(value)
     if overrides:
         try:
             policy = Policy.model_validate({**tenant.policy.model_dump(), **overrides})
@@ -258,6 +257,16 @@ def _tenant(args: argparse.Namespace) -> TenantSpec:
                 for e in exc.errors())) from exc
         tenant = tenant.model_copy(update={"policy": policy})
     return tenant
+
+
+def _set_value(text: str) -> Any:
+    """A ``--set`` value: JSON when it reads as JSON (a number, true/false, null, a list),
+    else the text itself (a name: ``always``, ``none``, ``gpt-4o``); pydantic then says
+    whether the field takes it."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
 
 
 def _pricing(args: argparse.Namespace) -> tuple[Provider | None, str]:

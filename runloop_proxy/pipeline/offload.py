@@ -6,8 +6,10 @@ would cost more than it saves."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+from .sse import SSEDecoder, SSEEvent
 
 T = TypeVar("T")
 LARGE_BYTES = 128 * 1024  # a request or answer this large is worked on off the event loop
@@ -38,3 +40,28 @@ async def offload(large: bool, fn: Callable[[], T]) -> T:
     if not large:
         return fn()
     return await asyncio.to_thread(fn)
+
+
+def answer_is_large(message: Mapping[str, Any] | None) -> bool:
+    """Whether the work an answer brings (counting it, hashing it for the record) leaves the
+    loop: by its text's length and its calls and parts, whatever way it came (JSON or a
+    stream: a stream's answer was counted on the loop, 20,000 calls for seconds)."""
+    if not message:
+        return False
+    content, calls = message.get("content"), message.get("tool_calls")
+    calls = calls if isinstance(calls, list) else []
+    size = len(content) if isinstance(content, str) else 0
+    items = 1 + len(calls) + (len(content) if isinstance(content, list) else 0)
+    if not is_large(size, items):
+        size += sum(len(str((c.get("function") or {}).get("arguments") or ""))
+                    for c in calls if isinstance(c, dict))
+    return is_large(size, items)
+
+
+async def events(decoder: SSEDecoder, raw: bytes,
+                 handle: Callable[[SSEEvent], Iterable[T]]) -> list[T]:
+    """What ``handle`` makes of the events ``raw`` completes: off the loop when the event(s)
+    it completes are large (what the decoder held, with this chunk): a stream's events are
+    read by their size as a JSON answer is (one event of 20,000 calls held the loop 0.5 s)."""
+    large = is_large(decoder.held + len(raw))
+    return await offload(large, lambda: [out for ev in decoder.feed(raw) for out in handle(ev)])

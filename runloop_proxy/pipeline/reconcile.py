@@ -24,7 +24,7 @@ from ..history.store import Prepared, RedisStore, prepare
 from ..ops import logs
 from ..state import AppState
 from .framing import Frame
-from .offload import is_large, offload
+from .offload import answer_is_large, is_large, offload
 from .values import History, Recent, Turn
 
 log = logs.get("reconcile")
@@ -247,6 +247,7 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
         # before anything here waits: a request chaining on this answer may come before
         # Redis holds its anchor (written below, behind the answer), and find it here
         store.note_anchor(ns, response_anchor(answer_id), session.id)
+    large = large or answer_is_large(reply)  # every path's answer, weighed here
     answer = await offload(large, lambda: counted(state, turn, [reply], reply=True)) \
         if reply is not None else []
     conversation = [*history.to_store(), *answer]

@@ -16,9 +16,9 @@ from ..errors import UpstreamError, UpstreamTooLarge
 from ..ops import logs
 from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
-from .offload import is_large, offload
+from .offload import events, is_large, offload
 from .reconcile import record
-from .sse import SSEDecoder
+from .sse import SSEDecoder, SSEEvent
 from .toolloop import Outcome, Rounds, answer_json, answer_stream
 from .tools import MAX_CALLS, ProxyTools, ToolRunner
 from .upstream import UpstreamResponse, json_headers
@@ -218,13 +218,17 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
             limit = state.config.store.max_message_bytes
             observer = turn.wire.observer(limit)
             decoder: SSEDecoder | None = SSEDecoder(limit)  # read to record, as it passes
+
+            def observe(ev: SSEEvent) -> tuple[()]:
+                observer.feed(ev)
+                return ()
+
             async for chunk in resp.iter_chunks():
                 rlog.first_byte()
                 yield chunk
                 if decoder is not None:
                     try:
-                        for ev in decoder.feed(chunk):
-                            observer.feed(ev)
+                        await events(decoder, chunk, observe)
                     except UpstreamTooLarge:
                         decoder = None  # an event past what the store keeps: relayed only
                         _too_large_to_record(state, turn)

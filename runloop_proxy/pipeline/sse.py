@@ -46,6 +46,11 @@ class SSEDecoder:
         self._pending = 0  # bytes of the line not ended yet
         self._data_bytes = 0  # bytes of the event's data so far
 
+    @property
+    def held(self) -> int:
+        """The bytes of the event being read: its line not ended yet and its data so far."""
+        return self._pending + self._data_bytes
+
     def _check(self) -> None:
         if self._limit is not None and self._pending + self._data_bytes > self._limit:
             raise UpstreamTooLarge(f"an event of the upstream's stream exceeds {self._limit} "

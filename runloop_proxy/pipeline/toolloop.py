@@ -4,6 +4,7 @@ free of the proxy's calls). Which calls are whose, and what happens next, is ``w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -12,11 +13,21 @@ import orjson
 
 from ..conversation.messages import Message
 from ..errors import UpstreamBadReply, UpstreamError
-from .offload import is_large, offload
+from .offload import events, is_large, offload
 from .sse import SSEDecoder
 from .tools import ProxyTools, ToolRunner
 from .upstream import UpstreamResponse
-from .wire import Decision, Reply, Step, Wire, add_usage, client_message, decide
+from .wire import (
+    Decision,
+    Reply,
+    Step,
+    StreamRelay,
+    StreamRound,
+    Wire,
+    add_usage,
+    client_message,
+    decide,
+)
 
 Send = Callable[[dict[str, Any]], Awaitable[UpstreamResponse]]
 
@@ -118,6 +129,18 @@ async def answer_json(r: Rounds, raw: bytes) -> tuple[dict[str, Any], Outcome]:
                               reply.id, first)
 
 
+def _decided(rnd: StreamRound, r: Rounds, rounds: int) -> tuple[Reply, Decision]:
+    """A round's reply, and what to do with its calls."""
+    reply = rnd.reply()
+    return reply, decide(reply.calls, r.tools, rounds, r.max_rounds)
+
+
+def _closed(rnd: StreamRound, relay: StreamRelay, reply: Reply, decision: Decision
+            ) -> tuple[list[bytes], Message]:
+    """A round's last events, and the answer as the client was shown it."""
+    return rnd.close(decision), relay.shown(client_message(reply, decision))
+
+
 async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, Any],
                         done: Callable[[Outcome], None]) -> AsyncIterator[bytes]:
     """A streamed answer rewritten for the client, the proxy's rounds run inline; ``done``
@@ -132,11 +155,12 @@ async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, An
     while True:
         rnd = relay.round(r.tools)
         decoder = SSEDecoder(r.max_answer)
+        streamed = 0
         try:
             async for raw in resp.iter_chunks():
-                for ev in decoder.feed(raw):
-                    for out in rnd.feed(ev):
-                        yield out
+                streamed += len(raw)
+                for out in await events(decoder, raw, rnd.feed):
+                    yield out
             for ev in decoder.flush():
                 for out in rnd.feed(ev):
                     yield out
@@ -144,10 +168,10 @@ async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, An
             resp.close()
         if not rnd.complete:
             raise UpstreamBadReply("the upstream's stream ended before its answer did")
-        reply = rnd.reply()
+        large = is_large(streamed)  # what is left of a large answer's walks, off the loop
+        reply, decision = await offload(large, functools.partial(_decided, rnd, r, rounds))
         first = reply.usage if rounds == 0 else first
         add_usage(usage, reply.usage)
-        decision = decide(reply.calls, r.tools, rounds, r.max_rounds)
         if decision.step is Step.ANSWER:
             results = [await r.runner.run(c) for c in decision.mine]
             before += [reply.message, *results]
@@ -155,13 +179,14 @@ async def answer_stream(r: Rounds, resp: UpstreamResponse, request: dict[str, An
             rounds += 1
             resp = await r.again(convo, rounds)
             continue
-        for out in rnd.close(decision):
+        closing, shown = await offload(large, functools.partial(_closed, rnd, relay, reply,
+                                                                decision))
+        for out in closing:
             yield out
         break
     # the proxy's part of a mixed answer is run before the stream's last events: a client
     # that closes its connection on [DONE] (the openai SDK does) would cancel it, and the
     # turn would go unrecorded
-    shown = relay.shown(client_message(reply, decision))
     outcome = await _finish(r, reply, decision, before, shown, usage, relay.answer_id, first)
     for out in relay.end(usage):
         yield out

@@ -85,8 +85,14 @@ class Turn:
         """Whether the client asks the proxy to supply the stored conversation (the
         ``X-Runloop-History: server`` header): read here, for every API alike — the API that
         cannot serve it refuses it (``reconcile``) instead of ignoring it."""
-        return any(k.lower() == HISTORY_HEADER and v.strip().lower() == "server"
-                   for k, v in self.headers)
+        asked = {v.strip().lower() for k, v in self.headers if k.lower() == HISTORY_HEADER}
+        if not asked <= {"server", "client"} or len(asked) > 1:  # a typo must not quietly
+            # mean "client", nor two values one of them
+            raise InvalidRequest(f"X-Runloop-History must be \"server\" (the proxy supplies "
+                                 f"the stored conversation) or \"client\", not "
+                                 f"{', '.join(sorted(repr(a[:40]) for a in asked))}",
+                                 param="X-Runloop-History")
+        return "server" in asked
 
     @property
     def chat_tools(self) -> list[dict[str, Any]] | None:
