@@ -233,6 +233,10 @@ class StoreSection(_Strict):
     max_branch_messages: int = Field(
         100_000, ge=10, description="entries a session's branches hold together (every fork "
         "copies its prefix); past it the least recently used branches are pruned")
+    max_stored_messages: int = Field(
+        200_000, ge=10, description="message bodies a session keeps, every branch's and "
+        "pruned ones' together (they stay until it expires); past it its history stops "
+        "growing")
     timeout_s: float = Field(0.5, gt=0)
     retry_after_s: float = Field(2.0, ge=0)
     write_retry_s: float = Field(

@@ -324,6 +324,32 @@ def test_a_session_forking_every_turn_holds_its_branches_within_a_bound(
     assert "runloop_branches_pruned_total 4.0" in metrics
 
 
+def test_a_session_keeps_at_most_so_many_message_bodies_whatever_its_branches(
+        make_proxy: Any, upstream: ScriptedUpstream, redis_url: str) -> None:
+    """Pruning a branch drops its entries but not the bodies (content-addressed, shared with
+    other branches, kept until the session expires): a client forking new messages on
+    every request grew them for good. A session keeps at most ``max_stored_messages``
+    bodies; past it its history stops growing (the write is refused and counted) while
+    every request is still answered."""
+    import redis
+
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN, store={
+        "max_stored_messages": 30, "max_branch_messages": 12, "key_prefix": "rl-stored"})
+    c = sdk(proxy, **{"X-Session-Id": "forker"})
+    for k in range(12):  # every request a new conversation of 4 new messages: a fork at 0
+        r = c.chat.completions.with_raw_response.create(model="m", messages=[
+            {"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"},
+            {"role": "user", "content": f"again {k}"}])
+        assert r.http_response.status_code == 200
+        proxy.settle()
+    client = redis.Redis.from_url(redis_url)
+    [key] = [k for k in client.scan_iter("rl-stored:{*forker}:msg")]
+    assert 20 <= client.hlen(key) <= 30
+    lost = re.search(r'runloop_store_errors_total\{op="write_lost"\} (\S+)',
+                     httpx.get(proxy.base + "/metrics").text)
+    assert lost and float(lost.group(1)) >= 1
+
+
 @pytest.mark.parametrize("fmt", ["any", "chat"])
 def test_callers_the_upstream_knows_apart_are_apart_here(
         make_proxy: Any, upstream: ScriptedUpstream, fmt: str) -> None:

@@ -149,6 +149,13 @@ local maxm = tonumber(ARGV[8]); local maxb = tonumber(ARGV[9]); local sid = ARGV
 local basechain = ARGV[11]; local kinds = ARGV[12]
 local meta = p .. ':meta'
 if n > maxm then return {'limit', 'messages'} end
+-- the bodies a session keeps, every branch's and pruned ones' together (content-addressed,
+-- they stay until the session expires): at most ARGV[20] (a client forking new messages on
+-- every request would otherwise grow them for good)
+local maxs = tonumber(ARGV[20] or '0')
+if maxs > 0 and redis.call('HLEN', p .. ':msg') + n - hint > maxs then
+  return {'limit', 'stored messages'}
+end
 local head = redis.call('HGET', meta, 'head') or '0'
 local L = tonumber(redis.call('HGET', meta, 'len') or '0')
 local tip = redis.call('HGET', meta, 'tip') or ''
@@ -293,20 +300,21 @@ return {redis.call('LLEN', p .. ':intk') - 1, gen, gen == ARGV[4] and 1 or 0}
 APPEND_LUA = COMMON + r"""
 local p = ARGV[1]; local now = ARGV[2]
 local ttl = tonumber(ARGV[3]); local maxm = tonumber(ARGV[4])
-local sid = ARGV[5]; local nsys = tonumber(ARGV[6])
+local sid = ARGV[5]; local nsys = tonumber(ARGV[6]); local maxs = tonumber(ARGV[7])
 local meta = p .. ':meta'
 local head = redis.call('HGET', meta, 'head') or '0'
 local L = tonumber(redis.call('HGET', meta, 'len') or '0')
 local tip = redis.call('HGET', meta, 'tip') or ''
-local k = (#ARGV - 6) / 6
+local k = (#ARGV - 7) / 6
 local first = 0
 if L > 0 then first = nsys end  -- a system prompt is history only when it opens the session
 if L + k - first > maxm then return {'limit'} end
+if maxs > 0 and redis.call('HLEN', p .. ':msg') + k > maxs then return {'limit'} end
 local bl = p .. ':b:' .. head
 local cl = p .. ':c:' .. head
 local tipk = nil
 for i = first, k - 1 do
-  local j = 7 + i * 6
+  local j = 8 + i * 6
   local h = ARGV[j]
   store_message(p, h, ARGV[j + 2], ARGV[j + 3], ARGV[j + 4], now)
   tip = redis.sha1hex(tip .. ARGV[j + 1])

@@ -377,7 +377,8 @@ class RedisStore:
         p = self.prefix(job.namespace, job.session_id)
         if job.append:
             args: list[Any] = [p, _now_ms(), self._ttl_ms(job.retention_days),
-                               self.cfg.max_messages_per_session, job.session_id, job.system]
+                               self.cfg.max_messages_per_session, job.session_id, job.system,
+                               self.cfg.max_stored_messages]
             for it in job.items:
                 args += [it.hash, it.match, it.body, it.tool_call_id, _tokens_field(it),
                          it.kind]
@@ -396,7 +397,8 @@ class RedisStore:
                 b"".join(it.body for it in items[hint:]),
                 orjson.dumps([[len(it.body), it.tool_call_id, _tokens_field(it)]
                               for it in items[hint:]]),
-                *self._seen(job.key, self.cfg.max_branch_messages)]
+                *self._seen(job.key, self.cfg.max_branch_messages),
+                self.cfg.max_stored_messages]
         job.hint = hint
         return args
 
