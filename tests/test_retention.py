@@ -346,6 +346,12 @@ def test_json_nested_deep_is_read_without_exhausting_the_stack() -> None:
     assert result_identifiers(deep) == ["HXDUBJ7", "2.5"]
     assert argument_values(deep) == ["HXDUBJ7", "2.5"]
     assert leaves({"a": [1, {"b": "x", "c": [True, None]}], "d": "y"}) == ["1", "x", "y"]
+    # deeper than Python's stack, parsed by orjson's own bound-free reader where it can:
+    # every walk of a value is iterative (planted: a recursive leaves passed at 1,000 deep)
+    deeper: Any = "HXDUBJ9"
+    for _ in range(5_000):
+        deeper = [deeper]
+    assert leaves({"x": deeper}) == ["HXDUBJ9"]
     loop = one_loop("go", "get", deep, deep, "done")
     assert loop_digest(loop)[1] == ["HXDUBJ7", "2.5"]  # type: ignore[arg-type]
     conv = Conversation([{"role": "user", "content": "HXDUBJ7"}, loop[1]],  # type: ignore[list-item]
@@ -389,6 +395,16 @@ def test_an_identifier_inside_a_longer_one_or_the_system_prompt_is_not_repeated(
     msgs = [{"role": "system", "content": "Policy P-100 applies."}, *loop]
     assert digest(Policy(summary_model="extractive", summary_lines=False), None,
                   msgs, segment(msgs), count) == f"{IDS_HEADER} gift_card_7091239"  # type: ignore[arg-type]
+
+
+def test_a_rolled_summary_names_each_identifier_once_across_its_loops() -> None:
+    """Loops that produce the same identifiers (a user asking twice about one order) add it
+    once per summary, never once per loop (planted: a summary of three such loops said
+    ``#W77`` three times, each riding in every later request)."""
+    loops = [[{"role": "user", "content": f"where is #W77, try {k}"},
+              {"role": "assistant", "content": "on its way: #W77"}] for k in range(3)]
+    text = roll(None, loops, 1000, len, lines_too=False)  # type: ignore[arg-type]
+    assert text.count("#W77") == 1, text
 
 
 def test_a_summary_with_nothing_to_say_is_empty_and_adds_no_empty_block() -> None:

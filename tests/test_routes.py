@@ -187,14 +187,23 @@ def test_sdk_raises_bad_request_for_invalid(proxy: ProxyServer) -> None:
         client(proxy).chat.completions.create(model="m", messages=[])
 
 
-def test_body_over_limit_is_413(make_proxy: object) -> None:
-    proxy = make_proxy()  # type: ignore[operator]
-    limit = proxy.state.config.server.max_body_bytes
-    big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * limit}]})
-    r = httpx.post(proxy.url + "/chat/completions", content=big,
-                   headers={"Authorization": "Bearer k"})
-    assert r.status_code == 413
-    assert r.json()["error"]["code"] == "request_too_large"
+@pytest.mark.parametrize("how", ["declared", "chunked"])
+@pytest.mark.parametrize("path", ["/chat/completions", "/responses", "/messages",
+                                  "/embeddings"])
+def test_body_over_limit_is_413(make_proxy: object, upstream: ScriptedUpstream, how: str,
+                                path: str) -> None:
+    """The body bound holds however a body arrives — with its length declared, or chunked
+    with none (planted: the bound checked only the declared length, and a chunked body of
+    any size was read whole) — on every route that reads one, the proxy's and the
+    pass-through's alike, before the upstream hears of it."""
+    proxy = make_proxy(server={"max_body_bytes": 4096})  # type: ignore[operator]
+    big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 8192}]})
+    content: Any = big if how == "declared" else iter([big[:4000], big[4000:]])
+    r = httpx.post(proxy.url + path, content=content,
+                   headers={"Authorization": "Bearer k", "x-api-key": "k"})
+    assert r.status_code == 413, (path, how, r.status_code)
+    assert "request_too_large" in r.text
+    assert not upstream.requests and not upstream.other
 
 
 def test_a_declared_body_over_the_limit_is_refused_before_it_is_sent(make_proxy: object

@@ -13,6 +13,8 @@ import anthropic
 import openai
 import orjson
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from runloop_proxy.scripted import ScriptedUpstream
 
@@ -85,3 +87,19 @@ def test_every_tool_form_takes_its_name(tools: list[dict[str, Any]]) -> None:
     from runloop_proxy.pipeline.tools import ProxyTools
     assert ProxyTools.for_request(tools).names == {
         "runloop_recall_tool_call": "recall_tool_call", "search_history": "search_history"}
+
+
+@given(st.lists(st.sampled_from([
+    "recall_tool_call", "runloop_recall_tool_call", "runloop_recall_tool_call_2",
+    "runloop_recall_tool_call_3", "search_history", "runloop_search_history",
+    "runloop_search_history_2", "bash"]), unique=True))
+def test_the_proxys_names_are_never_a_clients_whatever_its_tools(taken: list[str]) -> None:
+    """A client may already use the proxy's names, and the names the proxy would rename to
+    (planted: one rename instead of one per clash gave a client with both
+    ``recall_tool_call`` and ``runloop_recall_tool_call`` two tools of one name). Over any
+    set of client names: the proxy's two are distinct and neither is a client's."""
+    from runloop_proxy.pipeline.tools import ProxyTools
+    names = ProxyTools.for_request([{"type": "function", "function": {"name": n}}
+                                    for n in taken]).names
+    assert len(names) == 2 and sorted(names.values()) == ["recall_tool_call", "search_history"]
+    assert not set(names) & set(taken), (taken, names)

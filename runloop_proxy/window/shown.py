@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-_RUN = re.compile(r"[A-Za-z0-9_./\-$@~+:]+")
+_RUN = re.compile(r"[A-Za-z0-9_./\-$@~+:#]+")  # "#W77": an order id is a run too
 _PIECE = re.compile(r"\w+")
 _PART = re.compile(r"[A-Za-z0-9]+")  # a word's parts (``7091239`` of ``gift_card_7091239``)
 _EDGE = "./-:~+$"
