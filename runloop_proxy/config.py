@@ -602,8 +602,13 @@ def describe(config: ProxyConfig) -> dict[str, Any]:
             "tenants": tenants}
 
 
+# a query parameter named like a credential: ?key=, ?api-key=, ?token=, ?sig=, ?password= ...
+_SECRET_PARAM = re.compile(r"(?i)key|token|secret|pass|auth|sig|credential|session")
+
+
 def redact_url(url: str | None) -> str | None:
-    """A URL without the credentials it may carry (user:password@, ?password=)."""
+    """A URL without the credentials it may carry (user:password@, a query parameter named
+    like a key, a token, a password or a signature)."""
     if not url:
         return url
     parts = urllib.parse.urlsplit(url)
@@ -613,7 +618,7 @@ def redact_url(url: str | None) -> str | None:
         user = creds.split(":", 1)[0]
         netloc = f"{user}:<redacted>@{host}" if ":" in creds else f"<redacted>@{host}"
     query = urllib.parse.urlencode(
-        [(k, "<redacted>" if k.lower() in ("password", "pass", "token") else v)
+        [(k, "<redacted>" if _SECRET_PARAM.search(k) else v)
          for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)])
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 

@@ -386,3 +386,17 @@ def test_a_mistake_is_blamed_on_the_file_it_is_in_with_every_other_one(tmp_path:
     with pytest.raises(ConfigError, match=r"acme.toml: policy.keep_recent_tool_result: unknown "
                                           r"field \(did you mean 'keep_recent_tool_results'\?\)"):
         load_config(Settings(config_dir=str(root)))
+
+
+def test_every_file_the_config_reads_is_watched_for_a_reload(tmp_path: Path) -> None:
+    """A reload is picked up from every file the config is made of: whatever ``load_config``
+    reads (its ``sources``) is among what the watcher looks at (planted: the price table left
+    out of the watch, so an operator's new prices never applied until a restart)."""
+    from runloop_proxy.config import PRICES_FILE, config_mtimes
+
+    root = write_config(tmp_path, "http://up/v1")
+    (root / PRICES_FILE).write_text('[openai.models."house"]\ninput = 1.0\n')
+    config = load_config(Settings(config_dir=str(root)))
+    watched = {path for path, _ in config_mtimes(str(root))}
+    assert len(config.sources) == 4  # runloop.toml, two tenants, the prices
+    assert {str(p) for p in config.sources} <= watched, (config.sources, watched)

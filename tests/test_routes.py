@@ -253,20 +253,31 @@ def test_429_after_retries_passes_through(proxy: ProxyServer, upstream: Scripted
     assert err.value.status_code == 429 and "scripted failure" in str(err.value.body)
 
 
-def test_unreachable_upstream_is_502(make_proxy: object, redis_url: str, tmp_path: object
-                                     ) -> None:
+def test_unreachable_upstream_is_502(make_proxy: object, redis_url: str, tmp_path: object,
+                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A 502 naming the upstream by its URL — with the credentials a URL may carry left out,
+    in the answer and every log line (planted: the pass-through upstream named by its URL
+    as written, password and all)."""
+    import logging
+
     from runloop_proxy.config import Settings
+    from runloop_proxy.ops.logs import JsonFormatter
 
     from .conftest import unique_config
 
     port = free_port()
-    settings = Settings(upstream=f"http://127.0.0.1:{port}/v1", redis_url=redis_url)
+    settings = Settings(upstream=f"http://ops:hunter2-secret@127.0.0.1:{port}/v1?key=qs-secret",
+                        redis_url=redis_url)
     proxy = ProxyServer(settings, unique_config(settings)).start()
     try:
-        r = httpx.post(proxy.url + "/chat/completions", json={
-            "model": "m", "messages": [{"role": "user", "content": "x"}]})
+        with caplog.at_level(logging.INFO, logger="runloop"):
+            r = httpx.post(proxy.url + "/chat/completions", json={
+                "model": "m", "messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 502
         assert r.json()["error"]["code"] == "upstream_unreachable"
+        assert f"127.0.0.1:{port}" in r.json()["error"]["message"]
+        said = r.text + "".join(JsonFormatter().format(rec) for rec in caplog.records)
+        assert "hunter2" not in said and "qs-secret" not in said, said
     finally:
         proxy.stop()
 
