@@ -722,3 +722,31 @@ def test_a_result_recalled_again_in_a_request_is_not_copied_again(
     assert str(answers[0]["content"]).startswith("OUT0 line0_0")
     assert [m["content"] for m in answers[1:]] == [
         "[runloop-proxy] the same as the answer to rc_0 above"] * 3
+
+
+@pytest.mark.parametrize("tool", ["search_history", "recall_tool_call"])
+def test_a_store_failing_under_a_proxy_tool_leaves_the_request_answered(tool: str) -> None:
+    """Fail open, for the proxy's tools too: in a named session they read the session's
+    other branches from Redis, and a Redis that fails then must leave the call answered
+    from what the request carries (planted: a search whose branch read raised took the
+    whole request down with it)."""
+    from runloop_proxy.errors import StoreError
+
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "where is order W7"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "order W7 ships friday"}]
+
+    async def broken(*args: Any) -> Any:
+        raise StoreError("redis went away")
+
+    runner = ToolRunner(ProxyTools.for_request(None), messages,  # type: ignore[arg-type]
+                        [message_hash(m) for m in messages], 5,  # type: ignore[arg-type]
+                        branches=broken, branch_results=broken)
+    args = {"query": "order W7 friday"} if tool == "search_history" else {"call_id": "zz9"}
+    out = asyncio.run(runner.run({"id": "p1", "type": "function", "function": {
+        "name": tool, "arguments": orjson.dumps(args).decode()}}))  # type: ignore[typeddict-item]
+    assert out["role"] == "tool" and out["tool_call_id"] == "p1"
+    text = str(out["content"])
+    assert ("ships friday" in text) if tool == "search_history" else ("unavailable" in text)
