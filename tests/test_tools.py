@@ -750,3 +750,23 @@ def test_a_store_failing_under_a_proxy_tool_leaves_the_request_answered(tool: st
     assert out["role"] == "tool" and out["tool_call_id"] == "p1"
     text = str(out["content"])
     assert ("ships friday" in text) if tool == "search_history" else ("unavailable" in text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_models_token_factor_is_learned_from_the_first_rounds_usage(
+        proxy: ProxyServer, upstream: ScriptedUpstream, stream: bool) -> None:
+    """The proxy counted the prompt it sent first; a round of its own tools sends a longer
+    one. What the upstream reports is compared with what the proxy counted for the same
+    prompt: the first round's (planted: the last round's usage compared with the first
+    prompt's count taught a model unknown to tiktoken a factor several times too large)."""
+    from runloop_proxy.api.http import namespace_of
+
+    upstream.push({"tool_calls": [{"id": "p1", "name": "recall_tool_call",
+                                   "arguments": {"call_id": "nowhere"}}], "prompt_tokens": 10})
+    upstream.push({"content": "done", "prompt_tokens": 100_000})
+    r = httpx.post(proxy.url + "/chat/completions", headers={"Authorization": "Bearer sk-cal"},
+                   json={"model": "house-model-7", "stream": stream, "tools": CLIENT_TOOLS,
+                         "messages": [{"role": "user", "content": "hello " * 200}]})
+    assert r.status_code == 200 and len(upstream.requests) == 2
+    factor = proxy.state.tokens.factor("house-model-7", namespace_of(["sk-cal"]) or "")
+    assert factor < 1.0, factor  # towards the first round's 10 tokens, not the 100,000
