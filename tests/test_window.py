@@ -1391,3 +1391,21 @@ def test_a_carried_window_is_sized_by_the_text_it_holds() -> None:
                      Budget(100_000, 1_000), OPS)
     assert w.carry is not None
     assert carry_size(("t", "s"), w.carry) >= 2_000_000 + 4 * 1000
+
+
+@given(factor=st.floats(0.5, 2.0), context=st.integers(4_096, 400_000),
+       reserve=st.integers(0, 8_000), tools=st.integers(0, 3_000))
+def test_what_fits_the_budget_fits_the_models_window_whatever_the_calibration(
+        factor: float, context: int, reserve: int, tools: int) -> None:
+    """The budget is in the proxy's count, the window in the model's tokens; ``factor`` (what
+    the upstream reports per counted token) converts one into the other. Whatever the
+    factor, a prompt that fills the hard budget, its tool schemas with it, is within the
+    model's window once converted (planted: the window multiplied by the factor, not divided,
+    passed every test, all of which ran at 1.0 — a model the proxy undercounts then got
+    prompts past its window)."""
+    budget = Budget.for_request(Policy(), context, reserve or None, tools, factor)
+    if budget.hard == 0:
+        return
+    sent = (budget.hard + budget.tools) * factor
+    assert sent + budget.reserve + budget.margin <= context + 1, (budget, sent)
+    assert str(round(factor, 2))[:3] in budget.explained() or factor == 1.0

@@ -88,6 +88,7 @@ class Budget:
     tools: int = 0
     margin: int = 0
     fitting: bool = False  # the model's window bounds ``working``, not the soft budget
+    factor: float = 1.0  # the model's tokens per token the proxy counts (calibration)
 
     @classmethod
     def for_request(cls, policy: Policy, context: int, reserve: int | None, tools: int,
@@ -107,7 +108,8 @@ class Budget:
             soft = int(policy.soft_budget_tokens / factor)
             working = min(hard, soft - min(tools, soft // 2))
         return cls(hard=max(hard, 0), working=max(working, 1), context=context, reserve=out,
-                   tools=tools + priming, margin=margin, fitting=working >= hard)
+                   tools=tools + priming, margin=margin, fitting=working >= hard,
+                   factor=factor)
 
     def trigger(self, policy: Policy) -> float:
         """The tokens past which a compaction event fires: ``threshold`` of the working
@@ -120,9 +122,12 @@ class Budget:
         return share * self.working
 
     def explained(self) -> str:
+        scale = "" if self.factor == 1.0 else (
+            f" (counted as the proxy counts, where the upstream has reported "
+            f"{self.factor:.2f} of the model's tokens for each)")
         return (f"the {self.context}-token context less {self.reserve} reserved for the "
-                f"output, {self.tools} for the tool schemas and {self.margin} of margin leaves "
-                f"{self.hard} for the messages")
+                f"output and {self.margin} of margin leaves {self.hard} for the messages "
+                f"beside {self.tools} of tool schemas{scale}")
 
 
 class Cut(NamedTuple):
