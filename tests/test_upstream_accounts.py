@@ -99,6 +99,47 @@ def test_a_shared_key_reaches_nothing_the_upstream_account_stores(
         [("GET", "/v1/files/file-acme/content", "Bearer sk-acme-upstream")]
 
 
+# a stored object named by its id, in each place an API takes one (found by a second pass:
+# the pass-through's 403 left the proxy's own endpoints forwarding them with the shared key)
+NAMING = [
+    ("/v1/responses", {"model": "m", "input": "go on", "previous_response_id": "resp_acme"}),
+    ("/v1/responses", {"model": "m", "input": "hi", "conversation": "conv_acme"}),
+    ("/v1/responses", {"model": "m", "input": "hi", "prompt": {"id": "pmpt_acme"}}),
+    ("/v1/responses", {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_file", "file_id": "file-acme"}]}]}),
+    ("/v1/responses", {"model": "m", "input": [{"type": "item_reference", "id": "msg_acme"}]}),
+    ("/v1/responses", {"model": "m", "input": "hi", "tools": [
+        {"type": "file_search", "vector_store_ids": ["vs_acme"]}]}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "file", "file": {"file_id": "file-acme"}}]}]}),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), NAMING)
+def test_a_shared_key_names_nothing_the_upstream_account_stores(
+        three_tenants: ProxyServer, upstream: ScriptedUpstream, path: str,
+        body: dict[str, Any]) -> None:
+    """Through a key other tenants use too, no request of the proxy's own endpoints names a
+    stored object either — a response it continues, a conversation, a stored prompt, a file,
+    a vector store, an item by id: a 403 before anything is sent. A tenant with its own key
+    sends them as they came, and a tool whose schema has a field called ``prompt`` or
+    ``file_id`` is no reference."""
+    r = httpx.post(three_tenants.base + path, json=body,
+                   headers={"Authorization": f"Bearer {GLOBEX_KEY}"})
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", r.text
+    assert upstream.requests == []
+    own = httpx.post(three_tenants.base + path, json=body,
+                     headers={"Authorization": f"Bearer {ACME_KEY}"})
+    assert own.status_code != 403 and len(upstream.requests) == 1
+    plain = httpx.post(three_tenants.base + "/v1/chat/completions", headers={
+        "Authorization": f"Bearer {GLOBEX_KEY}"}, json={
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"prompt": {"type": "string"},
+                                                 "file_id": {"type": "string"}}}}}]})
+    assert plain.status_code == 200
+
+
 def test_which_tenants_share_a_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-operator-shared")
     monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)

@@ -28,6 +28,7 @@ log = logs.get("store")
 BATCH = 256
 MAX_QUEUE = 100_000
 REWALK_S = 0.05  # a queue held by refusals is walked at most this often
+STOP_S = 2.0  # a stop waits this long for the flusher at most
 BACKOFF_S, BACKOFF_MAX_S = 0.05, 5.0  # a refused job's wait: doubled each time, at most this
 # replies no retry can change (a key of another type, a script's own error): dropped at once
 NEVER_RETRIED = ("WRONGTYPE", "ERR Error running script", "ERR user_script")
@@ -125,6 +126,10 @@ class WriteBehind:
         self.bytes = 0
         self._queued: dict[tuple[str, str], Job] = {}  # the newest sync job per session
         self._in_flight = 0
+        # Redis refusing every write (out of memory, read-only): one job probes it at a
+        # doubling interval, the rest wait, so the work is not the queue's length each time
+        self._streak = 0  # flushes in a row whose every job was refused
+        self._probe_at = 0.0  # until then nothing is sent
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -132,12 +137,19 @@ class WriteBehind:
         self._task = asyncio.create_task(self._flush_forever())
 
     async def stop(self) -> None:
+        """Stop flushing: a stop waits at most STOP_S for the flusher, whatever it is in
+        (a cancel lost inside a client library must not keep the process from exiting: one
+        run went on 290 s after SIGTERM while Redis refused its writes)."""
         if self._task is not None:
             self._task.cancel()
             try:
-                await self._task
+                async with asyncio.timeout(STOP_S):
+                    await asyncio.shield(self._task)
             except asyncio.CancelledError:
                 pass
+            except TimeoutError:
+                log.warning("write-behind flusher did not stop; leaving it",
+                            extra={"jobs": len(self._queue)})
 
     @property
     def pending(self) -> int:
@@ -200,12 +212,13 @@ class WriteBehind:
             await self._wake.wait()
             self._wake.clear()
             while self._queue:
-                wait = self._available_in()
+                wait = max(self._available_in(), self._probe_at - time.monotonic())
                 if wait > 0:
                     await asyncio.sleep(min(max(0.05, wait), 1.0))
                     self._expire()
                     continue
-                batch, self._queue = self._ready(time.monotonic())
+                batch, self._queue = self._ready(time.monotonic(),
+                                                 1 if self._streak else BATCH)
                 if not batch:
                     # what waits on a refusal waits (and a session's later jobs behind it);
                     # anything submitted meanwhile wakes this — but the queue is walked at
@@ -234,16 +247,20 @@ class WriteBehind:
                 finally:
                     self._in_flight = 0
 
-    def _ready(self, now: float) -> tuple[list[Job], list[Job]]:
-        """The next batch and what stays queued: jobs in the order queued, but none that
-        waits on a refusal and none of a session behind one of its own that is not sent
-        now (a session's turns are stored in the order they came: an append that waited
-        less must not overtake one that waits)."""
+    def _ready(self, now: float, size: int = BATCH) -> tuple[list[Job], list[Job]]:
+        """The next batch (at most ``size``) and what stays queued: jobs in the order
+        queued, but none that waits on a refusal and none of a session behind one of its
+        own that is not sent now (a session's turns are stored in the order they came: an
+        append that waited less must not overtake one that waits). A full batch ends the
+        walk: the rest stays as it is."""
         batch: list[Job] = []
         rest: list[Job] = []
         held: set[tuple[str, str]] = set()
-        for job in self._queue:
-            if len(batch) < BATCH and job.not_before <= now and job.key not in held:
+        for i, job in enumerate(self._queue):
+            if len(batch) >= size:
+                rest.extend(self._queue[i:])
+                break
+            if job.not_before <= now and job.key not in held:
                 batch.append(job)
             else:
                 held.add(job.key)
@@ -271,6 +288,14 @@ class WriteBehind:
             for job in batch:
                 self._requeue(job, str(exc))
             return
+        refused = sum(isinstance(r, Exception) and not isinstance(r, StoreLimitExceeded)
+                      and not str(r).startswith(NEVER_RETRIED) for r in replies)
+        if refused and refused == len(batch):  # Redis refuses writes: probe it, doubling
+            self._probe_at = time.monotonic() + min(BACKOFF_MAX_S,
+                                                    BACKOFF_S * 2 ** min(self._streak, 16))
+            self._streak += 1
+        else:
+            self._streak, self._probe_at = 0, 0.0
         for job, reply in zip(batch, replies, strict=True):
             if isinstance(reply, StoreLimitExceeded):
                 self._drop(job, str(reply))

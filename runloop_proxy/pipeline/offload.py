@@ -24,9 +24,10 @@ def is_large(size: int, items: int = 0) -> bool:
 
 
 def items_in(raw: bytes) -> int:
-    """How many items a JSON body holds, at most: its objects (every message, call, part and
-    block is one), counted at the speed of a byte scan before anything is parsed."""
-    return raw.count(b"{")
+    """How many items a JSON body holds, at most: its objects and arrays (every message,
+    call, part and block is one; an argument of 32,000 nested arrays, with ten objects, held
+    the loop 141 ms), counted at the speed of a byte scan before anything is parsed."""
+    return raw.count(b"{") + raw.count(b"[")
 
 
 def is_large_body(raw: bytes) -> bool:

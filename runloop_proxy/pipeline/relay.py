@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from ..conversation.identity import Session
-from ..errors import UpstreamError, UpstreamTooLarge
+from ..errors import PermissionDenied, UpstreamError, UpstreamTooLarge
 from ..ops import logs
 from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
@@ -30,7 +30,16 @@ log = logs.get("relay")
 
 async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
                   rlog: RequestLog, suffix: str = "") -> UpstreamResponse:
-    """One upstream call, timed (the client's headers, less hop-by-hop and the proxy's own)."""
+    """One upstream call, timed (the client's headers, less hop-by-hop and the proxy's own).
+    Every call of a conversation endpoint goes through here, so here a caller whose upstream
+    key other tenants use too is refused what names that account's stored objects (their
+    listing is refused in the pass-through, ``routes.stateless``; naming one by its id is
+    the other way to them)."""
+    if turn.caller.shared_key and turn.stored_references:
+        raise PermissionDenied(
+            f"this tenant's upstream key is other tenants' too, so the proxy sends nothing that "
+            f"names what that account stores ({', '.join(sorted(set(turn.stored_references)))})"
+            f"; give the tenant its own upstream_key to use them")
     payload = body if isinstance(body, bytes) else orjson.dumps(body)
     headers = json_headers(turn.caller.upstream_headers(turn.headers))
     started = rlog.upstream_started()
