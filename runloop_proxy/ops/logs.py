@@ -74,5 +74,18 @@ def configure(level: str = "info", fmt: str = "json") -> None:
     root.propagate = False
 
 
-def get(name: str) -> logging.Logger:
-    return logging.getLogger(f"{LOGGER}.{name}")
+class _Named(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The project's loggers: a record's session is its digest from the moment it is made
+    (``log_name``), so no handler an operator adds — not only these formatters — writes a
+    session's id."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        extra = kwargs.get("extra")
+        if extra and any(isinstance(extra.get(k), str) for k in SESSION_FIELDS):
+            kwargs["extra"] = {**extra, **{k: log_name(extra[k]) for k in SESSION_FIELDS
+                                           if isinstance(extra.get(k), str)}}
+        return msg, kwargs
+
+
+def get(name: str) -> logging.LoggerAdapter:  # type: ignore[type-arg]
+    return _Named(logging.getLogger(f"{LOGGER}.{name}"), {})
