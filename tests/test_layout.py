@@ -119,3 +119,16 @@ def test_no_wait_for_anywhere() -> None:
              for node in ast.walk(ast.parse(path.read_text()))
              if isinstance(node, ast.Attribute) and node.attr == "wait_for"]
     assert not found, found
+
+
+def test_no_list_is_emptied_from_the_front() -> None:
+    """``list.pop(0)`` moves every element after it: in a loop it is quadratic (a stream's
+    held tool calls released one at a time took seconds at 160,000; a second red-team
+    pass). Queues are deques, or are cut once; checked here for the whole package."""
+    found = [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+             for path in PACKAGE.rglob("*.py")
+             for node in ast.walk(ast.parse(path.read_text()))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+             and node.func.attr == "pop" and node.args
+             and isinstance(node.args[0], ast.Constant) and node.args[0].value == 0]
+    assert not found, found

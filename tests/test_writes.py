@@ -233,3 +233,28 @@ def test_a_queue_held_by_refusals_is_walked_at_a_bounded_rate_and_stops_on_cance
     # queue's every job resent as its own wait ends (6.5 s of CPU every 10 s at 11,700)
     assert quiet <= 4, quiet
     assert stopped
+
+
+def test_a_full_queue_drops_its_oldest_jobs_and_keeps_its_count_of_bytes() -> None:
+    """Past its bound in bytes the queue drops its oldest jobs, each told as lost, and what
+    it counts as held stays what it holds (no test ran this path: the cut that replaced one
+    pop(0) per job could have left the count wrong)."""
+    from runloop_proxy.history.writes import Job, WriteBehind
+
+    lost: list[tuple[str, str]] = []
+
+    async def nothing(batch: list[Job]) -> list[object]:
+        return []
+
+    async def go() -> tuple[int, int, list[str]]:
+        queue = WriteBehind(nothing, lambda job, reply: True, lambda: 60.0, 60.0,
+                            lambda job, why: lost.append((job.session_id, why)),
+                            max_bytes=1000)
+        for k in range(10):  # never flushed: the store is "away" for 60 s
+            queue.submit(Job("t", f"s{k}", [], None, append=True, size=300))
+        return queue.bytes, sum(j.size for j in queue._queue), \
+            [j.session_id for j in queue._queue]
+
+    held, counted, left = asyncio.run(go())
+    assert left == ["s7", "s8", "s9"] and held == counted == 900
+    assert lost == [(f"s{k}", "write-behind queue full") for k in range(7)]

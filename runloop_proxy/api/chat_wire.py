@@ -4,6 +4,7 @@ renumbered from 0, one stream id across rounds, usage summed into one final chun
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -319,7 +320,9 @@ class CallSplit:
         self.owner: dict[int, bool] = {}  # upstream index -> the proxy's call? (decided)
         self.client_index: dict[int, int] = {}  # released: upstream index -> client index
         self.held: dict[int, dict[str, Any]] = {}  # not yet released: the deltas, merged
-        self.queue: list[int] = []  # indexes not yet released, in the order they opened
+        # indexes not yet released, in the order they opened (a deque: released from the
+        # front, one at a time — a list's pop(0) made 160,000 held calls quadratic)
+        self.queue: collections.deque[int] = collections.deque()
 
     def feed(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The client's tool-call deltas for these upstream ones."""
@@ -356,7 +359,7 @@ class CallSplit:
     def _release(self) -> list[dict[str, Any]]:
         out = []
         while self.queue and self.queue[0] in self.owner:
-            idx = self.queue.pop(0)
+            idx = self.queue.popleft()
             merged = self.held.pop(idx)
             if not self.owner[idx]:
                 self.client_index[idx] = self.relay.next_index

@@ -169,11 +169,16 @@ class WriteBehind:
             self.bytes += job.size
             if not job.append:
                 self._queued[job.key] = job
-        while len(self._queue) > 1 and (len(self._queue) > MAX_QUEUE
-                                        or self.bytes > self.max_bytes):
-            dropped = self._queue.pop(0)
-            self.bytes -= dropped.size
-            self._drop(dropped, "write-behind queue full")
+        over = 0  # the oldest jobs past the bounds, dropped in one cut (not one pop(0) each)
+        size, count = self.bytes, len(self._queue)
+        while count - over > 1 and (count - over > MAX_QUEUE or size > self.max_bytes):
+            size -= self._queue[over].size
+            over += 1
+        if over:
+            dropped, self._queue = self._queue[:over], self._queue[over:]
+            self.bytes = size
+            for old in dropped:
+                self._drop(old, "write-behind queue full")
         self._depth(len(self._queue))
         self._wake.set()
 
