@@ -131,6 +131,22 @@ def test_the_conversation_becomes_chat_messages() -> None:
     assert dropped == {"thinking blocks"}
 
 
+def test_an_assistant_block_chat_cannot_carry_is_named_as_dropped() -> None:
+    """A provider's own block in an assistant turn (a server tool's use, its result) has no
+    chat form: it is left out and named in what the bridge says it dropped, by its kind (a
+    line the mutation smoke found no test ran)."""
+    turns = [{"role": "user", "content": "search it"},
+             {"role": "assistant", "content": [
+                 {"type": "server_tool_use", "id": "srv_1", "name": "web_search",
+                  "input": {"query": "x"}},
+                 {"type": "web_search_tool_result", "tool_use_id": "srv_1", "content": []},
+                 {"type": "text", "text": "Found it."}]}]
+    dropped: set[str] = set()
+    out = to_chat(to_messages(turns, ""), dropped)
+    assert out[-1] == {"role": "assistant", "content": "Found it."}
+    assert dropped == {"server_tool_use blocks", "web_search_tool_result blocks"}
+
+
 def test_a_system_turn_is_a_chat_system_message_in_its_place() -> None:
     """What Claude Code sends a model it does not know: its environment as a system turn
     after the first (accepted there, not first: the system prompt is ``system``)."""

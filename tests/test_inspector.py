@@ -157,6 +157,20 @@ def test_a_message_page_links_its_neighbours_and_shows_each_calls_arguments(
     assert nav(0) == ["message 1 →"]
     assert nav(1) == ["← message 0", "message 2 →"]
     assert nav(last) == [f"← message {last - 1}"]
+    # each page names the run loop its message is in, as the session's segmentation has it
+    # (the mutation smoke's survivor: a membership test inverted named another loop)
+    from runloop_proxy.conversation.runloops import segment
+    from runloop_proxy.pipeline.tools import spliced_stored
+
+    view = inspected.run(inspected.state.store.session("acme", "n:order-desk-7"))
+    assert view is not None
+    messages = spliced_stored(view.messages, view.internal)[0]
+    assert len(messages) == len(pages)
+    loops = {p: lp.index for lp in segment(messages) for p in lp.positions}
+    assert len(set(loops.values())) > 2
+    for pos, text in enumerate(pages):
+        where = f", in run loop {loops[pos]}" if pos in loops else ", before the first run loop"
+        assert f"{pos} of {len(pages)}{where}" in text, (pos, where)
     calling = next(p for p in pages if "calls <b>" in p)
     shown = re.search(r"<pre>(.*?)</pre>", calling.split("calls <b>")[1], re.S)
     assert shown and "\n  " in shown.group(1)  # the arguments, indented
