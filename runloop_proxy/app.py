@@ -23,6 +23,7 @@ from .errors import error_body
 from .history.embedded import EmbeddedRedis
 from .history.store import RedisStore
 from .ops import logs
+from .ops.gate import area, refusal
 from .ops.metrics import Metrics
 from .pipeline.tokens import TokenCounter
 from .serving import tune_gc
@@ -89,10 +90,11 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
 
 
 class FastPath:
-    """ASGI front. The conversation endpoints go straight to their handler (each answers its
-    own errors), everything else (and the lifespan) through Starlette, whose routing and
-    middleware cost a measurable share of a pass-through request. Every HTTP request counts
-    as in flight until its response — a stream included — is over."""
+    """ASGI front. Every request under /admin passes the admin gate (``ops.gate``) first,
+    before any route or handler. The conversation endpoints go straight to their handler
+    (each answers its own errors), everything else (and the lifespan) through Starlette, whose
+    routing and middleware cost a measurable share of a pass-through request. Every HTTP
+    request counts as in flight until its response — a stream included — is over."""
 
     def __init__(self, app: Starlette):
         self.app = app
@@ -100,11 +102,19 @@ class FastPath:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
+            if scope["type"] == "websocket" and area(scope) is not None:
+                # the admin area serves no websocket: refused before the router sees it
+                await send({"type": "websocket.close", "code": 1008})
+                return
             await self.app(scope, receive, send)
             return
         in_flight = self.state.runloop.metrics.in_flight
         in_flight.inc()
         try:
+            refused = refusal(self.state.runloop, scope)
+            if refused is not None:
+                await refused(scope, receive, send)
+                return
             handler = CONVERSATIONS.get(scope["path"]) if scope["method"] == "POST" else None
             if handler is None:
                 await self.app(scope, receive, send)

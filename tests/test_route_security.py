@@ -24,7 +24,8 @@ import openai
 import pytest
 from starlette.routing import BaseRoute, Mount, Route
 
-from runloop_proxy.api.routes import CONVERSATIONS, routes
+from runloop_proxy.api.routes import ALL_METHODS, CONVERSATIONS
+from runloop_proxy.ops.gate import OPEN
 from runloop_proxy.ops.inspector_shell import sign
 from runloop_proxy.scripted import ScriptedUpstream
 
@@ -35,6 +36,7 @@ ADMIN_KEY = "admin-0123456789abcdef"  # write_config's
 WRONG_KEY = "admin-not-the-key-0123456789"
 CANARY = "CANARY-7f3a9e secret order for Ms Okafor"
 SESSION = "canary-desk"
+METHODS = tuple(m for m in ALL_METHODS if m != "HEAD")
 
 
 class Access(Enum):
@@ -85,26 +87,36 @@ BODIES: dict[str, dict[str, Any]] = {
 }
 
 
-def served(table: list[BaseRoute] | None = None, prefix: str = "") -> Iterator[tuple[str, str]]:
-    """(method, path) of every endpoint: the route table (mounts walked) and the
-    conversation handlers the ASGI front (app.FastPath) serves before Starlette sees them."""
-    for route in routes() if table is None else table:
+def served(app: Any) -> Iterator[tuple[str, str]]:
+    """(method, path) of every endpoint a built app serves: its router's routes as they are
+    registered — wherever that was, not only ``routes()``; mounts walked; a route with no
+    method list (a class or ASGI app endpoint) at every method — and the conversation
+    handlers the ASGI front (app.FastPath) serves before Starlette sees them."""
+    yield from _table(list(app.app.routes), "")
+    for path in CONVERSATIONS:
+        yield "POST", path
+
+
+def _table(table: list[BaseRoute], prefix: str) -> Iterator[tuple[str, str]]:
+    for route in table:
         if isinstance(route, Mount):
-            yield from served(list(route.routes), prefix + route.path)
+            inner = list(route.routes)
+            if inner:
+                yield from _table(inner, prefix + route.path)
+            else:  # an ASGI app mounted whole answers every method below its path
+                for method in METHODS:
+                    yield method, prefix + route.path + "/{path:path}"
         elif isinstance(route, Route):
-            for method in sorted(route.methods or ()):
+            for method in sorted(route.methods or METHODS):
                 if method != "HEAD":  # Starlette's, with every GET: swept with it
                     yield method, prefix + route.path
         else:
             raise AssertionError(f"{route!r} is neither a Route nor a Mount: teach the sweep "
                                  f"how to reach it")
-    if table is None:
-        for path in CONVERSATIONS:
-            yield "POST", path
 
 
-def test_every_route_is_classified() -> None:
-    endpoints = set(served())
+def test_every_route_is_classified(proxy: ProxyServer) -> None:
+    endpoints = set(served(proxy.app))
     unclassified = sorted(endpoints - set(ACCESS))
     assert not unclassified, (
         "routes nobody said who may call — add each to ACCESS in tests/test_route_security.py "
@@ -112,6 +124,9 @@ def test_every_route_is_classified() -> None:
         + ", ".join(f"{m} {p}" for m, p in unclassified))
     gone = sorted(set(ACCESS) - endpoints)
     assert not gone, f"ACCESS lists routes the app no longer serves: {gone}"
+    # what the gate opens to anyone is exactly the login and logout routes classified here
+    public = {(m, p) for (m, p), a in ACCESS.items() if a in (Access.LOGIN, Access.LOGOUT)}
+    assert OPEN == public | {("HEAD", p) for m, p in public if m == "GET"}, OPEN
 
 
 @dataclass
@@ -275,7 +290,7 @@ def sweep(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
 
 def test_every_route_refuses_what_it_must_and_answers_the_right_credential(
         sweep: Sweep) -> None:
-    endpoints = sorted(set(served()))
+    endpoints = sorted(set(served(sweep.proxy.app)))
     for method, path in endpoints:
         access = ACCESS[(method, path)]  # test_every_route_is_classified names a missing one
         for m in (method, "HEAD") if method == "GET" else (method,):
@@ -321,7 +336,7 @@ def test_without_an_admin_key_the_admin_routes_and_pages_are_off(
                   default_headers={"X-Session-Id": SESSION}).chat.completions.create(
         model="gpt-4o-mini", messages=[{"role": "user", "content": CANARY}])
     proxy.settle()
-    for method, path in sorted(set(served())):
+    for method, path in sorted(set(served(proxy.app))):
         access = ACCESS[(method, path)]
         if access not in (Access.ADMIN, Access.INSPECTOR, Access.LOGIN):
             continue
@@ -340,3 +355,190 @@ def test_without_an_admin_key_the_admin_routes_and_pages_are_off(
             else:
                 assert r.status_code == 404 and "disabled" in r.text, \
                     f"{where}: {r.status_code} {r.text[:200]}"
+    # and every other method, sub-path and spelling under /admin: off for everyone too
+    with httpx.Client(timeout=30, follow_redirects=False) as c:
+        for path in admin_paths(proxy.app):
+            for method in ALL_METHODS:
+                if (method, path) in OPEN:
+                    continue
+                r = probe(c, proxy, method, path, bearer(WRONG_KEY), {}, {"id": SESSION})
+                where = f"{method} {path}"
+                assert CANARY not in r.text and SESSION not in r.text, where
+                if is_inspector(path):
+                    assert (r.status_code, r.headers.get("location")) == \
+                        (303, "/admin/ui/login"), f"{where}: {r.status_code}"
+                else:
+                    assert r.status_code == 404, f"{where}: {r.status_code} {r.text[:200]}"
+                    if method != "HEAD":
+                        assert r.json()["error"]["message"] == "admin endpoints are disabled " \
+                            "(no admin key configured)", f"{where}: {r.text[:200]}"
+
+
+# --- the admin gate: nothing under /admin answers without the admin's credential ----------
+#
+# The sweep above sends each route the request a legitimate caller makes. A handler can still
+# open on a shape nobody sends it: a sub-path it dispatches itself (an id ending in
+# /messages), a query it branches on, a method, a route registered outside routes() or with no
+# method list. Those are closed by construction — one gate in the ASGI front (ops.gate) that
+# every request under /admin passes before any route — and checked here by what the gate is
+# for: every method, every route's path and sub-paths of it, odd spellings and queries, and a
+# handler that checks nothing at all in front of every route.
+
+QUERIES: list[dict[str, str] | None] = [
+    None, {"tenant": "acme", "id": SESSION, "pos": "0", "messages": "1"},
+    {"messages": "0"}, {"id": SESSION, "debug": "1", "tenant": "globex"}]
+ELSEWHERE = ["/admin", "/admin/", "/admin/nope", "/admin/debug/vars", "/admin/ui/",
+             "/admin/ui/nope", "/admin/ui/login/x", "/admin/ui/logout/x", "/admin/ui/session/x",
+             "/admin/ui/login/", "/administrator", f"/admin/sessions/{SESSION}/messages/0",
+             "/admin/sessions/", "/admin%2Ftenants", f"/admin/sessions/{SESSION}%2Fmessages"]
+
+
+def fill(template: str, value: str) -> str:
+    return re.sub(r"\{[^}]+\}", value, template)
+
+
+def admin_paths(app: Any) -> list[str]:
+    """Every path under /admin the app routes, and shapes a handler may read that nobody
+    sends it: below each route, a path parameter holding more segments, a trailing slash,
+    the prefix's case and slashes spelt otherwise, and paths no route serves."""
+    out = set(ELSEWHERE)
+    for _, template in served(app):
+        if not template.startswith("/admin"):
+            continue
+        for value in (SESSION, f"{SESSION}/messages", f"{SESSION}/compact", f"{SESSION}/a/b"):
+            path = fill(template, value)
+            out |= {path, path + "/", path + "/x", "/ADMIN" + path[len("/admin"):],
+                    "/" + path}
+    return sorted(out)
+
+
+def is_inspector(path: str) -> bool:
+    folded = "/" + path.lstrip("/").lower()
+    return folded == "/admin/ui" or folded.startswith("/admin/ui/")
+
+
+def check_gate_refused(where: str, path: str, method: str, r: httpx.Response) -> None:
+    """The gate's answer: the inspector's login page, or the admin API's 401."""
+    assert CANARY not in r.text and SESSION not in r.text, f"{where}: gave the session away"
+    if is_inspector(path):
+        assert (r.status_code, r.headers.get("location"), r.content) == \
+            (303, "/admin/ui/login", b""), f"{where}: {r.status_code} {r.text[:200]}"
+        assert "set-cookie" not in r.headers, where
+    else:
+        assert r.status_code == 401, f"{where}: {r.status_code} {r.text[:200]}"
+        if method != "HEAD":
+            assert r.json() == {"error": {
+                "message": "admin endpoints need the admin key as Bearer token",
+                "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}, \
+                f"{where}: {r.text[:200]}"
+
+
+def probe(c: httpx.Client, proxy: ProxyServer, method: str, path: str,
+          headers: dict[str, str], cookies: dict[str, str], query: dict[str, str] | None = None,
+          form: dict[str, str] | None = None) -> httpx.Response:
+    """A request with exactly these headers and cookies (none kept from an earlier one), to
+    the URL whole, so that httpx takes '//admin' as a path, not a host."""
+    c.cookies.clear()
+    if cookies:
+        headers = {**headers, "Cookie": "; ".join(f"{k}={v}" for k, v in cookies.items())}
+    return c.request(method, proxy.base + path, params=query, headers=headers, data=form)
+
+
+def test_nothing_under_admin_answers_without_the_admin_credential(sweep: Sweep) -> None:
+    """Every method, every path the router serves under /admin and sub-paths and spellings
+    of it, with and without the queries a handler reads: each refusing credential gets the
+    gate's refusal — the same answer, whatever the route behind it does — and nothing is read
+    or done (upstream, summaries, the stored session)."""
+    proxy = sweep.proxy
+    admin = bearer(ADMIN_KEY)
+    before = sweep.request("GET", f"/admin/sessions/{SESSION}", admin, {},
+                           {"tenant": "acme", "messages": "1"}).json()
+    seen, summaries = sweep.upstream_seen(), sweep.summaries()
+    api_creds = refusing(sweep, Access.ADMIN) + [
+        Credential("the admin login cookie (a page's, not the API's)", {},
+                   {"rl_admin": sweep.cookie}),
+        Credential("Basic auth with the admin key", {"Authorization": "Basic " + __import__(
+            "base64").b64encode(f"admin:{ADMIN_KEY}".encode()).decode()}, {})]
+    ui_creds = refusing(sweep, Access.INSPECTOR)
+    probes = 0
+    with httpx.Client(timeout=30, follow_redirects=False) as c:
+        for path in admin_paths(proxy.app):
+            creds = ui_creds if is_inspector(path) else api_creds
+            for method in ALL_METHODS:
+                if (method, path) in OPEN:  # the login and logout: the sweep above
+                    continue
+                for query in QUERIES:
+                    # every credential with the legitimate query, the others with no key
+                    for cred in creds if query is QUERIES[1] else creds[:1]:
+                        r = probe(c, proxy, method, path, cred.headers, cred.cookies, query,
+                                  {"tenant": "acme", "id": SESSION, "csrf": sweep.csrf}
+                                  if method in ("POST", "PUT", "PATCH") else None)
+                        check_gate_refused(f"{method} {path}?{query} with {cred.name}",
+                                           path, method, r)
+                        probes += 1
+    assert probes > 5000, probes  # the sweep reached what it says it does
+    assert sweep.upstream_seen() == seen, "refused, yet the upstream was called"
+    assert sweep.summaries() == summaries, "refused, yet something compacted"
+    after = sweep.request("GET", f"/admin/sessions/{SESSION}", admin, {},
+                          {"tenant": "acme", "messages": "1"}).json()
+    assert after == before, "refused, yet the stored session changed"
+    assert CANARY in str(after["messages"]), "the control: the admin key reads the session"
+
+
+class Leaky:
+    """A route that checks nothing and answers anything — the worst handler there could be,
+    as an ASGI app (a Route with no method list: the kind the route walk once missed)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.accept"})
+            await send({"type": "websocket.send", "text": CANARY})
+            await send({"type": "websocket.close", "code": 1000})
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"x-leaky", b"1"), (b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": CANARY.encode()})
+
+
+def test_a_handler_that_checks_nothing_is_still_closed(make_proxy: Any) -> None:
+    """A route in front of every other, registered outside routes() after the app was built,
+    that checks nothing: under /admin only the login and logout reach it without the admin's
+    credential, and nothing else with a wrong one; the admin key reaches it on the API's
+    paths, the login cookie on the inspector's (so the refusals are the gate's doing)."""
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY)
+    proxy.app.app.router.routes.insert(0, Route("/{rest:path}", Leaky()))
+    proxy.app.app.router.routes.insert(0, Mount("/admin/raw", app=Leaky()))
+    proxy.app.app.router.routes.insert(0, Mount("/ws", app=Leaky()))  # websockets' control
+    exp = int(time.time()) + 600
+    cookie = {"rl_admin": f"{exp}.{sign(ADMIN_KEY, f'ui:{exp}')}"}
+    foreign = f"{exp}.{sign(WRONG_KEY, f'ui:{exp}')}"
+    paths = admin_paths(proxy.app) + ["/admin/raw", "/admin/raw/x", "/admin/ui/raw"]
+    reached: set[tuple[str, str]] = set()
+    with httpx.Client(timeout=30, follow_redirects=False) as c:
+        for path in paths:
+            for method in ALL_METHODS:
+                for headers, cookies in (({}, {}), (bearer(WRONG_KEY), {}),
+                                         ({"x-api-key": WRONG_KEY}, {"rl_admin": foreign})):
+                    r = probe(c, proxy, method, path, headers, cookies, {"id": SESSION})
+                    if r.headers.get("x-leaky"):
+                        reached.add((method, path))
+                    else:
+                        check_gate_refused(f"{method} {path} with {headers}", path, method, r)
+                # the controls: the right credential for the path's area reaches the handler
+                r = probe(c, proxy, method, path, {}, cookie) if is_inspector(path) else \
+                    probe(c, proxy, method, path, bearer(ADMIN_KEY), {})
+                assert r.headers.get("x-leaky") == "1", f"{method} {path}: {r.status_code}"
+    assert reached == {(m, p) for m, p in OPEN if p in paths}, sorted(reached)
+    # and elsewhere the leaky route answers anyone: it is in front of every route
+    assert httpx.get(proxy.base + "/healthz").headers.get("x-leaky") == "1"
+    # a websocket under /admin is refused before any route, with any credential
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+    ws = proxy.base.replace("http://", "ws://")
+    with connect(ws + "/ws/x") as conn:  # the control: a mount takes websockets
+        assert conn.recv(timeout=10) == CANARY
+    for path in ("/admin/raw/x", "/ADMIN/raw/x", "/admin/ui"):
+        with pytest.raises(InvalidStatus) as refused:
+            connect(ws + path, additional_headers=bearer(ADMIN_KEY)).close()
+        assert refused.value.response.status_code == 403, path
+        assert CANARY.encode() not in refused.value.response.body, path

@@ -38,7 +38,7 @@ def admin_key_of(state: AppState) -> str:
 
 def _admin(state: AppState, request: Request) -> str:
     """Check the admin key; return the tenant the request is scoped to."""
-    _admin_key_checked(state, request)
+    check_admin_key(state, request)
     return _tenant_param(state, request)
 
 
@@ -122,7 +122,7 @@ async def tenant_of_session(state: AppState, request: Request, session_id: str) 
 async def admin_tenants(request: Request) -> Response:
     """Every tenant: configured ones and the namespaces holding sessions (pass-through keys)."""
     state = state_of(request)
-    _admin_key_checked(state, request)
+    check_admin_key(state, request)
     stored: dict[str, int] = {}
     if state.store is not None:
         try:
@@ -135,7 +135,10 @@ async def admin_tenants(request: Request) -> Response:
         for n in names]})
 
 
-def _admin_key_checked(state: AppState, request: Request) -> None:
+def check_admin_key(state: AppState, request: Request) -> None:
+    """The admin key as Bearer (or ``api-key``, ``x-api-key``), else AuthenticationFailed;
+    NotFound when no admin key is configured. The gate (``ops.gate``) asks this of every
+    admin API request before any handler; the handlers ask it again."""
     given = bearer(request) or ""
     if not hmac.compare_digest(given.encode(), admin_key_of(state).encode()):
         raise AuthenticationFailed("admin endpoints need the admin key as Bearer token")
@@ -145,7 +148,7 @@ def _session_request(request: Request) -> tuple[AppState, str]:
     """An admin request about one session: the key checked, a store there; the session's
     key (``stored_id``: a key as listed, or the id a client named)."""
     state = state_of(request)
-    _admin_key_checked(state, request)
+    check_admin_key(state, request)
     if state.store is None:
         raise NotFound("no store configured")
     return state, stored_id(params.path(request, "session_id"))
