@@ -547,3 +547,55 @@ def test_auto_breakpoints_make_a_long_session_read_the_cache(
     # (a factor, averaged: after an event changes the window's mix of short and long
     # messages it lags by a few percent; counting the uncached part alone is off by half)
     assert abs(counted.input_tokens - whole) / whole < 0.08
+
+
+def test_auto_breakpoints_keep_a_growing_summary_cached_across_omissions(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """A short-turn support agent whose every turn omits the one before behind an extractive
+    summary (globex's shape): the window changes right after the marker each turn, so only a
+    breakpoint on the note itself can be read back. The note goes as a text block per piece
+    its summary grew by, the last piece marked, and each later request reads the cache
+    through the pieces the one before it sent (with the note as one block nothing before
+    the change is marked, and nothing is read)."""
+    c = tenant_proxy(tmp_path, make_proxy, upstream, 'summary_model = "extractive"\n'
+                     'max_run_loops = 0\nomit_batch = 1\ncache_breakpoints = "auto"\n'
+                     'proxy_tools = "always"\n')
+    system = "You are the support agent of Example Air. " + "Follow the policy. " * 400
+    turns: list[dict[str, Any]] = []
+    read_after_pieces = 0
+    for k in range(8):
+        turns.append({"role": "user", "content": f"Change booking BK{k}X{k}9 to flight "
+                                                 f"EA{100 + k} on 2024-05-{10 + k}."})
+        answer = c.messages.create(model=MODEL, max_tokens=64, tools=[BASH], system=system,
+                                   messages=turns)
+        # what the agent did for it: a lookup with a large result, then its answer
+        turns += [{"role": "assistant", "content": [
+                      {"type": "tool_use", "id": f"toolu_{k:02d}", "name": "bash",
+                       "input": {"cmd": f"lookup BK{k}X{k}9"}}]},
+                  {"role": "user", "content": [
+                      {"type": "tool_result", "tool_use_id": f"toolu_{k:02d}",
+                       "content": orjson.dumps({"booking": f"BK{k}X{k}9", "rows": [
+                           {"seat": f"{r}A", "fare": 100 + r} for r in range(60)]}).decode()}]},
+                  {"role": "assistant", "content": f"Done: BK{k}X{k}9 is on EA{100 + k}."}]
+        sent = upstream.requests[-1]
+        note = next((t for t in sent["messages"] if t["role"] == "assistant"
+                     and isinstance(t["content"], list)
+                     and str(t["content"][0].get("text", "")).startswith("[runloop-proxy]")),
+                    None)
+        if k < 2:
+            continue
+        assert note is not None, "an omission every turn from the second on"
+        texts = [b["text"] for b in note["content"] if b.get("type") == "text"]
+        pieces = texts[:next(i for i, t in enumerate(texts) if t.startswith("Done:"))]
+        assert len(pieces) >= 2 and all(p.strip() for p in pieces)
+        assert f"BK{k - 1}X{k - 1}9" in pieces[-1], "the newest piece holds the newest loop"
+        marked = [i for i, b in enumerate(note["content"]) if "cache_control" in b]
+        assert len(pieces) - 1 in marked and not any(i < len(pieces) - 1 for i in marked), \
+            "the note's last piece carries a breakpoint"
+        if k >= 3:
+            # what the request reads from the cache reaches past the system prompt and the
+            # opening into the note: the previous request's pieces
+            before = upstream.anthropic.tokens({"tools": sent["tools"], "system": system,
+                                                "messages": sent["messages"][:1]})
+            read_after_pieces += (answer.usage.cache_read_input_tokens or 0) > before
+    assert read_after_pieces == 5

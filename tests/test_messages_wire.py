@@ -323,3 +323,32 @@ def test_auto_marks_stay_within_four_wherever_the_client_put_its_own(
     out = with_auto(body, min(stable, len(turns) - 1))
     assert _every_mark(out) <= max(4, _every_mark(body))
     assert _every_mark(out) - _every_mark(body) <= 2
+
+
+# -- the marker's note in pieces: a breakpoint the next omission repeats -----------------------
+
+def test_the_note_goes_as_a_block_per_piece_with_the_last_one_marked() -> None:
+    from runloop_proxy.api.breakpoints import marks, with_auto
+    from runloop_proxy.api.messages_wire import in_pieces
+    pieces = ("[runloop-proxy] marker\nSummary of the turns not shown:", "ids: A1", "ids: B2")
+    note = "\n".join(pieces)
+    turns = [{"role": "user", "content": "task"},
+             {"role": "assistant", "content": [{"type": "text", "text": note},
+                                               {"type": "text", "text": "kept reply"}]},
+             {"role": "user", "content": "next"}]
+    split, at = in_pieces(turns, 1, pieces)
+    assert at == (1, 2)
+    assert [b["text"] for b in split[1]["content"]] == [*pieces, "kept reply"]
+    assert turns[1]["content"][0]["text"] == note  # not mutated
+    out = with_auto({"system": "S", "messages": split}, 1, at)
+    # the end of the request first, then the note's last piece, then the stable prefix
+    assert [m[:3] for m in marks(out)] == [(2, 1, 2), (2, 1, 3), (2, 2, 0)]
+    # one slot left (three of the client's): it goes to the end of the request
+    cc = {"type": "ephemeral"}
+    crowded = {"system": [{"type": "text", "text": f"S{i}", "cache_control": cc}
+                          for i in range(3)], "messages": split}
+    assert [m[:3] for m in marks(with_auto(crowded, 1, at)) if m[0] == 2] == [(2, 2, 0)]
+    # a turn that does not hold the note's text as one block is left as it is
+    assert in_pieces(turns, 2, pieces) == (turns, None)
+    plain, at = in_pieces([{"role": "assistant", "content": note}], 0, pieces)
+    assert at == (0, 2) and [b["text"] for b in plain[0]["content"]] == list(pieces)

@@ -439,3 +439,59 @@ def test_replay_of_a_messages_recording_through_a_proxy_sends_messages_requests(
     metrics = proxy.state.metrics.render()[0].decode()  # type: ignore[attr-defined]
     served = re.findall(r'runloop_requests_total\{[^}]*api="(\w+)"[^}]*\} (\S+)', metrics)
     assert {api for api, n in served if float(n) > 0} == {"messages"}, served
+
+
+def support_conversation(turns: int) -> dict[str, object]:
+    """A short-turn support agent: a large system prompt, each turn a lookup with a large
+    result and a short answer."""
+    msgs: list[dict[str, object]] = [
+        {"role": "system", "content": "You are the support agent. " + "Follow policy. " * 600}]
+    for k in range(turns):
+        msgs += [{"role": "user", "content": f"Change booking BK{k}X{k}9 to EA{100 + k}."},
+                 {"role": "assistant", "content": None, "tool_calls": [
+                     {"id": f"c{k}", "type": "function",
+                      "function": {"name": "lookup", "arguments": f'{{"id": "BK{k}X{k}9"}}'}}]},
+                 {"role": "tool", "tool_call_id": f"c{k}", "content": json.dumps(
+                     {"booking": f"BK{k}X{k}9", "rows": [{"seat": f"{r}A", "fare": 100 + r}
+                                                         for r in range(60)]})},
+                 {"role": "assistant", "content": f"Done: BK{k}X{k}9 is on EA{100 + k}."}]
+    return {"messages": msgs, "tools": [{"type": "function", "function": {
+        "name": "lookup", "parameters": {"type": "object"}}}]}
+
+
+def test_anthropics_bill_reads_the_proxy_breakpoints_on_the_summary(tmp_path: Path) -> None:
+    """Priced as Anthropic bills, a window whose every turn omits the one before pays for
+    what it rewrites after the last breakpoint it repeats: with cache_breakpoints = "auto"
+    the proxy sends the summary a block per piece it grew by with a breakpoint after the
+    last, and the replay bills the proxy's side with those marks (the client's side, and the
+    token cost models, are the same either way)."""
+    f = tmp_path / "s.jsonl"
+    f.write_text(json.dumps(support_conversation(12)) + "\n")
+    base = ("--json", "--provider", "anthropic", "--set", "summary_model=extractive",
+            "--set", "max_run_loops=0", "--set", "omit_batch=1")
+    plain = json.loads(run(f, *base).stdout)
+    auto = json.loads(run(f, *base, "--set", "cache_breakpoints=auto").stdout)
+    assert plain["compaction_events"] == auto["compaction_events"]
+    assert plain["compaction_events"]["loop_omission"] >= 9
+    assert plain["money"]["client"] == auto["money"]["client"]
+    assert plain["cache_aware_saving_strict"] == auto["cache_aware_saving_strict"]
+    # the pieces read back at 0.1x instead of written again at 1.25x every turn
+    assert auto["money"]["forwarded"] < 0.92 * plain["money"]["forwarded"]
+
+
+def test_auto_marks_split_the_note_and_mark_its_last_piece_and_the_stable_prefix() -> None:
+    from runloop_proxy.ops.replay_offline import auto_marked
+    from runloop_proxy.window.builder import Window
+
+    rest = [Block("opening", 10), Block("note", 30, "head\none\ntwo", "assistant"),
+            Block("reply", 5), Block("question", 7)]
+    window = Window([], True, True, 0, 0, note=(2, ("head", "one", "two")))
+    parts, after = auto_marked(rest, window, 1, {"opening", "question"}, len)
+    assert [p.key for p in parts][:1] == ["opening"] and len(parts) == 6
+    assert [p.text for p in parts[1:4]] == ["head", "one", "two"]
+    assert sum(p.tokens for p in parts) == sum(b.tokens for b in rest)  # nothing lost
+    # after the note's last piece (4 blocks in), and after the kept reply (the last
+    # message the request does not carry as it is)
+    assert after == (4, 5)
+    none = auto_marked(rest, Window([], True, True, 0, 0), 1, {"opening", "question"}, len)
+    assert none == (rest, (3,))

@@ -1409,3 +1409,14 @@ def test_what_fits_the_budget_fits_the_models_window_whatever_the_calibration(
     sent = (budget.hard + budget.tools) * factor
     assert sent + budget.reserve + budget.margin <= context + 1, (budget, sent)
     assert str(round(factor, 2))[:3] in budget.explained() or factor == 1.0
+
+
+def test_summary_pieces_follow_the_append_chain() -> None:
+    from runloop_proxy.window.builder import summary_pieces
+    stored = {1: "a", 2: "a", 3: "a\nb", 4: "a\nb\nc", 5: "z", 6: "z\ny", 7: "z\ny\n "}
+    assert summary_pieces("a", stored, 1) == ("a",)
+    assert summary_pieces("a\nb\nc", stored, 4) == ("a", "b", "c")
+    assert summary_pieces("z\ny", stored, 6) == ("z", "y")  # a condensed one starts anew
+    assert summary_pieces("z\ny\n ", stored, 7) == ("z\ny\n ",)  # a blank piece: whole
+    assert summary_pieces("a\nb", {3: "a\nb"}, 3) == ("a\nb",)
+    assert summary_pieces("q", stored, 4) == ("q",)  # not the chain's end: whole

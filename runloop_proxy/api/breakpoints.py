@@ -3,9 +3,11 @@
 request reads the longest marked prefix it repeats. The window keeps the client's marks where
 their blocks are (a cut result keeps its block's fields), so they stay on prefixes that change
 only at compaction events; it adds none unless the tenant asks (``cache_breakpoints =
-"auto"``): then one at the end of the window's stable prefix — the last message it rewrote,
-whose form no later request changes until the next event — and one at the end of the request,
-while there are fewer than four. (Pure.)"""
+"auto"``): then one at the end of the request, one at the end of the marker's note (its
+summary as a block per piece it grew by, so the next omission, which appends a piece, repeats
+the prefix up to there) and one at the end of the window's stable prefix — the last message it
+rewrote, whose form no later request changes until the next event — while there are fewer
+than four. (Pure.)"""
 
 from __future__ import annotations
 
@@ -42,16 +44,22 @@ def _with_nested(block: Any) -> list[Any]:
     return [block, *inner] if isinstance(inner, list) else [block]
 
 
-def with_auto(body: dict[str, Any], stable_turn: int | None) -> dict[str, Any]:
-    """``body`` with the proxy's breakpoints added: at the end of turn ``stable_turn`` (-1:
-    the system prompt; None: nowhere) and at the end of the request, while fewer than four
-    are set. Each takes the lifetime of the next breakpoint after it, if any (the API wants
+def with_auto(body: dict[str, Any], stable_turn: int | None,
+              note: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``body`` with the proxy's breakpoints added, while fewer than four are set, first
+    where they are worth most: at the end of the request, at the end of the marker's note
+    (``note``: its last block, (turn, block): the summary's pieces stay there while it
+    grows), and at the end of turn ``stable_turn`` (-1: the system prompt; None: nowhere).
+    Each takes the lifetime of the next breakpoint after it, if any (the API wants
     longer-lived prefixes first)."""
     turns = body.get("messages") or []
-    wanted = [t for t in dict.fromkeys([stable_turn, len(turns) - 1])
-              if t is not None and (t >= 0 or body.get("system"))]
+    wanted: list[tuple[int, int | None]] = [(len(turns) - 1, None)]
+    if note is not None:
+        wanted.append(note)
+    if stable_turn is not None:
+        wanted.append((stable_turn, None))
     out = dict(body)
-    for t in wanted:
+    for t, block in dict.fromkeys(w for w in wanted if w[0] >= 0 or body.get("system")):
         existing = marks(out)
         if len(existing) >= MAX_BREAKPOINTS:
             break
@@ -60,14 +68,16 @@ def with_auto(body: dict[str, Any], stable_turn: int | None) -> dict[str, Any]:
         elif t < len(turns):
             messages = list(out["messages"])
             messages[t] = {**messages[t], "content": _marked_blocks(
-                messages[t]["content"], existing, (2, t))}
+                messages[t]["content"], existing, (2, t), block)}
             out["messages"] = messages
     return out
 
 
-def _marked_blocks(content: Any, existing: list[Mark], where: tuple[int, int]) -> Any:
+def _marked_blocks(content: Any, existing: list[Mark], where: tuple[int, int],
+                   block: int | None = None) -> Any:
+    """``content`` with a mark on block ``block`` (None: its last markable block)."""
     blocks = content if isinstance(content, list) else [{"type": "text", "text": content}]
-    at = next((i for i in range(len(blocks) - 1, -1, -1)
+    at = next((i for i in range(len(blocks) - 1 if block is None else block, -1, -1)
                if isinstance(blocks[i], dict) and blocks[i].get("type") not in UNMARKABLE
                and (blocks[i].get("type") != "text" or blocks[i].get("text"))), None)
     if at is None or _marked(blocks[at]):

@@ -23,6 +23,7 @@ from ..ops import logs
 from ..pipeline.accounting import LOGGED_MODEL_CHARS
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Reply, bad_reply
+from ..window.builder import Note
 from .bridge_stream import BridgeRelay, stop_reason, tool_use, usage_of_chat
 from .chat_wire import ChatObserver, ChatWire, completion_problem
 from .messages_stream import ERROR_TYPES
@@ -52,7 +53,8 @@ class BridgeWire:
         self.dropped: set[str] = set()  # what the chat bodies left out (for a log line)
 
     def outgoing(self, body: dict[str, Any], messages: list[Message],
-                 extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
+                 extra_tools: list[dict[str, Any]], note: Note | None = None
+                 ) -> dict[str, Any]:
         out = self.chat.outgoing(chat_request(body, self.dropped),
                                  to_chat(messages, self.dropped), extra_tools)
         if self.dropped:  # once a request: its later rounds are next_round's

@@ -13,6 +13,7 @@ from ..errors import UpstreamError
 from ..pipeline.sse import DONE, SSEEvent, encode_json
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply, event_json
+from ..window.builder import Note
 
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 
@@ -22,7 +23,8 @@ class ChatWire(Native):
     upstream_path = "/chat/completions"
 
     def outgoing(self, body: dict[str, Any], messages: list[Message],
-                 extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
+                 extra_tools: list[dict[str, Any]], note: Note | None = None
+                 ) -> dict[str, Any]:
         out = {**body, "messages": messages}
         if extra_tools:
             out["tools"] = [*(body.get("tools") or []), *extra_tools]

@@ -11,6 +11,7 @@ from ..conversation.messages import Message, message_hash
 from ..errors import ContextLengthExceeded
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply
+from ..window.builder import Note
 from .breakpoints import with_auto
 from .messages_stream import ERROR_TYPES, MessagesObserver, MessagesRelay, usage_of
 
@@ -27,9 +28,11 @@ class MessagesWire(Native):
     def __init__(self, auto_cache: bool = False):
         self.auto_cache = auto_cache
         self.stable: int | None = None  # the last message of the window's stable prefix
+        self.note: Note | None = None  # the marker's note, as the pieces it grew by
 
     def outgoing(self, body: dict[str, Any], messages: list[Message],
-                 extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
+                 extra_tools: list[dict[str, Any]], note: Note | None = None
+                 ) -> dict[str, Any]:
         turn_of: list[int] = []
         system, turns = to_anthropic(messages, body.get("messages"), turn_of)
         out = {**body, "messages": turns}
@@ -42,8 +45,12 @@ class MessagesWire(Native):
         if not self.auto_cache:
             return out
         if self.stable is None:  # the first body: later rounds keep its stable prefix
-            self.stable = last_rewritten(body, messages)
-        return with_auto(out, turn_of[self.stable] if self.stable >= 0 else None)
+            self.stable, self.note = last_rewritten(body, messages), note
+        at = None
+        if self.note is not None and self.note[0] < len(turn_of):
+            out["messages"], at = in_pieces(out["messages"], turn_of[self.note[0]],
+                                             self.note[1])
+        return with_auto(out, turn_of[self.stable] if self.stable >= 0 else None, at)
 
     def next_round(self, sent: dict[str, Any], messages: list[Message],
                    withdraw: frozenset[str]) -> dict[str, Any]:
@@ -86,6 +93,31 @@ class MessagesWire(Native):
 
     def observer(self, limit: int) -> MessagesObserver:
         return MessagesObserver(limit)
+
+
+def in_pieces(turns: list[dict[str, Any]], t: int, pieces: tuple[str, ...]
+              ) -> tuple[list[dict[str, Any]], tuple[int, int] | None]:
+    """``turns`` with the marker's note in turn ``t`` as a text block per piece it grew by,
+    and where its last block is (turn, block): a breakpoint there is a prefix the next
+    omission repeats — the same blocks, one more appended — where one text block would
+    differ. Unchanged (None) when the turn does not hold the note's text as one block."""
+    text = "\n".join(pieces)
+    content = turns[t].get("content")
+    blocks = [{"type": "text", "text": p} for p in pieces]
+    if content == text:
+        at, content = 0, blocks
+    elif isinstance(content, list):
+        at = next((i for i, b in enumerate(content) if isinstance(b, dict)
+                   and b.get("type") == "text" and b.get("text") == text
+                   and "cache_control" not in b), -1)
+        if at < 0:
+            return turns, None
+        content = [*content[:at], *blocks, *content[at + 1:]]
+    else:
+        return turns, None
+    out = list(turns)
+    out[t] = {**turns[t], "content": content}
+    return out, (t, at + len(blocks) - 1)
 
 
 def last_rewritten(body: dict[str, Any], messages: list[Message]) -> int:

@@ -16,6 +16,7 @@ from ..errors import UpstreamError
 from ..pipeline.sse import SSEEvent, encode_event
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Native, Reply, bad_reply, typed_event
+from ..window.builder import Note
 
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
 ENDS = ("response.completed", "response.incomplete")
@@ -26,7 +27,8 @@ class ResponsesWire(Native):
     upstream_path = "/responses"
 
     def outgoing(self, body: dict[str, Any], messages: list[Message],
-                 extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
+                 extra_tools: list[dict[str, Any]], note: Note | None = None
+                 ) -> dict[str, Any]:
         instructions, items = to_items(messages)
         out = {**body, "input": items}
         if instructions is not None:

@@ -9,7 +9,9 @@ so a tool list that changes re-reads the system prompt and every message after i
 priced with a provider's own cache and a model's prices (``pricing``): OpenAI's automatic
 prefix cache over the system messages, the tools, then the rest; or Anthropic's breakpoints
 over the tools, the system prompt and the messages, with a breakpoint after the system prompt
-and one at the end of each prompt, the placement both sides get.
+and one at the end of each prompt, the placement both sides get (as Claude Code places them);
+with ``cache_breakpoints = "auto"`` the proxy's side gets the proxy's own as well
+(``auto_marked``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from ..history.summaries import digest, due
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
 from ..pipeline.tools import Doc, ProxyTools, doc, query_terms, rank_docs
 from ..pricing import Block, BreakpointCache, PrefixCache, Price, Provider
-from ..window.builder import build_window
+from ..window.builder import Window, build_window
 from ..window.forms import Budget
 from ..window.retention import Conversation as RetentionMeter
 from .replay_tally import SEPARATE, STRICT, Tally
@@ -64,9 +66,11 @@ class Side:
         self.cache = provider.new_cache() if provider is not None and price is not None \
             else None
 
-    def bill(self, system: list[Block], tools: list[Block], rest: list[Block]
-             ) -> tuple[float, float, float]:
-        """The request's cost: cache-aware, strict, and in money (0 without a price)."""
+    def bill(self, system: list[Block], tools: list[Block], rest: list[Block],
+             marked: Marked = None) -> tuple[float, float, float]:
+        """The request's cost: cache-aware, strict, and in money (0 without a price).
+        ``marked``: with Anthropic's cache, the messages as the proxy's own breakpoints
+        split and mark them (``auto_marked``), in place of ``rest``."""
         total = sum(b.tokens for b in system) + sum(b.tokens for b in tools) \
             + sum(b.tokens for b in rest) + REPLY_PRIMING
         primed = [Block("priming", REPLY_PRIMING)]
@@ -78,11 +82,43 @@ class Side:
         money = 0.0
         if isinstance(self.cache, BreakpointCache) and self.price is not None:
             head = len(tools) + len(system)
-            blocks = [*tools, *system, *rest, *primed]
-            money = self.price.cost(self.cache.bill(blocks, [head, len(blocks) - 1]))
+            parts, after = marked if marked is not None else (rest, ())
+            blocks = [*tools, *system, *parts, *primed]
+            money = self.price.cost(self.cache.bill(
+                blocks, [head, *(head + k for k in after), len(blocks) - 1]))
         elif isinstance(self.cache, PrefixCache) and self.price is not None:
             money = self.price.cost(self.cache.bill([*system, *tools, *rest, *primed]))
         return separate, strict, money
+
+
+# the messages of a request as Anthropic blocks, and the proxy's breakpoints among them (a
+# breakpoint k caches the first k)
+Marked = tuple[list[Block], tuple[int, ...]] | None
+
+
+def auto_marked(rest: list[Block], window: Window, at: int, sent: set[str],
+                count: Callable[[str], int]) -> Marked:
+    """What ``cache_breakpoints = "auto"`` makes of a window's messages after the system
+    prompt (``rest``, the window's from position ``at``), as ``api/messages_wire`` does:
+    the marker's note a block per piece it grew by, a breakpoint after its last piece and
+    one after the last message the request does not carry as it is (``sent``: the hashes
+    of the request's messages)."""
+    parts, after = list(rest), []
+    shift = 0
+    if window.note is not None and window.note[0] >= at:
+        k = window.note[0] - at
+        pieces = window.note[1]
+        tokens = [count(p) for p in pieces]
+        tokens[0] += max(0, rest[k].tokens - sum(tokens))  # the message's own frame
+        parts[k:k + 1] = [Block(content_hash(p.encode()), n, p, rest[k].role)
+                          for p, n in zip(pieces, tokens, strict=True)]
+        shift = len(pieces) - 1
+        after.append(k + shift + 1)
+    stable = next((k for k in range(len(rest) - 1, -1, -1) if rest[k].key not in sent), None)
+    if stable is not None:
+        after.append(stable + 1 + (shift if window.note is not None
+                                   and stable >= window.note[0] - at else 0))
+    return parts, tuple(after)
 
 
 class Replayer:
@@ -201,9 +237,12 @@ class Replayer:
             cblocks = [block(m) for m in req]
             c_sep, c_strict, c_money = client.bill(cblocks[:pre], tools_block, cblocks[pre:])
             wpre = preamble_end(window.messages)
+            marked = auto_marked(wblocks[wpre:], window, wpre, set(keys[:i]),
+                                 lambda t: self.counter.text(self.enc, t)) \
+                if policy.cache_breakpoints == "auto" and window.changed else None
             f_sep, f_strict, f_money = forwarded.bill(
                 wblocks[:wpre], [*tools_block, *(proxy_block if with_tools else [])],
-                wblocks[wpre:])
+                wblocks[wpre:], marked)
             tally.charge(SEPARATE, c_sep, f_sep)
             tally.charge(STRICT, c_strict, f_strict)
             tally.money[0] += c_money

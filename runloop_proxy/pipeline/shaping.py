@@ -14,7 +14,7 @@ from ..errors import ContextLengthExceeded, StoreError
 from ..history.summaries import Made
 from ..ops import logs
 from ..state import AppState
-from ..window.builder import Window
+from ..window.builder import Note, Window
 from .accounting import RequestLog
 from .framing import FirstSeen, Frame, prompt_tokens, sends_proxy_tools, window_in
 from .offload import offload
@@ -72,7 +72,8 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     if not (window.changed or offer or turn.server_history):
         return Outgoing(await _as_sent(turn, history))
     extra = turn.wire.tool_definitions(tools) if with_tools else []
-    body = await _converted(turn, turn.large or history.large, window.messages, extra)
+    body = await _converted(turn, turn.large or history.large, window.messages, extra,
+                            window.note)
     if not turn.counting:
         log_events(state, turn, session, window)
     return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys)
@@ -141,10 +142,13 @@ async def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
 
 
 async def _converted(turn: Turn, large: bool, messages: list[Message],
-                     extra: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The request's body in the upstream's API around ``messages`` (and ``extra`` tools):
-    a walk over every message, off the event loop when ``large``."""
-    return await offload(large, lambda: turn.wire.outgoing(turn.body, messages, extra or []))
+                     extra: list[dict[str, Any]] | None = None, note: Note | None = None
+                     ) -> dict[str, Any]:
+    """The request's body in the upstream's API around ``messages`` (and ``extra`` tools,
+    and the window's ``note``): a walk over every message, off the event loop when
+    ``large``."""
+    return await offload(large, lambda: turn.wire.outgoing(turn.body, messages, extra or [],
+                                                           note))
 
 
 def compute_window(state: AppState, turn: Turn, session: Session, history: History,

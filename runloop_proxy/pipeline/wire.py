@@ -19,6 +19,7 @@ import orjson
 
 from ..conversation.messages import Message, ToolCall
 from ..errors import UpstreamBadReply
+from ..window.builder import Note
 from .sse import SSEEvent
 from .tools import ProxyTools
 
@@ -131,8 +132,11 @@ class Wire(Protocol):
         """An upstream's error answer (status, body) as this API's client gets it."""
 
     def outgoing(self, body: dict[str, Any], messages: list[Message],
-                 extra_tools: list[dict[str, Any]]) -> dict[str, Any]:
-        """The upstream body for this window (``extra_tools``: the proxy's, when offered)."""
+                 extra_tools: list[dict[str, Any]], note: Note | None = None
+                 ) -> dict[str, Any]:
+        """The upstream body for this window (``extra_tools``: the proxy's, when offered;
+        ``note``: the marker's note as the pieces it grew by, for an API that can keep them
+        apart)."""
 
     def next_round(self, sent: dict[str, Any], messages: list[Message],
                    withdraw: frozenset[str]) -> dict[str, Any]:

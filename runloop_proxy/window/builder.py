@@ -22,6 +22,7 @@ from ..conversation.messages import Message, content_hash, tool_calls_of
 from ..conversation.runloops import segment
 from .forms import (
     DEFAULT_NAMES,
+    SUMMARY_HEAD,
     TAG,
     Budget,
     Conversation,
@@ -41,6 +42,12 @@ from .plan import _Replay
 from .plan import aged_loops as aged_loops
 from .plan import batch_omission as batch_omission
 
+# the marker's note as the pieces its text grew by: its position in the window, and texts
+# whose "\n"-join is its content — the marker and the summary's head, then the first summary
+# of the lineage's append chain and what each later one appended (a provider whose cache
+# works by content blocks can keep the old pieces cached when a new one is appended)
+Note = tuple[int, tuple[str, ...]]
+
 
 @dataclass(frozen=True)
 class Window:
@@ -55,6 +62,7 @@ class Window:
     events: tuple[Event, ...] = ()
     carry: Carry | None = field(default=None, compare=False, repr=False)
     budget: Budget | None = field(default=None, compare=False, repr=False)
+    note: Note | None = None
 
     def offers_tools(self, policy: Policy, client_tools: bool) -> bool:
         """Whether the request goes out with the proxy's tools: when something was left out,
@@ -234,7 +242,45 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
     return Window(out if changed else messages, changed, fits, tokens_in,
                   tokens_out if changed else tokens_in, tuple(elided),
                   replay.plan.reduced_upto - replay.plan.omit_upto, replay.plan.omit_upto,
-                  tuple(events), next_carry, budget)
+                  tuple(events), next_carry, budget,
+                  _note(out, conv, replay) if changed else None)
+
+
+def _note(out: list[Message], conv: Conversation, replay: _Replay) -> Note | None:
+    """Where the marker's note stands in ``out`` and the pieces its text grew by (``Note``);
+    None without an omission, or where the note joined the system prompt (strict roles)."""
+    if not replay.plan.omit_upto or conv.policy.strict_roles:
+        return None
+    preamble = conv.marked_preamble(replay.summary, replay.show_opening)[0]
+    at = len(preamble) - 1
+    note = preamble[at]
+    if len(out) <= at or out[at] is not note:
+        return None
+    text = str(note.get("content"))
+    pieces: tuple[str, ...] = (text,)
+    summary = replay.summary
+    if summary and text.endswith(f"\n{SUMMARY_HEAD}\n{summary}"):
+        head = text[:len(text) - len(summary) - 1]
+        pieces = (head, *summary_pieces(summary, replay.summaries, replay.plan.omit_upto))
+    return (at, pieces) if "\n".join(pieces) == text else None
+
+
+def summary_pieces(summary: str, summaries: dict[int, str], upto: int) -> tuple[str, ...]:
+    """``summary`` as the pieces it grew by: the first summary of the lineage's append
+    chain that ends in it, then what each later summary appended after a newline (a summary
+    that condensed the others starts a chain of its own). Their "\n"-join is ``summary``."""
+    chain: list[str] = []
+    for e in sorted(e for e in summaries if e <= upto):
+        text = summaries[e]
+        if not text or (chain and text == chain[-1]):
+            continue
+        if chain and text.startswith(chain[-1] + "\n") and text[len(chain[-1]) + 1:].strip():
+            chain.append(text)
+        else:
+            chain = [text]
+    if not chain or chain[-1] != summary:
+        return (summary,)
+    return (chain[0], *(b[len(a) + 1:] for a, b in zip(chain, chain[1:], strict=False)))
 
 
 def _nothing_to_do(messages: list[Message], counts: list[int], policy: Policy, budget: Budget,
