@@ -227,14 +227,14 @@ def test_the_client_json_loses_the_proxys_calls_and_sums_usage() -> None:
     reply = wire.parse(data)
     decision = decide(reply.calls, TOOLS, 0, 4)
     assert decision.step is Step.MIXED
-    out = wire.client_json(data, decision, {"input_tokens": 25, "output_tokens": 4})
+    out = wire.client_json(data, decision, {"input_tokens": 25, "output_tokens": 4}, TOOLS)
     assert [b.get("id") for b in out["content"]] == [None, "t1"]
     assert out["stop_reason"] == "tool_use"
     assert out["usage"]["input_tokens"] == 25 and out["usage"]["output_tokens"] == 4
     only_mine = completion(None, [call("m1", "recall_tool_call", "{}")], "tool_calls")
     withdrawn = decide(wire.parse(only_mine).calls, TOOLS, 4, 4)
     assert withdrawn.step is Step.WITHDRAWN
-    out = wire.client_json(only_mine, withdrawn, {})
+    out = wire.client_json(only_mine, withdrawn, {}, TOOLS)
     assert out["content"] == [] and out["stop_reason"] == "end_turn"
 
 

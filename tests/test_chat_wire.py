@@ -111,11 +111,11 @@ def test_the_client_json_loses_the_proxys_calls() -> None:
     mixed = completion({"role": "assistant", "content": None,
                         "tool_calls": [PROXY_CALL, CLIENT_CALL]})
     out = WIRE.client_json(mixed, decide([PROXY_CALL, CLIENT_CALL], TOOLS, 0, 4),
-                           {"prompt_tokens": 7})
+                           {"prompt_tokens": 7}, TOOLS)
     assert out["choices"][0]["message"]["tool_calls"] == [CLIENT_CALL]
     assert out["choices"][0]["finish_reason"] == "tool_calls" and out["usage"]["prompt_tokens"] == 7
     withdrawn = completion({"role": "assistant", "content": None, "tool_calls": [PROXY_CALL]})
-    out = WIRE.client_json(withdrawn, decide([PROXY_CALL], TOOLS, 4, 4), {})
+    out = WIRE.client_json(withdrawn, decide([PROXY_CALL], TOOLS, 4, 4), {}, TOOLS)
     msg = out["choices"][0]["message"]
     assert "tool_calls" not in msg and msg["content"] == "" and \
         out["choices"][0]["finish_reason"] == "stop" and "usage" not in out

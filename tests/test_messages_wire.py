@@ -205,13 +205,13 @@ def test_the_client_json_loses_the_proxys_calls_and_sums_usage() -> None:
     reply = WIRE.parse(data)
     decision = decide(reply.calls, TOOLS, 0, 4)
     assert decision.step is Step.MIXED
-    out = WIRE.client_json(data, decision, {"input_tokens": 12, "output_tokens": 3})
+    out = WIRE.client_json(data, decision, {"input_tokens": 12, "output_tokens": 3}, TOOLS)
     assert [b["type"] for b in out["content"]] == ["text", "tool_use"]
     assert out["content"][1]["id"] == "t2" and out["stop_reason"] == "tool_use"
     assert out["usage"] == {"input_tokens": 12, "output_tokens": 3, "service_tier": "standard"}
     withdrawn = decide(reply.calls[:1], TOOLS, 4, 4)
     assert WIRE.client_json({**data, "content": data["content"][:2]}, withdrawn,
-                            {})["stop_reason"] == "end_turn"
+                            {}, TOOLS)["stop_reason"] == "end_turn"
 
 
 def test_the_next_round_withdraws_the_proxys_tools() -> None:

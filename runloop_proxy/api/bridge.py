@@ -83,8 +83,8 @@ class BridgeWire:
                      answer["id"])
 
     def client_json(self, data: dict[str, Any], decision: Decision,
-                    usage: dict[str, Any]) -> dict[str, Any]:
-        return self.native.client_json(message_of(data, ""), decision, usage)
+                    usage: dict[str, Any], tools: ProxyTools) -> dict[str, Any]:
+        return self.native.client_json(message_of(data, ""), decision, usage, tools)
 
     def relay(self, request: dict[str, Any]) -> BridgeRelay:
         return BridgeRelay(str(request.get("model", "")))

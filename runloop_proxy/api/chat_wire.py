@@ -1,6 +1,8 @@
 """Chat completions on the wire (pure): a window as an upstream body, an answer as a Reply, and
 a streamed answer rewritten for the client — the proxy's tool calls dropped, the client's
-renumbered from 0, one stream id across rounds, usage summed into one final chunk."""
+renumbered from 0, and across rounds one answer as one upstream would stream it: one id and
+one ``created``, each choice's role said once, usage summed into one final chunk shaped as
+the upstream's own."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class ChatWire(Native):
                      usage if isinstance(usage, dict) else None)
 
     def client_json(self, data: dict[str, Any], decision: Decision,
-                    usage: dict[str, Any]) -> dict[str, Any]:
+                    usage: dict[str, Any], tools: ProxyTools) -> dict[str, Any]:
         choice = data["choices"][0]
         msg = choice["message"]
         if decision.step is Step.MIXED:
@@ -273,8 +275,11 @@ class ChatRelay:
         self.want_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self.model = str(request.get("model", ""))
         self.stream_id: str | None = None
+        self.created: Any = None
         self.next_index = 0
         self.template: dict[str, Any] = {}
+        self.usage_chunk: dict[str, Any] = {}  # the upstream's last usage chunk: its shape
+        self.opened: set[Any] = set()  # the choices whose role the client has been told
         self.content: list[str] = []
 
     def round(self, tools: ProxyTools) -> ChatRound:
@@ -293,11 +298,14 @@ class ChatRelay:
     def end(self, usage: dict[str, Any]) -> list[bytes]:
         out = []
         if self.want_usage:
-            t = self.template
-            out.append(encode_json({"id": self.stream_id, "object": "chat.completion.chunk",
-                                    "created": t.get("created", int(time.time())),
-                                    "model": t.get("model", self.model), "choices": [],
-                                    "usage": usage}))
+            # the upstream's own usage chunk (its system_fingerprint, service_tier, …) when
+            # it sent one, with every round's usage
+            t = self.usage_chunk or self.template
+            out.append(encode_json({
+                **{k: v for k, v in self.usage_chunk.items() if k != "usage"},
+                "id": self.stream_id, "object": t.get("object", "chat.completion.chunk"),
+                "created": t.get("created", int(time.time())),
+                "model": t.get("model", self.model), "choices": [], "usage": usage}))
         out.append(DONE)
         return out
 
@@ -449,14 +457,25 @@ class ChatRound(ChunkRound):
         relay = self.relay
         if relay.stream_id is None:
             relay.stream_id = chunk.get("id")
-        elif "id" in chunk:
-            chunk["id"] = relay.stream_id
+            relay.created = chunk.get("created")
+        else:  # a later round is the same answer: its id and its time
+            for key, value in (("id", relay.stream_id), ("created", relay.created)):
+                if key in chunk and value is not None:
+                    chunk[key] = value
         choices = chunk.get("choices")
         if not choices:
-            return None if chunk.get("usage") is not None else chunk
+            if chunk.get("usage") is None:
+                return chunk
+            relay.usage_chunk = chunk
+            return None
         chunk.pop("usage", None)
         for choice in choices:
             delta = choice.get("delta") or {}
+            if delta.get("role"):  # said once per choice: a client adds up what repeats
+                if choice.get("index", 0) in relay.opened:
+                    del delta["role"]
+                else:
+                    relay.opened.add(choice.get("index", 0))
             kept = self.split.feed(delta.get("tool_calls") or [])
             if choice.get("finish_reason"):
                 kept += self.split.finish()

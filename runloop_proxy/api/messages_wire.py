@@ -78,7 +78,7 @@ class MessagesWire(Native):
                      data.get("id") if isinstance(data.get("id"), str) else None)
 
     def client_json(self, data: dict[str, Any], decision: Decision,
-                    usage: dict[str, Any]) -> dict[str, Any]:
+                    usage: dict[str, Any], tools: ProxyTools) -> dict[str, Any]:
         mine = {c["id"] for c in decision.mine}
         data["content"] = [b for b in data["content"]
                            if not (b.get("type") == "tool_use" and b.get("id") in mine)]

@@ -2,7 +2,9 @@
 and a streamed answer rewritten for the client — the proxy's function calls and every event of
 theirs dropped, output indexes and sequence numbers renumbered across the proxy's rounds, one
 ``response.created`` and one ``response.completed`` (every round's usage summed, every item
-the client saw) for the whole answer."""
+the client saw) for the whole answer. A response echoes the request it answers (its tools
+among the rest): every response object the client is shown, JSON or in an event, echoes the
+client's tools, never the proxy's (``shown_response``)."""
 
 from __future__ import annotations
 
@@ -60,11 +62,12 @@ class ResponsesWire(Native):
         return reply_of(data)
 
     def client_json(self, data: dict[str, Any], decision: Decision,
-                    usage: dict[str, Any]) -> dict[str, Any]:
+                    usage: dict[str, Any], tools: ProxyTools) -> dict[str, Any]:
         mine = {c["id"] for c in decision.mine}
         data["output"] = [i for i in data["output"] if not _is_call_in(i, mine)]
         if usage:
             data["usage"] = usage
+        shown_response(data, tools)
         return data
 
     def relay(self, request: dict[str, Any]) -> ResponsesRelay:
@@ -87,6 +90,14 @@ def response_problem(data: Any) -> str | None:
                 and isinstance(item.get("arguments", ""), str)):
             return "a function call is malformed"
     return None
+
+
+def shown_response(response: Any, tools: ProxyTools) -> None:
+    """A response object made what the client is shown: its echo of the request's tools
+    without the proxy's (they went upstream with the request; the client never sent them)."""
+    echoed = response.get("tools") if isinstance(response, dict) else None
+    if isinstance(echoed, list):
+        response["tools"] = [t for t in echoed if tool_name(t) not in tools.names]
 
 
 def reply_of(response: dict[str, Any]) -> Reply:
@@ -224,12 +235,14 @@ class ResponsesRound:
             if not self.first:
                 return []  # later rounds are the same response for the client
             relay.response_id = relay.response_id or (data.get("response") or {}).get("id")
+            shown_response(data.get("response"), self.tools)
             return [relay.emit(data)]
         if kind in ENDS:
             if not isinstance(data.get("response"), dict) or response_problem(data["response"]):
                 raise bad_reply("a completed response", data)
             self.response = data["response"]
             relay.last = {k: v for k, v in self.response.items() if k != "output"}
+            shown_response(relay.last, self.tools)
             output = self.response.get("output") or []
             for at in self.held:
                 if at not in self.mine:

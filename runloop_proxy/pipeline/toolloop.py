@@ -124,7 +124,7 @@ async def answer_json(r: Rounds, raw: bytes) -> tuple[dict[str, Any], Outcome]:
         convo += [reply.message, *results]
         rounds += 1
         data = await parsed(await (await r.again(convo, rounds)).read(r.max_answer))
-    out = r.wire.client_json(data, decision, usage)
+    out = r.wire.client_json(data, decision, usage, r.tools)
     return out, await _finish(r, reply, decision, before, client_message(reply, decision), usage,
                               reply.id, first)
 

@@ -149,8 +149,9 @@ class Wire(Protocol):
         """A JSON answer as a Reply; UpstreamBadReply when it is not one."""
 
     def client_json(self, data: dict[str, Any], decision: Decision,
-                    usage: dict[str, Any]) -> dict[str, Any]:
-        """The JSON answer the client gets: the proxy's calls removed, usage of every round."""
+                    usage: dict[str, Any], tools: ProxyTools) -> dict[str, Any]:
+        """The JSON answer the client gets: the proxy's calls removed, usage of every round,
+        nothing of ``tools`` (the proxy's) in what it echoes of the request."""
 
     def relay(self, request: dict[str, Any]) -> StreamRelay: ...
 
