@@ -58,6 +58,11 @@ class InvalidRequest(ClientError):
 
 
 class ContextLengthExceeded(ClientError):
+    """A request that cannot fit. Its OpenAI-shaped message opens in OpenAI's own words, as
+    an upstream's would: clients tell this error by its text (LiteLLM raises its
+    ContextWindowExceededError, and falls back to a larger model, on "This model's maximum
+    context length is"), as Anthropic's clients do by "prompt is too long"."""
+
     code = "context_length_exceeded"
 
     def __init__(self, message: str, *, param: str | None = None, needed: int | None = None,
@@ -65,6 +70,14 @@ class ContextLengthExceeded(ClientError):
         super().__init__(message, param=param)
         self.needed = needed  # the prompt's tokens after compression
         self.allowed = allowed  # what the model's window leaves for it
+
+    def body(self) -> dict[str, Any]:
+        said = self.message
+        if self.needed is not None and self.allowed is not None:
+            said = (f"This model's maximum context length is {self.allowed} tokens for the "
+                    f"messages here. However, your messages resulted in {self.needed} tokens. "
+                    f"{said}")
+        return error_body(said, self.error_type, self.param, self.code)
 
 
 class AuthenticationFailed(ClientError):

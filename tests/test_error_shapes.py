@@ -5,6 +5,7 @@ Messages paths, each method and each way the proxy itself refuses a request."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -244,3 +245,39 @@ def test_an_optional_field_of_the_wrong_type_names_what_it_must_be_in_every_api(
 
 def json_kind_of(value: Any) -> str:
     return {str: "a string", list: "an array"}[type(value)]
+
+
+HUGE = " ".join(f"w{i}" for i in range(6000))
+OPENAI_WORDS = re.compile(r"This model's maximum context length is (\d+) tokens[^.]*\. "
+                          r"However, your messages resulted in (\d+) tokens\. ")
+ANTHROPIC_WORDS = re.compile(r"prompt is too long: (\d+) tokens > (\d+) maximum\. ")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("path", REQUIRED)
+def test_a_request_that_cannot_fit_is_told_in_its_apis_own_words(
+        make_proxy: Any, upstream: ScriptedUpstream, path: str, stream: bool) -> None:
+    """Clients tell a context error by its words as their provider writes them: OpenAI's
+    (LiteLLM raises ContextWindowExceededError on "This model's maximum context length is",
+    and falls back to a larger model; it read the proxy's own wording as a plain 400), and
+    Anthropic's "prompt is too long" (Claude Code compacts) — each alone, in its own API."""
+    proxy = make_proxy(context_window=2000)
+    body: dict[str, Any] = {**REQUIRED[path][0], "model": "unknown-model", "stream": stream}
+    if "input" in body:
+        body["input"] = HUGE
+    else:
+        body["messages"] = [{"role": "user", "content": HUGE}]
+    r = httpx.post(proxy.base + path, json=body, timeout=30,
+                   headers={"Authorization": "Bearer sk-ctx", "x-api-key": "sk-ctx"})
+    check(r, path, 400)
+    message = r.json()["error"]["message"]
+    if path in MESSAGES:
+        words = ANTHROPIC_WORDS.match(message)
+        assert words and "maximum context length" not in message, message
+        needed, allowed = map(int, words.groups())
+    else:
+        words = OPENAI_WORDS.match(message)
+        assert words and r.json()["error"]["code"] == "context_length_exceeded", message
+        allowed, needed = map(int, words.groups())
+    assert 0 < allowed < 2000 < needed
+    assert not upstream.requests

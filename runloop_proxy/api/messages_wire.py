@@ -150,6 +150,7 @@ def error_shape(status: int, body: dict[str, Any], exc: Exception | None) -> dic
     err: dict[str, Any] = body["error"] if isinstance(body.get("error"), dict) else {}
     message = str(err.get("message", "error"))
     if isinstance(exc, ContextLengthExceeded) and exc.needed is not None:
-        message = f"prompt is too long: {exc.needed} tokens > {exc.allowed} maximum. {message}"
+        message = f"prompt is too long: {exc.needed} tokens > {exc.allowed} maximum. " \
+            f"{exc.message}"  # Anthropic's words, not OpenAI's too
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
                                        "message": message}}
