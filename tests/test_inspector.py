@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.conversation.items import to_items, to_messages
 from runloop_proxy.conversation.messages import canonical
 from runloop_proxy.ops.inspector_message import calls_html
+from runloop_proxy.ops.inspector_shell import sign
 from runloop_proxy.ops.inspector_window import rebuild
 from runloop_proxy.scripted import ScriptedUpstream
 
@@ -91,6 +93,65 @@ def test_the_one_form_that_acts_needs_its_csrf_token(inspected: ProxyServer) -> 
     assert other.status_code == 403
     done = c.post("/admin/ui/compact", data={**form, "csrf": token.group(1)})
     assert done.status_code == 303 and "session?" in done.headers["location"]
+
+
+def test_compact_now_refuses_every_cross_site_shape(inspected: ProxyServer) -> None:
+    """The one form that acts is answered only from the proxy's own origin (or none) and with
+    the token made for the very cookie it comes with. Swept: origins that differ by host,
+    port or scheme or are opaque, and tokens missing, cut, grown, another login's, another
+    admin key's — each a 403 that compacts nothing; the controls compact. Planted, each red:
+    the origin compared by host alone, the token made from the admin key alone (one login's
+    token good for every other), a token accepted by its prefix."""
+    port, sid = inspected.port, named_key("order-desk-7")
+    exp = int(time.time()) + 3600
+    mine, other = (f"{e}.{sign(ADMIN_KEY, f'ui:{e}')}" for e in (exp, exp + 1))
+
+    def post(cookie: str, form: dict[str, str], origin: str | None) -> httpx.Response:
+        headers = {"Cookie": f"rl_admin={cookie}", **({"Origin": origin} if origin else {})}
+        return httpx.post(inspected.base + "/admin/ui/compact", data=form, headers=headers,
+                          follow_redirects=False)
+
+    def token(cookie: str) -> str:
+        page = httpx.get(inspected.base + "/admin/ui/session", headers={
+            "Cookie": f"rl_admin={cookie}"}, params={"tenant": "acme", "id": "order-desk-7"})
+        found = re.search(r"name='csrf' value='([0-9a-f]+)'", page.text)
+        assert found, page.text[:300]
+        return found.group(1)
+
+    def summaries() -> dict[str, str]:
+        return inspected.run(inspected.state.store.summaries("acme", sid))  # type: ignore[no-any-return]
+
+    def clear() -> None:
+        store = inspected.state.store
+        inspected.run(store.client.delete(store.prefix("acme", sid) + ":sum"))
+
+    good, theirs = token(mine), token(other)
+    assert good != theirs, "a token is its login's"
+    form = {"tenant": "acme", "id": "order-desk-7"}
+    own = f"http://127.0.0.1:{port}"
+    origins = [f"http://127.0.0.1:{port + 1}", f"https://127.0.0.1:{port}",
+               f"http://localhost:{port}", "http://127.0.0.1", "null",
+               f"http://127.0.0.1:{port}.evil.example", "https://evil.example"]
+    tokens = {"none": None, "empty": "", "cut": good[:16], "grown": good + "0",
+              "upper-case": good.upper(), "another login's": theirs,
+              "another admin key's": sign("admin-other-key-0123456789", f"csrf:{mine}")[:32]}
+    clear()
+    before = summaries()
+    for origin in origins:
+        r = post(mine, {**form, "csrf": good}, origin)
+        assert r.status_code == 403 and "another site" in r.text, (origin, r.status_code)
+    for name, value in tokens.items():
+        for origin in (None, own):
+            r = post(mine, form if value is None else {**form, "csrf": value}, origin)
+            assert r.status_code == 403 and "expired" in r.text, (name, origin, r.status_code)
+    assert summaries() == before, "refused, yet it compacted"
+    for origin in (own, None):  # the controls: the form as the page makes it
+        clear()
+        r = post(mine, {**form, "csrf": good}, origin)
+        assert r.status_code == 303 and "session?" in r.headers["location"], (origin, r.text)
+        assert any(k.startswith("omit:") for k in summaries()), origin
+    r = post(other, {**form, "csrf": theirs}, own)  # the other login, with its own token
+    assert r.status_code == 303, r.text
 
 
 FIGURES = re.compile(r"the client sent <b>([\d,]+)</b> tokens, <b>([\d,]+)</b> went upstream")

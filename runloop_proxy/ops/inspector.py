@@ -164,8 +164,10 @@ async def compact_now(request: Request) -> Response:
         return guarded
     state, cookie = guarded
     origin = request.headers.get("origin")
-    if origin and urllib.parse.urlsplit(origin).netloc != request.url.netloc:
-        return error("refused", "A form from another site.", 403)
+    if origin:  # an origin is its scheme, host and port: any of them other is another site
+        sent = urllib.parse.urlsplit(origin)
+        if (sent.scheme, sent.netloc) != (request.url.scheme, request.url.netloc):
+            return error("refused", "A form from another site.", 403)
     form = await _form(request)
     if not hmac.compare_digest(params.form_text(form, "csrf"), csrf_token(state, cookie)):
         return error("refused", "The form has expired; reload the page.", 403)
