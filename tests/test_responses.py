@@ -144,7 +144,11 @@ def test_a_long_stateless_session_is_compressed_and_recalled_byte_for_byte(
     goes upstream is far smaller, and a cut output comes back whole when the model asks —
     from a reduced past loop (40 tasks) or from the open loop's cut outputs (one task)."""
     k = 35 if tasks else 0  # a reduced past loop still in view; the open loop's first step
-    upstream.responder = recalling(f"call_{k}", k)
+    model = recalling(f"call_{k}", k)
+    # each round's response named by its round: the client must be given the last one's (the
+    # first is stored upstream with the proxy's call unanswered: chaining on it would fail)
+    upstream.responder = lambda body: {**model(body),
+                                       "response_id": f"resp_round{len(upstream.requests)}"}
     items = agent_turns(40, tasks)
     if tasks:
         items.append({"type": "message", "role": "user",
@@ -169,6 +173,10 @@ def test_a_long_stateless_session_is_compressed_and_recalled_byte_for_byte(
     said = "Let me look." if stream else ""
     assert final.output_text == f"{said}recalled {len(BIG.format(k=k))} chars"
     assert all(o.type != "function_call" for o in final.output)
+    # JSON answers with the last round's response; a stream keeps the id its
+    # response.created showed (the SDK refuses a lifecycle whose id changes)
+    n = len(upstream.requests)
+    assert final.id == f"resp_round{n - 1 if stream else n}"
     assert final.usage is not None and final.usage.input_tokens == sum(
         _usage(b) for b in upstream.requests[-2:])
     first, second = upstream.requests[-2], upstream.requests[-1]
@@ -180,6 +188,36 @@ def test_a_long_stateless_session_is_compressed_and_recalled_byte_for_byte(
                         "output": BIG.format(k=k)}
     if not tasks:  # the open loop's last reasoning and call go up as they came
         assert items[-3:-1] == first["input"][-3:-1]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_chained_on_an_answer_of_several_rounds_goes_on_from_the_last(
+        proxy: ProxyServer, upstream: ScriptedUpstream, stream: bool) -> None:
+    """An answer the proxy's tools took two rounds over is two responses upstream; the
+    first holds the proxy's call with no output, and a request chained on it would be
+    refused ("No tool output found"). JSON gives the client the last round's id; a stream
+    must keep the id its response.created showed, so a request chained on that id is sent
+    on from the last round's (stored, answered), and its session is the same."""
+    model = recalling("call_0", 0)
+    upstream.responder = lambda body: {**model(body),
+                                       "response_id": f"resp_r{len(upstream.requests)}"}
+    c = sdk(proxy, f"chain-{stream}")
+    kw: dict[str, Any] = {"model": "gpt-4o-mini", "input": agent_turns(40, False),
+                          "tools": TOOLS}
+    if stream:
+        with c.responses.stream(**kw) as s:
+            final = s.get_final_response()
+    else:
+        final = c.responses.create(**kw)
+    assert len(upstream.requests) == 2 and final.output_text.startswith(
+        "Let me look." if stream else "recalled")
+    proxy.settle()
+    follow = c.responses.create(model="gpt-4o-mini", previous_response_id=final.id,
+                                input=[{"role": "user", "content": "and then?"}])
+    sent = upstream.requests[-1]
+    assert sent["previous_response_id"] == "resp_r2"  # the last round's: the whole turn
+    assert sent["input"] == [{"role": "user", "content": "and then?"}]  # nothing else
+    assert follow.output_text == "nothing to recall"
 
 
 def _usage(body: dict[str, Any]) -> int:

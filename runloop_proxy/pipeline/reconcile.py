@@ -180,6 +180,11 @@ def response_anchor(response_id: str) -> str:
     return content_hash(f"response\0{response_id}".encode())
 
 
+def response_alias(response_id: str) -> str:
+    """Where the id a request must chain on in place of ``response_id`` is kept."""
+    return content_hash(f"response-alias\0{response_id}".encode())
+
+
 async def _chained(state: AppState, turn: Turn, session: Session, store: RedisStore, ns: str,
                    hashed: list[Prepared]) -> tuple[Session, History]:
     """A request chained on ``previous_response_id``: the conversation is upstream. It joins
@@ -187,6 +192,10 @@ async def _chained(state: AppState, turn: Turn, session: Session, store: RedisSt
     that session is a named one: a response id is no name for it (anyone shown the id could
     then write into it and be shown its name), so the chain goes on in a session of its own."""
     assert turn.chained is not None
+    # a streamed answer the proxy's tools took rounds over showed the client its first
+    # round's id (a stream's identity cannot change), stored upstream with the proxy's call
+    # unanswered: the chain goes on from the last round's, which holds the whole turn
+    chain_to = await store.anchored(ns, response_alias(turn.chained))
     if session.kind is SessionKind.FINGERPRINT:
         found = await store.anchored(ns, response_anchor(turn.chained))
         if found is not None and found.startswith(NAMED_PREFIXES):
@@ -194,7 +203,8 @@ async def _chained(state: AppState, turn: Turn, session: Session, store: RedisSt
         key = found or chained_key(turn.chained)
         session = Session(key, SessionKind.CHAINED, "previous_response_id", label=key)
     prepared = await _counted(state, turn, turn.messages, hashed)
-    return session, History(turn.messages, prepared, appended=(prepared, 0))
+    return session, History(turn.messages, prepared, appended=(prepared, 0),
+                            chain_to=chain_to)
 
 
 async def _continuation(turn: Turn, session: Session, store: RedisStore,
@@ -234,14 +244,22 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
                  reply: Message | None, kept: dict[str, Any] | None,
                  large: bool = False, answer_id: str | None = None,
                  tokens: tuple[int, int] | None = None,
-                 frame: dict[str, Any] | None = None) -> None:
+                 frame: dict[str, Any] | None = None, chain: str | None = None) -> None:
     """After a 2xx, off the request path: add the client's side of the turn and the answer it
     got to the session's history (written behind), the proxy's part of the turn to splice
     back next time, and for a fingerprinted session an anchor that finds it again from its
-    reply. ``large``: the answer is counted off the event loop."""
+    reply. ``large``: the answer is counted off the event loop. ``chain``: the upstream id a
+    request chaining on ``answer_id`` must go on from (``toolloop.Outcome.chain``)."""
     store, ns = state.store, turn.caller.namespace
     if store is None or ns is None or history.degraded == "store":
         return
+    if answer_id is not None and chain is not None and turn.wire.api == "responses" \
+            and turn.body.get("store") is not False:
+        # noted before anything here waits, as the anchor below is: the client may chain on
+        # the answer the moment it has it
+        store.note_anchor(ns, response_alias(answer_id), chain)
+        state.spawn(_anchor(store, ns, response_alias(answer_id), chain,
+                            turn.caller.tenant.retention_days))
     if answer_id is not None and turn.wire.api == "responses" \
             and turn.body.get("store") is not False and not session.explicit:
         # before anything here waits: a request chaining on this answer may come before

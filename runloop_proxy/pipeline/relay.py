@@ -90,7 +90,8 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     _calibrate(state, turn, rlog, outcome.first)
     rlog.usage(outcome.usage)
     state.spawn(record(state, turn, session, history, outcome.shown, outcome.kept,
-                       answer_id=outcome.id, tokens=rlog.prompt_tokens, frame=rlog.frame))
+                       answer_id=outcome.id, tokens=rlog.prompt_tokens, frame=rlog.frame,
+                       chain=outcome.chain))
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps(data))
 
@@ -257,7 +258,8 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
             rlog.usage(outcomes[0].usage)
             state.spawn(record(state, turn, session, history, outcomes[0].shown,
                                outcomes[0].kept, answer_id=outcomes[0].id,
-                               tokens=rlog.prompt_tokens, frame=rlog.frame))
+                               tokens=rlog.prompt_tokens, frame=rlog.frame,
+                               chain=outcomes[0].chain))
     except UpstreamError as exc:
         status = exc.status
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,

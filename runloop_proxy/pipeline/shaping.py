@@ -132,12 +132,15 @@ def _chains_at(state: AppState, turn: Turn, session: Session, history: History) 
 
 async def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
     """The request as the client sent it; in server-history mode, with the stored history;
-    in the upstream's API when it speaks another (the bridge). A conversion walks every
-    message: a large one's runs off the event loop, as the window's does."""
+    in the upstream's API when it speaks another (the bridge); chained on the response the
+    upstream must go on from (``History.chain_to``). A conversion walks every message: a
+    large one's runs off the event loop, as the window's does."""
     if turn.server_history and not history.degraded:
         return await _converted(turn, turn.large or history.large, history.messages)
     if turn.wire.translates:
         return await _converted(turn, turn.large, turn.messages)
+    if history.chain_to is not None:
+        return {**turn.body, "previous_response_id": history.chain_to}
     return turn.raw
 
 

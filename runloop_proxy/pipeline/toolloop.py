@@ -42,6 +42,9 @@ class Outcome:
     usage: dict[str, Any]
     id: str | None = None  # the id the client got for the answer
     first: dict[str, Any] | None = None  # the first call's usage (the prompt the proxy counted)
+    # the upstream's id of the last round, where the client got another (a stream's first):
+    # the response stored upstream with the proxy's calls answered, the one to chain on
+    chain: str | None = None
 
 
 @dataclass
@@ -88,8 +91,9 @@ async def _finish(r: Rounds, reply: Reply, decision: Decision, before: list[Mess
     # client's results; withdrawn ones are never run.
     after = [await r.runner.run(c) for c in decision.mine] if decision.step is Step.MIXED \
         else []
+    chain = reply.id if reply.id is not None and reply.id != answer_id else None
     return Outcome(shown, _kept(before, decision, reply.message, after), usage, answer_id,
-                   first)
+                   first, chain)
 
 
 def parse_json(raw: bytes) -> Any:

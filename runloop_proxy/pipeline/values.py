@@ -171,6 +171,9 @@ class History:
     appended: tuple[list[Prepared], int] | None = None
     new_from: int | None = None
     large: bool = False  # what the store brought is large (server-history mode): off the loop
+    # a chained request's previous_response_id as the upstream must read it: the last round
+    # of a streamed answer the proxy's tools took several rounds over (``reconcile.aliased``)
+    chain_to: str | None = None
 
     def to_store(self) -> list[Prepared]:
         """The whole conversation as it is stored: what the client sent, with what it
