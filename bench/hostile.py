@@ -71,6 +71,20 @@ def nested_kinds(depth: int) -> dict[str, Any]:
     return {"type": "object", "properties": {"x": schema}}
 
 
+def nested(depth: int, wrap: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """A schema of ``depth`` levels of ``wrap`` around a string, under one property."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(depth):
+        schema = wrap(schema)
+    return {"type": "object", "properties": {"x": schema}}
+
+
+# one piece the tokenizer cannot split (no space, no punctuation), in a body under the size
+# that leaves the event loop: tiktoken up to 0.12 merges a piece in time quadratic in its
+# length (40,000 CJK characters: seconds), whatever the rest of the request
+ONE_PIECE = "字" * 40_000
+
+
 def session(steps: int, result: Callable[[int], str]) -> list[dict[str, Any]]:
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are an agent."},
                                   user("start")]
@@ -100,6 +114,24 @@ def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
             tool_fn("f", nested_kinds(13))]), None),
         ("tool schema: type lists nested 40 deep, wide", chat([user("hi")], tools=[
             tool_fn(f"f{i}", nested_kinds(40)) for i in range(60)]), None),
+        ("tool schema: anyOf nested 25 deep", chat([user("hi")], tools=[
+            tool_fn("f", nested(25, lambda s: {"anyOf": [s, {"type": "null"}]}))]), None),
+        ("tool schema: objects nested 25 deep, type lists", chat([user("hi")], tools=[
+            tool_fn("f", nested(25, lambda s: {"type": ["object", "null"],
+                                               "properties": {"p": s, "q": {}}}))]), None),
+        ("tool schema: a description of 40,000 CJK characters", chat([user("hi")], tools=[
+            tool_fn("f", {"type": "object", "properties": {"x": {
+                "type": "string", "description": ONE_PIECE}}})]), None),
+        ("Responses: a tool schema, one 40,000-character piece", {
+            "model": "gpt-4o", "store": False, "input": "hi", "tools": [
+                {"type": "function", "name": "f", "parameters": {
+                    "type": "object", "properties": {"x": {"enum": [ONE_PIECE]}}}}]}, None),
+        ("Messages: an input_schema, one 40,000-character piece", {
+            MESSAGES: True, "model": "claude-sonnet-4-6", "max_tokens": 64,
+            "messages": [{"role": "user", "content": "hi"}], "tools": [
+                {"name": "f", "input_schema": {"type": "object", "properties": {
+                    ONE_PIECE: {"type": "string"}}}}]}, None),
+        ("a message of 40,000 CJK characters in one piece", chat([user(ONE_PIECE)]), None),
         ("5,000 tools", chat([user("hi")], tools=[
             tool_fn(f"t{i}", {"type": "object", "properties": {"q": {"type": "string"}}},
                     "Looks a thing up in the catalogue.") for i in range(5000)]), None),

