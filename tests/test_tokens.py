@@ -397,3 +397,30 @@ def test_a_run_cut_into_spans_counts_within_a_token_a_span(kind: str) -> None:
         assert abs(count_text(enc, text) - exact) <= 2 * len(text) / (PIECE_CHARS // 2)
         cut = WindowTokens(TokenCounter(), enc, {}).cut(text, 100)
         assert cut is not None and abs(cut.elided + 100 - count_text(enc, text)) <= 1
+
+
+def test_a_models_encoding_is_resolved_once_and_the_models_kept_are_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each model name is resolved to its encoding once while it is kept (a mutation smoke's
+    survivor: a memo emptied at every call passed every test), and at most MODELS_KEPT
+    names are kept (clients name them), the oldest leaving first."""
+    from runloop_proxy.pipeline import tokens as tokens_module
+
+    counter = tokens_module.TokenCounter()
+    resolved: list[str] = []
+    real = counter._resolve
+
+    def resolve(model: str, override: str | None) -> Any:
+        resolved.append(model)
+        return real(model, override)
+
+    monkeypatch.setattr(counter, "_resolve", resolve)
+    monkeypatch.setattr(tokens_module, "MODELS_KEPT", 3)
+    for _ in range(5):
+        for model in ("gpt-4o", "gpt-4o-mini", "house-model"):
+            counter.encoding(model)
+    assert resolved == ["gpt-4o", "gpt-4o-mini", "house-model"]
+    counter.encoding("fourth-model")
+    assert len(counter._by_model) == 3 and ("gpt-4o", None) not in counter._by_model
+    counter.encoding("gpt-4o")  # gone: resolved again
+    assert resolved[-1] == "gpt-4o" and len(resolved) == 5
