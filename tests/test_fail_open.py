@@ -1,0 +1,127 @@
+"""Fail open, swept: a store that is gone or hangs never costs a caller the call, and each
+such answer says so three ways — the X-Runloop-Degraded header, a log line naming the
+tenant and why, and one count of runloop_degraded_requests_total{reason="store"} — on every
+API, JSON and streamed, count_tokens too. Checked per request, so a path that answers but
+forgets one of the three (a stream's metric, a log line gone) fails here naming it.
+Planted, each red: the degraded log line removed; the degraded metric not counted for
+streams; the header left out of a streamed answer."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from .conftest import ProxyServer, RedisServer
+
+KEY = "sk-fail-open-tests"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi there"}]}
+RESPONSES = {"model": "m", "input": "hi there"}
+MESSAGES = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi there"}]}
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("/chat/completions", CHAT), ("/chat/completions", {**CHAT, "stream": True}),
+    ("/responses", RESPONSES), ("/responses", {**RESPONSES, "stream": True}),
+    ("/messages", MESSAGES), ("/messages", {**MESSAGES, "stream": True}),
+    ("/messages/count_tokens", {"model": "m", "messages": MESSAGES["messages"]}),
+]
+
+
+class Hung:
+    """A Redis that accepts connections and never answers."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.fixture(params=["gone", "hung"])
+def degraded_proxy(request: pytest.FixtureRequest, make_proxy: Any) -> Iterator[ProxyServer]:
+    store = {"retry_after_s": 0.2, "timeout_s": 0.2}
+    if request.param == "gone":
+        server = RedisServer().start()
+        proxy = make_proxy(redis=server.url, store=store)
+        server.stop()
+        yield proxy
+        server.cleanup()
+    else:
+        hung = Hung()
+        yield make_proxy(redis=hung.url, store=store)
+        hung.close()
+
+
+def streamed_text(raw: str) -> str:
+    """The text a stream of any of the APIs carries, its deltas joined."""
+    out = []
+    for line in raw.splitlines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        data = orjson.loads(line[6:])
+        for choice in data.get("choices") or []:
+            out.append((choice.get("delta") or {}).get("content") or "")
+        if data.get("type") == "response.output_text.delta":
+            out.append(data["delta"])
+        if data.get("type") == "content_block_delta":
+            out.append(data["delta"].get("text") or "")
+    return "".join(out)
+
+
+def degraded_count(proxy: ProxyServer) -> float:
+    text = httpx.get(proxy.base + "/metrics").text
+    found = re.search(r'^runloop_degraded_requests_total\{reason="store",'
+                      r'tenant="passthrough"\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_every_api_answers_without_its_store_and_says_so_three_ways(
+        degraded_proxy: ProxyServer, caplog: pytest.LogCaptureFixture) -> None:
+    proxy = degraded_proxy
+    with caplog.at_level(logging.INFO):
+        for path, body in CASES:
+            where = f"{path} {'stream' if body.get('stream') else 'json'}"
+            counted, seen = degraded_count(proxy), len(caplog.records)
+            r = httpx.post(proxy.url + path, json=body, timeout=30, headers={
+                "Authorization": f"Bearer {KEY}", "X-Session-Id": "fail-open"})
+            # answered, and whole: the upstream's answer as it made it
+            assert r.status_code == 200, (where, r.text)
+            if path.endswith("count_tokens"):
+                assert r.json()["input_tokens"] > 0, where
+            else:
+                text = streamed_text(r.text) if body.get("stream") else r.text
+                assert "echo: hi there" in text, (where, r.text[:300])
+            if body.get("stream"):
+                assert r.headers["content-type"].startswith("text/event-stream"), where
+            # said three ways
+            assert r.headers.get("x-runloop-degraded") == "store", (where, dict(r.headers))
+            assert degraded_count(proxy) == counted + 1, f"{where}: not counted once"
+            said = [rec for rec in caplog.records[seen:] if rec.levelno >= logging.WARNING
+                    and "store" in rec.getMessage() and "uncompressed" in rec.getMessage()]
+            assert len(said) == 1, (where, [rec.getMessage() for rec in caplog.records[seen:]])
+            assert getattr(said[0], "tenant", None) == "passthrough" and \
+                getattr(said[0], "error", None), (where, said[0].__dict__)
