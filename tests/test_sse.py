@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -88,3 +89,55 @@ def test_what_an_event_holds_is_bounded_by_the_limit_whatever_its_lines(line: by
             fed += 64
     held = sys.getsizeof(decoder._data) + sum(sys.getsizeof(v) for v in decoder._data)
     assert held <= 2 * limit, (fed, held)
+
+
+# what an event's lines may carry: spaces at either end, colons, CR-free unicode (multibyte
+# characters split by any chunking), empty values — anything but a line break
+VALUES = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\r\n"),
+                 max_size=12)
+
+
+@st.composite
+def streams(draw: Any) -> tuple[bytes, list[SSEEvent]]:
+    """A stream written the ways the spec allows (any line ending, a space after the colon
+    or none, a bare field name for an empty value, comments, unknown fields) and the events
+    it must decode to."""
+    eol = draw(st.sampled_from([b"\n", b"\r\n", b"\r"]))
+    out, events = b"", []
+    last_id = None
+    for _ in range(draw(st.integers(1, 5))):
+        if draw(st.booleans()):
+            out += b":" + draw(VALUES).encode() + eol
+        name = draw(st.one_of(st.none(), VALUES.filter(lambda v: v.strip() == v and v != "")))
+        if name is not None:
+            out += b"event: " + name.encode() + eol
+        if draw(st.booleans()):
+            last_id = draw(VALUES.filter(lambda v: not v.startswith(" ")))
+            out += b"id: " + last_id.encode() + eol
+        lines = draw(st.lists(VALUES, min_size=1, max_size=3))
+        for value in lines:
+            if value == "" and draw(st.booleans()):
+                out += b"data" + eol  # a field with no colon: the whole line is its name
+            elif value.startswith(" ") or draw(st.booleans()):
+                out += b"data: " + value.encode() + eol  # one space after the colon is eaten
+            else:
+                out += b"data:" + value.encode() + eol
+            if draw(st.booleans()):
+                out += b"retry: 10" + eol
+        out += eol
+        events.append(SSEEvent("\n".join(lines), name, last_id))
+    return out, events
+
+
+@given(streams(), st.lists(st.integers(0, 400), max_size=16))
+def test_any_stream_decodes_to_its_events_in_any_chunking(
+        case: tuple[bytes, list[SSEEvent]], cuts: list[int]) -> None:
+    """Every stream the spec allows, cut anywhere (a line, a CRLF, a multibyte character
+    split), decodes to the events it was written from: data lines joined as sent, spaces
+    and colons in values kept, a bare field name an empty value. Planted, each red: values
+    stripped of their spaces; a line without a colon ignored."""
+    stream, expected = case
+    points = sorted({min(c, len(stream)) for c in cuts})
+    chunks = [stream[a:b] for a, b in zip([0, *points], [*points, len(stream)], strict=True)]
+    assert decode(chunks) == expected
+    assert decode([stream[i:i + 1] for i in range(len(stream))]) == expected
