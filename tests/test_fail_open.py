@@ -4,7 +4,12 @@ tenant and why, and one count of runloop_degraded_requests_total{reason="store"}
 API, JSON and streamed, count_tokens too. Checked per request, so a path that answers but
 forgets one of the three (a stream's metric, a log line gone) fails here naming it.
 Planted, each red: the degraded log line removed; the degraded metric not counted for
-streams; the header left out of a streamed answer."""
+streams; the header left out of a streamed answer.
+
+And a summariser that fails, whichever way (an error status, an answer that is not JSON or
+not a completion, no text, too slow, unreachable), never costs a call either, and each
+failure is a log line and a count by its outcome. Planted, red: the summary's failure handler
+narrowed to the errors it raises itself (a garbage answer then killed the task unseen)."""
 
 from __future__ import annotations
 
@@ -13,13 +18,17 @@ import re
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import orjson
 import pytest
 
-from .conftest import ProxyServer, RedisServer
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer, RedisServer, free_port, until
+from .test_config import ACME_KEY
 
 KEY = "sk-fail-open-tests"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi there"}]}
@@ -125,3 +134,50 @@ def test_every_api_answers_without_its_store_and_says_so_three_ways(
             assert len(said) == 1, (where, [rec.getMessage() for rec in caplog.records[seen:]])
             assert getattr(said[0], "tenant", None) == "passthrough" and \
                 getattr(said[0], "error", None), (where, said[0].__dict__)
+
+
+SUMMARY_FAILURES: dict[str, dict[str, Any]] = {
+    "an error status": {"status": 500},
+    "not JSON": {"raw_body": b"<html>busy, try later</html>"},
+    "not a completion": {"raw_body": b'{"choices": []}'},
+    "no text": {"content": ""},
+    "too slow": {"content": "late", "delay": 3.0},
+}
+
+
+@pytest.mark.parametrize("how", [*SUMMARY_FAILURES, "unreachable"])
+def test_a_failing_summariser_never_costs_a_call_and_is_counted_and_logged(
+        how: str, tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from .test_summaries import config, converse, model
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-up")
+    monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
+    extra = ""
+    if how == "unreachable":
+        extra = 'summary_upstream = "gone"\n'
+        upstream.responder = model()
+    else:
+        upstream.responder = model(lambda body: SUMMARY_FAILURES[how])
+    root = Path(config(tmp_path, upstream, model="gpt-4o-mini", timeout=1.0, extra=extra))
+    if how == "unreachable":
+        with (root / "runloop.toml").open("a") as f:
+            f.write(f'[upstreams.gone]\nurl = "http://127.0.0.1:{free_port()}/v1"\n'
+                    f'api_key = "sk-gone"\nmax_retries = 0\nconnect_timeout = 0.5\n')
+    proxy = make_proxy(config_dir=str(root))
+
+    def count(outcome: str) -> float:
+        found = re.search(rf'^runloop_summaries_total{{outcome="{outcome}",tenant="acme"}} '
+                          rf'(\S+)$', httpx.get(proxy.base + "/metrics").text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    with caplog.at_level(logging.INFO):
+        msgs = converse(proxy, f"sum-{how}", 8, after=lambda k: proxy.settle())
+        assert msgs[-1]["content"].startswith("order"), how  # every request answered
+        until(lambda: count("error") + count("timeout") >= 1, what="a failed summary")
+    failed = count("error") + count("timeout")
+    assert count("ok") == 0, how
+    if how == "too slow":
+        assert count("timeout") >= 1, how
+    said = [rec for rec in caplog.records if rec.getMessage().startswith("summary failed")]
+    assert len(said) == failed, (how, failed, [rec.getMessage() for rec in said])
+    assert all(getattr(rec, "outcome", None) in ("error", "timeout") for rec in said), how
