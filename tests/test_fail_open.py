@@ -149,7 +149,7 @@ SUMMARY_FAILURES: dict[str, dict[str, Any]] = {
 def test_a_failing_summariser_never_costs_a_call_and_is_counted_and_logged(
         how: str, tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from .test_summaries import config, converse, model
+    from .test_summaries import TOOLS, config, converse, model
     monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-up")
     monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
     extra = ""
@@ -181,3 +181,18 @@ def test_a_failing_summariser_never_costs_a_call_and_is_counted_and_logged(
     said = [rec for rec in caplog.records if rec.getMessage().startswith("summary failed")]
     assert len(said) == failed, (how, failed, [rec.getMessage() for rec in said])
     assert all(getattr(rec, "outcome", None) in ("error", "timeout") for rec in said), how
+    # and a request whose window omits loops without the summary the failing summariser did
+    # not make says so: the header, a log line, a count of degraded requests by "summary"
+    seen = len(caplog.records)
+    with caplog.at_level(logging.INFO):
+        r = httpx.post(proxy.url + "/chat/completions", timeout=30, headers={
+            "Authorization": f"Bearer {ACME_KEY}", "X-Session-Id": f"sum-{how}"},
+            json={"model": "gpt-4o-mini", "tools": TOOLS,
+                  "messages": [*msgs, {"role": "user", "content": "where is order 9"}]})
+    assert r.status_code == 200, r.text
+    assert r.headers.get("x-runloop-degraded") == "summary", (how, dict(r.headers))
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert re.search(r'^runloop_degraded_requests_total\{reason="summary",tenant="acme"\} '
+                     r'[1-9]', metrics, re.M), how
+    assert any(rec.getMessage().startswith("summary unavailable")
+               for rec in caplog.records[seen:]), how

@@ -161,6 +161,9 @@ def test_a_slow_llm_summary_never_holds_a_request(
     assert [s["loops"] for s in stored() if s.get("late")] == [[0, 2]]
     metrics = httpx.get(proxy.base + "/metrics").text
     assert 'runloop_summaries_total{outcome="late",tenant="acme"} 1.0' in metrics
+    # late is no failure: no request was served degraded by it (a failing summariser's is,
+    # tests/test_fail_open.py)
+    assert 'runloop_degraded_requests_total{reason="summary"' not in metrics
 
     def recorded() -> list[Any]:
         view = httpx.get(proxy.base + "/admin/sessions/sum-slow", headers=ADMIN,

@@ -272,19 +272,27 @@ class SummaryService:
         except StoreError:
             return {}
 
+    def failing(self, namespace: str) -> bool:
+        """Whether the caller's summaries are failing: the last one failed (or timed out), or
+        they are paused after several did."""
+        return (self.failures.get(namespace) or 0) > 0 \
+            or time.monotonic() < (self.paused_until.get(namespace) or 0.0)
+
     def after(self, turn: Turn, session: Session, messages: list[Message], keys: list[str],
-              window: Window, entries: dict[str, str]) -> None:
+              window: Window, entries: dict[str, str]) -> bool:
         """After a window was built: mark an omission event that found no summary as late,
-        and make the summary the next event will want, if its loops have closed."""
+        and make the summary the next event will want, if its loops have closed. Whether
+        the window omits loops whose summary is missing (made late, or never)."""
         policy, ns = turn.policy, turn.caller.namespace
         if not policy.summary_model or ns is None or self.state.store is None:
-            return
+            return False
         # no carry while some loop is older than max_time_range (the clock decides too):
         # segment afresh then, or sessions with an old loop would never plan a summary
         loops = window.carry.conv.loops if window.carry is not None else segment(messages)
         cover = covers(keys, loops, policy.omission_batch)
         e = window.omitted_loops
         tl = turn.caller.label
+        missing = e > 0 and e in cover and not made(entries, e, cover[e])
         if e in cover and field(e, cover[e]) not in entries:
             self.state.metrics.summaries.labels(tl, "late").inc()
             self.state.spawn(self._late(ns, session.id, field(e, cover[e])))
@@ -302,6 +310,7 @@ class SummaryService:
             # as soon as the reply is in (``replied``), while the user reads and types
             self.pending[(ns, session.id)] = _Pending(Job.of(turn), messages, keys, nxt,
                                                       entries)
+        return missing
 
     def replied(self, ns: str, session_id: str, reply: Message, key: str) -> None:
         """A reply was recorded: if it closes the loops a pending summary waits for, make it."""

@@ -53,7 +53,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         state.metrics.degraded.labels(turn.caller.label, "window").inc()
         return await _untouched(state, turn, history, frame, rlog)
     if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
-        _after(state, turn, session, spliced, spliced_keys, window, stored, made)
+        _after(state, turn, session, spliced, spliced_keys, window, stored, made, rlog)
     tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
     if not window.fits and not turn.counting:
         state.metrics.rejections.labels(tl, ml).inc()
@@ -103,17 +103,27 @@ def _too_long(turn: Turn, window: Window) -> str:
 
 def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message],
            keys: list[str], window: Window, stored: dict[str, str],
-           made: Made | None) -> None:
+           made: Made | None, rlog: RequestLog) -> None:
     """What a window leads to: its inline summary kept, the next summary planned, its
-    compaction events counted."""
+    compaction events counted; and, when it omits loops without the summary the failing
+    summariser did not make, the request marked degraded by it (header, log line, metric)."""
     if made is not None:
         state.summaries.keep_inline(turn, session, made)
+    missing = False
     try:
-        state.summaries.after(turn, session, spliced, keys, window, stored)
+        missing = state.summaries.after(turn, session, spliced, keys, window, stored)
     except Exception:  # noqa: BLE001 - planning a summary must not cost the user this call
         log.exception("summary planning failed: the window goes without the next one",
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
         state.metrics.summaries.labels(turn.caller.label, "error").inc()
+    ns = turn.caller.namespace
+    if missing and ns is not None and state.summaries.failing(ns):
+        rlog.degraded = "summary"
+        state.metrics.degraded.labels(turn.caller.label, "summary").inc()
+        log.warning("summary unavailable: the summariser is failing, the window omits "
+                    "loops without one", extra={"tenant": turn.caller.tenant.name,
+                                                "session": session.id,
+                                                "omitted": window.omitted_loops})
     tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
     for kind, n in Counter(event.kind.value for event in window.events).items():
         state.metrics.compactions.labels(tl, ml, kind).inc(n)
