@@ -905,3 +905,66 @@ def test_a_bodys_items_are_its_objects_and_its_arrays() -> None:
 
     assert is_large_body(body({"a": [[0]] * (LARGE_ITEMS + 1)}))
     assert not is_large_body(body({"a": [0] * (LARGE_ITEMS + 1)}))  # numbers are no items
+
+
+def test_a_tiny_request_lining_up_with_a_huge_conversation_buys_little_work(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """Finding (red team): a 404-byte request that echoed one reply of a fingerprinted
+    conversation of 19,000 messages took the trimmed-history path into it on every request:
+    the stored conversation read, matched and counted on the event loop (2 s the first
+    time, 120-164 ms each after) and forked inside Redis (250 ms of Redis a request). What a
+    continuation costs is the stored conversation's: one is made only when that holds at
+    most CONTINUED_PER_MESSAGE times the request's messages more (its length read first, one
+    field), and what is read is worked on off the loop when large. Counted on the loop
+    thread, a tiny request lining up with a conversation four times as large costs no more;
+    and the large one is left as it was (the stranger's turn is stored on its own)."""
+    from runloop_proxy.pipeline.reconcile import CONTINUED_FLOOR
+
+    def stored_conversation(n: int, salt: str) -> str:
+        call = {"id": f"toolu_{salt}_anchor", "type": "function",
+                "function": {"name": "bash", "arguments": "{}"}}
+        messages = [{"role": "system", "content": f"victim {salt}"}]
+        messages += [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i} {salt}"}
+                     for i in range(n)]
+        upstream.push({"tool_calls": [{"id": call["id"], "name": "bash", "arguments": {}}]})
+        r = post_to(proxy, "/chat/completions", {"model": "gpt-4o", "messages": messages,
+                                                 "tools": CLIENT_TOOLS}, "")
+        assert r.status_code == 200, r.text[:300]
+        proxy.settle()
+        return str(r.headers["x-session-id"])
+
+    def tiny(salt: str) -> dict[str, Any]:
+        return {"model": "gpt-4o", "tools": CLIENT_TOOLS, "messages": [
+            {"role": "system", "content": f"stranger {salt}"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"toolu_{salt}_anchor", "type": "function",
+                 "function": {"name": "bash", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": f"toolu_{salt}_anchor", "content": "ok"},
+            {"role": "user", "content": "go on"}]}
+
+    def loop_calls(n: int, salt: str) -> tuple[int, int, int]:
+        victim = stored_conversation(n, salt)
+        ns = "pt-" + hashlib.sha256(KEY.encode()).hexdigest()[:16]
+        until(lambda: proxy.run(proxy.state.store.head_length(ns, victim)) > n,
+              what="the conversation stored")  # recorded behind its answer
+        before = proxy.run(proxy.state.store.head_length(ns, victim))
+        body = tiny(salt)
+        answers: list[httpx.Response] = []
+        calls = _loop_calls(proxy, lambda: answers.append(
+            post_to(proxy, "/chat/completions", body, "")))
+        own = str(answers[0].headers["x-session-id"])
+
+        def stored() -> bool:  # the stranger's turn, recorded behind its answer somewhere
+            return proxy.run(proxy.state.store.head_length(ns, own)) > 0 or \
+                proxy.run(proxy.state.store.head_length(ns, victim)) > before
+        until(stored, what="the stranger's turn stored")
+        return calls, before, proxy.run(proxy.state.store.head_length(ns, victim))
+
+    # within the bound, the trimmed history continues the conversation it lines up with
+    _, before, after = loop_calls(CONTINUED_FLOOR - 100, "near")
+    assert after > before, "a continuation within the bound is stored in its conversation"
+    small, before, after = loop_calls(3_000, "x")
+    assert after == before, "a conversation that outweighs the request is left as it was"
+    large, _, _ = loop_calls(12_000, "y")
+    print(f"\ncontinuation: {small:,} loop calls against 3,000 stored, {large:,} against 12,000")
+    assert large < small * 1.25 + 1000, "the loop's work grows with the stored conversation"

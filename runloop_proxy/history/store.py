@@ -716,6 +716,13 @@ class RedisStore:
             if b is not None])
         return items, size
 
+    async def head_length(self, namespace: str, session_id: str) -> int:
+        """How many messages a session's head branch holds (one field read: what reading it
+        would cost is known before it is read)."""
+        found = await self._call("read", lambda: self.client.hget(
+            self.prefix(namespace, session_id) + ":meta", "len"))
+        return int(found) if found is not None and _s(found).isdigit() else 0
+
     async def continuation(self, namespace: str, session_id: str,
                            anchors: list[str]) -> str | None:
         """For a fingerprinted request its fingerprint did not find: the session one of its

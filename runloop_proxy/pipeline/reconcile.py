@@ -28,6 +28,12 @@ from .offload import answer_is_large, is_large, offload
 from .values import History, Recent, Turn
 
 log = logs.get("reconcile")
+# a trimmed history continues the stored conversation it lines up with only when that one
+# holds at most this many messages more than the request carries, four for each it
+# carries: reading, matching and storing what the client no longer sends is the stored
+# conversation's work, and a request of a few hundred bytes must not buy much more of it
+CONTINUED_FLOOR = 512
+CONTINUED_PER_MESSAGE = 4
 
 
 def counted(state: AppState, turn: Turn, messages: list[Message],
@@ -132,8 +138,9 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
         store.check_limits(len(hashed), largest)
         internal = store.cached_internal(ns, session.id)
         earlier: list[Message] = []
+        large = turn.large
         if internal is None:
-            session, earlier = await _continuation(turn, session, store, ns)
+            session, earlier, large = await _continuation(turn, session, store, ns)
             enc, _ = state.tokens.encoding(turn.model,
                                            turn.caller.tenant.encoding_for(turn.model))
             loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name)
@@ -141,9 +148,11 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
             internal = loaded.internal
             if new_from is None:
                 new_from = loaded.stored
+        earlier_prepared = await offload(large, lambda: counted(state, turn, earlier))
         return session, History(messages, await counted_all(), internal,
-                                earlier=earlier, earlier_prepared=counted(state, turn, earlier),
-                                earlier_at=preamble_end(messages), new_from=new_from)
+                                earlier=earlier, earlier_prepared=earlier_prepared,
+                                earlier_at=preamble_end(messages), new_from=new_from,
+                                large=large)
     except StoreError as exc:
         if turn.server_history:
             raise StoreUnavailable(
@@ -208,30 +217,45 @@ async def _chained(state: AppState, turn: Turn, session: Session, store: RedisSt
 
 
 async def _continuation(turn: Turn, session: Session, store: RedisStore,
-                        ns: str) -> tuple[Session, list[Message]]:
+                        ns: str) -> tuple[Session, list[Message], bool]:
     """A fingerprinted request its fingerprint does not know, carrying replies recorded in
     another session of the namespace: a client that trimmed its history (or restarted it
     under a new system prompt). It is *stored* in that session when its messages line up with
     it (what it no longer sends is stored before it: ``History.earlier``); it reads nothing
     of it — its label stays its own fingerprint, and the window and the proxy's tools see
-    only what the request carries. Anyone who knows a reply can forge such a line-up."""
+    only what the request carries. Anyone who knows a reply can forge such a line-up.
+
+    What it costs — the stored conversation read, matched and stored again with the turn
+    (and a fork copied inside Redis) — is the stored conversation's size, not the request's:
+    a conversation more than ``CONTINUED_PER_MESSAGE`` times the request's messages (plus
+    ``CONTINUED_FLOOR``) is not continued (its length is read first, one field), and what is
+    read is worked on off the event loop when large. Also whether the turn is large now."""
+    large = turn.large
     if session.kind is not SessionKind.FINGERPRINT:
-        return session, []
+        return session, [], large
     keys = anchors(turn.messages, session.scope)
     if not keys:
-        return session, []
+        return session, [], large
     other = await store.continuation(ns, session.id, keys)
     if other is None or other == session.id:
-        return session, []
-    stored = [m for _, m in await store.head(ns, other)]
-    at = continued(stored, turn.messages)
+        return session, [], large
+    held = await store.head_length(ns, other)
+    if held > CONTINUED_FLOOR + CONTINUED_PER_MESSAGE * len(turn.messages):
+        log.info("trimmed history not continued: the stored conversation outweighs it",
+                 extra={"tenant": turn.caller.tenant.name, "session": other,
+                        "messages": len(turn.messages), "stored": held})
+        return session, [], large
+    head, size = await store.head_sized(ns, other)
+    large = large or is_large(size, len(head))
+    stored = [m for _, m in head]
+    at = await offload(large, lambda: continued(stored, turn.messages))
     if at is None:
-        return session, []
+        return session, [], large
     log.info("trimmed history continues its session", extra={
         "tenant": turn.caller.tenant.name, "session": other, "earlier": at})
     return (Session(other, SessionKind.FINGERPRINT, "continuation", session.scope,
                     label=session.label),
-            stored[preamble_end(stored):at])
+            stored[preamble_end(stored):at], large)
 
 
 def _prepared(messages: list[Message]) -> tuple[list[Prepared], int]:
@@ -282,7 +306,7 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1],
              **request_point(state, turn, history, frame)} if tokens is not None else None
     size = 0
-    if turn.large and history.appended is None:
+    if (turn.large or history.large) and history.appended is None:
         # a conversation's chain hashes are made once and then grown: a large new one's are
         # made here, off the event loop, for the job below to find (and its size measured)
         size = await offload(True, lambda: store.prepared(ns, session.id, conversation))
