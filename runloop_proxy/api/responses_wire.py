@@ -8,6 +8,7 @@ client's tools, never the proxy's (``shown_response``)."""
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 import orjson
@@ -110,6 +111,11 @@ def reply_of(response: dict[str, Any]) -> Reply:
     rid = response.get("id")
     return Reply(message, usage if isinstance(usage, dict) else None,
                  rid if isinstance(rid, str) else None)
+
+
+def _order(at: Any) -> tuple[bool, str]:
+    """Where a held item's index sorts: integers first, by value."""
+    return not isinstance(at, int), str(at).zfill(12)
 
 
 def _is_call_in(item: dict[str, Any], ids: set[str]) -> bool:
@@ -252,6 +258,8 @@ class ResponsesRound:
         if "output_index" not in data:
             return [relay.emit(data)]
         at = data["output_index"]
+        if not isinstance(at, (int, str)) or isinstance(at, bool):
+            raise bad_reply("an event's output_index", data)
         if at in self.index:
             return self._send(at, data)
         self.held.setdefault(at, []).append(data)
@@ -268,12 +276,20 @@ class ResponsesRound:
             item.get("name") in self.tools.names
 
     def _release(self, end: bool = False) -> list[bytes]:
-        """The held events of the judged items whose turn it is (at the end, all of them):
-        each client's item numbered in the upstream's order."""
+        """The held events of the judged items whose turn it is (at the end, all of them, in
+        order: the first one next, else the lowest index held — one sort, not a search per
+        item, which made an upstream's skipped indexes quadratic): each client's item
+        numbered in the upstream's order."""
         out: list[bytes] = []
+        lowest = [(_order(a), a) for a in self.mine] if end else []
+        heapq.heapify(lowest)
         while self.next_at in self.mine or (end and self.mine):
-            at = self.next_at if self.next_at in self.mine else \
-                min(self.mine, key=lambda a: (not isinstance(a, int), str(a).zfill(12)))
+            if self.next_at in self.mine:
+                at = self.next_at
+            else:
+                while lowest[0][1] not in self.mine:  # released since: its turn came first
+                    heapq.heappop(lowest)
+                at = heapq.heappop(lowest)[1]
             if self.mine.pop(at):
                 self.index[at] = None
             else:
