@@ -196,3 +196,66 @@ def test_a_failing_summariser_never_costs_a_call_and_is_counted_and_logged(
                      r'[1-9]', metrics, re.M), how
     assert any(rec.getMessage().startswith("summary unavailable")
                for rec in caplog.records[seen:]), how
+
+
+def test_redis_refusing_writes_is_said_and_server_history_never_goes_without_a_turn(
+        make_proxy: Any, upstream: ScriptedUpstream,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Finding (red team): with Redis reading but refusing writes (out of memory, read-only
+    after a failover), every request was answered with no word of it (only the sync's error
+    count), and server-history mode, whose conversation is what Redis holds, sent turn 3
+    upstream without turn 2 — the model answered without its context. Now a request while
+    Redis refuses writes says so (X-Runloop-Degraded: history, a log line, the metric) and is
+    still answered compressed; a server-history request waits for its session's turns to be
+    written and, when they cannot be, fails closed (503, Retry-After) instead."""
+    import redis
+
+    server = RedisServer().start()
+    try:
+        proxy: ProxyServer = make_proxy(redis=server.url)
+        client = redis.Redis.from_url(server.url)
+        headers = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "remember",
+                   "X-Runloop-History": "server"}
+
+        def say(text: str, extra: dict[str, str] | None = None) -> httpx.Response:
+            return httpx.post(proxy.url + "/chat/completions", timeout=30,
+                              headers={**headers, **(extra or {})},
+                              json={"model": "gpt-4o-mini",
+                                    "messages": [{"role": "user", "content": text}]})
+
+        assert say("my name is Bob").status_code == 200
+        proxy.settle()
+        client.config_set("maxmemory", "1")  # reads go on, every write answers OOM
+        second = say("I live in Oslo")  # answered: its turn is queued, refused, retried
+        assert second.status_code == 200, second.text
+        until(lambda: proxy.state.store.refusing_writes, what="Redis refusing writes")
+        seen = len(upstream.requests)
+        with caplog.at_level(logging.INFO):
+            third = say("where do I live?")
+            plain = httpx.post(proxy.url + "/chat/completions", timeout=30, headers={
+                "Authorization": f"Bearer {KEY}", "X-Session-Id": "plain"}, json={
+                "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi there"}]})
+        # server history: never sent without the turn Redis has not taken
+        assert third.status_code == 503, third.text
+        assert third.json()["error"]["code"] == "store_unavailable"
+        assert third.headers.get("retry-after")
+        assert all("where do I live" not in str(b.get("messages")) for b in
+                   upstream.requests[seen:])
+        # a client that sends its conversation: answered, and told its history waits
+        assert plain.status_code == 200 and "echo: hi there" in plain.text
+        assert plain.headers.get("x-runloop-degraded") == "history", dict(plain.headers)
+        assert re.search(r'^runloop_degraded_requests_total\{reason="history",'
+                         r'tenant="passthrough"\} [1-9]', httpx.get(
+                             proxy.base + "/metrics").text, re.M)
+        assert any(rec.getMessage().startswith("history not being stored")
+                   for rec in caplog.records)
+        client.config_set("maxmemory", "0")  # Redis takes writes again: all is written
+        until(lambda: not proxy.state.store.refusing_writes, timeout=15,
+              what="the queued turns written")
+        proxy.settle()
+        fourth = say("where do I live?")
+        assert fourth.status_code == 200 and "x-runloop-degraded" not in fourth.headers
+        sent = str(upstream.requests[-1]["messages"])
+        assert "my name is Bob" in sent and "I live in Oslo" in sent
+    finally:
+        server.cleanup()

@@ -258,3 +258,52 @@ def test_a_full_queue_drops_its_oldest_jobs_and_keeps_its_count_of_bytes() -> No
     held, counted, left = asyncio.run(go())
     assert left == ["s7", "s8", "s9"] and held == counted == 900
     assert lost == [(f"s{k}", "write-behind queue full") for k in range(7)]
+
+
+def test_a_sessions_writes_are_outstanding_until_written_given_up_or_carried() -> None:
+    """What server-history mode waits on (``WriteBehind.holds``): a session's writes are
+    outstanding while queued, refused and waiting, or being sent, and only until each is
+    written, given up (the queue full, past its deadline, refused for good) or carried by a
+    newer sync of the session — every way a job leaves, or a session would wait for good."""
+    from runloop_proxy.history.writes import Job, WriteBehind, chain_hashes
+
+    replies: dict[str, object] = {}
+
+    async def run(batch: list[Job]) -> list[object]:
+        return [replies.get(job.session_id, "ok") for job in batch]
+
+    def sync(session: str, n: int) -> Job:
+        items = [prepare({"role": "user", "content": f"m{k}"}) for k in range(n)]
+        return Job("t", session, items, None, chains=chain_hashes([i.match for i in items],
+                                                                   None))
+
+    async def go() -> None:
+        lost: list[str] = []
+        queue = WriteBehind(run, lambda job, reply: True, lambda: 0.0, 60.0,
+                            lambda job, why: lost.append(job.session_id), max_bytes=10_000)
+        queue.start()
+        # written
+        queue.submit(sync("a", 1))
+        assert queue.holds(("t", "a"))
+        assert await queue.written(("t", "a"), 2) and not queue.holds(("t", "a"))
+        # carried: a sync extended by a newer one of the session is one write
+        queue.submit(sync("b", 1))
+        queue.submit(sync("b", 2))
+        assert await queue.written(("t", "b"), 2)
+        # refused, waiting: outstanding; refused for good: given up
+        replies["c"] = RuntimeError("OOM command not allowed")
+        queue.submit(sync("c", 1))
+        assert not await queue.written(("t", "c"), 0.3) and queue.refusing
+        replies["c"] = RuntimeError("WRONGTYPE Operation against a key")
+        assert await queue.written(("t", "c"), 10) and "c" in lost
+        # given up when the queue is full: the oldest go, and are no longer outstanding
+        replies["d"] = RuntimeError("OOM command not allowed")
+        queue.submit(Job("t", "d", [], None, append=True, size=6_000))
+        queue.submit(Job("t", "e", [], None, append=True, size=6_000))
+        assert not queue.holds(("t", "d")) and "d" in lost
+        replies.clear()
+        assert await queue.written(("t", "e"), 10)
+        assert not queue._open, queue._open  # nothing left counted
+        await queue.stop()
+
+    asyncio.run(go())

@@ -268,6 +268,16 @@ class RedisStore:
         """Wait until queued writes are flushed (or given up); False on timeout."""
         return await self.writes.drain(timeout)
 
+    @property
+    def refusing_writes(self) -> bool:
+        """Whether Redis refuses the history's writes (they wait, backing off)."""
+        return self.writes.refusing
+
+    async def written(self, namespace: str, session_id: str, timeout: float) -> bool:
+        """Wait until every write of this session is in Redis (or given up); False if one is
+        still outstanding after ``timeout`` seconds."""
+        return await self.writes.written((namespace, session_id), timeout)
+
     async def close(self) -> None:
         await self.drain()
         await self.writes.stop()

@@ -13,6 +13,7 @@ mode); appends are never merged and keep their order.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import time
@@ -126,6 +127,8 @@ class WriteBehind:
         self.bytes = 0
         self._queued: dict[tuple[str, str], Job] = {}  # the newest sync job per session
         self._in_flight = 0
+        # per session, its jobs not yet written nor given up (queued, waiting, being sent)
+        self._open: collections.Counter[tuple[str, str]] = collections.Counter()
         # Redis refusing every write (out of memory, read-only): one job probes it at a
         # doubling interval, the rest wait, so the work is not the queue's length each time
         self._streak = 0  # flushes in a row whose every job was refused
@@ -155,6 +158,32 @@ class WriteBehind:
     def pending(self) -> int:
         return len(self._queue) + self._in_flight
 
+    @property
+    def refusing(self) -> bool:
+        """Whether Redis refused every write of the last flush (out of memory, read-only):
+        history is not being stored while it does."""
+        return self._streak > 0
+
+    def holds(self, key: tuple[str, str]) -> bool:
+        """Whether a write of this session is outstanding (queued, waiting or being sent)."""
+        return self._open[key] > 0
+
+    async def written(self, key: tuple[str, str], timeout: float) -> bool:
+        """Wait until no write of this session is outstanding; False if one still is after
+        ``timeout`` seconds (one given up is not)."""
+        deadline = time.monotonic() + timeout
+        while self.holds(key):
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def _closed(self, job: Job) -> None:
+        """``job`` is written, given up, or carried by a newer one of its session."""
+        self._open[job.key] -= 1
+        if self._open[job.key] <= 0:
+            del self._open[job.key]
+
     def submit(self, job: Job) -> None:
         job.deadline = time.monotonic() + self.retry_s
         job.size = job.size or held_bytes(job.items)
@@ -166,6 +195,7 @@ class WriteBehind:
             queued.deadline = job.deadline
         else:
             self._queue.append(job)
+            self._open[job.key] += 1
             self.bytes += job.size
             if not job.append:
                 self._queued[job.key] = job
@@ -192,6 +222,7 @@ class WriteBehind:
     def _drop(self, job: Job, why: str) -> None:
         if self._queued.get(job.key) is job:
             del self._queued[job.key]
+        self._closed(job)
         self._on_lost(job, why)
 
     def _requeue(self, job: Job, why: str, backoff: bool = False) -> None:
@@ -206,6 +237,7 @@ class WriteBehind:
             job.not_before = time.monotonic() + min(BACKOFF_MAX_S,
                                                     BACKOFF_S * 2 ** min(job.attempts, 16))
         if not job.append and self._queued.get(job.key) not in (None, job):
+            self._closed(job)
             return  # a newer sync of the session is queued: it carries this one
         self._queue.append(job)
         self.bytes += job.size
@@ -317,7 +349,9 @@ class WriteBehind:
                 except StoreError as exc:
                     self._drop(job, str(exc))
                     continue
-                if not done:
+                if done:
+                    self._closed(job)
+                else:
                     self._requeue(job, "stale hint")
 
 

@@ -34,6 +34,10 @@ log = logs.get("reconcile")
 # conversation's work, and a request of a few hundred bytes must not buy much more of it
 CONTINUED_FLOOR = 512
 CONTINUED_PER_MESSAGE = 4
+# server-history mode reads the conversation it forwards from Redis: a turn still queued to
+# be written (Redis refusing writes, or the next request sent the moment an answer arrived)
+# is waited for this long, then the request fails closed (503) rather than go without it
+WRITTEN_WAIT_S = 2.0
 
 
 def counted(state: AppState, turn: Turn, messages: list[Message],
@@ -169,6 +173,8 @@ async def _server_history(state: AppState, turn: Turn, session: Session, store: 
     """The stored conversation with the new messages after it (a system prompt the request
     sends stands in for the stored one this turn)."""
     messages = turn.messages
+    if not await store.written(ns, session.id, WRITTEN_WAIT_S):
+        raise StoreError("an earlier turn of this session is not stored yet")
     head, size = await store.head_sized(ns, session.id)
     stored = [m for _, m in head]
     system = preamble_end(messages)
@@ -183,6 +189,21 @@ async def _server_history(state: AppState, turn: Turn, session: Session, store: 
     return History(full, counted_full, internal,
                    appended=(await _counted(state, turn, messages, hashed), system),
                    new_from=len(full) - len(messages) + system, large=large)
+
+
+def unrecorded(state: AppState, turn: Turn, history: History) -> str | None:
+    """Why the request is served degraded: the store's reason (``History.degraded``), else
+    ``history`` while Redis refuses the history's writes — the answer is whole and
+    compressed, but its turn waits unwritten (counted and logged, as every degraded one)."""
+    if history.degraded is not None:
+        return history.degraded
+    store = state.store
+    if store is None or turn.caller.namespace is None or not store.refusing_writes:
+        return None
+    state.metrics.degraded.labels(turn.caller.label, "history").inc()
+    log.warning("history not being stored: Redis refuses writes (they wait and are retried)",
+                extra={"tenant": turn.caller.tenant.name})
+    return "history"
 
 
 def response_anchor(response_id: str) -> str:

@@ -17,7 +17,7 @@ import orjson
 from ..conversation.identity import identify
 from ..state import AppState
 from .accounting import RequestLog
-from .reconcile import reconcile
+from .reconcile import reconcile, unrecorded
 from .relay import forward, proxy_headers, read, relay, response_headers
 from .shaping import shape
 from .tokens import REPLY_PRIMING
@@ -28,7 +28,7 @@ async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     session = identify(turn.headers, turn.body, turn.messages, turn.caller.namespace or "",
                        state.config.server.session_header, turn.caller.tenant.session_sources)
     session, history = await reconcile(state, turn, session)
-    rlog.session, rlog.degraded = session.id, history.degraded
+    rlog.session, rlog.degraded = session.id, unrecorded(state, turn, history)
     out = await shape(state, turn, session, history, rlog)
     resp = await forward(state, turn, out.body, rlog)
     return await relay(state, turn, session, history, out, resp, rlog)
@@ -45,7 +45,7 @@ async def count(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     session = identify(turn.headers, turn.body, turn.messages, turn.caller.namespace or "",
                        state.config.server.session_header, turn.caller.tenant.session_sources)
     session, history = await reconcile(state, turn, session)
-    rlog.session, rlog.degraded = session.id, history.degraded
+    rlog.session, rlog.degraded = session.id, unrecorded(state, turn, history)
     out = await shape(state, turn, session, history, rlog)
     # (an upstream of another API has no count of this one's: the proxy counts then)
     if turn.policy.count_tokens == "upstream" and not turn.wire.translates:
