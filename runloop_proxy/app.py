@@ -8,13 +8,14 @@ import contextlib
 import signal
 from collections.abc import AsyncIterator
 
+import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from .api.http import ClientGone, error_response
+from .api.http import ClientGone, error_response, error_shape
 from .api.routes import CONVERSATIONS, base_url_hint, routes
 from .caches import SHARES
 from .config import ProxyConfig, Settings, load_config
@@ -99,6 +100,15 @@ class FastPath:
     def __init__(self, app: Starlette):
         self.app = app
         self.state = app.state
+
+    @staticmethod
+    def refusal(path: str, status: int, message: str) -> bytes:
+        """The body of a request the server refused before the app saw it (headers too
+        large, too slow to arrive: ``serving.GuardedHttpTools``), in the path's API's error
+        shape."""
+        code = {408: "request_timeout", 431: "request_headers_too_large"}.get(status)
+        body = error_body(message, "invalid_request_error", None, code)
+        return orjson.dumps(error_shape(path)(status, body, None))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

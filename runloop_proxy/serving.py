@@ -37,6 +37,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self.max_header_bytes: int = getattr(config, "runloop_max_header_bytes", 65_536)
         self._deadline: asyncio.TimerHandle | None = None
         self._header_bytes = 0  # of the request being read: its URL and header lines
+        self._target = b""  # the request's URL, as far as read (what its refusal is shaped by)
         self._refused = False  # the request being read was answered before the app saw it
 
     # -- deadlines ------------------------------------------------------------------------
@@ -61,16 +62,29 @@ class GuardedHttpTools(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is None or cycle.response_complete or not cycle.response_started:
             reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
-            body = message.encode()
+            kind, body = self._refusal(status, message)
             self.transport.write(
-                b"HTTP/1.1 %d %s\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\n"
                 b"content-length: %d\r\nconnection: close\r\n\r\n%s"
-                % (status, reason, len(body), body))
+                % (status, reason, kind, len(body), body))
             if cycle is not None and not cycle.response_complete:
                 cycle.response_complete = True  # the app's answer, if any, has no one to go to
                 cycle.disconnected = True
                 cycle.message_event.set()
         self.transport.close()
+
+    def _refusal(self, status: int, message: str) -> tuple[bytes, bytes]:
+        """A refusal's content type and body: in the shape of the API the request's path
+        is (JSON, as every other error a client of it gets) when the app says how
+        (``refusal(path, status, message)``, on it or an app it wraps), else text."""
+        app = self.app
+        for _ in range(4):  # uvicorn wraps the app (its proxy-headers middleware)
+            render = getattr(app, "refusal", None)
+            if callable(render):
+                path = self._target.split(b"?", 1)[0].decode("latin-1")
+                return b"application/json", render(path, status, message)
+            app = getattr(app, "app", None)
+        return b"text/plain; charset=utf-8", message.encode()
 
     # -- uvicorn's callbacks ----------------------------------------------------------------
 
@@ -90,12 +104,15 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._header_bytes = 0
+        self._target = b""
         self._refused = False
         if self._deadline is None:
             self._arm(self.header_timeout)
 
     def on_url(self, url: bytes) -> None:
         self._header_bytes += len(url)
+        if len(self._target) < 4096:
+            self._target += url[:4096 - len(self._target)]
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:

@@ -146,3 +146,44 @@ def test_a_header_block_too_large_is_refused_before_the_app_sees_it() -> None:
         assert seen == ["/next"]
     finally:
         server.stop()
+
+
+def _refusal_json(got: bytes) -> tuple[int, dict[str, str], Any]:
+    """A raw HTTP answer's status, headers and JSON body."""
+    import orjson
+
+    head, _, body = got.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    return int(lines[0].split()[1]), headers, orjson.loads(body)
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses", "/v1/messages",
+                                  "/v1/messages/count_tokens", "/v1/embeddings"])
+@pytest.mark.parametrize("refusal", ["headers too large", "too slow"])
+def test_a_refusal_is_an_error_in_the_paths_api_shape(make_proxy: Any, path: str,
+                                                      refusal: str) -> None:
+    """Finding (red team): a request refused before the app saw it (431: headers over the
+    limit; 408: too slow to arrive) was answered in plain text on every path, where every
+    other error a client of that API gets is its API's JSON (OpenAI's, or Anthropic's on
+    /v1/messages), which its SDK reads. One rule for both: the app's (``FastPath.refusal``,
+    the path's shape as ``api.http.error_shape`` has it)."""
+    proxy = make_proxy(server=LIMITS)
+    head = HEAD.replace(b"/v1/chat/completions", path.encode())
+    if refusal == "headers too large":
+        got, _ = _dribble(proxy.port, [head] + [b"X-Filler: " + b"a" * 1000 + b"\r\n"] * 20,
+                          gap=0.0, until=3.0)
+        status = 431
+    else:
+        got, _ = _dribble(proxy.port, [head + b"Content-Length: 50\r\n\r\n"] + [b"{"] * 50,
+                          gap=0.1, until=6.0)
+        status = 408
+    code, headers, body = _refusal_json(got)
+    assert code == status and headers["content-type"] == "application/json", got[:300]
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error", body
+        assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+    else:
+        assert body["error"]["type"] == "invalid_request_error", body
+        assert body["error"]["code"] == {431: "request_headers_too_large",
+                                         408: "request_timeout"}[status]

@@ -26,7 +26,7 @@ from ..pipeline.wire import Decision, Reply, bad_reply
 from ..window.builder import Note
 from .bridge_stream import BridgeRelay, stop_reason, tool_use, usage_of_chat
 from .chat_wire import ChatObserver, ChatWire, completion_problem
-from .messages_stream import ERROR_TYPES
+from .messages_stream import error_type
 from .messages_wire import MessagesWire
 
 log = logs.get("bridge")
@@ -286,5 +286,5 @@ def anthropic_error(status: int, raw: bytes) -> dict[str, Any]:
         message = (f"prompt is too long: {needed.group(1)} tokens > {allowed.group(1)} "
                    f"maximum. {message}") if allowed and needed else \
             f"prompt is too long: {message}"
-    kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    kind = error_type(status)
     return {"type": "error", "error": {"type": kind, "message": message}}

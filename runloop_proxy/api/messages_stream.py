@@ -33,9 +33,14 @@ def usage_of(usage: Any) -> dict[str, Any] | None:
     return usage if isinstance(usage, dict) else None
 
 
+def error_type(status: int) -> str:
+    """Anthropic's error type for a status: its documented one, else the client's error for
+    a 4xx (a header block too large, a request too slow to arrive) and the API's for a 5xx."""
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+
+
 def error_event(status: int, message: str) -> bytes:
-    return emit({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                            "message": message}})
+    return emit({"type": "error", "error": {"type": error_type(status), "message": message}})
 
 
 def emit(data: dict[str, Any]) -> bytes:

@@ -13,7 +13,7 @@ from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply
 from ..window.builder import Note
 from .breakpoints import with_auto
-from .messages_stream import ERROR_TYPES, MessagesObserver, MessagesRelay, usage_of
+from .messages_stream import MessagesObserver, MessagesRelay, error_type, usage_of
 
 TOOL_KEYS = ("tools", "tool_choice")
 
@@ -152,5 +152,4 @@ def error_shape(status: int, body: dict[str, Any], exc: Exception | None) -> dic
     if isinstance(exc, ContextLengthExceeded) and exc.needed is not None:
         message = f"prompt is too long: {exc.needed} tokens > {exc.allowed} maximum. " \
             f"{exc.message}"  # Anthropic's words, not OpenAI's too
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                       "message": message}}
+    return {"type": "error", "error": {"type": error_type(status), "message": message}}
