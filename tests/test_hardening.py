@@ -968,3 +968,28 @@ def test_a_tiny_request_lining_up_with_a_huge_conversation_buys_little_work(
     large, _, _ = loop_calls(12_000, "y")
     print(f"\ncontinuation: {small:,} loop calls against 3,000 stored, {large:,} against 12,000")
     assert large < small * 1.25 + 1000, "the loop's work grows with the stored conversation"
+
+
+def test_a_log_lines_fields_are_bounded_and_never_replace_the_formatters_own() -> None:
+    """Finding (red team): the compaction log line wrote a client's model name whole (256
+    characters where the README promises 64), and its record's integer ``ts`` replaced the
+    formatter's time. One rule for every line, in the one place every formatter reads a
+    record's fields (``logs.fields``): a model name at most 64 characters, any other field
+    at most 600 (a list or an object as it is written), and a field named like one of the
+    formatter's own (ts, level, logger, msg, exc) kept beside it, never over it."""
+    import logging
+
+    from runloop_proxy.ops import logs
+
+    record = logging.makeLogRecord({
+        "name": "runloop.window", "levelno": logging.INFO, "levelname": "INFO",
+        "msg": "compaction", "model": "m" * 256, "reason": "r" * 5000, "ts": 1234,
+        "dropped": ["x" * 100] * 100, "level": "loud", "tokens": 12})
+    line = orjson.loads(logs.JsonFormatter().format(record))
+    assert line["ts"].endswith("Z") and line["ts_field"] == 1234
+    assert line["level"] == "info" and line["level_field"] == "loud"
+    assert line["msg"] == "compaction" and line["tokens"] == 12
+    assert len(line["model"]) == 64 and len(line["reason"]) == 600
+    assert isinstance(line["dropped"], str) and len(line["dropped"]) <= 600
+    text = logs.TextFormatter().format(record)
+    assert len(text) < 2 * 600 + 64 + 400 and "m" * 65 not in text

@@ -17,6 +17,12 @@ SESSION_FIELDS = ("session",)  # a log line's fields that name a session: writte
 _RESERVED = frozenset(logging.makeLogRecord({}).__dict__) | {"message", "asctime"}
 TRACE_FRAMES = 12  # the innermost frames of a traceback a log line shows
 TRACE_CHARS = 4000  # and at most this much of it: a recursion 900 deep was 131 KB a line
+# what a field's text may hold: a name a client gives (a model's) 64 characters, any other
+# 600 (an error's text, an upstream's redacted URL) — so no line writes more of what a
+# request carried, whichever call logs it (the compaction line wrote a model whole)
+CLIENT_NAMED = {"model": 64}
+FIELD_CHARS = 600
+OWN = ("ts", "level", "logger", "msg", "exc")  # a formatter's own: a field never replaces one
 
 
 def bounded_trace(exc_info: Any) -> str:
@@ -34,7 +40,15 @@ def fields(record: logging.LogRecord) -> dict[str, Any]:
     for k in SESSION_FIELDS:
         if isinstance(out.get(k), str):
             out[k] = log_name(out[k])
-    return out
+    for k, v in out.items():
+        limit = CLIENT_NAMED.get(k, FIELD_CHARS)
+        if isinstance(v, (list, tuple, dict)):  # what it holds, as it will be written
+            text = orjson.dumps(v, default=str)
+            if len(text) > limit:
+                out[k] = text[:limit - 1].decode("utf-8", "ignore") + "…"
+        elif isinstance(v, str) and len(v) > limit:
+            out[k] = v[:limit - 1] + "…"
+    return {f"{k}_field" if k in OWN else k: v for k, v in out.items()}
 
 
 class _Bounded(logging.Formatter):
