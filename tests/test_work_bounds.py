@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import orjson
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from runloop_proxy.pipeline.offload import is_large_body
@@ -77,16 +77,21 @@ def bodies(schema: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
 
 
 def send(proxy: ProxyServer, path: str, body: dict[str, Any]) -> int:
-    """The event loop's calls for one request (a session of its own), answered 200."""
+    """The event loop's calls for one request (a session of its own), answered 200: the
+    fewer of two sends (what else the loop ran meanwhile — a timer, an earlier request's
+    write — adds to one of them, never takes away)."""
     raw = orjson.dumps(body)
     assert not is_large_body(raw), "the body must stay on the event loop to be measured"
-    got: list[httpx.Response] = []
-    calls = loop_calls(proxy, lambda: got.append(HTTP.post(
-        proxy.url + path, content=raw, headers={
-            "Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
-            "X-Session-Id": uuid.uuid4().hex})))
-    assert got[0].status_code == 200, got[0].text[:300]
-    return calls
+
+    def once() -> int:
+        got: list[httpx.Response] = []
+        calls = loop_calls(proxy, lambda: got.append(HTTP.post(
+            proxy.url + path, content=raw, headers={
+                "Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
+                "X-Session-Id": uuid.uuid4().hex})))
+        assert got[0].status_code == 200, got[0].text[:300]
+        return calls
+    return min(once(), once())
 
 
 def schema_of(levels: list[Any], leaf: Any, depth: int, width: int) -> dict[str, Any]:
@@ -97,11 +102,17 @@ def schema_of(levels: list[Any], leaf: Any, depth: int, width: int) -> dict[str,
     return {"type": "object", "properties": {f"x{i}": inner for i in range(width)}}
 
 
-def growth(proxy: ProxyServer, api: str, levels: list[Any], leaf: Any) -> None:
+def growth(proxy: ProxyServer, api: str, levels: list[Any], leaf: Any,
+           drawn: bool = False) -> None:
+    sent = [bodies(schema_of(levels, leaf, depth, width=1))[api] for depth in DEPTHS]
+    if drawn:
+        # a drawn shape that holds its leaf twice a level doubles at each: one past the size
+        # that leaves the event loop is not the loop's to bear (test_hardening has those)
+        assume(not any(is_large_body(orjson.dumps(body)) for _, body in sent))
     measured = []
-    for depth in DEPTHS:
-        schema = schema_of(levels, leaf, depth, width=1)
-        path, body = bodies(schema)[api]
+    for path, body in sent:
+        schema = body["tools"][0].get("parameters") or body["tools"][0].get("input_schema") \
+            or body["tools"][0]["function"]["parameters"]
         measured.append((send(proxy, path, body), len(orjson.dumps(schema))))
     (base, _), (small, small_bytes), (large, large_bytes) = measured
     assert large - base <= 5 * max(small - base, 0) + SLACK, \
@@ -128,7 +139,7 @@ def bridged(make_proxy: Any, upstream: Any) -> ProxyServer:
 
 
 SHAPES = st.tuples(st.lists(LEVELS, min_size=1, max_size=2), LEAVES)
-PROPERTY = settings(max_examples=12, deadline=None,
+PROPERTY = settings(max_examples=12, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
@@ -137,7 +148,7 @@ PROPERTY = settings(max_examples=12, deadline=None,
 @given(shape=SHAPES)
 def test_a_schema_nested_deeper_costs_the_event_loop_linear_work(
         native: ProxyServer, api: str, shape: tuple[list[Any], Any]) -> None:
-    growth(native, api, *shape)
+    growth(native, api, *shape, drawn=True)
 
 
 @pytest.mark.parametrize("api", ["messages", "count_tokens"])
@@ -146,7 +157,7 @@ def test_a_schema_nested_deeper_costs_the_event_loop_linear_work(
 def test_a_bridged_schema_nested_deeper_costs_the_event_loop_linear_work(
         bridged: ProxyServer, api: str, shape: tuple[list[Any], Any]) -> None:
     """The bridge translates a Messages request's tools to chat's and counts them itself."""
-    growth(bridged, api, *shape)
+    growth(bridged, api, *shape, drawn=True)
 
 
 # the shapes found or feared, as they were sent: each nested deeper, on every path
