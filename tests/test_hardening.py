@@ -995,3 +995,41 @@ def test_a_log_lines_fields_are_bounded_and_never_replace_the_formatters_own() -
     assert isinstance(line["dropped"], str) and len(line["dropped"]) <= 600
     text = logs.TextFormatter().format(record)
     assert len(text) < 2 * 600 + 64 + 400 and "m" * 65 not in text
+
+
+@pytest.mark.parametrize("model", ["gpt-4o\n{\"level\": \"error\", \"msg\": \"forged\"}",
+                                   "gpt-4o\r\nforged", "gpt-4o\u2028forged",
+                                   "gpt-4o tenant=other", "gpt-4o\x1b[2Jforged"])
+def test_a_text_log_line_is_one_line_whatever_a_field_holds(model: str) -> None:
+    """Finding (red team): with --log-format text a model name holding a newline wrote a
+    second, forged line (the JSON format escapes it). A text line writes a field's value
+    quoted and escaped when it holds a control character, a line separator or a space, so
+    it cannot end the line nor pass for another field."""
+    import logging
+
+    from runloop_proxy.ops import logs
+
+    record = logging.makeLogRecord({"name": "runloop.request", "levelno": logging.INFO,
+                                    "levelname": "INFO", "msg": "request", "model": model,
+                                    "tenant": "acme"})
+    line = logs.TextFormatter().format(record)
+    assert "\n" not in line and "\r" not in line and "\u2028" not in line \
+        and "\x1b" not in line, line
+    # two fields, the model's value quoted as JSON: read back, it is what was logged
+    head, sep, rest = line.partition(" model=")
+    value, end = json.JSONDecoder().raw_decode(rest)
+    assert sep and value == model and rest[end:] == " tenant=acme", line
+
+
+def test_a_login_cookie_of_any_shape_is_refused_as_one_not_answered_a_500(
+        make_proxy: Any) -> None:
+    """Finding (red team): a login cookie whose time was 5,000 digits made the admin gate
+    raise (int() refuses strings of 4,300 digits): a plain 500 and a traceback for each such
+    request. Any cookie that is not a login is a redirect to the login page."""
+    proxy = make_proxy(admin_key="admin-0123456789abcdef")
+    for value in ("9" * 5000 + ".ab", "-5.ab", "", ".", "1" * 13 + ".x", "12345678901.",
+                  "0x1f.ab", " 5.ab"):
+        r = httpx.get(proxy.base + "/admin/ui", cookies={"rl_admin": value},
+                      follow_redirects=False)
+        assert (r.status_code, r.headers.get("location")) == (303, "/admin/ui/login"), \
+            (value[:20], r.status_code, r.text[:200])

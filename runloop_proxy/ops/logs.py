@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -71,9 +72,19 @@ class JsonFormatter(_Bounded):
         return orjson.dumps(out, default=str).decode()
 
 
+def _plain(value: Any) -> str:
+    """A field's value as a text line writes it: quoted and escaped (as JSON) when it holds a
+    control character or a space, so a client's model name of ``"m\nforged line"`` cannot
+    write a second line nor pass for another field."""
+    text = str(value)
+    if any(c == " " or not c.isprintable() for c in text):  # controls, line separators
+        return json.dumps(text)  # ASCII: every character past it escaped, U+2028 too
+    return text
+
+
 class TextFormatter(_Bounded):
     def format(self, record: logging.LogRecord) -> str:
-        extra = " ".join(f"{k}={v}" for k, v in fields(record).items())
+        extra = " ".join(f"{k}={_plain(v)}" for k, v in fields(record).items())
         base = f"{self.formatTime(record, '%H:%M:%S')} {record.levelname:<7} {record.getMessage()}"
         text = f"{base} {extra}" if extra else base
         return text + ("\n" + self.formatException(record.exc_info) if record.exc_info else "")
