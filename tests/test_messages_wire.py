@@ -295,23 +295,33 @@ _CC = {"type": "ephemeral"}
 _text = st.builds(lambda marked: {"type": "text", "text": "t", **({"cache_control": _CC}
                                                                    if marked else {})},
                   st.booleans())
+# marks at any depth Anthropic's blocks allow: a search_result's text inside a tool_result, a
+# document whose source is content blocks (a red team's: one level was all that was counted)
+_search = st.builds(lambda inner, marked: {"type": "search_result", "source": "s", "title": "t",
+                                           "content": inner,
+                                           **({"cache_control": _CC} if marked else {})},
+                    st.lists(_text, max_size=2), st.booleans())
+_document = st.builds(lambda inner, marked: {"type": "document", "source": {
+    "type": "content", "content": inner}, **({"cache_control": _CC} if marked else {})},
+                      st.lists(_text, max_size=2), st.booleans())
 _result = st.builds(lambda inner, marked: {"type": "tool_result", "tool_use_id": "u",
                                            "content": inner,
                                            **({"cache_control": _CC} if marked else {})},
-                    st.lists(_text, max_size=3), st.booleans())
+                    st.lists(st.one_of(_text, _search), max_size=3), st.booleans())
 
 
 @settings(max_examples=200, deadline=None)
 @given(system=st.lists(_text, max_size=2), tools=st.lists(st.booleans(), max_size=2),
-       turns=st.lists(st.lists(st.one_of(_text, _result), min_size=1, max_size=3),
+       turns=st.lists(st.lists(st.one_of(_text, _result, _document), min_size=1, max_size=3),
                       min_size=1, max_size=4),
        stable=st.integers(-1, 3))
 def test_auto_marks_stay_within_four_wherever_the_client_put_its_own(
         system: list[dict[str, Any]], tools: list[bool], turns: list[list[dict[str, Any]]],
         stable: int) -> None:
     """Every mark the client set counts — on a tool, a system block, a message's block or a
-    block inside a tool_result — and the proxy adds its own only while all of them are fewer
-    than four (nested marks were not counted: five went upstream)."""
+    block inside it at any depth (a tool_result's, a search_result's in it, a document's
+    content source) — and the proxy adds its own only while all of them are fewer than four
+    (nested marks were not counted: five went upstream; then only one level down)."""
     from runloop_proxy.api.breakpoints import marks, with_auto
     body = {"system": system or "s",
             "tools": [{"name": f"t{i}", "input_schema": {}, **({"cache_control": _CC} if m
