@@ -13,6 +13,7 @@ narrowed to the errors it raises itself (a garbage answer then killed the task u
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import socket
@@ -257,5 +258,66 @@ def test_redis_refusing_writes_is_said_and_server_history_never_goes_without_a_t
         assert fourth.status_code == 200 and "x-runloop-degraded" not in fourth.headers
         sent = str(upstream.requests[-1]["messages"])
         assert "my name is Bob" in sent and "I live in Oslo" in sent
+    finally:
+        server.cleanup()
+
+
+def test_server_history_waits_for_a_large_answers_turn(make_proxy: Any,
+                                                       upstream: ScriptedUpstream) -> None:
+    """Finding (red team, second pass): an answer over the size that leaves the event loop
+    was counted in a thread before its turn was queued, so a server-history request sent the
+    moment it arrived read Redis without it (2-3 turns of 10). A turn is outstanding from
+    the first step of its recording: each request goes upstream with every turn before it."""
+    proxy: ProxyServer = make_proxy()
+    big = "x" * 200_000  # over LARGE_BYTES: counted off the event loop
+    upstream.responder = lambda body: {"content": f"answer {len(body['messages'])} {big}"}
+    headers = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "large-race",
+               "X-Runloop-History": "server"}
+    with httpx.Client(timeout=60, headers=headers) as c:
+        for i in range(8):
+            r = c.post(proxy.url + "/chat/completions", json={
+                "model": "gpt-4o-mini", "messages": [{"role": "user", "content": f"turn {i}"}]})
+            assert r.status_code == 200, r.text[:300]
+            sent = [m["role"] for m in upstream.requests[-1]["messages"]]
+            assert sent == ["user", "assistant"] * i + ["user"], (i, sent)
+
+
+def test_server_history_refuses_a_session_whose_turn_was_lost(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding (red team, second pass): a turn Redis refused past the retry time was given up
+    like one written, and server history went on from what Redis held — the conversation
+    without that turn, said nowhere. A session a write was given up for is refused with a
+    409 saying what was lost and what to do, not served with a gap."""
+    import redis
+
+    server = RedisServer().start()
+    try:
+        proxy: ProxyServer = make_proxy(redis=server.url, store={"write_retry_s": 0.5})
+        client = redis.Redis.from_url(server.url)
+        headers = {"Authorization": f"Bearer {KEY}", "X-Session-Id": "gap",
+                   "X-Runloop-History": "server"}
+
+        def say(text: str) -> httpx.Response:
+            return httpx.post(proxy.url + "/chat/completions", timeout=30, headers=headers,
+                              json={"model": "gpt-4o-mini",
+                                    "messages": [{"role": "user", "content": text}]})
+
+        assert say("my name is Bob").status_code == 200
+        proxy.settle()
+        client.config_set("maxmemory", "1")
+        assert say("I live in Oslo").status_code == 200  # its turn refused, then given up
+        until(lambda: proxy.state.store.lost("pt-" + hashlib.sha256(KEY.encode())
+                                             .hexdigest()[:16], "n:gap"),
+              what="the refused turn given up")
+        client.config_set("maxmemory", "0")
+        seen = len(upstream.requests)
+        r = say("where do I live?")
+        assert r.status_code == 409, r.text
+        assert "could not be stored" in r.json()["error"]["message"]
+        assert len(upstream.requests) == seen  # nothing went upstream without the turn
+        other = httpx.post(proxy.url + "/chat/completions", timeout=30, headers={
+            **headers, "X-Session-Id": "fresh"}, json={
+            "model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]})
+        assert other.status_code == 200  # only that session
     finally:
         server.cleanup()

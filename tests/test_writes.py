@@ -296,6 +296,13 @@ def test_a_sessions_writes_are_outstanding_until_written_given_up_or_carried() -
         assert not await queue.written(("t", "c"), 0.3) and queue.refusing
         replies["c"] = RuntimeError("WRONGTYPE Operation against a key")
         assert await queue.written(("t", "c"), 10) and "c" in lost
+        assert queue.lost(("t", "c")) and not queue.lost(("t", "a"))  # a gap, remembered
+        # a turn on its way (still being counted): outstanding from its reservation
+        queue.reserve(("t", "f"))
+        assert not await queue.written(("t", "f"), 0.1)
+        queue.submit(sync("f", 1))
+        queue.release(("t", "f"))
+        assert await queue.written(("t", "f"), 2)
         # given up when the queue is full: the oldest go, and are no longer outstanding
         replies["d"] = RuntimeError("OOM command not allowed")
         queue.submit(Job("t", "d", [], None, append=True, size=6_000))

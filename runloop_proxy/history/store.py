@@ -278,6 +278,17 @@ class RedisStore:
         still outstanding after ``timeout`` seconds."""
         return await self.writes.written((namespace, session_id), timeout)
 
+    def reserve(self, namespace: str, session_id: str) -> None:
+        """A write of this session on its way (``WriteBehind.reserve``)."""
+        self.writes.reserve((namespace, session_id))
+
+    def release(self, namespace: str, session_id: str) -> None:
+        self.writes.release((namespace, session_id))
+
+    def lost(self, namespace: str, session_id: str) -> bool:
+        """Whether a write of this session was given up on this replica."""
+        return self.writes.lost((namespace, session_id))
+
     async def close(self) -> None:
         await self.drain()
         await self.writes.stop()

@@ -28,6 +28,7 @@ from ..ops import logs
 log = logs.get("store")
 BATCH = 256
 MAX_QUEUE = 100_000
+LOST_KEPT = 100_000  # sessions remembered for a write given up (server history refuses them)
 REWALK_S = 0.05  # a queue held by refusals is walked at most this often
 STOP_S = 2.0  # a stop waits this long for the flusher at most
 BACKOFF_S, BACKOFF_MAX_S = 0.05, 5.0  # a refused job's wait: doubled each time, at most this
@@ -127,8 +128,11 @@ class WriteBehind:
         self.bytes = 0
         self._queued: dict[tuple[str, str], Job] = {}  # the newest sync job per session
         self._in_flight = 0
-        # per session, its jobs not yet written nor given up (queued, waiting, being sent)
+        # per session, its jobs not yet written nor given up (queued, waiting, being sent),
+        # and a write about to be submitted (``reserve``): a turn still being counted
         self._open: collections.Counter[tuple[str, str]] = collections.Counter()
+        # the sessions a write was given up for (bounded: the oldest forgotten first)
+        self._lost: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         # Redis refusing every write (out of memory, read-only): one job probes it at a
         # doubling interval, the rest wait, so the work is not the queue's length each time
         self._streak = 0  # flushes in a row whose every job was refused
@@ -165,8 +169,25 @@ class WriteBehind:
         return self._streak > 0
 
     def holds(self, key: tuple[str, str]) -> bool:
-        """Whether a write of this session is outstanding (queued, waiting or being sent)."""
+        """Whether a write of this session is outstanding (reserved, queued, waiting or
+        being sent)."""
         return self._open[key] > 0
+
+    def reserve(self, key: tuple[str, str]) -> None:
+        """A write of this session is on its way (its turn answered, still being counted):
+        outstanding from now until ``release``, so no read runs before it is queued."""
+        self._open[key] += 1
+
+    def release(self, key: tuple[str, str]) -> None:
+        """The end of a ``reserve`` (its job, if any, was submitted: outstanding by itself)."""
+        self._open[key] -= 1
+        if self._open[key] <= 0:
+            del self._open[key]
+
+    def lost(self, key: tuple[str, str]) -> bool:
+        """Whether a write of this session was given up (Redis refused it past the retry
+        time, the queue was full, the store's limits): what Redis holds of it has a gap."""
+        return key in self._lost
 
     async def written(self, key: tuple[str, str], timeout: float) -> bool:
         """Wait until no write of this session is outstanding; False if one still is after
@@ -180,9 +201,7 @@ class WriteBehind:
 
     def _closed(self, job: Job) -> None:
         """``job`` is written, given up, or carried by a newer one of its session."""
-        self._open[job.key] -= 1
-        if self._open[job.key] <= 0:
-            del self._open[job.key]
+        self.release(job.key)
 
     def submit(self, job: Job) -> None:
         job.deadline = time.monotonic() + self.retry_s
@@ -223,6 +242,10 @@ class WriteBehind:
         if self._queued.get(job.key) is job:
             del self._queued[job.key]
         self._closed(job)
+        self._lost[job.key] = None
+        self._lost.move_to_end(job.key)
+        if len(self._lost) > LOST_KEPT:
+            self._lost.popitem(last=False)
         self._on_lost(job, why)
 
     def _requeue(self, job: Job, why: str, backoff: bool = False) -> None:

@@ -19,7 +19,7 @@ from ..conversation.identity import (
 )
 from ..conversation.messages import Message, content_hash
 from ..conversation.runloops import preamble_end
-from ..errors import InvalidRequest, StoreError, StoreUnavailable
+from ..errors import Conflict, InvalidRequest, StoreError, StoreUnavailable
 from ..history.store import Prepared, RedisStore, prepare
 from ..ops import logs
 from ..state import AppState
@@ -175,6 +175,13 @@ async def _server_history(state: AppState, turn: Turn, session: Session, store: 
     messages = turn.messages
     if not await store.written(ns, session.id, WRITTEN_WAIT_S):
         raise StoreError("an earlier turn of this session is not stored yet")
+    if store.lost(ns, session.id):
+        # what Redis holds of this conversation has a gap for good: going on from it would
+        # send the model the conversation without that turn, saying nothing
+        raise Conflict("a turn of this session could not be stored (Redis refused it past "
+                       "the retry time, or the store's limits), so the stored conversation "
+                       "is missing it: send the conversation yourself (X-Runloop-History: "
+                       "client) or start a new session", param="X-Session-Id")
     head, size = await store.head_sized(ns, session.id)
     stored = [m for _, m in head]
     system = preamble_end(messages)
@@ -298,6 +305,22 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     store, ns = state.store, turn.caller.namespace
     if store is None or ns is None or history.degraded == "store":
         return
+    # outstanding from the first step, before anything here waits (a large answer is counted
+    # in a thread): a server-history request that comes the moment this answer arrives waits
+    # for this turn (``_server_history``), where it read Redis before the turn was queued
+    store.reserve(ns, session.id)
+    try:
+        await _record(state, turn, session, history, store, ns, reply, kept, large,
+                      answer_id, tokens, frame, chain)
+    finally:
+        store.release(ns, session.id)
+
+
+async def _record(state: AppState, turn: Turn, session: Session, history: History,
+                  store: RedisStore, ns: str, reply: Message | None,
+                  kept: dict[str, Any] | None, large: bool, answer_id: str | None,
+                  tokens: tuple[int, int] | None, frame: dict[str, Any] | None,
+                  chain: str | None) -> None:
     if answer_id is not None and chain is not None and turn.wire.api == "responses" \
             and turn.body.get("store") is not False:
         # noted before anything here waits, as the anchor below is: the client may chain on
