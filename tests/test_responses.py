@@ -350,6 +350,45 @@ def test_mixed_calls_the_client_gets_its_own_and_the_proxys_are_spliced_back(
     assert recalled["output"] == BIG.format(k=1)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_chained_on_a_mixed_answer_carries_the_proxys_outputs(
+        proxy: ProxyServer, upstream: ScriptedUpstream, stream: bool) -> None:
+    """Finding (red team, second pass): an answer mixing the client's call with the proxy's
+    is one response upstream holding both calls; the client is shown its own, and a request
+    chained on that response answered only it — the upstream refuses a chain with a call
+    left without output ("No tool output found"). The outputs of the proxy's calls are kept
+    with the answer's id, and go before the client's input in the chained request."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        given = body["input"] if isinstance(body["input"], list) else []
+        if any(i.get("call_id") == "client_1" and "output" in i for i in given):
+            return {"content": "all done"}
+        return {"tool_calls": [{"id": "rc_9", "name": proxy_tool(body),
+                                "arguments": {"call_id": "call_1"}},
+                               {"id": "client_1", "name": "shell",
+                                "arguments": {"cmd": "ls"}}]}
+
+    upstream.responder = lambda body: {**respond(body),
+                                       "response_id": f"resp_m{len(upstream.requests)}"}
+    c = sdk(proxy, f"mixed-chain-{stream}")
+    kw: dict[str, Any] = {"model": "gpt-4o-mini", "input": agent_turns(14, tasks=False),
+                          "tools": TOOLS}
+    if stream:
+        with c.responses.stream(**kw) as s:
+            first = s.get_final_response()
+    else:
+        first = c.responses.create(**kw)
+    assert [o.call_id for o in first.output if o.type == "function_call"] == ["client_1"]
+    mine = [{"type": "function_call_output", "call_id": "client_1", "output": "a b"}]
+    follow = c.responses.create(model="gpt-4o-mini", previous_response_id=first.id,
+                                input=mine, tools=TOOLS)  # type: ignore[arg-type]
+    assert follow.output_text == "all done"
+    sent = upstream.requests[-1]
+    assert sent["previous_response_id"] == first.id == "resp_m1"  # one round: as it was
+    outputs = [i for i in sent["input"] if i.get("type") == "function_call_output"]
+    assert [i["call_id"] for i in outputs] == ["rc_9", "client_1"]  # the proxy's, then its
+    assert outputs[0]["output"] == BIG.format(k=1) and sent["input"][-1] == mine[0]
+
+
 def test_every_cut_output_comes_back_byte_for_byte_and_items_stay_valid(
         proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
     """One task, 40 large outputs: the forwarded input is a valid item sequence (every output

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
+
 from ..conversation.identity import (
     NAMED_PREFIXES,
     Session,
@@ -17,6 +19,7 @@ from ..conversation.identity import (
     chained_key,
     continued,
 )
+from ..conversation.items import to_items
 from ..conversation.messages import Message, content_hash
 from ..conversation.runloops import preamble_end
 from ..errors import Conflict, InvalidRequest, StoreError, StoreUnavailable
@@ -222,6 +225,13 @@ def response_alias(response_id: str) -> str:
     return content_hash(f"response-alias\0{response_id}".encode())
 
 
+def response_owed(response_id: str) -> str:
+    """Where the outputs of the proxy's calls in ``response_id`` are kept: an answer that
+    mixed the client's calls with the proxy's shows the client its own, and a request that
+    chains on it answers only those."""
+    return content_hash(f"response-owed\0{response_id}".encode())
+
+
 async def _chained(state: AppState, turn: Turn, session: Session, store: RedisStore, ns: str,
                    hashed: list[Prepared]) -> tuple[Session, History]:
     """A request chained on ``previous_response_id``: the conversation is upstream. It joins
@@ -233,6 +243,8 @@ async def _chained(state: AppState, turn: Turn, session: Session, store: RedisSt
     # round's id (a stream's identity cannot change), stored upstream with the proxy's call
     # unanswered: the chain goes on from the last round's, which holds the whole turn
     chain_to = await store.anchored(ns, response_alias(turn.chained))
+    owed_raw = await store.anchored(ns, response_owed(turn.chained))
+    owed = orjson.loads(owed_raw) if owed_raw else []
     if session.kind is SessionKind.FINGERPRINT:
         found = await store.anchored(ns, response_anchor(turn.chained))
         if found is not None and found.startswith(NAMED_PREFIXES):
@@ -241,7 +253,7 @@ async def _chained(state: AppState, turn: Turn, session: Session, store: RedisSt
         session = Session(key, SessionKind.CHAINED, "previous_response_id", label=key)
     prepared = await _counted(state, turn, turn.messages, hashed)
     return session, History(turn.messages, prepared, appended=(prepared, 0),
-                            chain_to=chain_to)
+                            chain_to=chain_to, owed=owed if isinstance(owed, list) else [])
 
 
 async def _continuation(turn: Turn, session: Session, store: RedisStore,
@@ -321,13 +333,17 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
                   kept: dict[str, Any] | None, large: bool, answer_id: str | None,
                   tokens: tuple[int, int] | None, frame: dict[str, Any] | None,
                   chain: str | None) -> None:
-    if answer_id is not None and chain is not None and turn.wire.api == "responses" \
-            and turn.body.get("store") is not False:
+    chainable = answer_id is not None and turn.wire.api == "responses" \
+        and turn.body.get("store") is not False
+    if chainable and chain is not None:
         # noted before anything here waits, as the anchor below is: the client may chain on
         # the answer the moment it has it
-        store.note_anchor(ns, response_alias(answer_id), chain)
-        state.spawn(_anchor(store, ns, response_alias(answer_id), chain,
-                            turn.caller.tenant.retention_days))
+        _keep_anchor(state, turn, store, ns, response_alias(str(answer_id)), chain)
+    if chainable and kept is not None and kept.get("after"):
+        # the answer mixed the proxy's calls with the client's: the client answers its own
+        # when it chains on it, and the proxy's outputs go with them (the upstream wants all)
+        owed = orjson.dumps(to_items(kept["after"])[1]).decode()
+        _keep_anchor(state, turn, store, ns, response_owed(str(answer_id)), owed)
     if answer_id is not None and turn.wire.api == "responses" \
             and turn.body.get("store") is not False and not session.explicit:
         # before anything here waits: a request chaining on this answer may come before
@@ -390,6 +406,15 @@ def request_point(state: AppState, turn: Turn, history: History,
     if turn.chained:
         out["chained"] = True
     return out
+
+
+def _keep_anchor(state: AppState, turn: Turn, store: RedisStore, ns: str, key: str,
+                 value: str) -> None:
+    """A value a request chained on an answer may look up the moment the answer arrives:
+    noted on this replica now, and written to Redis behind it (kept as long as the
+    tenant's sessions are)."""
+    store.note_anchor(ns, key, value)
+    state.spawn(_anchor(store, ns, key, value, turn.caller.tenant.retention_days))
 
 
 async def _keep_internal(store: RedisStore, namespace: str, session_id: str, at: str,

@@ -149,9 +149,24 @@ async def _as_sent(turn: Turn, history: History) -> bytes | dict[str, Any]:
         return await _converted(turn, turn.large or history.large, history.messages)
     if turn.wire.translates:
         return await _converted(turn, turn.large, turn.messages)
-    if history.chain_to is not None:
-        return {**turn.body, "previous_response_id": history.chain_to}
+    if history.chain_to is not None or history.owed:
+        return chained_on(turn.body, history)
     return turn.raw
+
+
+def chained_on(body: dict[str, Any], history: History) -> dict[str, Any]:
+    """A chained request as the upstream must read it: on the response that holds the whole
+    turn (``History.chain_to``), with the outputs of the proxy's calls in it that the client
+    never saw before its own input (``History.owed``)."""
+    out = dict(body)
+    if history.chain_to is not None:
+        out["previous_response_id"] = history.chain_to
+    if history.owed:
+        given = body.get("input")
+        items = given if isinstance(given, list) else \
+            [{"role": "user", "content": given}] if isinstance(given, str) else []
+        out["input"] = [*history.owed, *items]
+    return out
 
 
 async def _converted(turn: Turn, large: bool, messages: list[Message],

@@ -172,8 +172,11 @@ class History:
     new_from: int | None = None
     large: bool = False  # what the store brought is large (server-history mode): off the loop
     # a chained request's previous_response_id as the upstream must read it: the last round
-    # of a streamed answer the proxy's tools took several rounds over (``reconcile.aliased``)
+    # of a streamed answer the proxy's tools took several rounds over (``response_alias``);
+    # and the outputs of the proxy's own calls in the response it chains on, which the
+    # client never saw and the upstream needs beside the client's (``response_owed``)
     chain_to: str | None = None
+    owed: list[dict[str, Any]] = field(default_factory=list)
 
     def to_store(self) -> list[Prepared]:
         """The whole conversation as it is stored: what the client sent, with what it
