@@ -424,3 +424,70 @@ def test_a_models_encoding_is_resolved_once_and_the_models_kept_are_bounded(
     assert len(counter._by_model) == 3 and ("gpt-4o", None) not in counter._by_model
     counter.encoding("gpt-4o")  # gone: resolved again
     assert resolved[-1] == "gpt-4o" and len(resolved) == 5
+
+
+def test_what_the_counter_keeps_for_one_encoding_is_never_anothers() -> None:
+    """One process counts for every model its tenants name, o200k and cl100k at once
+    (gpt-4o beside gpt-4, a tenant's encoding override): every count it caches — a
+    message's (by content, or by the key the store gives), a tool list's, the empty tools
+    section's, the proxy's own tools' (``framing.proxy_tools_tokens``), a model's resolved
+    encoding — is the same after any other encoding's counts as in a fresh counter.
+    Planted, each passed every other test: a message's count cached by its content alone,
+    a tool list's likewise, the proxy's tools' count memoised once for every encoding; a
+    window's cut of a long text cached by the text and size alone (found so)."""
+    from types import SimpleNamespace
+
+    from runloop_proxy.conversation.messages import message_hash
+    from runloop_proxy.pipeline.framing import proxy_tools_tokens
+
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": text} for text in EDGES]
+    msgs.append({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {
+            "name": "search", "arguments": orjson.dumps({"q": EDGES[6]}).decode()}}]})
+    tool_lists = [[WEATHER], [WEATHER, {"type": "function", "function": {
+        "name": "翻訳", "description": EDGES[6], "parameters": {}}}]]
+
+    long = "\n".join(corpus()[:3])
+
+    def counts(counter: TokenCounter, memo: dict[Any, Any], name: str) -> list[Any]:
+        enc, exact = counter.encoding("house-model", name)
+        state = SimpleNamespace(tokens=counter, window_memo=memo)
+        # and the window's cuts of a long text (the process's cache of them, in ``memo``)
+        cut = WindowTokens(counter, enc, memo).cut(long, 50)
+        return [enc.name, exact, *(counter.message(enc, m) for m in msgs),
+                *(counter.message(enc, m, message_hash(m)) for m in msgs),
+                *(counter.tools(enc, t) for t in tool_lists), counter.tools_frame(enc),
+                proxy_tools_tokens(state, enc), cut]
+
+    fresh = {name: counts(TokenCounter(), {}, name) for name in SHIPPED}
+    a, b = (fresh[name] for name in SHIPPED)
+    # what the two count apart: messages, tool lists, the proxy's tools
+    differ = {k for k in range(len(a)) if a[k] != b[k]}
+    tools = len(a) - len(tool_lists) - 3
+    assert len(differ) >= 10 and tools in differ and {len(a) - 2, len(a) - 1} <= differ, differ
+    shared, memo = TokenCounter(), {}
+    for name in [*SHIPPED, *reversed(SHIPPED), *SHIPPED]:
+        assert counts(shared, memo, name) == fresh[name], name
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_text_too_long_to_count_exactly_is_estimated_near_its_count(name: str) -> None:
+    """Past ``EXACT_CHARS`` a text is counted from a sample of its head and tail, scaled to
+    its length: on real text of every size from just past the bound to eight times it the
+    estimate is within 5% of the exact count (tiktoken's own), and a text twice as long
+    counts twice as much. Planted, each passed every other test (no test counted a text
+    past the bound): the scale inverted (the sample's length over the text's), and the
+    length scaled by one half of the sample (head and tail are two: twice the count)."""
+    from runloop_proxy.pipeline.tokens import EXACT_CHARS
+
+    enc = shipped(name)
+    text = "\n".join(corpus()[:3])
+    for size in (EXACT_CHARS + 1, 2 * EXACT_CHARS, 8 * EXACT_CHARS):
+        long = (text * (size // len(text) + 1))[:size]
+        exact = len(enc.encode_ordinary(long))
+        estimate = count_text(enc, long)
+        assert abs(estimate - exact) <= 0.05 * exact, (size, estimate, exact)
+    doubled = (text * (4 * EXACT_CHARS // len(text) + 1))[:4 * EXACT_CHARS]
+    half = doubled[:2 * EXACT_CHARS]
+    assert abs(count_text(enc, doubled) - 2 * count_text(enc, half)) <= 0.05 * count_text(
+        enc, doubled)

@@ -30,6 +30,8 @@ from runloop_proxy.window.forms import DEFAULT_NAMES, Budget, Cut
 class WordOps:
     """A deterministic token model for pure tests: one token per word, +3 per message."""
 
+    name = "words"
+
     def count(self, msg: Message) -> int:
         n = 3 + len(str(msg.get("content") or "").split())
         for c in msg.get("tool_calls") or []:
@@ -1420,3 +1422,105 @@ def test_summary_pieces_follow_the_append_chain() -> None:
     assert summary_pieces("z\ny\n ", stored, 7) == ("z\ny\n ",)  # a blank piece: whole
     assert summary_pieces("a\nb", {3: "a\nb"}, 3) == ("a\nb",)
     assert summary_pieces("q", stored, 4) == ("q",)  # not the chain's end: whole
+
+
+# Every policy field the window reads, with values that matter in these conversations
+WINDOW_FIELDS: dict[str, Any] = {
+    "max_message_length": st.integers(16, 80), "ledger_arg_chars": st.integers(0, 40),
+    "reasoning_keep_tokens": st.integers(16, 40), "keep_recent_tool_results": st.integers(0, 4),
+    "names_kept": st.sampled_from([0, 3, 48]),
+    "max_tool_result_share": st.sampled_from([0.05, 0.25, 1.0]),
+    "keep_opening": st.booleans(), "strict_roles": st.booleans(),
+    "exclude_tools": st.sampled_from([(), ("bash",), ("read", "grep")]),
+    "summary_model": st.sampled_from([None, "extractive"]), "max_run_loops": st.integers(0, 6),
+    "omit_batch": st.one_of(st.none(), st.integers(1, 4)),
+    "reduce_past_loops": st.sampled_from(list(ReducePastLoops)),
+    "reduce_at_least": st.sampled_from([0, 64, 300]),
+    "clear_at_least": st.sampled_from([0, 100, 500]),
+    "payback_requests": st.sampled_from([None, 0, 2])}
+
+
+class CharOps(WordOps):
+    """Counts by characters (five a token, +3 a message), cuts by words: any deterministic
+    counter will do where only a memo's effect is compared."""
+
+    name = "chars"
+
+    def count(self, msg: Message) -> int:
+        calls = orjson.dumps(msg.get("tool_calls") or []).decode()
+        return 3 + (len(str(msg.get("content") or "")) + len(calls)) // 5
+
+
+@st.composite
+def request_frames(draw: Any, msgs: list[Message]) -> list[dict[str, Any]]:
+    """A few requests' inputs besides their messages: a base frame, and the same with one
+    input drawn anew in each of three others — a policy field (a reload), the budget
+    (the model's window, the soft budget), the summaries stored, a compaction asked for,
+    the results the proxy's tools brought back, the names its tools took, whether the
+    client sends tools. Frames one input apart show which part of a key is missing."""
+    calls = sorted({m["tool_call_id"] for m in msgs if m["role"] == "tool"})
+    inputs: dict[str, Any] = {
+        "working": st.sampled_from([400, 900, 2500]), "hard": st.sampled_from([1200, 30_000]),
+        "summaries": st.sampled_from([(), ((1, "SUM-A"),), ((2, "SUM-A"), (4, "SUM-A\nSUM-B"))]),
+        "compactions": st.sampled_from([(), ((0, 1),), ((len(msgs) // 2, 2),)]),
+        "protected": st.builds(frozenset, st.lists(st.sampled_from(calls), max_size=2))
+        if calls else st.just(frozenset()),
+        "tool_names": st.sampled_from([DEFAULT_NAMES, ("runloop_recall_tool_call",
+                                                       "runloop_search_history")]),
+        "client_tools": st.booleans(),
+        # the counter: a model of another encoding (counts by characters, not words)
+        "ops": st.sampled_from([OPS, CharOps()])}
+    base = {"policy": draw(policies), **{k: draw(s) for k, s in inputs.items()}}
+    out = [base]
+    # a policy field half the time, one of the other inputs the other half
+    for changed in draw(st.lists(st.one_of(st.sampled_from(sorted(WINDOW_FIELDS)),
+                                           st.sampled_from(sorted(inputs))),
+                                 min_size=3, max_size=3, unique=True)):
+        if changed in WINDOW_FIELDS:
+            policy = Policy(**{**base["policy"].model_dump(),
+                               changed: draw(WINDOW_FIELDS[changed])})
+            out.append({**base, "policy": policy})
+        else:
+            out.append({**base, changed: draw(inputs[changed])})
+    return out
+
+
+@settings(PROPS, max_examples=2 * (PROPS.max_examples or 100))
+@given(conversations(), st.data())
+def test_one_memo_across_requests_that_differ_in_any_input_never_changes_a_window(
+        msgs: list[Message], data: Any) -> None:
+    """The memo of derived forms and replay checkpoints is shared by every request of a
+    session, and a session's requests differ in more than their messages: a policy field
+    (a reload), the budget (another model, max_tokens, the tools), the summaries stored, a
+    compaction asked for, the results the proxy's tools brought back, the names its tools
+    took. Request by request, each with one of a few frames one input apart, a window built
+    through the one memo is the window a build without any memo makes — so every memo key
+    names every input its form or state reads. Found with it: a trimmed call keyed without
+    ``names_kept`` (a reload that changed it kept the old names list, or none). Planted,
+    each passed every other test: a replay checkpoint keyed without the compactions, the
+    soft budget or the tools' names; a reduced loop keyed without ``max_message_length``."""
+    # the agent names files and functions (what names_kept keeps of a trimmed message)
+    msgs = [{**m, "content": f"{m['content']} edit pkg/m{i}.py fn_{i}"}
+            if m.get("tool_calls") else m for i, m in enumerate(msgs)]
+    keys = [message_hash(m) for m in msgs]
+    frames = data.draw(request_frames(msgs))
+    memo: dict[Any, Any] = {}
+    carry = None
+    for k, p in enumerate(request_points(msgs, 0)):
+        # every other request the base frame: each other one follows a request one input
+        # apart, and may resume that one's replay
+        f = frames[0] if k % 2 else data.draw(st.sampled_from(frames))
+        budget = Budget(max(f["hard"], f["working"]), f["working"])
+        kw = {k: f[k] for k in ("summaries", "compactions", "protected", "tool_names",
+                                "client_tools")}
+        # by words, or by characters: a name's length (the proxy's tools renamed) counts too
+        counts = [f["ops"].count(m) for m in msgs[:p]]
+        args = (msgs[:p], keys[:p], counts, f["policy"], budget, f["ops"])
+        fresh = build_window(*args, **kw)
+        memoed = build_window(*args, memo=memo, carry=carry, **kw)
+        carry = memoed.carry  # and the conversation the last request grew, grown again
+        assert orjson.dumps(memoed.messages) == orjson.dumps(fresh.messages), (p, f)
+        assert (memoed.events, memoed.elided, memoed.fits, memoed.tokens_out,
+                memoed.reduced_loops, memoed.omitted_loops) == \
+            (fresh.events, fresh.elided, fresh.fits, fresh.tokens_out, fresh.reduced_loops,
+             fresh.omitted_loops), (p, f)

@@ -312,6 +312,7 @@ class WindowTokens:
                  cuts: MutableMapping[tuple[str, int], Any]):
         self.counter = counter
         self.enc = enc
+        self.name = enc.name
         self._cuts = cuts
 
     def count(self, msg: Message) -> int:
@@ -320,7 +321,9 @@ class WindowTokens:
     def cut(self, text: str, max_tokens: int) -> Cut | None:
         if len(text) <= max_tokens:  # a token is at least one character
             return None
-        key = (hashlib.blake2b(text.encode(), digest_size=16).hexdigest(), max_tokens)
+        # by encoding too: the cache is the process's, and another encoding cuts elsewhere
+        digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+        key = (f"{self.name}:{digest}", max_tokens)
         hit = self._cuts.get(key)
         if hit is not None:
             return hit or None

@@ -89,7 +89,7 @@ class _Checkpoints:
         self.parts = [f"{k}:{n}," for k, n in zip(conv.keys, conv.counts, strict=True)]
         b = conv.budget
         self.context = content_hash(
-            f"{conv.policy.model_dump_json()}|{b.hard}|{b.working}|{summaries!r}|"
+            f"{conv.context}|{b.hard}|{b.working}|{summaries!r}|"
             f"{compactions!r}|{replay.optional}|"
             f"{'|'.join(conv.names)}|"
             f"{','.join(sorted(conv.protected))}".encode())

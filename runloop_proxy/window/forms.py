@@ -139,6 +139,10 @@ class Cut(NamedTuple):
 
 
 class TokenOps(Protocol):
+    # what counts: two ops of one name count every message and cut every text alike (the
+    # memo of derived forms is keyed by it, as a model of another encoding counts otherwise)
+    name: str
+
     def count(self, msg: Message) -> int: ...
 
     def cut(self, text: str, max_tokens: int) -> Cut | None:
@@ -160,6 +164,10 @@ class Conversation:
         self.policy, self.budget, self.ops = policy, budget, ops
         self.memo, self.protected = memo, protected
         self.cap = max(64, int(policy.max_tool_result_share * budget.working))
+        # every form memoised across requests is keyed by the whole policy and the counter:
+        # a key that named only the fields its form was thought to read kept a reloaded
+        # policy's old ``names_kept``; so no field can be left out of one
+        self.context = content_hash(f"{policy.model_dump_json()}|{ops.name}".encode())
         self.messages: list[Message] = []
         self.keys: list[str] = []
         self.counts: list[int] = []
@@ -208,7 +216,7 @@ class Conversation:
         """This conversation, as it stood with ``at`` messages, grown to hold a request's;
         None when the request does not hold it whole, or the log grew past ``at`` already."""
         if self.budget != budget or self.protected != protected or self.names != names \
-                or self.policy != policy or len(keys) < at:
+                or self.policy != policy or self.ops.name != ops.name or len(keys) < at:
             return None
         with self._lock:
             if self.n != at or keys[:at] != self.keys or counts[:at] != self.counts:
@@ -291,7 +299,8 @@ class Conversation:
                     self._group = i
                     self.group_end[i] = i + 1
                     trimmed, c = self._derived(("trim", key, self.refs[i],
-                                                str(self.policy.reasoning_keep_tokens), *names),
+                                                str(self.policy.reasoning_keep_tokens),
+                                                str(self.policy.names_kept), *names),
                                                partial(self._trimmed_call, i))
                     if trimmed is not None and count - c > 0:
                         self.short[i], self.saving[i] = trimmed, count - c
@@ -323,6 +332,7 @@ class Conversation:
 
     def _memoised(self, key: tuple[str, ...], make: Callable[[], Any]) -> Any:
         memo = self.memo
+        key = (self.context, *key)
         if memo is not None:
             hit = memo.get(key)
             if hit is not None:
