@@ -218,6 +218,142 @@ def test_a_reload_that_changes_an_upstream_takes_effect(tmp_path: Path, make_pro
         moved.stop()
 
 
+def test_a_request_in_flight_finishes_on_the_config_it_started_with(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """A reload while a request is in flight that moves its upstream (a new URL, a rotated
+    key) and takes the tool rounds from its tenant's policy: the request's later upstream
+    calls — the proxy's tool rounds — go where and with what its first went, as many as
+    its policy allowed (the README: in-flight requests finish on the old config), and the
+    next request goes to the new upstream with its new key. Found by a planted-bug search:
+    each round looked the upstream up by name in the config of the moment, so a round after
+    the reload went to the new URL with the old key (a key sent to an upstream it was not
+    given for). Also red with the rounds' limit read from the config of the moment."""
+    from .test_tools import CLIENT_TOOLS, recall_name
+
+    root = write_config(tmp_path, upstream.url)
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    moved = ScriptedUpstream().start()
+    reloaded: list[bool] = []
+    files = {path: path.read_text() for path in (root / "runloop.toml",
+                                                 root / "tenants" / "globex.toml")}
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last.get("role") == "tool" and last["tool_call_id"] == "sh_1":
+            return {"content": "found it"}
+        if not reloaded:  # the reload lands while the request waits for its first answer:
+            # the upstream moved, its key rotated, globex's policy without the tool rounds
+            (root / "runloop.toml").write_text(
+                files[root / "runloop.toml"].replace(
+                    'api_key = "${TEST_UPSTREAM_KEY}"', 'api_key = "sk-rotated"')
+                .replace(upstream.url, moved.url))
+            (root / "tenants" / "globex.toml").write_text(
+                files[root / "tenants" / "globex.toml"] + "[policy]\nmax_tool_rounds = 0\n")
+            reloaded.append(proxy.run(proxy.state.reload("test")))
+        return {"tool_calls": [{"id": "sh_1", "name": recall_name(body, "search_history"),
+                                "arguments": {"query": "anything"}}]}
+
+    upstream.responder = respond
+    moved.responder = lambda body: {"content": "the new upstream"}
+    globex = openai.OpenAI(base_url=proxy.url, api_key=GLOBEX_KEY, max_retries=0)
+    try:
+        for stream in (False, True):
+            reloaded.clear()
+            for path, text in files.items():
+                path.write_text(text)
+            assert proxy.run(proxy.state.reload("back")) is True
+            before_old, before_new = len(upstream.headers), len(moved.headers)
+            kw: dict[str, Any] = {"model": "m", "tools": CLIENT_TOOLS,
+                                  "messages": [{"role": "user", "content": "find it"}]}
+            if stream:
+                said = "".join(c.choices[0].delta.content or "" for c in
+                               globex.chat.completions.create(stream=True, **kw) if c.choices)
+            else:
+                said = globex.chat.completions.create(**kw).choices[0].message.content or ""
+            assert reloaded == [True]
+            assert said == "found it", stream
+            assert len(moved.headers) == before_new, stream  # no round went to the new one
+            assert [h["authorization"] for h in upstream.headers[before_old:]] == \
+                ["Bearer sk-shared-upstream"] * 2, stream
+            after = globex.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "next"}])
+            assert after.choices[0].message.content == "the new upstream"
+            assert moved.headers[-1]["authorization"] == "Bearer sk-rotated"
+    finally:
+        moved.stop()
+
+
+def test_a_summary_asked_before_a_reload_never_takes_its_key_to_the_moved_upstream(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """A summary is made after the request it is for (in the background, or when the next
+    request closes its loop): the key it carries was taken for the upstream of that moment.
+    A reload in between that moves the upstream (a new URL) sends that key nowhere — the
+    summary fails open, to be made from a later request — while a summary asked after the
+    reload goes to the new upstream. Red with the upstream looked up by name alone (the
+    same class as a tool round: a key from one config, a URL from the next)."""
+    from runloop_proxy.config import Policy
+    from runloop_proxy.history.summaries import Job
+
+    root = write_config(tmp_path, upstream.url)
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    moved = ScriptedUpstream().start()
+    moved.responder = lambda body: {"content": "a summary"}
+    policy = Policy(summary_model="m-sum")
+
+    def job() -> Job:
+        return Job(policy, "ns", "acme", "acme", "m", "main", "Bearer sk-shared-upstream",
+                   spec=proxy.state.config.upstreams["main"])
+
+    try:
+        before = job()
+        glob = root / "runloop.toml"
+        glob.write_text(glob.read_text().replace(upstream.url, moved.url))
+        assert proxy.run(proxy.state.reload("test")) is True
+        with pytest.raises(RuntimeError, match="changed since"):
+            proxy.run(proxy.state.summaries._llm(before, None, "turns", len))
+        assert moved.headers == [] and upstream.headers == []
+        text, _ = proxy.run(proxy.state.summaries._llm(job(), None, "turns", len))
+        assert text == "a summary" and len(moved.headers) == 1
+    finally:
+        moved.stop()
+
+
+def test_a_reload_leaves_the_state_a_fresh_start_on_the_new_files_would_have(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Everything the running state takes from the config — the config itself, the price
+    table the metrics price usage with, the upstreams' clients, the series every tenant
+    is exported with from the start — is after a reload what a proxy started on the new
+    files has, whichever file the edit was in (the global file, a tenant's, the prices).
+    Planted, each passed every other test: the reload left the metrics on the old price
+    table (usage priced at the old prices until a restart); the new tenants' series not
+    exported (an alert on them could not fire)."""
+    root = write_config(tmp_path, upstream.url)
+    proxy: ProxyServer = make_proxy(config_dir=str(root))
+    (root / "prices.toml").write_text(
+        '[openai.models."gpt-4o-mini"]\ncached_input = 0.05\n'
+        '[openai.models."house-model"]\ninput = 1.0\ncached_input = 0.1\noutput = 2.0\n')
+    glob = root / "runloop.toml"
+    glob.write_text(glob.read_text().replace("max_retries = 0", "max_retries = 1")
+                    + f'\n[upstreams.second]\nurl = "{upstream.url}"\napi_key = "sk-second"\n')
+    (root / "tenants" / "initech.toml").write_text(
+        'keys = ["initech-key-0123456789"]\nupstream = "second"\n'
+        '[models."house-model"]\ncontext_window = 9000\n[policy]\nmax_run_loops = 2\n')
+    assert proxy.run(proxy.state.reload("test")) is True
+    fresh: ProxyServer = make_proxy(config_dir=str(root))
+    old, new = proxy.state, fresh.state
+    for part in ("server", "upstreams", "tenants", "passthrough", "key_index", "shared_keys",
+                 "sources", "prices"):  # the store's key prefix is each test proxy's own
+        assert getattr(old.config, part) == getattr(new.config, part), part
+    assert old.metrics.prices == new.metrics.prices
+    assert {n: c.spec for n, c in old.upstreams.items()} == \
+        {n: c.spec for n, c in new.upstreams.items()}
+
+    def series(p: ProxyServer) -> set[str]:
+        return {line.rsplit(" ", 1)[0] for line in httpx.get(p.base + "/metrics").text
+                .splitlines() if line.startswith("runloop_") and 'tenant="' in line}
+    assert series(fresh) <= series(proxy), sorted(series(fresh) - series(proxy))[:5]
+
+
 def _bump(path: Path) -> None:
     t = time.time() + 1
     os.utime(path, (t, t))
@@ -400,3 +536,25 @@ def test_every_file_the_config_reads_is_watched_for_a_reload(tmp_path: Path) -> 
     watched = {path for path, _ in config_mtimes(str(root))}
     assert len(config.sources) == 4  # runloop.toml, two tenants, the prices
     assert {str(p) for p in config.sources} <= watched, (config.sources, watched)
+
+
+@pytest.mark.parametrize("suffix", ["", "-2024-08-06", "-20250929", "-latest"])
+def test_a_dated_snapshot_takes_its_own_familys_window_and_price(suffix: str) -> None:
+    """Providers name a model's snapshots by a date (``gpt-4o-2024-08-06``,
+    ``claude-sonnet-4-5-20250929``): for every family the built-in windows and the price
+    table list, a snapshot of it gets that family's window and price — also where another
+    family's name is a prefix of it (``gpt-4`` of ``gpt-4-turbo``, ``claude-sonnet-4`` of
+    ``claude-sonnet-4-5``). Planted, passed every other test: the shortest matching family
+    taken (a dated gpt-4-turbo got gpt-4's 8,192-token window)."""
+    from runloop_proxy.config import BUILTIN_CONTEXT_WINDOWS, TenantSpec
+    from runloop_proxy.pricing import PriceTable
+
+    tenant = TenantSpec(name="t", default_context_window=1234)
+    for family, window in BUILTIN_CONTEXT_WINDOWS.items():
+        assert tenant.context_window(family + suffix) == window, family + suffix
+    for provider in PriceTable.load().providers.values():
+        for family, price in provider.models.items():
+            assert provider.price(family + suffix) == price, (provider.name, family + suffix)
+    # a name only extending a family's is no snapshot of it
+    assert tenant.context_window("gpt-4o" + suffix.replace("-", "x")) == \
+        (128_000 if not suffix else 1234)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -173,6 +174,13 @@ def namespace_of(keys: list[str]) -> str | None:
 
 
 def authenticate(state: AppState, request: Request) -> Caller:
+    """Who is calling (``_caller``), with the client of its upstream as the config had it:
+    in-flight requests finish on the config they started with."""
+    caller = _caller(state, request)
+    return dataclasses.replace(caller, upstream=state.upstreams.get(caller.tenant.upstream))
+
+
+def _caller(state: AppState, request: Request) -> Caller:
     """Who is calling, and how the upstream is to know it: an upstream of Anthropic's format
     takes its key as ``x-api-key``; one of chat completions only (the bridge's) as a bearer
     token, whichever header the client sent its key in, and none of Anthropic's headers.

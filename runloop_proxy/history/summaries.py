@@ -38,7 +38,7 @@ import orjson
 import xxhash
 
 from ..caches import ByteLRU
-from ..config import Policy
+from ..config import Policy, UpstreamSpec
 from ..conversation.messages import Message, message_text, text_of, tool_calls_of
 from ..conversation.runloops import RunLoop, preamble_end, segment
 from ..errors import StoreError
@@ -211,13 +211,17 @@ class Job:
     upstream: str
     auth: str | None
     drop_headers: frozenset[str] = frozenset()
+    # the upstream as the config had it when ``auth`` was taken: a summary made after a
+    # reload moved it is not sent (the key was given for the old one)
+    spec: UpstreamSpec | None = None
 
     @classmethod
     def of(cls, turn: Turn) -> Job:
         c = turn.caller
         assert c.namespace is not None
         return cls(turn.policy, c.namespace, c.tenant.name, c.label, turn.model,
-                   c.tenant.upstream, c.upstream_auth, c.drop_headers)
+                   c.tenant.upstream, c.upstream_auth, c.drop_headers,
+                   c.upstream.spec if c.upstream is not None else None)
 
 
 @dataclass(frozen=True)
@@ -454,9 +458,12 @@ class SummaryService:
             if spec is None or not spec.api_key:
                 raise RuntimeError(f"summary upstream {name!r} has no key of its own")
             auth = f"Bearer {spec.api_key}"
+        client = self.state.upstream(name)
+        if name == job.upstream and job.spec is not None and client.spec != job.spec:
+            raise RuntimeError(f"upstream {name!r} changed since the request this summary is "
+                               "for: it is made from the next one")
         headers = json_headers(upstream_headers([], auth, job.drop_headers))
-        resp = await self.state.upstream(name).request("POST", "/chat/completions", headers,
-                                                       orjson.dumps(body))
+        resp = await client.request("POST", "/chat/completions", headers, orjson.dumps(body))
         data: Any = orjson.loads(await resp.read(SUMMARY_ANSWER_BYTES))
         if resp.status != 200 or not isinstance(data, dict):
             raise RuntimeError(f"the summary call answered {resp.status}")

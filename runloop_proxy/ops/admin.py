@@ -182,7 +182,8 @@ async def compact(state: AppState, tenant: str, session_id: str) -> dict[str, An
     view = await state.store.session(tenant, session_id)
     if view is None:
         raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
-    job = Job(spec.policy, tenant, spec.name, spec.name, "gpt-4o", spec.upstream, auth)
+    job = Job(spec.policy, tenant, spec.name, spec.name, "gpt-4o", spec.upstream, auth,
+              spec=state.config.upstreams.get(spec.upstream))
     messages, keys, _ = spliced_stored(view.messages, view.internal)
     made, omitted = await state.summaries.compact(job, session_id, messages, keys)
     return {"session_id": session_id, "tenant": tenant,

@@ -16,7 +16,7 @@ from ..history.store import Prepared
 from ..window.builder import Window
 from .offload import is_large, is_large_body
 from .tools import ProxyTools
-from .upstream import upstream_headers
+from .upstream import UpstreamClient, upstream_headers
 from .wire import Wire
 
 
@@ -36,6 +36,10 @@ class Caller:
     # ... and another tenant's requests go with that same key: the upstream account and what
     # it stores (files, batches, stored responses) are not this caller's alone
     shared_key: bool = False
+    # the upstream's client as the config had it when the key above was taken from it: every
+    # upstream call of the request goes through it, so a reload while it is in flight moves
+    # neither (a tool round sent the old key to the new URL)
+    upstream: UpstreamClient | None = field(default=None, compare=False, repr=False)
 
     @property
     def scope(self) -> str:
