@@ -460,3 +460,78 @@ def test_a_stop_says_what_it_waits_for_and_a_second_one_aborts_cleanly(
     by_shape = sorted(r.json().get("type", "openai") for r in answers)
     assert [r.status_code for r in answers] == [503, 503] and by_shape == ["error", "openai"]
     assert {r.headers["retry-after"] for r in answers} == {"5"}
+
+
+# A value other than its default for every serve option, each valid: every option is in this
+# table, or the sweep below fails naming it.
+GOOD_VALUES = {"host": "0.0.0.0", "port": 9876, "upstream": "http://127.0.0.1:9/v1",
+               "upstream_format": "chat", "config_dir": "/etc/runloop",
+               "redis_url": "redis://127.0.0.1:6390/2", "data_dir": "/var/lib/runloop",
+               "admin_key": "admin-key-0123456789", "log_level": "debug",
+               "log_format": "text", "context_window": 32_768, "summary_model": "extractive",
+               "cache_mb": 256, "workers": 3}
+
+
+def test_every_serve_setting_reaches_every_worker_as_the_command_line_gave_it() -> None:
+    """``serve --workers N`` hands its settings to the worker processes through the
+    environment (``settings_to_env``, read back by ``settings_from_env``): every option,
+    each set alone to a value other than its default and all of them at once, reaches a
+    worker as it was given on the command line. Planted, each passed every other test: the
+    settings whose default is not None left out (a worker forgot --log-level, --data-dir
+    and --log-format: it logged JSON at info under .runloop); a variable named from the
+    setting's field (CONFIG_DIR, not CONFIG: the workers served without the tenants)."""
+    from runloop_proxy.cli import build_parser
+    from runloop_proxy.config import Settings
+    from runloop_proxy.environment import settings_to_env
+
+    assert set(GOOD_VALUES) == {o.field for o in SERVE_OPTIONS}, "give each option a value"
+    for option in SERVE_OPTIONS:
+        assert GOOD_VALUES[option.field] != option.default, option.field
+    cases = [{o.field: GOOD_VALUES[o.field]} for o in SERVE_OPTIONS] + [GOOD_VALUES]
+    for given in cases:
+        args = [a for o in SERVE_OPTIONS if o.field in given
+                for a in (o.flags[0], str(given[o.field]))]
+        parsed = build_parser().parse_args(["serve", *args])
+        settings = Settings(**{o.field: getattr(parsed, o.field) for o in SERVE_OPTIONS})
+        assert {f: getattr(settings, f) for f in given} == given
+        environ = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)
+                   and k != "REDIS_URL"}
+        assert settings_from_env({**environ, **settings_to_env(settings)}) == settings, given
+
+
+# Each numeric option's range, as its help and the README give it: (lowest, highest or None)
+NUMBER_RANGES = {"port": (0, 65535), "workers": (1, None), "context_window": (1024, None),
+                 "cache_mb": (1, None)}
+
+
+def test_every_numeric_option_takes_its_whole_range_and_nothing_past_it() -> None:
+    """The kind of each numeric serve option (``port_number``, ``at_least``) takes the
+    edges of its range and refuses one past them, from the command line and from the
+    environment alike (the wrong-kind sweep above tries one bad value far outside). Planted,
+    each passed every other test: ``at_least`` refusing its own least value (--workers 1
+    refused), a port's highest refused."""
+    from runloop_proxy.cli import build_parser
+
+    numeric = {o.field for o in SERVE_OPTIONS if o.kind is not str and not o.choices}
+    assert numeric == set(NUMBER_RANGES), "give each numeric option its range here"
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(ENV_PREFIX)
+               and k != "REDIS_URL"}
+    for option in SERVE_OPTIONS:
+        if option.field not in NUMBER_RANGES:
+            continue
+        low, high = NUMBER_RANGES[option.field]
+        edges = [(low, True), (low - 1, False)]
+        if high is not None:
+            edges += [(high, True), (high + 1, False)]
+        for value, ok in edges:
+            name = ENV_PREFIX + option.env
+            if ok:
+                parsed = build_parser().parse_args(["serve", option.flags[0], str(value)])
+                assert getattr(parsed, option.field) == value, (option.field, value)
+                got = settings_from_env({**environ, name: str(value)})
+                assert getattr(got, option.field) == value, (option.field, value)
+            else:
+                with pytest.raises(SystemExit):
+                    build_parser().parse_args(["serve", option.flags[0], str(value)])
+                with pytest.raises(ValueError):
+                    settings_from_env({**environ, name: str(value)})

@@ -322,6 +322,81 @@ def test_admin_api_finds_a_session_without_its_tenant(inspected: ProxyServer,
     assert missing.status_code == 404 and "any tenant" in missing.json()["error"]["message"]
 
 
+def test_the_admin_apis_data_agrees_with_what_was_stored(inspected: ProxyServer) -> None:
+    """What the admin API says of a tenant's sessions is what the proxy stored, read
+    another way: the list walked in pages of every size gives each session once, in the
+    order of its last use, its total the same on every page; a session's run loops tile
+    its messages (ends included), each naming the calls and the question its messages
+    hold; its times bracket the requests that made it (created before, updated after the
+    last), the list's time of it at most a minute older (the list is written once a
+    minute a session); a summary covers the loops it was made for.
+    Planted, each passed every other test: a loop's end one past it, the total the page's
+    length, a summary's covered loops one past its own, the updated time the created
+    one; and the store's page one session too long."""
+    auth = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+    def get(path: str, **params: Any) -> Any:
+        r = httpx.get(inspected.base + path, headers=auth, params={"tenant": "acme", **params})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    before_more = int(time.time() * 1000)
+    time.sleep(0.01)  # a later millisecond: the times must tell the turns apart
+    c = openai.OpenAI(base_url=inspected.url, api_key=ACME_KEY, max_retries=0)
+    for k in range(5):
+        c.chat.completions.create(model="gpt-4o-mini", messages=[
+            {"role": "user", "content": f"short question {k}"}],
+            extra_headers={"X-Session-Id": f"short-{k}"})
+    converse(inspected, "order-desk-7", 1)  # one more turn of the long session
+    inspected.settle()
+    after_all = int(time.time() * 1000)
+
+    everything = get("/admin/sessions", limit=100)
+    rows = everything["sessions"]
+    total = everything["total"]
+    assert total == len(rows) == 7  # two made by the fixture, five here
+    assert [r["updated_ms"] for r in rows] == sorted((r["updated_ms"] for r in rows),
+                                                     reverse=True)
+    for limit in (1, 2, 3, 5):
+        walked = []
+        for offset in range(0, total + limit, limit):
+            page = get("/admin/sessions", limit=limit, offset=offset)
+            assert (page["total"], page["offset"], page["limit"]) == (total, offset, limit)
+            assert len(page["sessions"]) == max(0, min(limit, total - offset)), (limit, offset)
+            walked += page["sessions"]
+        assert walked == rows, limit
+
+    listed = {r["session_id"]: r["updated_ms"] for r in rows}
+    for row in rows:
+        view = get(f"/admin/sessions/{row['session_id']}", messages=1)
+        msgs, loops = view["messages"], view["run_loops"]
+        assert view["message_count"] == len(msgs) > 0
+        # the list is written at most once a minute a session (``RedisStore._index``)
+        assert 0 <= view["updated_ms"] - listed[row["session_id"]] <= 60_000
+        assert view["created_ms"] <= view["updated_ms"] <= after_all
+        if row["session_id"].startswith("short-") or row["name"] == "order-desk-7":
+            assert view["updated_ms"] > before_more, row  # a request after the mark
+        if row["session_id"].startswith("short-"):
+            assert view["created_ms"] > before_more
+        elif row["name"] == "order-desk-7":
+            assert view["created_ms"] < before_more
+        assert loops[0]["start"] == next(i for i, m in enumerate(msgs)
+                                         if m["role"] not in ("system", "developer"))
+        assert loops[-1]["end"] == len(msgs) - 1
+        for lp, nxt in zip(loops, loops[1:], strict=False):
+            assert nxt["start"] == lp["end"] + 1 and nxt["index"] == lp["index"] + 1
+        for lp in loops:
+            held = msgs[lp["start"]:lp["end"] + 1]
+            assert lp["tool_call_ids"] == [call["id"] for m in held
+                                           for call in m.get("tool_calls") or []]
+            assert held[0]["role"] == "user"
+            assert " ".join(str(held[0]["content"]).split()).startswith(
+                lp["user_preview"].removesuffix(" …"))
+        for summary in view["summaries"]:
+            assert summary["covers"] == [0, summary["loops"][1] - 1], summary
+    assert any(get(f"/admin/sessions/{r['session_id']}")["summaries"] for r in rows)
+
+
 def two_callers_name(proxy: ProxyServer, session_id: str) -> None:
     """Two pass-through callers (two namespaces) use the same session id."""
     for key in ("sk-first-caller", "sk-second-caller"):

@@ -362,3 +362,40 @@ def test_the_note_goes_as_a_block_per_piece_with_the_last_one_marked() -> None:
     assert in_pieces(turns, 2, pieces) == (turns, None)
     plain, at = in_pieces([{"role": "assistant", "content": note}], 0, pieces)
     assert at == (0, 2) and [b["text"] for b in plain[0]["content"]] == list(pieces)
+
+
+_KINDS = ["system", "user", "user_blocks", "assistant", "assistant_calls", "tool"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_KINDS), min_size=1, max_size=12))
+def test_each_window_message_is_told_the_turn_it_went_into(kinds: list[str]) -> None:
+    """``to_anthropic`` says, for each window message, the Messages turn it went into (-1:
+    the system prompt) — where ``cache_breakpoints = "auto"`` puts the note's pieces and
+    the stable prefix's mark. Whatever the window holds (a system turn later on, runs of
+    one role merged, results, a window that opens with the model's words and gets a user
+    turn before them), each message's content is in the turn it is told. Planted, each
+    passed every other test: the turns not shifted past the user turn put first (every
+    mark one turn early: on the stand-in, and off the note); the shift moving the system
+    prompt's -1 to that stand-in turn too."""
+    from runloop_proxy.conversation.blocks import to_anthropic
+
+    messages: list[dict[str, Any]] = []
+    for i, kind in enumerate(kinds):
+        tag = f"<m{i}>"
+        if kind == "user_blocks":
+            messages.append({"role": "user", "content": [{"type": "text", "text": tag}]})
+        elif kind == "assistant_calls":
+            messages.append({"role": "assistant", "content": tag, "tool_calls": [
+                {"id": f"call{i}", "type": "function", "function": {
+                    "name": "f", "arguments": orjson.dumps({"x": tag}).decode()}}]})
+        elif kind == "tool":
+            messages.append({"role": "tool", "tool_call_id": f"call{i}", "content": tag})
+        else:
+            messages.append({"role": kind, "content": tag})
+    turn_of: list[int] = []
+    system, turns = to_anthropic(messages, None, turn_of)
+    assert len(turn_of) == len(messages)
+    for i, t in enumerate(turn_of):
+        where = system if t == -1 else turns[t]
+        assert f"<m{i}>" in orjson.dumps(where).decode(), (i, kinds, turn_of, turns)

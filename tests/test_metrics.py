@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -324,3 +325,113 @@ def test_a_stream_records_its_time_to_first_token_once(
         assert any(t["function"]["name"] == "search_history"
                    for t in upstream.requests[-1].get("tools") or [])
     assert _first_tokens(proxy) == before + 1
+
+
+# How each API reports a prompt's usage, told here from the APIs' documentation (not from
+# the proxy's reading of it): (the whole prompt, what its cache served, what was written to
+# the cache, the completion)
+def _usage_as_billed(api: str, usage: dict[str, Any]) -> tuple[int, int, int, int]:
+    if api == "chat":  # prompt_tokens hold the cached ones
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return usage["prompt_tokens"], cached, 0, usage["completion_tokens"]
+    if api == "responses":  # input_tokens hold the cached ones
+        cached = (usage.get("input_tokens_details") or {}).get("cached_tokens") or 0
+        return usage["input_tokens"], cached, 0, usage["output_tokens"]
+    # Anthropic's input_tokens leave out what the cache read and what it wrote
+    read = usage.get("cache_read_input_tokens") or 0
+    written = usage.get("cache_creation_input_tokens") or 0
+    return usage["input_tokens"] + read + written, read, written, usage["output_tokens"]
+
+
+def _answer_usage(proxy: ProxyServer, api: str, stream: bool, model: str,
+                  text: str) -> dict[str, Any]:
+    """One request of ``api`` through the proxy, and the usage its client was shown."""
+    import anthropic
+
+    if api == "messages":
+        mc = anthropic.Anthropic(base_url=proxy.base, api_key="sk-usage", max_retries=0)
+        kw: dict[str, Any] = {"model": model, "max_tokens": 50, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": text,
+                                          "cache_control": {"type": "ephemeral"}}]}]}
+        if stream:
+            with mc.messages.stream(**kw) as s:
+                return s.get_final_message().usage.model_dump()
+        return mc.messages.create(**kw).usage.model_dump()
+    c = openai.OpenAI(base_url=proxy.url, api_key="sk-usage", max_retries=0)
+    if api == "responses":
+        if stream:
+            done = [e for e in c.responses.create(model=model, input=text, stream=True)
+                    if e.type == "response.completed"]
+            return done[0].response.usage.model_dump()  # type: ignore[union-attr]
+        return c.responses.create(model=model, input=text).usage.model_dump()  # type: ignore[union-attr]
+    messages: Any = [{"role": "user", "content": text}]
+    if stream:
+        chunks = list(c.chat.completions.create(model=model, messages=messages, stream=True,
+                                                stream_options={"include_usage": True}))
+        return chunks[-1].usage.model_dump()  # type: ignore[union-attr]
+    return c.chat.completions.create(model=model, messages=messages).usage.model_dump()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_every_apis_usage_is_counted_and_priced_as_that_api_bills_it(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream, stream: bool) -> None:
+    """Every API reports usage its own way — chat's prompt_tokens and the Responses API's
+    input_tokens hold what the cache served, Anthropic's input_tokens leave out what its
+    cache read and wrote, and the completion is completion_tokens or output_tokens. Over
+    every API, JSON and streamed, each request moves runloop_upstream_usage_tokens_total
+    (prompt, cached_prompt, completion) and runloop_upstream_cost_usd_total (input,
+    cached_input, cache_write, output) by exactly what the usage its client was shown says,
+    read by each API's documented rule, with cached tokens served in each. Planted, each
+    passed every other test (they priced chat only): the completion read from
+    completion_tokens alone (zero for the Responses and Messages APIs); the Responses API's
+    cached tokens priced at the full input price."""
+    upstream.responder = lambda body: {"content": "x" * 400, "prompt_tokens": 1_800,
+                                       "cached_tokens": 1_024}
+    (tmp_path / "runloop.toml").write_text(f'[upstreams.default]\nurl = "{upstream.url}"\n')
+    (tmp_path / "prices.toml").write_text(
+        '[openai.models."house-gpt"]\ninput = 2.0\ncached_input = 0.5\noutput = 8.0\n'
+        '[anthropic.models."house-claude"]\ninput = 3.0\ncached_input = 0.3\n'
+        'cache_write = 3.75\noutput = 15.0\n')
+    proxy = make_proxy(config_dir=str(tmp_path))
+    prices = {"house-gpt": (2.0, 0.5, 2.0, 8.0), "house-claude": (3.0, 0.3, 3.75, 15.0)}
+    # past Anthropic's 1,024 cached tokens, and new to the upstream's cache: first written
+    text = f"{uuid.uuid4()} " + "a long and stable prompt " * 300
+    seen = {"cached": 0, "written": 0, "completion": 0}
+    for api, model in (("chat", "house-gpt"), ("responses", "house-gpt"),
+                       ("messages", "house-claude")):
+        for _ in range(2):  # the second of Anthropic's reads what the first wrote
+            before = {kind: metric_sum(proxy, "runloop_upstream_usage_tokens_total",
+                                       model=model, kind=kind)
+                      for kind in ("prompt", "cached_prompt", "completion")}
+            cost_before = {kind: metric_sum(proxy, "runloop_upstream_cost_usd_total",
+                                            model=model, kind=kind)
+                           for kind in ("input", "cached_input", "cache_write", "output")}
+            usage = _answer_usage(proxy, api, stream, model, text)
+            prompt, cached, written, completion = _usage_as_billed(api, usage)
+            assert prompt > 0 and completion > 0, (api, usage)
+            moved = {kind: metric_sum(proxy, "runloop_upstream_usage_tokens_total",
+                                      model=model, kind=kind) - before[kind]
+                     for kind in before}
+            assert moved == {"prompt": prompt, "cached_prompt": cached,
+                             "completion": completion}, (api, usage)
+            p_in, p_cached, p_write, p_out = prices[model]
+            want = {"input": (prompt - cached - written) * p_in,
+                    "cached_input": cached * p_cached, "cache_write": written * p_write,
+                    "output": completion * p_out}
+            for kind, usd in want.items():
+                got = metric_sum(proxy, "runloop_upstream_cost_usd_total", model=model,
+                                 kind=kind) - cost_before[kind]
+                assert got * 1e6 == pytest.approx(usd), (api, kind, usage)
+            seen["cached"] += cached
+            seen["written"] += written
+            seen["completion"] += completion
+    assert all(seen.values()), seen  # each way a prompt is billed was exercised
+
+
+def metric_sum(proxy: ProxyServer, name: str, **labels: str) -> float:
+    """The sum of a metric's series whose labels include ``labels``."""
+    total = 0.0
+    for line in httpx.get(proxy.base + "/metrics").text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

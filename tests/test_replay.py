@@ -79,6 +79,49 @@ def test_cached_cost_rules() -> None:
     assert cached_cost(2000, 1100) == 2000 - 1024 + 102.4  # 128-token blocks
 
 
+# What a request reads from the cache after one that differed from it only in its tool
+# schemas, or only in its system prompt, under each cost model: its provider's render order
+# decides (OpenAI renders the system messages, then the tools, then the rest; Anthropic the
+# tools, then the system prompt, breakpoints after it and at the end; "strict" is the
+# tools-first order; "cache_aware" caches the tools and the messages apart)
+RENDER_ORDERS = {  # model -> (cached after a tools change, cached after a system change)
+    "cache_aware": (True, True), "strict": (False, True), "openai": (True, False),
+    "anthropic": (False, False)}
+
+
+def test_each_cost_model_reads_a_prompt_in_its_providers_order() -> None:
+    """A request whose tool list changed, or whose system prompt changed, after an earlier
+    one otherwise alike (both parts past the 1,024 tokens a cache needs): each cost model
+    of the replay bills it from its cache, or wholly afresh, as its provider's render
+    order says (``RENDER_ORDERS``) — a change before a part re-reads it, a change after it
+    does not. Planted, each passed every other test: the strict model rendering the
+    system prompt before the tools (as the cache-aware one does), and OpenAI's money
+    model rendering the tools first (as Anthropic's does)."""
+    from runloop_proxy.ops.replay_offline import Side
+    from runloop_proxy.pricing import PriceTable
+
+    table = PriceTable.load()
+    system, tools = [Block("system", 2_000)], [Block("tools:a", 1_500)]
+    rest = [Block("user", 3_000), Block("reply", 40), Block("next", 20)]
+    changes = {"tools": (system, [Block("tools:b", 1_500)]),
+               "system": ([Block("system-b", 2_000)], tools)}
+
+    def costs(side: Side, request: tuple[list[Block], list[Block]]) -> dict[str, float]:
+        sep, strict, money = side.bill(request[0], request[1], rest)
+        return {"cache_aware": sep, "strict": strict, side.provider.name: money}  # type: ignore[union-attr]
+
+    for provider, model in (("openai", "gpt-4o"), ("anthropic", "claude-sonnet-4")):
+        prov = table.provider(provider)
+        for k, (what, second) in enumerate(changes.items()):
+            side = Side(prov, prov.price(model), step=1)
+            side.bill(system, tools, rest[:2])
+            after = costs(side, second)
+            fresh = costs(Side(prov, prov.price(model), step=1), second)
+            for name, cost in after.items():
+                cached = RENDER_ORDERS[name][k]
+                assert (cost < fresh[name]) == cached, (name, what, cost, fresh[name])
+
+
 def test_replay_through_a_running_proxy(tmp_path: Path, proxy: object,
                                         upstream: ScriptedUpstream) -> None:
     f = tmp_path / "c.jsonl"

@@ -770,3 +770,38 @@ def test_a_models_token_factor_is_learned_from_the_first_rounds_usage(
     assert r.status_code == 200 and len(upstream.requests) == 2
     factor = proxy.state.tokens.factor("house-model-7", namespace_of(["sk-cal"]) or "")
     assert factor < 1.0, factor  # towards the first round's 10 tokens, not the 100,000
+
+
+# a word as search_history reads one: letters, digits and underscores, two or more
+search_words = st.text("abcXYZ019_", min_size=2, max_size=10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 120), st.lists(search_words, min_size=1, max_size=30)),
+                min_size=1, max_size=8), st.data())
+def test_search_history_finds_every_word_the_history_holds_and_shows_it(
+        texts: list[tuple[int, list[str]]], data: st.DataObject) -> None:
+    """Whatever word a message holds — two characters or ten, any case, at its start or
+    deep in a long result — a search for it, as it stands or in another case, answers
+    with that message (found by its ref), and the snippet the model reads shows the word.
+    Planted, each passed every other test: the query's two-letter words dropped ("go",
+    "v2", "id" answered "query must contain words"); the snippet placed by a search of the
+    text as typed for the lower-cased term (an upper-case word deep in a result fell
+    outside the 240 characters shown)."""
+    # each after a run of other words (none of the drawn ones): deep in a long result or not
+    msgs: list[dict[str, Any]] = [
+        {"role": "tool", "tool_call_id": f"call_{k}",
+         "content": " ".join(["lorem-ipsum"] * filler + ws)}
+        for k, (filler, ws) in enumerate(texts)]
+    keys = [message_hash(m) for m in msgs]
+    refs = message_refs(keys)
+    k = data.draw(st.integers(0, len(msgs) - 1))
+    word = data.draw(st.sampled_from(texts[k][1]))
+    query = data.draw(st.sampled_from([word, word.lower(), word.upper()]))
+    runner = ToolRunner(ProxyTools.for_request(None), msgs,  # type: ignore[arg-type]
+                        keys, len(msgs))
+    text, outcome = asyncio.run(runner.search(query))
+    assert outcome == "hit", (query, text)
+    line = next((ln for ln in text.splitlines()[1:] if f" id={refs[k]}," in ln), None)
+    assert line is not None, (query, refs[k], text)
+    assert word.lower() in line.split("] ", 1)[1].lower(), (word, line)

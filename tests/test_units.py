@@ -507,3 +507,45 @@ def test_the_replay_prices_a_cached_prefix_in_the_providers_units(
     from runloop_proxy.ops.replay_offline import cached_cost
 
     assert cached_cost(total, prefix) == pytest.approx(cost)
+
+
+# Where each API's request names the output it reserves (the proxy keeps that much of the
+# model's window for the answer): (api, path, the field)
+RESERVE_FIELDS = [("chat", "/v1/chat/completions", "max_tokens"),
+                  ("chat", "/v1/chat/completions", "max_completion_tokens"),
+                  ("responses", "/v1/responses", "max_output_tokens"),
+                  ("messages", "/v1/messages", "max_tokens"),
+                  ("bridge", "/v1/messages", "max_tokens")]
+
+
+@pytest.mark.parametrize(("api", "path", "field"), RESERVE_FIELDS,
+                         ids=[f"{a}-{f}" for a, _, f in RESERVE_FIELDS])
+def test_each_api_reserves_the_output_its_request_asks_for(
+        make_proxy: Any, upstream: ScriptedUpstream, api: str, path: str, field: str) -> None:
+    """A request's own output reserve is what the budget keeps for the answer, in every
+    API's spelling of it: a one-question conversation of ~3,000 tokens fits an 8,000-token
+    window beside a 100-token answer and is answered, and is refused beside a 6,000-token
+    one, the refusal naming that reserve (and 500 more for 6,500). Planted, passed every
+    other test: the Responses API's max_output_tokens not read (its requests got the
+    policy's reserve, whatever they asked)."""
+    proxy = make_proxy(context_window=8_000, upstream_format="chat" if api == "bridge" else None)
+    question = "word " * 3_000
+    upstream.responder = lambda body: {"content": "fine"}
+
+    def ask(reserve: int) -> httpx.Response:
+        body: dict[str, Any] = {"model": "house-model", field: reserve}
+        if api == "responses":
+            body["input"] = question
+        else:
+            body["messages"] = [{"role": "user", "content": question}]
+        return httpx.post(proxy.base + path, json=body, timeout=30,
+                          headers={"Authorization": "Bearer sk-reserve",
+                                   "anthropic-version": "2023-06-01"})
+
+    answered = ask(100)
+    assert answered.status_code == 200, answered.text
+    for reserve in (6_000, 6_500):
+        refused = ask(reserve)
+        assert refused.status_code == 400, (reserve, refused.text)
+        message = refused.json()["error"]["message"]
+        assert f"less {reserve} reserved for the output" in message, message
