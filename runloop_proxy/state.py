@@ -93,8 +93,9 @@ class AppState:
         self.upstreams = new
         stale = [c for n, c in old.items() if new.get(n) is not c]
         if stale:
-            # In-flight requests still hold the old clients: close them once those are done.
-            self.spawn(_close_later(stale))
+            # In-flight requests still hold the old clients: each closes once it is idle
+            for client in stale:
+                self.spawn(client.close_when_idle(CLOSE_STALE_AFTER_S))
 
     async def warm_encodings(self, config: ProxyConfig) -> None:
         """Load the encodings the config's models use now, bounded in time, never on a
@@ -154,12 +155,6 @@ def _held(m: Message) -> int:
 def state_of(request: Request) -> AppState:
     state: AppState = request.app.state.runloop
     return state
-
-
-async def _close_later(clients: list[UpstreamClient], delay: float = CLOSE_STALE_AFTER_S) -> None:
-    await asyncio.sleep(delay)
-    for c in clients:
-        await c.close()
 
 
 def _configured_encodings(config: ProxyConfig) -> list[str]:

@@ -318,6 +318,40 @@ def test_a_summary_asked_before_a_reload_never_takes_its_key_to_the_moved_upstre
         moved.stop()
 
 
+def test_a_replaced_upstream_client_closes_only_once_no_request_is_on_it(
+        upstream: ScriptedUpstream) -> None:
+    """A request carries the upstream's client it began on (every round goes through it),
+    so a client a reload replaced is closed only once idle: not while an answer of it is
+    open, however long past the idle time, nor just after one closed (a tool round follows
+    its answer); then it is. Red with the client closed a fixed time after the reload (a
+    long first round's later rounds met a closed session)."""
+    import asyncio
+
+    from runloop_proxy.config import UpstreamSpec
+    from runloop_proxy.pipeline.upstream import UpstreamClient
+
+    upstream.responder = lambda body: {"content": "hi"}
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "q"}]}'
+    headers = {"Content-Type": "application/json"}
+
+    async def run() -> None:
+        client = UpstreamClient("main", UpstreamSpec(url=upstream.url))
+        await client.start()
+        first = await client.request("POST", "/chat/completions", headers, body)
+        closing = asyncio.create_task(client.close_when_idle(0.3, poll_s=0.02))
+        await asyncio.sleep(0.8)
+        assert not closing.done()  # an answer is open: a request is on it
+        assert b'"hi"' in await first.read(1 << 20)  # read whole: closed
+        await asyncio.sleep(0.1)
+        assert not closing.done()  # answered 0.1 s ago: its next round may follow
+        second = await client.request("POST", "/chat/completions", headers, body)
+        assert b'"hi"' in await second.read(1 << 20)
+        await asyncio.wait_for(closing, 3)
+        assert client._session is None
+
+    asyncio.run(run())
+
+
 def test_a_reload_leaves_the_state_a_fresh_start_on_the_new_files_would_have(
         tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """Everything the running state takes from the config — the config itself, the price

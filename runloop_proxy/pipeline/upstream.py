@@ -13,7 +13,7 @@ import random
 import re
 import time
 import zlib
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 
 import aiohttp
 from multidict import CIMultiDict
@@ -48,8 +48,10 @@ class UpstreamResponse:
     in the pieces aiohttp decompresses, each bounded. A body cut short (a broken connection, a
     read timeout) raises, so a relay can end its own answer as cut and never as whole."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, started: float, raw: bool = False):
+    def __init__(self, resp: aiohttp.ClientResponse, started: float, raw: bool = False,
+                 on_close: Callable[[], None] | None = None):
         self._resp = resp
+        self._on_close = on_close  # told once, at the first close
         self.status = resp.status
         self.started = started
         self.first_byte_at: float | None = None
@@ -118,6 +120,9 @@ class UpstreamResponse:
 
     def close(self) -> None:
         self._resp.release() if self._resp.content.at_eof() else self._resp.close()
+        told, self._on_close = self._on_close, None
+        if told is not None:
+            told()
 
 
 INFLATE_PIECE = 256 * 1024  # bytes inflated per step (~0.1 ms of zlib)
@@ -180,6 +185,8 @@ class UpstreamClient:
         self.spec = spec
         self.shown = shown or name  # what an error calls it
         self._session: aiohttp.ClientSession | None = None
+        self._open = 0  # answers given and not yet closed
+        self._last_used = time.monotonic()
 
     async def start(self) -> None:
         timeout = aiohttp.ClientTimeout(total=self.spec.total_timeout,
@@ -196,6 +203,19 @@ class UpstreamClient:
             await self._session.close()
             self._session = None
 
+    async def close_when_idle(self, idle_s: float, poll_s: float = 1.0) -> None:
+        """Close once no answer of it is open and none was for ``idle_s``: a client a reload
+        replaced goes on serving the requests that began on it — their later tool rounds
+        too, which the request's caller sends through it (``Caller.upstream``) — however
+        long they run."""
+        while self._open or time.monotonic() - self._last_used < idle_s:
+            await asyncio.sleep(poll_s)
+        await self.close()
+
+    def _answered(self) -> None:
+        self._open -= 1
+        self._last_used = time.monotonic()
+
     def url(self, path: str) -> str:
         return self.spec.url + path
 
@@ -205,6 +225,7 @@ class UpstreamClient:
         """Send with retries (connect errors, 429, 5xx) while nothing reached the client yet.
         ``raw``: the answer's body is kept as the upstream encoded it (pass-through)."""
         assert self._session is not None, "UpstreamClient.start() was not called"
+        self._last_used = time.monotonic()
         # encoded as given: the path is the proxy's own or v1_subpath's (re-encoded), the
         # query the client's raw one; parsed again, %2e%2e would become a dot segment
         url = URL(self.url(path) + (f"?{query}" if query else ""), encoded=True)
@@ -239,7 +260,8 @@ class UpstreamClient:
                     await asyncio.sleep(wait)
                     attempt += 1
                     continue
-            return UpstreamResponse(resp, started, raw)
+            self._open += 1
+            return UpstreamResponse(resp, started, raw, self._answered)
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:
         if retry_after is not None:
