@@ -329,7 +329,7 @@ class CallSplit:
         self.names = tuple(tools.names)
         self.owner: dict[int, bool] = {}  # upstream index -> the proxy's call? (decided)
         self.client_index: dict[int, int] = {}  # released: upstream index -> client index
-        self.held: dict[int, dict[str, Any]] = {}  # not yet released: the deltas, merged
+        self.held: dict[int, _Held] = {}  # not yet released: the deltas, merged
         # indexes not yet released, in the order they opened (a deque: released from the
         # front, one at a time — a list's pop(0) made 160,000 held calls quadratic)
         self.queue: collections.deque[int] = collections.deque()
@@ -344,11 +344,14 @@ class CallSplit:
                 continue
             if self.owner.get(idx) is True:
                 continue
-            if idx not in self.held:
+            held = self.held.get(idx)
+            if held is None:
                 self.queue.append(idx)
-            merged = self.held[idx] = _merged(self.held.get(idx), tc)
+                held = self.held[idx] = _Held(tc)
+            else:
+                held.add(tc)
             if idx not in self.owner:
-                self._decide(idx, complete=bool(merged["function"].get("arguments")))
+                self._decide(idx, complete=bool(held.parts["arguments"]))
             out += self._release()
         return out
 
@@ -360,7 +363,8 @@ class CallSplit:
         return self._release()
 
     def _decide(self, idx: int, complete: bool) -> None:
-        name = self.held[idx]["function"].get("name") or ""
+        # joined while undecided only: no longer than the proxy's longest name and a delta
+        name = "".join(self.held[idx].parts["name"])
         if complete:
             self.owner[idx] = name in self.names
         elif not any(n.startswith(name) for n in self.names):
@@ -370,26 +374,40 @@ class CallSplit:
         out = []
         while self.queue and self.queue[0] in self.owner:
             idx = self.queue.popleft()
-            merged = self.held.pop(idx)
+            held = self.held.pop(idx)
             if not self.owner[idx]:
                 self.client_index[idx] = self.relay.next_index
                 self.relay.next_index += 1
-                out.append({**merged, "index": self.client_index[idx]})
+                out.append({**held.delta(), "index": self.client_index[idx]})
         return out
 
 
-def _merged(held: dict[str, Any] | None, tc: dict[str, Any]) -> dict[str, Any]:
-    """One tool-call delta made of ``held`` and the next one for the same index."""
-    fn = tc.get("function") or {}
-    if held is None:
-        return {**tc, "function": {**fn}}
-    out = {**held, **{k: v for k, v in tc.items() if k != "function" and v is not None}}
-    joined = dict(held["function"])
-    for key in ("name", "arguments"):
-        if fn.get(key):
-            joined[key] = (joined.get(key) or "") + fn[key]
-    out["function"] = joined
-    return out
+class _Held:
+    """A tool call's deltas not yet released, as one delta: the first one's fields, later
+    ones' set over them, its name and arguments kept as the parts they came in and joined
+    once, at release (joined at each delta, a call held behind an undecided one re-copied
+    all its arguments so far every time: 80,000 deltas, 57 s)."""
+
+    def __init__(self, tc: dict[str, Any]):
+        self.fields = {**tc}
+        self.function = {**(tc.get("function") or {})}
+        self.parts: dict[str, list[str]] = {
+            key: [self.function[key]] if self.function.get(key) else []
+            for key in ("name", "arguments")}
+
+    def add(self, tc: dict[str, Any]) -> None:
+        self.fields.update((k, v) for k, v in tc.items() if k != "function" and v is not None)
+        fn = tc.get("function") or {}
+        for key in ("name", "arguments"):
+            if fn.get(key):
+                self.parts[key].append(fn[key])
+
+    def delta(self) -> dict[str, Any]:
+        function = dict(self.function)
+        for key, parts in self.parts.items():
+            if parts:
+                function[key] = "".join(parts)
+        return {**self.fields, "function": function}
 
 
 class ChunkRound:

@@ -102,7 +102,10 @@ class Assembled:
             self.message = data["message"]
             self.usage = dict(usage_of(self.message.get("usage")) or {})
         elif kind == "content_block_start":
-            self.blocks[data["index"]] = dict(data["content_block"])
+            at = data["index"]
+            if at in self.blocks:  # an index started again: its old deltas stay its old block's
+                self._settle(at)
+            self.blocks[at] = dict(data["content_block"])
         elif kind == "content_block_delta":
             self._delta(data["index"], data["delta"])
         elif kind == "content_block_stop":
@@ -131,7 +134,9 @@ class Assembled:
             block["citations"].append(delta.get("citation"))
 
     def _settle(self, at: int) -> None:
-        """The block's text and thinking, with the deltas so far joined in."""
+        """The block's text and thinking, with the deltas so far joined in: once, when the
+        content is asked for (joined at every stop, an upstream repeating delta and stop on
+        one block re-copied all its text each time: quadratic)."""
         for field in ("text", "thinking"):
             parts = self.parts.pop((at, field), None)
             if parts:
@@ -139,8 +144,6 @@ class Assembled:
                 block[field] = str(block.get(field, "")) + "".join(parts)
 
     def _stop(self, at: int) -> None:
-        if at in self.blocks:
-            self._settle(at)
         parts = self.json.pop(at, None)
         if parts is not None and at in self.blocks and "".join(parts).strip():
             try:
