@@ -77,20 +77,23 @@ class AppState:
     def upstream(self, name: str) -> UpstreamClient:
         return self.upstreams[name]
 
-    async def sync_upstreams(self) -> None:
+    async def sync_upstreams(self, config: ProxyConfig | None = None) -> None:
+        """The clients of ``config``'s upstreams (the current config's when None), made
+        before either changes; then the config and its clients are swapped in one step, so
+        no request ever reads a key from one config and the client of another."""
+        config = config or self.config
         old = self.upstreams
         new: dict[str, UpstreamClient] = {}
-        for name, spec in self.config.upstreams.items():
+        for name, spec in config.upstreams.items():
             client = old.get(name)
             if client is None or client.spec != spec:
                 # the pass-through upstream is the URL its user typed (--upstream): errors
                 # name it so; a configured one is named by its name alone
-                typed = self.config.passthrough is not None \
-                    and name == self.config.passthrough.upstream
+                typed = config.passthrough is not None and name == config.passthrough.upstream
                 client = UpstreamClient(name, spec, redact_url(spec.url) if typed else None)
                 await client.start()
             new[name] = client
-        self.upstreams = new
+        self.config, self.upstreams = config, new
         stale = [c for n, c in old.items() if new.get(n) is not c]
         if stale:
             # In-flight requests still hold the old clients: each closes once it is idle
@@ -113,10 +116,9 @@ class AppState:
                       extra={"reason": reason, "error": str(exc)})
             return False
         await self.warm_encodings(config)
-        self.config = config
+        await self.sync_upstreams(config)
         self.metrics.prices = config.prices
         self.init_metrics()
-        await self.sync_upstreams()
         self.metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded", extra={"reason": reason, "tenants": len(config.tenants)})
         return True

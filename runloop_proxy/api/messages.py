@@ -46,8 +46,9 @@ async def _turn(state: AppState, request: Request, rlog: RequestLog,
         state, request, lambda parsed: _checked(parsed, counting))
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
     # an upstream of chat completions only: the bridge translates both ways
-    wire: Wire = BridgeWire() if state.config.upstreams[caller.tenant.upstream].format \
-        == "chat" else MessagesWire(caller.tenant.policy.cache_breakpoints == "auto")
+    # (the upstream as the request began: a reload while its body was read moves nothing)
+    wire: Wire = BridgeWire() if caller.client(state.upstreams).spec.format == "chat" \
+        else MessagesWire(caller.tenant.policy.cache_breakpoints == "auto")
     return Turn(caller, wire, body, raw, messages, list(request.headers.items()),
                 tools=tools, counting=counting)
 

@@ -104,7 +104,7 @@ async def passthrough(request: Request) -> ASGIResponse:
             f"embeddings, moderations, audio, images); files, batches and stored responses "
             f"need the tenant's own upstream_key")
     if anthropic_path(request.url.path) \
-            and state.config.upstreams[caller.tenant.upstream].format == "chat":
+            and caller.client(state.upstreams).spec.format == "chat":
         raise NotFound(f"{request.url.path}: the upstream speaks chat completions, which have "
                        f"no such endpoint (the proxy answers /v1/messages and "
                        f"/v1/messages/count_tokens itself)")
@@ -112,7 +112,7 @@ async def passthrough(request: Request) -> ASGIResponse:
     headers = caller.upstream_headers(request.headers.items(), body_as_sent=True)
     # the answer comes back as the upstream encodes it, so only in what the client accepts
     headers["Accept-Encoding"] = request.headers.get("accept-encoding", "identity")
-    client = caller.upstream or state.upstream(caller.tenant.upstream)
+    client = caller.client(state.upstreams)
     resp = await client.request(request.method, path, headers, raw or None,
                                 query=request.url.query, raw=True)
     state.metrics.passthrough_requests.labels(caller.label, str(resp.status)).inc()

@@ -44,8 +44,8 @@ async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
     headers = json_headers(turn.caller.upstream_headers(turn.headers))
     started = rlog.upstream_started()
     try:
-        client = turn.caller.upstream or state.upstream(turn.caller.tenant.upstream)
-        return await client.request("POST", turn.wire.upstream_path + suffix, headers, payload)
+        return await turn.caller.client(state.upstreams).request(
+            "POST", turn.wire.upstream_path + suffix, headers, payload)
     finally:
         rlog.upstream_took(started)
 

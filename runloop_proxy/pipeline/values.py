@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,11 @@ class Caller:
     # upstream call of the request goes through it, so a reload while it is in flight moves
     # neither (a tool round sent the old key to the new URL)
     upstream: UpstreamClient | None = field(default=None, compare=False, repr=False)
+
+    def client(self, clients: Mapping[str, UpstreamClient]) -> UpstreamClient:
+        """The upstream's client every call of this request goes through: the one the
+        request began with, else the tenant's in ``clients``."""
+        return self.upstream or clients[self.tenant.upstream]
 
     @property
     def scope(self) -> str:
