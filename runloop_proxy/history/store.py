@@ -396,8 +396,9 @@ class RedisStore:
     def _args(self, job: Job) -> list[Any]:
         """The script's arguments for a job."""
         p = self.prefix(job.namespace, job.session_id)
+        job.written_ms = now = _now_ms()
         if job.append:
-            args: list[Any] = [p, _now_ms(), self._ttl_ms(job.retention_days),
+            args: list[Any] = [p, now, self._ttl_ms(job.retention_days),
                                self.cfg.max_messages_per_session, job.session_id, job.system,
                                self.cfg.max_stored_messages]
             for it in job.items:
@@ -408,7 +409,7 @@ class RedisStore:
         items, chains = job.items, job.chains
         self._check_sizes(items[hint:])
         args = [p, hint, len(items), "".join(chains[hint + 1:]),
-                "".join(it.hash for it in items[hint:]), _now_ms(),
+                "".join(it.hash for it in items[hint:]), now,
                 self._ttl_ms(job.retention_days), self.cfg.max_messages_per_session,
                 self.cfg.max_branches, job.session_id, chains[hint],
                 "".join(it.kind for it in items[hint:]),
@@ -571,7 +572,8 @@ class RedisStore:
         """Queue the session's last use in its namespace's listing, which forgets sessions
         past their retention (with a minute's margin: the listing is written at most once a
         minute per session) and expires when none was used for that long."""
-        key, now, ttl = self._index_key(job.namespace), _now_ms(), self._ttl_ms(job.retention_days)
+        key, ttl = self._index_key(job.namespace), self._ttl_ms(job.retention_days)
+        now = job.written_ms or _now_ms()  # the time the session's own write gave it
         pipe.zadd(key, {job.session_id: now})
         pipe.zremrangebyscore(key, "-inf", now - ttl - int(INDEX_EVERY_S * 1000))
         pipe.pexpire(key, ttl)

@@ -91,6 +91,8 @@ class Job:
     deadline: float = 0.0
     size: int = 0  # bytes it holds, roughly (the queue is bounded in bytes)
     points: list[bytes] = field(default_factory=list)  # per-request token points it carries
+    # the time its write gave the session (its last use): the sessions' listing says the same
+    written_ms: int = 0
 
     @property
     def key(self) -> tuple[str, str]:
