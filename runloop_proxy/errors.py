@@ -130,6 +130,19 @@ class UpstreamError(ProxyError):
         return error_body(str(self), self.error_type, None, self.code)
 
 
+class UpstreamKeyRefused(UpstreamError):
+    """The upstream refused the key the proxy holds for a tenant: the client's own key for
+    the proxy was good, so it is not told it was not (a 401 would say so)."""
+
+    status = 502
+    code = "upstream_auth_failed"
+
+    def __init__(self, status: int):
+        super().__init__(f"the upstream refused the key this proxy holds for your tenant "
+                         f"({status}); your own key was accepted: the proxy's operator must "
+                         f"fix the tenant's upstream key")
+
+
 class UpstreamUnreachable(UpstreamError):
     status = 502
     code = "upstream_unreachable"

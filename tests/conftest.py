@@ -215,7 +215,8 @@ def make_proxy(upstream: ScriptedUpstream, redis_url: str, tmp_path: Path) -> It
     def make(config_dir: str | None = None, redis: str | None = None, **kw: Any) -> ProxyServer:
         store_kw = kw.pop("store", {})
         server_kw = kw.pop("server", {})
-        settings = Settings(upstream=None if config_dir else upstream.url,
+        url = kw.pop("upstream_url", None)  # another upstream than the scripted one
+        settings = Settings(upstream=None if config_dir else url or upstream.url,
                             config_dir=config_dir, redis_url=redis or redis_url,
                             data_dir=str(tmp_path / "data"), **kw)
         proxy = ProxyServer(settings, unique_config(settings, server_kw, **store_kw)).start()

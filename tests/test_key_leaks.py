@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from runloop_proxy.ops.logs import JsonFormatter, TextFormatter
 from runloop_proxy.scripted import ScriptedUpstream
@@ -157,3 +160,95 @@ def test_no_key_goes_anywhere_but_where_it_is_meant_to(
                            frozenset({ACME_UPSTREAM_KEY}))
     looked_through("an upstream body", [b.decode("utf-8", "replace") for b in [
         *upstream.raw_bodies, *(body for *_, body in upstream.other)]])
+
+
+def quoting_upstream(status: int, compress: bool) -> Any:
+    """An upstream that refuses everything with ``status``, its error quoting every
+    credential it got — whole, and cut across the chunks it sends (as gateways and
+    OpenAI-compatible servers do: "Incorrect API key provided: sk-…")."""
+    import asyncio
+    import gzip
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from runloop_proxy.scripted import ThreadedServer
+
+    async def refuse(request: Request) -> StreamingResponse:
+        await request.body()
+        quoted = " and ".join(f"{k}: {v}" for k, v in request.headers.items()
+                              if k in ("authorization", "x-api-key", "api-key"))
+        body = orjson.dumps({"error": {"message": f"Incorrect API key provided: {quoted}",
+                                       "type": "invalid_request_error", "param": None,
+                                       "code": "invalid_api_key"}})
+        headers = {}
+        if compress:
+            body, headers = gzip.compress(body), {"Content-Encoding": "gzip"}
+
+        async def pieces() -> Any:  # seven bytes at a time: every key is cut somewhere
+            for k in range(0, len(body), 7):
+                yield body[k:k + 7]
+                await asyncio.sleep(0)
+        return StreamingResponse(pieces(), status, media_type="application/json",
+                                 headers=headers)
+
+    app = Starlette(routes=[Route("/{path:path}", refuse, methods=["GET", "POST"])])
+    server = ThreadedServer(app, lifespan="off")
+    port = server.start(0)
+    return server, f"http://127.0.0.1:{port}/v1"
+
+
+@pytest.mark.parametrize(("status", "compress"), [(400, False), (401, True), (403, False),
+                                                  (404, True), (429, False), (500, True)])
+def test_an_upstream_error_quoting_the_key_it_got_never_shows_it(
+        tmp_path: Path, make_proxy: Any, status: int, compress: bool) -> None:
+    """An upstream's error answer reaches the client on every path — an API's answer, JSON
+    or streamed, count_tokens, a pass-through endpoint, as the upstream encoded it — and an
+    upstream that refuses a key quotes it. Whatever key went upstream (a tenant's, the
+    shared one, an Anthropic-format one, a pass-through caller's own), the answer shows
+    none of them (every credential a request carried is masked in its error answers, in
+    ``UpstreamResponse``, however the chunks cut it), and a tenant whose proxy key was good
+    is not told it was not: a 401 or 403 to the proxy's key is a 502 upstream_auth_failed.
+    Found by a red team: a tenant read the operator's key in a 401 on every API."""
+    server, url = quoting_upstream(status, compress)
+    try:
+        tenant: ProxyServer = make_proxy(config_dir=str(config(tmp_path / "cfg", url)))
+        passthrough: ProxyServer = make_proxy(admin_key=ADMIN_KEY, upstream_url=url)
+        traffic = Traffic()
+        for proxy, key in ((tenant, ACME_KEY), (tenant, GLOBEX_KEY), (passthrough, OWN_KEY)):
+            for method, path, body in CALLS:
+                r = traffic.send(proxy, method, path, body, {"Authorization": f"Bearer {key}"})
+                # count_tokens to a chat upstream is the proxy's own count (200)
+                assert r.status_code in (200, status, 502), (key, path, r.status_code, r.text)
+                if status in (401, 403) and proxy is tenant and r.status_code != 200:
+                    # the pass-through endpoints relay the upstream's answer as it came
+                    relayed = path.startswith(("/v1/models", "/v1/files"))
+                    assert r.status_code == (status if relayed else 502), (key, path, r.text)
+                    assert relayed or "the upstream refused the key" in r.text, r.text
+        looked_through("an answer", traffic.answers)
+        assert any("[the upstream key]" in a for a in traffic.answers)
+    finally:
+        server.stop()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(["sk-ab-0123456789", "sk-ab-01", "x", "sk-", "é", " "]),
+                max_size=30), st.data())
+def test_a_masked_body_is_the_body_with_every_secret_masked_however_it_is_cut(
+        words: list[str], data: st.DataObject) -> None:
+    """``Masker`` over any chunking of any body gives the body with each secret replaced,
+    the longest first (one inside another masked whole), nothing held back at the end."""
+    from runloop_proxy.pipeline.upstream import MASK, Masker
+
+    secrets = (b"sk-ab-0123456789", b"sk-ab-01")
+    body = "".join(words).encode()
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8)))
+    chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
+    masker = Masker(secrets)
+    out = b"".join(masker.feed(c) for c in chunks) + masker.end()
+    expected = body
+    for secret in secrets:
+        expected = expected.replace(secret, MASK)
+    assert out == expected

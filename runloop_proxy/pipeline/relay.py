@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 
 from ..conversation.identity import Session
-from ..errors import PermissionDenied, UpstreamError, UpstreamTooLarge
+from ..errors import PermissionDenied, UpstreamError, UpstreamKeyRefused, UpstreamTooLarge
 from ..ops import logs
 from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
@@ -65,6 +65,9 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     with the proxy's rounds answered and hidden. Errors pass through with their status; a
     large answer passes through as it arrives, never held whole."""
     headers = response_headers(resp, session, rlog)
+    if resp.status in (401, 403) and turn.caller.proxy_key:
+        resp.close()
+        raise UpstreamKeyRefused(resp.status)
     if resp.status >= 400:
         status, raw = turn.wire.upstream_error(resp.status, await read(state, resp, rlog))
         rlog.finish(status)

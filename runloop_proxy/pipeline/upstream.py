@@ -49,13 +49,17 @@ class UpstreamResponse:
     read timeout) raises, so a relay can end its own answer as cut and never as whole."""
 
     def __init__(self, resp: aiohttp.ClientResponse, started: float, raw: bool = False,
-                 on_close: Callable[[], None] | None = None):
+                 on_close: Callable[[], None] | None = None, sent: tuple[bytes, ...] = ()):
         self._resp = resp
         self._on_close = on_close  # told once, at the first close
         self.status = resp.status
         self.started = started
         self.first_byte_at: float | None = None
-        self.raw = raw  # the body as the upstream encoded it (pass-through), not decompressed
+        # the credentials the request carried, masked in an error answer's body whatever the
+        # path it takes to a client (an upstream refusing a key quotes it: a tenant read the
+        # operator's key): such a body is read inflated, so it can be searched
+        self._masked = sent if resp.status >= 400 else ()
+        self.raw = raw and not self._masked  # the body as the upstream encoded it (pass-through)
 
     @property
     def headers(self) -> Mapping[str, str]:
@@ -93,6 +97,22 @@ class UpstreamResponse:
         return b"".join(chunks)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives (an error answer's with the request's credentials masked,
+        one held back across chunks as long as the longest, less a byte)."""
+        if not self._masked:
+            async for chunk in self._chunks():
+                yield chunk
+            return
+        masker = Masker(self._masked)
+        async for chunk in self._chunks():
+            out = masker.feed(chunk)
+            if out:
+                yield out
+        out = masker.end()
+        if out:
+            yield out
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives, inflated here (not by aiohttp, which inflates what one
         read brings in one go: 64 KB of gzip became 64 MB in one call on the event loop) in
         pieces of ``INFLATE_PIECE`` bytes, the loop served between them."""
@@ -123,6 +143,69 @@ class UpstreamResponse:
         told, self._on_close = self._on_close, None
         if told is not None:
             told()
+
+
+MASK = b"[the upstream key]"
+MIN_SECRET = 8  # shorter header values are not masked (a word of the answer would be)
+
+
+class Masker:
+    """A body's chunks with every secret masked, however the chunks cut it: what could be
+    the start of one (the longest, less a byte) is held back until the next chunk."""
+
+    def __init__(self, secrets: tuple[bytes, ...]):
+        self.secrets = secrets
+        self.keep = max(map(len, secrets), default=1) - 1
+        self.tail = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        return self._scan(self.tail + chunk, final=False)
+
+    def end(self) -> bytes:
+        return self._scan(self.tail, final=True)
+
+    def _scan(self, data: bytes, final: bool) -> bytes:
+        """``data`` with each secret that starts where the whole of any could have come
+        masked (at a place, the longest: a short one may begin a longer one still to
+        come), the rest held back as the next chunk's start."""
+        limit = len(data) if final else max(0, len(data) - self.keep)
+        out: list[bytes] = []
+        at = 0
+        # each secret's next place, found again only once passed: one scan of data each
+        nxt = {s: data.find(s, 0, limit + len(s) - 1) for s in self.secrets}
+        while True:
+            found: tuple[int, bytes] | None = None
+            for secret in self.secrets:  # longest first: at one place the longest wins
+                j = nxt[secret]
+                if 0 <= j < at:
+                    j = nxt[secret] = data.find(secret, at, limit + len(secret) - 1)
+                if j != -1 and (found is None or j < found[0]):
+                    found = (j, secret)
+            if found is None:
+                break
+            j, secret = found
+            out += [data[at:j], MASK]
+            at = j + len(secret)
+        end = max(at, limit)
+        out.append(data[at:end])
+        self.tail = data[end:]
+        return b"".join(out)
+
+
+def sent_secrets(headers: Mapping[str, str]) -> tuple[bytes, ...]:
+    """The credentials a request to an upstream carries: its Authorization's token and its
+    API-key headers' values (longest first: one inside another is masked whole)."""
+    found = set()
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower == "authorization":
+            value = value.split(" ", 1)[-1]
+        elif lower not in PROXY_KEY_HEADERS:
+            continue
+        value = value.strip()
+        if len(value) >= MIN_SECRET:
+            found.add(value.encode())
+    return tuple(sorted(found, key=len, reverse=True))
 
 
 INFLATE_PIECE = 256 * 1024  # bytes inflated per step (~0.1 ms of zlib)
@@ -261,7 +344,7 @@ class UpstreamClient:
                     attempt += 1
                     continue
             self._open += 1
-            return UpstreamResponse(resp, started, raw, self._answered)
+            return UpstreamResponse(resp, started, raw, self._answered, sent_secrets(headers))
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:
         if retry_after is not None:
