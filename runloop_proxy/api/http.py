@@ -334,7 +334,7 @@ class LiveStreamResponse:
         if pump.done() and not pump.cancelled() and isinstance(pump.exception(), UpstreamError):
             # returning with the body unfinished: the server closes the connection mid-body
             log.warning("answer cut: the upstream failed part-way",
-                        extra={"error": str(pump.exception())})
+                        extra={"error": pump.exception().log_text})  # type: ignore[union-attr]
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code,

@@ -8,14 +8,17 @@ bottleneck) while aiohttp reaches ~98% (see README, "Speed").
 from __future__ import annotations
 
 import asyncio
+import base64
 import email.utils
 import random
 import re
 import time
+import urllib.parse
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 
 import aiohttp
+import orjson
 from multidict import CIMultiDict
 from yarl import URL
 
@@ -55,11 +58,14 @@ class UpstreamResponse:
         self.status = resp.status
         self.started = started
         self.first_byte_at: float | None = None
-        # the credentials the request carried, masked in an error answer's body whatever the
-        # path it takes to a client (an upstream refusing a key quotes it: a tenant read the
-        # operator's key): such a body is read inflated, so it can be searched
-        self._masked = sent if resp.status >= 400 else ()
-        self.raw = raw and not self._masked  # the body as the upstream encoded it (pass-through)
+        # the credentials the request carried, masked in the answer whatever the path it
+        # takes to a client (an upstream refusing a key quotes it: a tenant read the
+        # operator's key), in its headers and its body: an error's body is read inflated
+        # to be searched; a body passed through as encoded is searched when it is plain
+        self._sent = sent
+        encoded = resp.headers.get("content-encoding", "identity").lower().strip() != "identity"
+        self._masked = sent if resp.status >= 400 or not (raw and encoded) else ()
+        self.raw = raw and not (self._masked and encoded)
 
     @property
     def headers(self) -> Mapping[str, str]:
@@ -75,9 +81,18 @@ class UpstreamResponse:
     def forward_headers(self) -> list[tuple[str, str]]:
         """The answer's headers for the client: hop-by-hop ones dropped; a raw body keeps the
         headers that say how it is encoded and how long it is."""
-        keep = {"content-encoding", "content-length"} if self.raw else set()
-        return [(k, v) for k, v in self._resp.headers.items()
-                if k.lower() not in _DROP_RESPONSE or k.lower() in keep]
+        keep = {"content-encoding", "content-length"} if self.raw and not self._masked \
+            else {"content-encoding"} if self.raw else set()
+        out = []
+        masker = Masker(self._sent) if self._sent else None
+        for k, v in self._resp.headers.items():
+            if k.lower() in _DROP_RESPONSE and k.lower() not in keep:
+                continue
+            if masker is not None:
+                v = masker.whole(v.encode("utf-8", "surrogateescape")).decode("utf-8", "replace")
+            if v.isascii() or _latin1(v):  # a header a client can be sent (HTTP's bytes)
+                out.append((k, v))
+        return out
 
     async def read(self, limit: int) -> bytes:
         """The whole body, at most ``limit`` bytes of it as read (UpstreamTooLarge beyond)."""
@@ -104,10 +119,16 @@ class UpstreamResponse:
                 yield chunk
             return
         masker = Masker(self._masked)
-        async for chunk in self._chunks():
-            out = masker.feed(chunk)
+        try:
+            async for chunk in self._chunks():
+                out = masker.feed(chunk)
+                if out:
+                    yield out
+        except Exception:  # what was held back goes too, before a body cut short says so
+            out = masker.end()  # (not when the reader closes it: nothing is read then)
             if out:
                 yield out
+            raise
         out = masker.end()
         if out:
             yield out
@@ -147,15 +168,36 @@ class UpstreamResponse:
 
 MASK = b"[the upstream key]"
 MIN_SECRET = 8  # shorter header values are not masked (a word of the answer would be)
+RUN = 12  # a run of a key this long or longer is masked wherever it stands (a cut-short key)
+STRIDE = 6  # the runs looked for start every STRIDE bytes of a key: any longer run holds one
+
+
+def _latin1(v: str) -> bool:
+    try:
+        v.encode("latin-1")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Masker:
-    """A body's chunks with every secret masked, however the chunks cut it: what could be
-    the start of one (the longest, less a byte) is held back until the next chunk."""
+    """A body's chunks with every form of a key masked (``forms``: as sent, JSON-escaped,
+    percent-encoded), however the chunks cut it: the whole of a form, and any run of one
+    ``RUN`` bytes long or longer (a key quoted cut short, "sk-…" + "****"). A run is found
+    by a piece of the form that starts at a multiple of ``STRIDE`` (or at its end), then
+    stretched both ways as far as the form goes; what could still be part of one is held
+    back until the next chunk."""
 
-    def __init__(self, secrets: tuple[bytes, ...]):
-        self.secrets = secrets
-        self.keep = max(map(len, secrets), default=1) - 1
+    def __init__(self, forms: tuple[bytes, ...]):
+        self.pieces: list[tuple[bytes, int, bytes]] = []  # (form, offset, the piece there)
+        for form in forms:
+            size = min(RUN, len(form))
+            starts = {*range(0, len(form) - size + 1, STRIDE), len(form) - size}
+            self.pieces += [(form, k, form[k:k + size]) for k in sorted(starts)]
+        self.keep = max((len(f) for f in forms), default=1) - 1 + STRIDE
+        # the bytes a form is made of: a chunk's end after any other byte holds no run's
+        # start, so nothing is held back (a stream's event, ending in a newline, goes whole)
+        self.alphabet = bytes(sorted(set(b"".join(forms))))
         self.tail = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -164,28 +206,38 @@ class Masker:
     def end(self) -> bytes:
         return self._scan(self.tail, final=True)
 
+    def whole(self, data: bytes) -> bytes:
+        """``data`` as one chunk that nothing follows (a header's value)."""
+        return self._scan(data, final=True)
+
     def _scan(self, data: bytes, final: bool) -> bytes:
-        """``data`` with each secret that starts where the whole of any could have come
-        masked (at a place, the longest: a short one may begin a longer one still to
-        come), the rest held back as the next chunk's start."""
-        limit = len(data) if final else max(0, len(data) - self.keep)
+        """``data`` with every run found that starts before ``limit`` masked (what starts
+        later may go on in the next chunk: held back as its start)."""
+        limit = len(data) if final else max(0, len(data) - self.keep,
+                                            len(data.rstrip(self.alphabet)))
         out: list[bytes] = []
         at = 0
-        # each secret's next place, found again only once passed: one scan of data each
-        nxt = {s: data.find(s, 0, limit + len(s) - 1) for s in self.secrets}
+        # each piece's next place, found again only once passed: one scan of data each
+        nxt = [data.find(p, 0, limit + len(p) - 1) for _, _, p in self.pieces]
         while True:
-            found: tuple[int, bytes] | None = None
-            for secret in self.secrets:  # longest first: at one place the longest wins
-                j = nxt[secret]
+            best = -1
+            for i, (_, _, piece) in enumerate(self.pieces):
+                j = nxt[i]
                 if 0 <= j < at:
-                    j = nxt[secret] = data.find(secret, at, limit + len(secret) - 1)
-                if j != -1 and (found is None or j < found[0]):
-                    found = (j, secret)
-            if found is None:
+                    j = nxt[i] = data.find(piece, at, limit + len(piece) - 1)
+                if j != -1 and (best == -1 or j < nxt[best]):
+                    best = i
+            if best == -1:
                 break
-            j, secret = found
-            out += [data[at:j], MASK]
-            at = j + len(secret)
+            form, k, piece = self.pieces[best]
+            start, end = nxt[best], nxt[best] + len(piece)
+            while start > at and k > 0 and data[start - 1] == form[k - 1]:
+                start, k = start - 1, k - 1
+            f = k + end - start
+            while end < len(data) and f < len(form) and data[end] == form[f]:
+                end, f = end + 1, f + 1
+            out += [data[at:start], MASK]
+            at = end
         end = max(at, limit)
         out.append(data[at:end])
         self.tail = data[end:]
@@ -193,9 +245,11 @@ class Masker:
 
 
 def sent_secrets(headers: Mapping[str, str]) -> tuple[bytes, ...]:
-    """The credentials a request to an upstream carries: its Authorization's token and its
-    API-key headers' values (longest first: one inside another is masked whole)."""
-    found = set()
+    """Every form in which an answer may quote a credential its request carried (its
+    Authorization's token, its API-key headers' values): as sent, as a JSON string holds it
+    (slashes escaped or not), percent-encoded, and in base64 at each of its three alignments
+    (after "user:", say) less the characters its neighbours share."""
+    found: set[bytes] = set()
     for name, value in headers.items():
         lower = name.lower()
         if lower == "authorization":
@@ -204,7 +258,15 @@ def sent_secrets(headers: Mapping[str, str]) -> tuple[bytes, ...]:
             continue
         value = value.strip()
         if len(value) >= MIN_SECRET:
-            found.add(value.encode())
+            escaped = orjson.dumps(value)[1:-1]
+            found |= {value.encode(), escaped, escaped.replace(b"/", b"\\/"),
+                      urllib.parse.quote(value, safe="").encode(),
+                      urllib.parse.quote_plus(value, safe="").encode()}
+            for a in range(3):
+                b64 = base64.b64encode(b"\0" * a + value.encode())
+                cut = b64[4 if a else 0:len(b64) - 4 if (a + len(value)) % 3 else None]
+                if len(cut) >= MIN_SECRET:
+                    found.add(cut)
     return tuple(sorted(found, key=len, reverse=True))
 
 
