@@ -196,8 +196,13 @@ class Masker:
             self.pieces += [(form, k, form[k:k + size]) for k in sorted(starts)]
         self.keep = max((len(f) for f in forms), default=1) - 1 + STRIDE
         # the bytes a form is made of: a chunk's end after any other byte holds no run's
-        # start, so nothing is held back (a stream's event, ending in a newline, goes whole)
+        # start, so nothing is held back (a stream's event, ending in a newline, goes whole);
+        # and a run lies within a span of them as long as the shortest piece, so only such
+        # spans are searched (a stream's event has few or none: found by bytes.find on the
+        # data translated to "a" for a byte of them and " " for any other, all in C)
         self.alphabet = bytes(sorted(set(b"".join(forms))))
+        self.marks = bytes(0x61 if c in self.alphabet else 0x20 for c in range(256))
+        self.shortest = b"a" * min((len(p) for _, _, p in self.pieces), default=1)
         self.tail = b""
 
     def feed(self, chunk: bytes) -> bytes:
@@ -210,6 +215,32 @@ class Masker:
         """``data`` as one chunk that nothing follows (a header's value)."""
         return self._scan(data, final=True)
 
+    def _runs(self, data: bytes, lo: int, hi: int, limit: int, at: int,
+              out: list[bytes]) -> int:
+        """The runs within the span ``data[lo:hi]`` that start before ``limit`` masked into
+        ``out`` (from ``at``, what was sent of data so far); where it now stands."""
+        # each piece's next place, found again only once passed: one scan of the span each
+        nxt = [data.find(p, lo, min(hi, limit + len(p) - 1)) for _, _, p in self.pieces]
+        while True:
+            best = -1
+            for i, (_, _, piece) in enumerate(self.pieces):
+                j = nxt[i]
+                if 0 <= j < at:
+                    j = nxt[i] = data.find(piece, at, min(hi, limit + len(piece) - 1))
+                if j != -1 and (best == -1 or j < nxt[best]):
+                    best = i
+            if best == -1:
+                return at
+            form, k, piece = self.pieces[best]
+            start, end = nxt[best], nxt[best] + len(piece)
+            while start > max(at, lo) and k > 0 and data[start - 1] == form[k - 1]:
+                start, k = start - 1, k - 1
+            f = k + end - start
+            while end < hi and f < len(form) and data[end] == form[f]:
+                end, f = end + 1, f + 1
+            out += [data[at:start], MASK]
+            at = end
+
     def _scan(self, data: bytes, final: bool) -> bytes:
         """``data`` with every run found that starts before ``limit`` masked (what starts
         later may go on in the next chunk: held back as its start)."""
@@ -217,27 +248,13 @@ class Masker:
                                             len(data.rstrip(self.alphabet)))
         out: list[bytes] = []
         at = 0
-        # each piece's next place, found again only once passed: one scan of data each
-        nxt = [data.find(p, 0, limit + len(p) - 1) for _, _, p in self.pieces]
-        while True:
-            best = -1
-            for i, (_, _, piece) in enumerate(self.pieces):
-                j = nxt[i]
-                if 0 <= j < at:
-                    j = nxt[i] = data.find(piece, at, limit + len(piece) - 1)
-                if j != -1 and (best == -1 or j < nxt[best]):
-                    best = i
-            if best == -1:
-                break
-            form, k, piece = self.pieces[best]
-            start, end = nxt[best], nxt[best] + len(piece)
-            while start > at and k > 0 and data[start - 1] == form[k - 1]:
-                start, k = start - 1, k - 1
-            f = k + end - start
-            while end < len(data) and f < len(form) and data[end] == form[f]:
-                end, f = end + 1, f + 1
-            out += [data[at:start], MASK]
-            at = end
+        marked = data.translate(self.marks)
+        lo = marked.find(self.shortest)
+        while 0 <= lo < limit:
+            hi = marked.find(b" ", lo)
+            hi = len(data) if hi == -1 else hi
+            at = self._runs(data, lo, hi, limit, at, out)
+            lo = marked.find(self.shortest, hi)
         end = max(at, limit)
         out.append(data[at:end])
         self.tail = data[end:]
