@@ -332,6 +332,13 @@ def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None
     human = run(f, "--set", "max_run_loops=3")
     assert "references kept window" in human.stdout and "pass-through 100.0%" in human.stdout
     assert ", lost 0" in human.stdout
+    # and the careful reader's figures, as --json gives them (a mutation sample's survivor:
+    # the line deleted passed every test)
+    rc = plain["retention_careful"]
+    assert rc["references"] >= r["references"]
+    careful = next(line for line in human.stdout.splitlines() if "careful reader" in line)
+    assert f"{rc['references']:,} references" in careful, careful
+    assert f"lost {rc['lost']:,}" in careful and f"{rc['retained']:.1%}" in careful, careful
 
 
 def test_replay_reads_responses_conversations(tmp_path: Path) -> None:
