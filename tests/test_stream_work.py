@@ -175,27 +175,19 @@ def messages_citations(n: int) -> Iterator[dict[str, Any]]:
     yield from _message_end()
 
 
-def messages_input(n: int) -> Iterator[dict[str, Any]]:
-    yield _message_start()
-    yield _start(0, {"type": "tool_use", "id": "t0", "name": "bash", "input": {}})
-    yield _delta(0, type="input_json_delta", partial_json='{"a": "')
-    for _ in range(n):
-        yield _delta(0, type="input_json_delta", partial_json="x" * 12)
-    yield _delta(0, type="input_json_delta", partial_json='"}')
-    yield _stop(0)
-    yield from _message_end()
-
-
-def messages_held_input(n: int) -> Iterator[dict[str, Any]]:
-    """A tool_use block started without its name (held until it is known) and its input."""
-    yield _message_start()
-    yield _start(0, {"type": "tool_use", "id": "t0", "name": "", "input": {}})
-    yield _delta(0, type="input_json_delta", partial_json='{"a": "')
-    for _ in range(n):
-        yield _delta(0, type="input_json_delta", partial_json="x" * 12)
-    yield _delta(0, type="input_json_delta", partial_json='"}')
-    yield _stop(0)
-    yield from _message_end()
+def messages_tool_input(name: str) -> Shape:
+    """A tool_use block's input streamed in pieces; started without its name (``""``), the
+    block is held until the name is known."""
+    def shape(n: int) -> Iterator[dict[str, Any]]:
+        yield _message_start()
+        yield _start(0, {"type": "tool_use", "id": "t0", "name": name, "input": {}})
+        yield _delta(0, type="input_json_delta", partial_json='{"a": "')
+        for _ in range(n):
+            yield _delta(0, type="input_json_delta", partial_json="x" * 12)
+        yield _delta(0, type="input_json_delta", partial_json='"}')
+        yield _stop(0)
+        yield from _message_end()
+    return shape
 
 
 def messages_many_blocks(n: int) -> Iterator[dict[str, Any]]:
@@ -209,8 +201,8 @@ def messages_many_blocks(n: int) -> Iterator[dict[str, Any]]:
 
 MESSAGES = {"text": messages_text, "a stop repeated": messages_stop_repeated,
             "an index restarted": messages_restarted, "thinking": messages_thinking,
-            "citations": messages_citations, "tool input": messages_input,
-            "a held tool input": messages_held_input, "many blocks": messages_many_blocks}
+            "citations": messages_citations, "tool input": messages_tool_input("bash"),
+            "a held tool input": messages_tool_input(""), "many blocks": messages_many_blocks}
 
 
 # -- the Responses API --------------------------------------------------------------------
