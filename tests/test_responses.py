@@ -97,6 +97,14 @@ def recalling(target: str, k: int) -> Any:
     return respond
 
 
+
+def final_response(c: Any, stream: bool, **kw: Any) -> Any:
+    """The response a request's client ends with, asked for streamed or not."""
+    if stream:
+        with c.responses.stream(**kw) as s:
+            return s.get_final_response()
+    return c.responses.create(**kw)
+
 def test_a_plain_request_is_answered_and_stored(make_proxy: Any,
                                                upstream: ScriptedUpstream) -> None:
     proxy = make_proxy(admin_key=ADMIN)
@@ -204,11 +212,7 @@ def test_a_request_chained_on_an_answer_of_several_rounds_goes_on_from_the_last(
     c = sdk(proxy, f"chain-{stream}")
     kw: dict[str, Any] = {"model": "gpt-4o-mini", "input": agent_turns(40, False),
                           "tools": TOOLS}
-    if stream:
-        with c.responses.stream(**kw) as s:
-            final = s.get_final_response()
-    else:
-        final = c.responses.create(**kw)
+    final = final_response(c, stream, **kw)
     assert len(upstream.requests) == 2 and final.output_text.startswith(
         "Let me look." if stream else "recalled")
     proxy.settle()
@@ -372,11 +376,7 @@ def test_a_request_chained_on_a_mixed_answer_carries_the_proxys_outputs(
     c = sdk(proxy, f"mixed-chain-{stream}")
     kw: dict[str, Any] = {"model": "gpt-4o-mini", "input": agent_turns(14, tasks=False),
                           "tools": TOOLS}
-    if stream:
-        with c.responses.stream(**kw) as s:
-            first = s.get_final_response()
-    else:
-        first = c.responses.create(**kw)
+    first = final_response(c, stream, **kw)
     assert [o.call_id for o in first.output if o.type == "function_call"] == ["client_1"]
     mine = [{"type": "function_call_output", "call_id": "client_1", "output": "a b"}]
     follow = c.responses.create(model="gpt-4o-mini", previous_response_id=first.id,
