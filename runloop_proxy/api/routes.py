@@ -11,9 +11,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from ..errors import InvalidRequest, NotFound, PermissionDenied, UpstreamKeyRefused
+from ..errors import InvalidRequest, NotFound, PermissionDenied
 from ..ops.admin import admin_routes
 from ..ops.inspector import inspector_routes
+from ..pipeline.relay import refuse_held_key
 from ..state import state_of
 from .chat import PATH as CHAT_PATH
 from .chat import chat_completions
@@ -116,9 +117,7 @@ async def passthrough(request: Request) -> ASGIResponse:
     resp = await client.request(request.method, path, headers, raw or None,
                                 query=request.url.query, raw=True)
     state.metrics.passthrough_requests.labels(caller.label, str(resp.status)).inc()
-    if resp.status in (401, 403) and caller.proxy_key:  # as on every API (relay.relay)
-        resp.close()
-        raise UpstreamKeyRefused(resp.status)
+    refuse_held_key(caller, resp)
 
     async def relay() -> Any:
         try:

@@ -22,7 +22,7 @@ from .sse import SSEDecoder, SSEEvent
 from .toolloop import Outcome, Rounds, answer_json, answer_stream
 from .tools import MAX_CALLS, ProxyTools, ToolRunner
 from .upstream import UpstreamResponse, json_headers
-from .values import Answer, History, Outgoing, Turn
+from .values import Answer, Caller, History, Outgoing, Turn
 from .wire import Reply, Wire
 
 log = logs.get("relay")
@@ -65,9 +65,7 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     with the proxy's rounds answered and hidden. Errors pass through with their status; a
     large answer passes through as it arrives, never held whole."""
     headers = response_headers(resp, session, rlog)
-    if resp.status in (401, 403) and turn.caller.proxy_key:
-        resp.close()
-        raise UpstreamKeyRefused(resp.status)
+    refuse_held_key(turn.caller, resp)
     if resp.status >= 400:
         status, raw = turn.wire.upstream_error(resp.status, await read(state, resp, rlog))
         rlog.finish(status)
@@ -146,6 +144,15 @@ def _too_large_to_record(state: AppState, turn: Turn, size: int | None = None) -
     log.warning("answer too large to record: relayed, not stored",
                 extra={"tenant": turn.caller.tenant.name, "bytes": size})
     state.metrics.store_errors.labels("too_large").inc()
+
+
+def refuse_held_key(caller: Caller, resp: UpstreamResponse) -> None:
+    """An upstream's 401 or 403 to the key the proxy holds for a tenant, as the proxy's
+    502: the client's own key was good, so it is not told otherwise (every answer the
+    proxy relays goes through this: the APIs' and the pass-through endpoints')."""
+    if resp.status in (401, 403) and caller.proxy_key:
+        resp.close()
+        raise UpstreamKeyRefused(resp.status)
 
 
 def response_headers(resp: UpstreamResponse, session: Session,
