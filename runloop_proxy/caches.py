@@ -14,8 +14,8 @@ V = TypeVar("V")
 ENTRY_OVERHEAD = 120  # a dict slot, the key tuple, the value's box: roughly, in CPython
 
 # each cache's share of server.cache_mb
-SHARES = {"carries": 0.30, "recent": 0.20, "memo": 0.15, "cuts": 0.08, "tokens": 0.10,
-          "chains": 0.10, "first_seen": 0.02, "sessions": 0.05}
+SHARES = {"carries": 0.28, "recent": 0.19, "memo": 0.15, "cuts": 0.08, "tokens": 0.10,
+          "chains": 0.10, "first_seen": 0.02, "sessions": 0.05, "masks": 0.03}
 
 
 def approx_size(obj: Any, budget: int = 1 << 16) -> int:

@@ -3,6 +3,7 @@
     ProxyError
     ├── ClientError                 the request is at fault (4xx, shown to the client)
     │   ├── InvalidRequest          400 invalid_request_error (names the field)
+    │   │   └── CredentialTooLong   400 a credential longer than the proxy forwards
     │   ├── ContextLengthExceeded   400 context_length_exceeded
     │   ├── AuthenticationFailed    401 invalid_api_key
     │   ├── NotFound                404
@@ -55,6 +56,13 @@ class ClientError(ProxyError):
 
 class InvalidRequest(ClientError):
     pass
+
+
+class CredentialTooLong(InvalidRequest):
+    """A credential that would go upstream is longer than the proxy forwards (masking
+    it in the answer costs by its length): refused before anything is sent."""
+
+    code = "credential_too_long"
 
 
 class ContextLengthExceeded(ClientError):

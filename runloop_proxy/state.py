@@ -20,6 +20,7 @@ from .history.store import RedisStore
 from .history.summaries import SummaryService
 from .ops import logs
 from .ops.metrics import Metrics
+from .pipeline.masking import MaskTables
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
 from .pipeline.upstream import UpstreamClient
 from .pipeline.values import Recent
@@ -60,6 +61,8 @@ class AppState:
         self.recent: ByteLRU[tuple[str, str], Recent] = ByteLRU(share("recent"),
                                                                 lambda k, v: v.size)
         self.tokens.resize(share("tokens"))
+        # the tables that mask the credentials of a request in its answer (upstream.py)
+        self.masks = MaskTables(share("masks"))
         self.summaries = SummaryService(self)
         self.metrics.prices = self.config.prices
 
@@ -90,7 +93,8 @@ class AppState:
                 # the pass-through upstream is the URL its user typed (--upstream): errors
                 # name it so; a configured one is named by its name alone
                 typed = config.passthrough is not None and name == config.passthrough.upstream
-                client = UpstreamClient(name, spec, redact_url(spec.url) if typed else None)
+                client = UpstreamClient(name, spec, redact_url(spec.url) if typed else None,
+                                        self.masks)
                 await client.start()
             new[name] = client
         self.config, self.upstreams = config, new

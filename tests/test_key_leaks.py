@@ -248,15 +248,25 @@ def test_a_masked_body_shows_no_run_of_a_key_however_it_is_cut(
     as it went in. Found by it: a short key that begins a longer one masked before the
     longer one's end had come (its tail shown); and by a red team, the key's JSON-escaped,
     percent-encoded and cut-short forms shown whole."""
-    from runloop_proxy.pipeline.upstream import MASK, RUN, Masker, sent_secrets
+    from runloop_proxy.pipeline.masking import (
+        MASK,
+        RUN,
+        Masker,
+        credentials_sent,
+        forms_of,
+        table_of,
+    )
 
-    forms = sent_secrets({"Authorization": f"Bearer {KEYS[0]}", "x-api-key": KEYS[1]})
+    values = credentials_sent({"Authorization": f"Bearer {KEYS[0]}", "x-api-key": KEYS[1]})
+    table = table_of(values)
+    assert table is not None
+    forms = sorted({f for v in values for f in forms_of(v)}, key=len, reverse=True)
     body = "".join(words).encode()
     cuts = sorted(data.draw(st.lists(st.integers(0, len(body)), max_size=8)))
     chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
-    masker = Masker(forms)
+    masker = Masker(table)
     out = b"".join(masker.feed(c) for c in chunks) + masker.end()
-    whole = Masker(forms)
+    whole = Masker(table)
     assert out == whole.feed(body) + whole.end()
     left = out.split(MASK)
     held = False  # whether the body holds any run at all
@@ -268,4 +278,4 @@ def test_a_masked_body_shows_no_run_of_a_key_however_it_is_cut(
     assert held or out == body
     # a chunk that ends after a byte no key holds is sent whole (a stream's event, at once)
     event = b'data: {"x": "sk-ab/01"}\n\n'
-    assert Masker(forms).feed(event) == event.replace(b"sk-ab/01", MASK)
+    assert Masker(table).feed(event) == event.replace(b"sk-ab/01", MASK)

@@ -27,6 +27,7 @@ from ..errors import (
     ABORTED,
     AuthenticationFailed,
     ClientError,
+    CredentialTooLong,
     InvalidRequest,
     PayloadTooLarge,
     ShuttingDown,
@@ -36,6 +37,7 @@ from ..errors import (
 )
 from ..ops import logs
 from ..pipeline.accounting import CLIENT_CLOSED, RequestLog
+from ..pipeline.masking import credentials_sent
 from ..pipeline.offload import is_large_body, offload
 from ..pipeline.turn import serve
 from ..pipeline.upstream import PROXY_KEY_HEADERS, names_caller
@@ -194,6 +196,7 @@ def _caller(state: AppState, request: Request) -> Caller:
     if cfg.passthrough is not None:
         # Single-tenant pass-through: the client's own credentials go upstream, and without
         # any nothing is kept
+        _bounded(request)
         ns = namespace_of(credentials(request))
         if cfg.upstreams[cfg.passthrough.upstream].format == "chat":
             return Caller(cfg.passthrough, "passthrough", ns,
@@ -211,6 +214,7 @@ def _caller(state: AppState, request: Request) -> Caller:
     fmt = cfg.upstreams[tenant.upstream].format
     drop = CHAT_DROP if fmt == "chat" else PROXY_KEY_HEADERS
     if tenant.forward_client_key:  # each caller's own key: its own namespace in the tenant
+        _bounded(request)
         ns = f"{tenant.name}{KEY_NAMESPACE}{(namespace_of(credentials(request)) or '')[3:]}"
         if fmt == "chat":
             return Caller(tenant, tenant.name, ns, f"Bearer {key}", drop)
@@ -222,6 +226,15 @@ def _caller(state: AppState, request: Request) -> Caller:
         return Caller(tenant, tenant.name, tenant.name, None, drop, secret, True, shared)
     upstream_auth = f"Bearer {secret}" if secret else None
     return Caller(tenant, tenant.name, tenant.name, upstream_auth, drop, None, True, shared)
+
+
+def _bounded(request: Request) -> None:
+    """A client whose own credentials go upstream sends none longer than the proxy masks
+    (``masking.MAX_CREDENTIAL_BYTES``): refused at the door, before its body is read."""
+    try:
+        credentials_sent(request.headers)
+    except ValueError as exc:
+        raise CredentialTooLong(str(exc), param="headers") from exc
 
 
 async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:

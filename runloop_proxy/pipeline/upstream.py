@@ -8,23 +8,26 @@ bottleneck) while aiohttp reaches ~98% (see README, "Speed").
 from __future__ import annotations
 
 import asyncio
-import base64
 import email.utils
-import functools
 import random
 import re
 import time
-import urllib.parse
 import zlib
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 
 import aiohttp
-import orjson
 from multidict import CIMultiDict
 from yarl import URL
 
 from ..config import UpstreamSpec
-from ..errors import UpstreamBadReply, UpstreamTimeout, UpstreamTooLarge, UpstreamUnreachable
+from ..errors import (
+    CredentialTooLong,
+    UpstreamBadReply,
+    UpstreamTimeout,
+    UpstreamTooLarge,
+    UpstreamUnreachable,
+)
+from .masking import CREDENTIAL_HEADERS, Masker, MaskTable, MaskTables, credentials_sent
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})  # 529: Anthropic's overloaded
 HOP_BY_HOP = frozenset({
@@ -33,7 +36,7 @@ HOP_BY_HOP = frozenset({
 })
 _DROP_REQUEST = HOP_BY_HOP | {"authorization", "accept-encoding", "x-runloop-history"}
 # the client's credentials for the proxy itself, never forwarded in tenant mode
-PROXY_KEY_HEADERS = frozenset({"api-key", "x-api-key"})
+PROXY_KEY_HEADERS = frozenset(CREDENTIAL_HEADERS) - {"authorization"}
 # headers that may name the caller to an upstream or a gateway in front of it (Portkey's,
 # Cloudflare's, Google's keys, OpenAI's organization and project, a proxy's authorization)
 IDENTITY = re.compile(r"(^|-)(auth|authentication|authorization|api-?key|apikey|key|token|"
@@ -53,7 +56,7 @@ class UpstreamResponse:
     read timeout) raises, so a relay can end its own answer as cut and never as whole."""
 
     def __init__(self, resp: aiohttp.ClientResponse, started: float, raw: bool = False,
-                 on_close: Callable[[], None] | None = None, sent: tuple[bytes, ...] = ()):
+                 on_close: Callable[[], None] | None = None, masks: MaskTable | None = None):
         self._resp = resp
         self._on_close = on_close  # told once, at the first close
         self.status = resp.status
@@ -63,9 +66,9 @@ class UpstreamResponse:
         # takes to a client (an upstream refusing a key quotes it: a tenant read the
         # operator's key), in its headers and its body: an error's body is read inflated
         # to be searched; a body passed through as encoded is searched when it is plain
-        self._sent = sent
+        self._table = masks
         encoded = resp.headers.get("content-encoding", "identity").lower().strip() != "identity"
-        self._masked = sent if resp.status >= 400 or not (raw and encoded) else ()
+        self._masked = masks if resp.status >= 400 or not (raw and encoded) else None
         self.raw = raw and not (self._masked and encoded)
 
     @property
@@ -85,7 +88,7 @@ class UpstreamResponse:
         keep = {"content-encoding", "content-length"} if self.raw and not self._masked \
             else {"content-encoding"} if self.raw else set()
         out = []
-        masker = Masker(self._sent) if self._sent else None
+        masker = Masker(self._table) if self._table else None
         for k, v in self._resp.headers.items():
             if k.lower() in _DROP_RESPONSE and k.lower() not in keep:
                 continue
@@ -115,7 +118,7 @@ class UpstreamResponse:
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives (an error answer's with the request's credentials masked,
         one held back across chunks as long as the longest, less a byte)."""
-        if not self._masked:
+        if self._masked is None:
             async for chunk in self._chunks():
                 yield chunk
             return
@@ -167,12 +170,6 @@ class UpstreamResponse:
             told()
 
 
-MASK = b"[the upstream key]"
-MIN_SECRET = 8  # shorter header values are not masked (a word of the answer would be)
-RUN = 12  # a run of a key this long or longer is masked wherever it stands (a cut-short key)
-STRIDE = 6  # the runs looked for start every STRIDE bytes of a key: any longer run holds one
-
-
 def _latin1(v: str) -> bool:
     try:
         v.encode("latin-1")
@@ -180,133 +177,6 @@ def _latin1(v: str) -> bool:
         return False
     return True
 
-
-class Masker:
-    """A body's chunks with every form of a key masked (``forms``: as sent, JSON-escaped,
-    percent-encoded), however the chunks cut it: the whole of a form, and any run of one
-    ``RUN`` bytes long or longer (a key quoted cut short, "sk-…" + "****"). A run is found
-    by a piece of the form that starts at a multiple of ``STRIDE`` (or at its end), then
-    stretched both ways as far as the form goes; what could still be part of one is held
-    back until the next chunk."""
-
-    def __init__(self, forms: tuple[bytes, ...]):
-        self.pieces, self.keep, self.alphabet, self.marks, self.shortest = _pattern(forms)
-        self.tail = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        return self._scan(self.tail + chunk, final=False)
-
-    def end(self) -> bytes:
-        return self._scan(self.tail, final=True)
-
-    def whole(self, data: bytes) -> bytes:
-        """``data`` as one chunk that nothing follows (a header's value)."""
-        return self._scan(data, final=True)
-
-    def _runs(self, data: bytes, lo: int, hi: int, limit: int, at: int,
-              out: list[bytes]) -> int:
-        """The runs within the span ``data[lo:hi]`` that start before ``limit`` masked into
-        ``out`` (from ``at``, what was sent of data so far); where it now stands."""
-        # each piece's next place, found again only once passed: one scan of the span each
-        nxt = [data.find(p, lo, min(hi, limit + len(p) - 1)) for _, _, p in self.pieces]
-        while True:
-            best = -1
-            for i, (_, _, piece) in enumerate(self.pieces):
-                j = nxt[i]
-                if 0 <= j < at:
-                    j = nxt[i] = data.find(piece, at, min(hi, limit + len(piece) - 1))
-                if j != -1 and (best == -1 or j < nxt[best]):
-                    best = i
-            if best == -1:
-                return at
-            form, k, piece = self.pieces[best]
-            start, end = nxt[best], nxt[best] + len(piece)
-            while start > max(at, lo) and k > 0 and data[start - 1] == form[k - 1]:
-                start, k = start - 1, k - 1
-            f = k + end - start
-            while end < hi and f < len(form) and data[end] == form[f]:
-                end, f = end + 1, f + 1
-            out += [data[at:start], MASK]
-            at = end
-
-    def _scan(self, data: bytes, final: bool) -> bytes:
-        """``data`` with every run found that starts before ``limit`` masked (what starts
-        later may go on in the next chunk: held back as its start)."""
-        limit = len(data) if final else max(0, len(data) - self.keep,
-                                            len(data.rstrip(self.alphabet)))
-        out: list[bytes] = []
-        at = 0
-        marked = data.translate(self.marks)
-        lo = marked.find(self.shortest)
-        while 0 <= lo < limit:
-            hi = marked.find(b" ", lo)
-            hi = len(data) if hi == -1 else hi
-            at = self._runs(data, lo, hi, limit, at, out)
-            lo = marked.find(self.shortest, hi)
-        end = max(at, limit)
-        out.append(data[at:end])
-        self.tail = data[end:]
-        return b"".join(out)
-
-
-Pattern = tuple[list[tuple[bytes, int, bytes]], int, bytes, bytes, bytes]
-
-
-@functools.lru_cache(maxsize=256)
-def _pattern(forms: tuple[bytes, ...]) -> Pattern:
-    """What a Masker looks for, made once for a request's forms (65 us each time, twice an
-    answer, was 6% of the proxy's time on a request): the pieces (form, offset, the piece
-    there), what may be held back, the bytes the forms are made of, the table marking
-    them, and the shortest span searched.
-
-    A chunk's end after a byte of no form holds no run's start, so nothing is held back (a
-    stream's event, ending in a newline, goes whole); and a run lies within a span of such
-    bytes as long as the shortest piece, so only those spans are searched (a stream's event
-    has few or none: found by bytes.find on the data translated to "a" for a byte of them
-    and " " for any other, all in C)."""
-    pieces: list[tuple[bytes, int, bytes]] = []
-    for form in forms:
-        size = min(RUN, len(form))
-        starts = {*range(0, len(form) - size + 1, STRIDE), len(form) - size}
-        pieces += [(form, k, form[k:k + size]) for k in sorted(starts)]
-    keep = max((len(f) for f in forms), default=1) - 1 + STRIDE
-    alphabet = bytes(sorted(set(b"".join(forms))))
-    marks = bytes(0x61 if c in alphabet else 0x20 for c in range(256))
-    shortest = b"a" * min((len(p) for _, _, p in pieces), default=1)
-    return pieces, keep, alphabet, marks, shortest
-
-
-def sent_secrets(headers: Mapping[str, str]) -> tuple[bytes, ...]:
-    """Every form in which an answer may quote a credential its request carried (its
-    Authorization's token, its API-key headers' values), longest first."""
-    found: set[bytes] = set()
-    for name, value in headers.items():
-        lower = name.lower()
-        if lower == "authorization":
-            value = value.split(" ", 1)[-1]
-        elif lower not in PROXY_KEY_HEADERS:
-            continue
-        value = value.strip()
-        if len(value) >= MIN_SECRET:
-            found |= _forms(value)
-    return tuple(sorted(found, key=len, reverse=True))
-
-
-@functools.lru_cache(maxsize=256)
-def _forms(value: str) -> frozenset[bytes]:
-    """A credential as sent, as a JSON string holds it (slashes escaped or not),
-    percent-encoded, and in base64 at each of its three alignments (after "user:", say)
-    less the characters its neighbours share."""
-    escaped = orjson.dumps(value)[1:-1]
-    found = {value.encode(), escaped, escaped.replace(b"/", b"\\/"),
-             urllib.parse.quote(value, safe="").encode(),
-             urllib.parse.quote_plus(value, safe="").encode()}
-    for a in range(3):
-        b64 = base64.b64encode(b"\0" * a + value.encode())
-        cut = b64[4 if a else 0:len(b64) - 4 if (a + len(value)) % 3 else None]
-        if len(cut) >= MIN_SECRET:
-            found.add(cut)
-    return frozenset(found)
 
 
 INFLATE_PIECE = 256 * 1024  # bytes inflated per step (~0.1 ms of zlib)
@@ -364,10 +234,14 @@ def _zlib_header(data: bytes) -> bool:
 
 
 class UpstreamClient:
-    def __init__(self, name: str, spec: UpstreamSpec, shown: str | None = None):
+    def __init__(self, name: str, spec: UpstreamSpec, shown: str | None = None,
+                 masks: MaskTables | None = None):
         self.name = name
         self.spec = spec
         self.shown = shown or name  # what an error calls it
+        # the tables masking credentials in answers (the process's, in bytes; none kept
+        # by a client made without them)
+        self.masks = masks or MaskTables(0)
         self._session: aiohttp.ClientSession | None = None
         self._open = 0  # answers given and not yet closed
         self._last_used = time.monotonic()
@@ -413,6 +287,10 @@ class UpstreamClient:
         # encoded as given: the path is the proxy's own or v1_subpath's (re-encoded), the
         # query the client's raw one; parsed again, %2e%2e would become a dot segment
         url = URL(self.url(path) + (f"?{query}" if query else ""), encoded=True)
+        try:  # refused before anything is sent: what masking a credential costs is bounded
+            masks = self.masks.of(credentials_sent(headers))
+        except ValueError as exc:
+            raise CredentialTooLong(str(exc)) from exc
         attempt = 0
         while True:
             started = time.perf_counter()
@@ -445,7 +323,7 @@ class UpstreamClient:
                     attempt += 1
                     continue
             self._open += 1
-            return UpstreamResponse(resp, started, raw, self._answered, sent_secrets(headers))
+            return UpstreamResponse(resp, started, raw, self._answered, masks)
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:
         if retry_after is not None:
