@@ -17,6 +17,7 @@ Stalls are times on a shared machine: read them against the baseline row (a plai
 from __future__ import annotations
 
 import argparse
+import base64
 import gzip
 import json
 import os
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -34,10 +36,12 @@ import orjson
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from runloop_proxy.scripted import ScriptedUpstream, calls_chunk  # noqa: E402
+from tests.keys import anthropic_key, jwt, openai_project_key  # noqa: E402
 
 KEY = "sk-hostile"
 MESSAGES = "_messages"  # a corpus entry for /v1/messages (the key is not sent)
 HEADERS = "_headers"  # a corpus entry's own headers (not sent in the body)
+GET = "_get"  # a corpus entry that is a GET of this path (through the pass-through)
 # turns that share one named session whose history the proxy supplies: each later one brings
 # the stored conversation's work too, whatever its own size
 SERVER_HISTORY = {"X-Session-Id": "grown", "X-Runloop-History": "server"}
@@ -97,6 +101,61 @@ def session(steps: int, result: Callable[[int], str]) -> list[dict[str, Any]]:
 
 
 LOOK = [tool_fn("look", {"type": "object", "properties": {"q": {"type": "string"}}})]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def uuids(n: int) -> list[str]:
+    return [str(uuid.UUID(int=k * 7919 + 1)) for k in range(n)]
+
+
+def uuid_events(n: int) -> list[bytes]:
+    """A chat stream of ``n`` events, a UUID in each (ids a key's alphabet covers)."""
+    return [b'data: {"id":"chatcmpl-h","object":"chat.completion.chunk","created":0,'
+            b'"model":"gpt-4o","choices":[{"index":0,"delta":{"content":"' + u.encode()
+            + b' "},"finish_reason":null}]}\n\n' for u in uuids(n)] + [b"data: [DONE]\n\n"]
+
+
+def download(size: int) -> bytes:
+    """A file's content as an API stores one: JSON lines of ids, hashes and base64."""
+    lines = []
+    for k in range(size // 160 + 1):
+        lines.append(orjson.dumps({"id": f"file-{k:024x}", "sha256": f"{k * 2654435761:064x}",
+                                   "blob": base64.b64encode(k.to_bytes(32, "big")).decode()}))
+    return b"\n".join(lines)[:size]
+
+
+def long_keys() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
+    """Answers read with credentials of real lengths, which the proxy masks in them (a
+    164-character OpenAI project key, a 108-character Anthropic key, a 2 KB JWT), and a
+    credential no one should send (60 KB: refused before anything is sent)."""
+    rows: list[tuple[str, dict[str, Any], dict[str, Any] | None]] = []
+    for name, key in (("164-char key", openai_project_key()), ("2 KB JWT", jwt()),
+                      ("108-char key", anthropic_key())):
+        rows += [
+            (f"long key: 3,000 UUIDs in an answer ({name})",
+             chat([user("list them")], **{HEADERS: bearer(key)}),
+             {"content": " ".join(uuids(3000))}),
+            (f"long key: a stream of 3,000 events ({name})",
+             chat([user("list them")], stream=True, **{HEADERS: bearer(key)}),
+             {"raw_chunks": uuid_events(3000)}),
+            (f"long key: the key quoted in 1,000 lines ({name})",
+             chat([user("echo")], **{HEADERS: bearer(key)}),
+             {"content": "\n".join(f"line {k}: bad key {key}" for k in range(1000))}),
+        ]
+    rows += [
+        ("long key: a 2.3 MB download through pass-through (164-char key)",
+         {GET: "/v1/files/file-hostile/content", HEADERS: bearer(openai_project_key())},
+         {"raw_body": download(2_300_000)}),
+        ("long key: a 900 KB download through pass-through (2 KB JWT)",
+         {GET: "/v1/files/file-hostile/content", HEADERS: bearer(jwt())},
+         {"raw_body": download(900_000)}),
+        ("pass-through: a 60 KB x-api-key", {
+            GET: "/v1/models", HEADERS: {"Authorization": "", "x-api-key": "k" * 60_000}}, None),
+    ]
+    return rows
 
 
 def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
@@ -227,6 +286,7 @@ def corpus() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
                                                       "max_tokens": 64, "messages": [
             {"role": "user", "content": "hi"}], "tools": [
             {"name": "f", "input_schema": nested_kinds(13)}]}, None),
+        *long_keys(),
         # the upstream as the hostile side: what a stream's answer costs the proxy to read
         ("upstream: a Messages stream of 40,000 text deltas", {
             MESSAGES: True, "model": "claude-sonnet-4-6", "max_tokens": 64, "stream": True,
@@ -339,16 +399,19 @@ def main() -> int:
                     continue
                 headers = {"Content-Type": "application/json", "X-Session-Id": f"h{n}",
                            **body.pop(HEADERS, {})}
+                get = body.pop(GET, None)
                 path = "/v1/messages" if body.pop(MESSAGES, False) else \
                     "/v1/responses" if "input" in body else "/v1/chat/completions"
-                raw = orjson.dumps(body)
+                path = get or path
+                raw = b"" if get else orjson.dumps(body)
                 upstream.reset()
                 upstream.keep_requests = False
                 if answer is not None:
                     upstream.push(answer)
                 time.sleep(0.05)
                 start = time.monotonic()
-                with c.stream("POST", base + path, content=raw, headers=headers) as r:
+                with c.stream("GET" if get else "POST", base + path, content=raw or None,
+                              headers=headers) as r:
                     received = sum(len(b) for b in r.iter_raw())
                 took = time.monotonic() - start
                 # and what the request leaves behind it: its history written, summaries made
@@ -365,13 +428,20 @@ def main() -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'body':<52} {'bytes':>9} {'status':>6} {'took s':>7} {'worst /healthz ms':>18}")
+    print(f"{'body':<66} {'bytes':>9} {'answer':>9} {'status':>6} {'took s':>7} "
+          f"{'worst /healthz ms':>18}")
     for row in rows:
-        print(f"{row['body']:<52} {row['bytes']:>9,} {row['status']:>6} {row['seconds']:>7} "
-              f"{row['worst_stall_ms']:>18}")
+        print(f"{row['body']:<66} {row['bytes']:>9,} {row['answer_bytes']:>9,} "
+              f"{row['status']:>6} {row['seconds']:>7} {row['worst_stall_ms']:>18}")
     under = [r for r in rows if r["bytes"] < MiB]
-    print(f"worst stall for a body under 1 MiB: {max(r['worst_stall_ms'] for r in under)} ms "
-          f"({max(under, key=lambda r: r['worst_stall_ms'])['body']})")
+    if under:
+        print(f"worst stall for a body under 1 MiB: {max(r['worst_stall_ms'] for r in under)} "
+              f"ms ({max(under, key=lambda r: r['worst_stall_ms'])['body']})")
+    small = [r for r in under if r["answer_bytes"] < MiB]
+    if small:
+        print(f"worst stall for a body and an answer under 1 MiB: "
+              f"{max(r['worst_stall_ms'] for r in small)} ms "
+              f"({max(small, key=lambda r: r['worst_stall_ms'])['body']})")
     return 0
 
 

@@ -211,6 +211,12 @@ class ServerSection(_Strict):
     admin_key: str | None = None
     cache_mb: int = Field(128, ge=16, description="memory the per-process caches may use "
                                                   "in all (window carries, forms, counts)")
+    held_answers_mb: int = Field(
+        512, ge=1, description="upstream answers the proxy reads whole (to answer its tools, "
+        "or an error), in all, at once; past it a request gets a 503")
+    tenant_share: float = Field(
+        0.5, gt=0, le=1, description="the share of each bounded resource (an upstream's "
+        "max_connections, held_answers_mb) one tenant may hold; past it, a 429")
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")

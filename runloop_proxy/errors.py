@@ -14,7 +14,9 @@
     │   ├── UpstreamTooLarge        502 an answer larger than the proxy may hold whole
     │   └── UpstreamTimeout         504
     ├── Unavailable                 503: this request cannot be served now (Retry-After)
-    │   └── StoreUnavailable        server-history mode while the store is away
+    │   ├── StoreUnavailable        server-history mode while the store is away
+    │   ├── TenantOverShare         429: the caller holds its share of a resource already
+    │   └── ProxyFull               503: the process's bound of a resource is reached
     ├── StoreError                  Redis failed: the proxy degrades, the client never sees it
     │   └── StoreLimitExceeded      a session outgrew its configured bounds
     └── ConfigError                 a config file is invalid (file, field, why)
@@ -186,6 +188,22 @@ class Unavailable(ProxyError):
 
 class StoreUnavailable(Unavailable):
     code = "store_unavailable"
+
+
+class TenantOverShare(Unavailable):
+    """The caller (a tenant) already holds its share of something the proxy bounds
+    (``pipeline/shares.py``): its own excess, a 429, never another tenant's wait."""
+
+    status = 429
+    error_type = "rate_limit_error"
+    code = "tenant_share_exceeded"
+
+
+class ProxyFull(Unavailable):
+    """All of something the proxy bounds is held (by several tenants, each within its
+    share): a 503 with Retry-After."""
+
+    code = "proxy_full"
 
 
 class ShuttingDown(Unavailable):

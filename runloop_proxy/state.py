@@ -21,6 +21,7 @@ from .history.summaries import SummaryService
 from .ops import logs
 from .ops.metrics import Metrics
 from .pipeline.masking import MaskTables
+from .pipeline.shares import Shares
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
 from .pipeline.upstream import UpstreamClient
 from .pipeline.values import Recent
@@ -63,8 +64,17 @@ class AppState:
         self.tokens.resize(share("tokens"))
         # the tables that mask the credentials of a request in its answer (upstream.py)
         self.masks = MaskTables(share("masks"))
+        server = self.config.server
+        # answers read whole, in bytes: a share each tenant (pipeline/shares.py)
+        self.answers = Shares("room for answers read whole", server.held_answers_mb << 20,
+                              server.tenant_share, self._refused)
         self.summaries = SummaryService(self)
         self.metrics.prices = self.config.prices
+
+    def _refused(self, resource: str, reason: str) -> None:
+        """A request refused for a bounded resource: counted (the log line is its
+        error's, where it is answered)."""
+        self.metrics.share_refusals.labels(resource.split(" to ")[0], reason).inc()
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         """Run work off the request path; keep a reference so it is not collected mid-flight."""
@@ -94,7 +104,8 @@ class AppState:
                 # name it so; a configured one is named by its name alone
                 typed = config.passthrough is not None and name == config.passthrough.upstream
                 client = UpstreamClient(name, spec, redact_url(spec.url) if typed else None,
-                                        self.masks)
+                                        self.masks, config.server.tenant_share, self.answers,
+                                        self._refused)
                 await client.start()
             new[name] = client
         self.config, self.upstreams = config, new

@@ -98,6 +98,10 @@ def shaped_errors(handler: Handler) -> Handler:
         except UpstreamError as exc:
             log.warning("upstream error", extra={"error": exc.log_text, "status": exc.status})
             return error_response(request.url.path, exc.status, exc.body(), exc)
+        except Unavailable as exc:
+            log.warning("request refused: unavailable", extra={"error": exc.log_text})
+            return error_response(request.url.path, exc.status, exc.body(), exc,
+                                  {"Retry-After": str(max(1, round(exc.retry_after)))})
     return wrapped
 
 

@@ -115,7 +115,7 @@ async def passthrough(request: Request) -> ASGIResponse:
     headers["Accept-Encoding"] = request.headers.get("accept-encoding", "identity")
     client = caller.client(state.upstreams)
     resp = await client.request(request.method, path, headers, raw or None,
-                                query=request.url.query, raw=True)
+                                query=request.url.query, raw=True, holder=caller.holder)
     state.metrics.passthrough_requests.labels(caller.label, str(resp.status)).inc()
     refuse_held_key(caller, resp)
 

@@ -51,6 +51,10 @@ class Metrics:
         self.passthrough_requests = Counter("runloop_passthrough_requests_total",
                                             "Other /v1 requests passed through",
                                             ["tenant", "status"], registry=r)
+        self.share_refusals = Counter(
+            "runloop_share_refusals_total", "Requests refused for a bounded resource: "
+            "reason=tenant (its share held: 429) or process (all of it held: 503)",
+            ["resource", "reason"], registry=r)
         self.in_flight = Gauge("runloop_in_flight_requests", "Requests being served",
                                registry=r, multiprocess_mode="livesum")
         self.upstream_latency = Histogram("runloop_upstream_latency_seconds",

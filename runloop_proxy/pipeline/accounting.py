@@ -4,6 +4,7 @@ whatever path the request took (answered, streamed, refused, failed, or abandone
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..ops import logs
@@ -39,6 +40,14 @@ class RequestLog:
         self.first_byte_seen = False
         self.status: int | None = None
         self._bound: BoundMetrics | None = None
+        self._at_end: list[Callable[[], None]] = []  # run once the request is done
+
+    def at_end(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` when the request is done (``finish``), or now if it is."""
+        if self.status is not None:
+            fn()
+        else:
+            self._at_end.append(fn)
 
     def identify(self, tenant: str, label: str, model: str, stream: bool) -> None:
         self.tenant, self.label, self.stream = tenant, label, stream
@@ -88,6 +97,9 @@ class RequestLog:
         if self.status is not None:
             return
         self.status = status
+        for fn in self._at_end:
+            fn()
+        self._at_end.clear()
         if not self.identified:
             return  # refused before its tenant was known (a bad key): nothing to label it by
         b = self.bound

@@ -20,6 +20,7 @@ a span that goes on past it is carried as covered, so nothing is read twice but 
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import sys
@@ -43,6 +44,8 @@ MAX_CREDENTIALS_BYTES = 16 << 10
 # the headers whose values are credentials that may go upstream (the token of an
 # Authorization, Azure's api-key, Anthropic's x-api-key)
 CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")
+LONG_CREDENTIALS = 1024  # a table for credentials longer than this is made off the loop
+PIECE = 64 << 10  # an answer's chunk is masked this much at a time, the loop served between
 _WIDE = 11  # windows this long or longer are found by 8-byte words, shorter ones by 4-byte
 _SET_SLOT = 40  # a set's slot and its share of the table's spare room, roughly
 _BYTES_OBJECT = 33  # a bytes object's header in CPython
@@ -163,6 +166,16 @@ class MaskTables:
             table = table_of(values)
             if table is not None:
                 self._kept[values] = table
+        return table
+
+    async def made(self, values: tuple[str, ...]) -> MaskTable | None:
+        """``of``, made in a worker thread when the credentials are long (a 2 KB JWT's
+        table is 10,000 windows: tens of ms)."""
+        if sum(map(len, values)) <= LONG_CREDENTIALS or values in self._kept:
+            return self.of(values)
+        table = await asyncio.to_thread(table_of, values)
+        if table is not None:
+            self._kept[values] = table
         return table
 
 

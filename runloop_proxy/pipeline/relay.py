@@ -45,7 +45,8 @@ async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
     started = rlog.upstream_started()
     try:
         return await turn.caller.client(state.upstreams).request(
-            "POST", turn.wire.upstream_path + suffix, headers, payload)
+            "POST", turn.wire.upstream_path + suffix, headers, payload,
+            holder=turn.caller.holder)
     finally:
         rlog.upstream_took(started)
 
@@ -53,7 +54,9 @@ async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
 async def read(state: AppState, resp: UpstreamResponse, rlog: RequestLog) -> bytes:
     started = time.perf_counter()
     try:
-        return await resp.read(state.config.server.max_answer_bytes)
+        raw = await resp.read(state.config.server.max_answer_bytes, keep=True)
+        rlog.at_end(resp.held.release)  # held until the request is done with it
+        return raw
     finally:
         rlog.upstream_took(started)
 

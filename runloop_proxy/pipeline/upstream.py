@@ -27,7 +27,15 @@ from ..errors import (
     UpstreamTooLarge,
     UpstreamUnreachable,
 )
-from .masking import CREDENTIAL_HEADERS, Masker, MaskTable, MaskTables, credentials_sent
+from .masking import (
+    CREDENTIAL_HEADERS,
+    PIECE,
+    Masker,
+    MaskTable,
+    MaskTables,
+    credentials_sent,
+)
+from .shares import Held, Shares
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})  # 529: Anthropic's overloaded
 HOP_BY_HOP = frozenset({
@@ -56,8 +64,10 @@ class UpstreamResponse:
     read timeout) raises, so a relay can end its own answer as cut and never as whole."""
 
     def __init__(self, resp: aiohttp.ClientResponse, started: float, raw: bool = False,
-                 on_close: Callable[[], None] | None = None, masks: MaskTable | None = None):
+                 on_close: Callable[[], None] | None = None, masks: MaskTable | None = None,
+                 held: Held | None = None):
         self._resp = resp
+        self.held = held or Held(None, "")  # the answer's bytes read whole, as they are held
         self._on_close = on_close  # told once, at the first close
         self.status = resp.status
         self.started = started
@@ -98,8 +108,10 @@ class UpstreamResponse:
                 out.append((k, v))
         return out
 
-    async def read(self, limit: int) -> bytes:
-        """The whole body, at most ``limit`` bytes of it as read (UpstreamTooLarge beyond)."""
+    async def read(self, limit: int, keep: bool = False) -> bytes:
+        """The whole body, at most ``limit`` bytes of it as read (UpstreamTooLarge beyond),
+        each chunk held against the caller's share of answers held whole (``held``: given
+        back at the end, or by the caller when it ``keep``s it, once done with the body)."""
         chunks: list[bytes] = []
         size = 0
         try:
@@ -109,9 +121,15 @@ class UpstreamResponse:
                     raise UpstreamTooLarge(
                         f"the upstream's answer exceeds {limit} bytes "
                         f"(server.max_answer_bytes), more than the proxy holds whole")
+                self.held.take(len(chunk), "room for answers read whole")
                 chunks.append(chunk)
+        except BaseException:
+            self.held.release()
+            raise
         finally:
             self.close()
+        if not keep:
+            self.held.release()
         self.first_byte_at = self.first_byte_at or time.perf_counter()
         return b"".join(chunks)
 
@@ -125,9 +143,12 @@ class UpstreamResponse:
         masker = Masker(self._masked)
         try:
             async for chunk in self._chunks():
-                out = masker.feed(chunk)
-                if out:
-                    yield out
+                for at in range(0, len(chunk), PIECE):  # the loop served between pieces
+                    out = masker.feed(chunk[at:at + PIECE] if len(chunk) > PIECE else chunk)
+                    if out:
+                        yield out
+                    if len(chunk) > PIECE:
+                        await asyncio.sleep(0)
         except Exception:  # what was held back goes too, before a body cut short says so
             out = masker.end()  # (not when the reader closes it: nothing is read then)
             if out:
@@ -235,13 +256,20 @@ def _zlib_header(data: bytes) -> bool:
 
 class UpstreamClient:
     def __init__(self, name: str, spec: UpstreamSpec, shown: str | None = None,
-                 masks: MaskTables | None = None):
+                 masks: MaskTables | None = None, tenant_share: float = 1.0,
+                 answers: Shares | None = None,
+                 refused: Callable[[str, str], None] | None = None):
         self.name = name
         self.spec = spec
         self.shown = shown or name  # what an error calls it
         # the tables masking credentials in answers (the process's, in bytes; none kept
         # by a client made without them)
         self.masks = masks or MaskTables(0)
+        # its connections, a share each tenant (a caller's ``Caller.holder``), and the
+        # process's room for answers read whole (pipeline/shares.py)
+        self.connections = Shares(f"connections to {self.shown}", spec.max_connections,
+                                  tenant_share, refused)
+        self.answers = answers
         self._session: aiohttp.ClientSession | None = None
         self._open = 0  # answers given and not yet closed
         self._last_used = time.monotonic()
@@ -278,19 +306,41 @@ class UpstreamClient:
         return self.spec.url + path
 
     async def request(self, method: str, path: str, headers: CIMultiDict[str] | dict[str, str],
-                      body: bytes | None, query: str = "", raw: bool = False
-                      ) -> UpstreamResponse:
+                      body: bytes | None, query: str = "", raw: bool = False,
+                      holder: str | None = None) -> UpstreamResponse:
         """Send with retries (connect errors, 429, 5xx) while nothing reached the client yet.
-        ``raw``: the answer's body is kept as the upstream encoded it (pass-through)."""
+        ``raw``: the answer's body is kept as the upstream encoded it (pass-through).
+        ``holder``: the tenant the call is for, which holds one of the connections (its
+        share at most: TenantOverShare, ProxyFull) until the answer is closed."""
+        if holder is None:
+            return await self._request(method, path, headers, body, query, raw, None)
+        self.connections.take(holder, 1, "connections to the upstream")
+
+        def closed() -> None:
+            self.connections.give(holder)
+
+        try:
+            resp = await self._request(method, path, headers, body, query, raw, closed)
+        except BaseException:
+            closed()
+            raise
+        resp.held = Held(self.answers, holder)
+        return resp
+
+    async def _request(self, method: str, path: str,
+                       headers: CIMultiDict[str] | dict[str, str], body: bytes | None,
+                       query: str, raw: bool, closed: Callable[[], None] | None
+                       ) -> UpstreamResponse:
         assert self._session is not None, "UpstreamClient.start() was not called"
         self._last_used = time.monotonic()
         # encoded as given: the path is the proxy's own or v1_subpath's (re-encoded), the
         # query the client's raw one; parsed again, %2e%2e would become a dot segment
         url = URL(self.url(path) + (f"?{query}" if query else ""), encoded=True)
         try:  # refused before anything is sent: what masking a credential costs is bounded
-            masks = self.masks.of(credentials_sent(headers))
+            values = credentials_sent(headers)
         except ValueError as exc:
             raise CredentialTooLong(str(exc)) from exc
+        masks = await self.masks.made(values)
         attempt = 0
         while True:
             started = time.perf_counter()
@@ -323,7 +373,13 @@ class UpstreamClient:
                     attempt += 1
                     continue
             self._open += 1
-            return UpstreamResponse(resp, started, raw, self._answered, masks)
+
+            def answered() -> None:
+                self._answered()
+                if closed is not None:
+                    closed()
+
+            return UpstreamResponse(resp, started, raw, answered, masks)
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:
         if retry_after is not None:

@@ -47,6 +47,13 @@ class Caller:
         return self.upstream or clients[self.tenant.upstream]
 
     @property
+    def holder(self) -> str:
+        """Who holds a share of what the proxy bounds (connections, answers read whole):
+        a tenant; in pass-through mode, where callers are told apart by their keys, each
+        caller's namespace."""
+        return (self.namespace or self.label) if self.label == "passthrough" else self.label
+
+    @property
     def scope(self) -> str:
         """What per-caller state (a model's calibration) is kept apart by: the namespace
         (a tenant, a pass-through key), else the label."""
