@@ -1,0 +1,160 @@
+"""No tenant's traffic becomes another's latency: each bounded resource (an upstream's
+connections, room for answers read whole) has a share per tenant and a process bound
+(``pipeline/shares.py``). Shown by the order of events, not by timing: tenant B's request
+is answered while tenant A's slow requests still hold their share; A's excess gets a 429
+and, once every tenant's share together fills the pool, a third tenant a 503, each with
+Retry-After in its API's shape; what a request held is given back when it ends, however
+it ends (its client gone included)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from runloop_proxy.errors import ProxyFull, TenantOverShare
+from runloop_proxy.pipeline.shares import Held, Shares
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .keys import openai_project_key
+
+KEYS = {name: f"sk-{name}-proxy-{openai_project_key(k)[8:40]}"
+        for k, name in enumerate(("acme", "globex", "initech"))}
+CHAT = {"model": "gpt-4o-2024-08-06", "messages": [{"role": "user", "content": "hi"}]}
+SLOW = {"x-scripted-delay-ms": "60000"}  # far longer than the test: held until cancelled
+POOL = 4  # the upstream's connections; a tenant's share: 2
+
+
+def config(root: Path, url: str) -> Path:
+    (root / "tenants").mkdir(parents=True)
+    (root / "runloop.toml").write_text(f"""
+[server]
+tenant_share = 0.5
+[upstreams.main]
+url = "{url}"
+api_key = "sk-shared-upstream-0123456789"
+max_connections = {POOL}
+max_retries = 0
+""")
+    for k, (name, key) in enumerate(KEYS.items()):
+        (root / "tenants" / f"{name}.toml").write_text(
+            f'keys = ["{key}"]\nupstream = "main"\n'
+            f'upstream_key = "{openai_project_key(10 + k)}"\n')
+    return root
+
+
+async def eventually(cond: Any, what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"never: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_tenant_holding_its_share_of_connections_costs_another_nothing(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding: every tenant of an upstream shared one pool; with it at 8, a tenant holding
+    8 slow requests made another wait 5.2 s. Planted, red: no share per tenant (the
+    holder's bound the pool's: B waited behind A); a connection not given back when its
+    client went away (the last request refused)."""
+    proxy = make_proxy(config_dir=str(config(tmp_path / "cfg", upstream.url)))
+    client = proxy.state.upstreams["main"]
+
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=90) as c:
+        def send(tenant: str, headers: dict[str, str] | None = None,
+                 path: str = "/chat/completions") -> Any:
+            body = CHAT if path == "/chat/completions" else {**CHAT, "max_tokens": 16}
+            return c.post(path, json=body, headers={
+                "Authorization": f"Bearer {KEYS[tenant]}", **(headers or {})})
+
+        acme = [asyncio.ensure_future(send("acme", SLOW)) for _ in range(POOL)]
+        await eventually(lambda: len(upstream.requests) == 2 and
+                         sum(t.done() for t in acme) == 2, "acme's two over its share")
+        refused = [t.result() for t in acme if t.done()]
+        held = [t for t in acme if not t.done()]
+        for r in refused:  # its own excess: a 429 at once, nothing sent upstream
+            assert r.status_code == 429, r.text
+            assert r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["code"] == "tenant_share_exceeded"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+        # globex is answered while acme's two still hold their connections
+        r = await send("globex")
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        assert not any(t.done() for t in held)
+        # Anthropic's shape for acme's excess under /v1/messages
+        r = await send("acme", path="/messages")
+        assert r.status_code == 429
+        assert r.json() == {"type": "error", "error": {
+            "type": "rate_limit_error", "message": r.json()["error"]["message"]}}
+        # globex fills the rest: the pool is full, within every share, so initech gets a 503
+        globex = [asyncio.ensure_future(send("globex", SLOW)) for _ in range(2)]
+        await eventually(lambda: client.connections.in_use == POOL, "the pool full")
+        r = await send("initech")
+        assert r.status_code == 503, r.text
+        assert r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "proxy_full"
+        assert len(upstream.requests) == 5  # nothing refused went upstream
+        for t in [*held, *globex]:  # their clients go away: what they held comes back
+            t.cancel()
+        await asyncio.gather(*held, *globex, return_exceptions=True)
+        await eventually(lambda: client.connections.in_use == 0, "the connections back")
+        r = await send("initech")
+        assert r.status_code == 200, r.text
+    text = (await asyncio.to_thread(httpx.get, proxy.base + "/metrics")).text
+    assert 'runloop_share_refusals_total{reason="tenant",resource="connections"} 3.0' in text
+    assert 'runloop_share_refusals_total{reason="process",resource="connections"} 1.0' in text
+
+
+def test_a_share_refuses_past_the_holder_then_past_the_process() -> None:
+    told: list[tuple[str, str]] = []
+    shares = Shares("room for answers read whole", 100, 0.4, lambda r, w: told.append((r, w)))
+    shares.take("a", 40)
+    with pytest.raises(TenantOverShare):
+        shares.take("a", 1)
+    shares.take("b", 40)
+    with pytest.raises(ProxyFull):
+        shares.take("c", 21)
+    assert shares.in_use == 80 and shares.held("c") == 0
+    assert told == [("room for answers read whole", "tenant"),
+                    ("room for answers read whole", "process")]
+    held = Held(shares, "c")
+    held.take(20)
+    held.release()
+    held.release()  # once
+    shares.give("a", 40)
+    shares.give("b", 1000)  # never more than it holds
+    assert shares.in_use == 0 and shares.held("a") == shares.held("b") == 0
+    assert not shares._held  # nothing kept for holders that hold nothing
+
+
+async def test_an_answer_read_whole_holds_its_bytes_until_its_request_ends(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding: answers the proxy holds whole were bounded per request only (10 x 20 MiB
+    took the RSS from 232 to 947 MB). Now the bytes of an answer read whole are held in
+    its tenant's share of ``held_answers_mb`` until its request ends: one past the share
+    is a 429, and when it is done the room is back. Planted, red: the bytes given back at
+    the read's end only when it succeeds (a refused read kept them)."""
+    proxy = make_proxy(config_dir=str(config(tmp_path / "cfg", upstream.url)),
+                       server={"held_answers_mb": 2, "tenant_share": 0.5})
+    answers = proxy.state.answers
+    big = "x" * (1 << 20)  # a 1 MiB answer: past acme's 1 MiB share once it is JSON
+    upstream.push({"content": big})
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=60) as c:
+        # read whole: the answer of a request whose client sends tools (the proxy's ride)
+        body = {**CHAT, "tools": [{"type": "function", "function": {
+            "name": "look", "parameters": {"type": "object"}}}]}
+        r = await c.post("/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {KEYS['acme']}"})
+        assert r.status_code == 429, r.text
+        assert "answers read whole" in r.json()["error"]["message"]
+        assert answers.in_use == 0
+        upstream.push({"content": "y" * 300_000})
+        r = await c.post("/chat/completions", json=body,
+                         headers={"Authorization": f"Bearer {KEYS['acme']}"})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "y" * 300_000
+    await eventually(lambda: answers.in_use == 0, "the room given back")
