@@ -61,7 +61,7 @@ class AppState:
         # (namespace, session) -> its last request, hashed and counted (pipeline/reconcile.py)
         self.recent: ByteLRU[tuple[str, str], Recent] = ByteLRU(share("recent"),
                                                                 lambda k, v: v.size)
-        self.tokens.resize(share("tokens"))
+        self.tokens.resize(share("tokens"), share("factors"))
         # the tables that mask the credentials of a request in its answer (upstream.py)
         self.masks = MaskTables(share("masks"))
         server = self.config.server

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 import threading
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any
 
 import httpx
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runloop_proxy.caches import ENTRY_OVERHEAD, ByteLRU, approx_size
+import runloop_proxy
+from runloop_proxy.caches import ENTRY_OVERHEAD, SHARES, ByteLRU, approx_size
 from runloop_proxy.scripted import ScriptedUpstream
 
 
@@ -138,7 +143,98 @@ def test_nothing_a_process_keeps_grows_with_the_strings_clients_send(
         proxy.settle()
 
     burst(0, 40)
-    before = _sizes(proxy.state)
+    before = {**_sizes(proxy.state), **_module_sizes()}
     burst(40, 160)
-    grew = {p for p, n in _sizes(proxy.state).items() if n - before.get(p, 0) >= 60}
+    after = {**_sizes(proxy.state), **_module_sizes()}
+    grew = {p for p, n in after.items() if n - before.get(p, 0) >= 60}
     assert grew <= set(COUNT_CAPPED), sorted(grew - set(COUNT_CAPPED))
+
+
+# Module-level caches, each with what bounds it. Any other functools cache in the package,
+# or any module-level ByteLRU (whose budget is no share of cache_mb), fails the sweep below
+# the day it lands; a module-level dict, list or set that grows with traffic fails above.
+MODULE_CACHES = {
+    "runloop_proxy.pipeline.tokens._shipped": "the encodings the package ships, by name: "
+                                              "names from the config and tiktoken's table",
+}
+
+
+def _modules() -> Iterator[ModuleType]:
+    for info in pkgutil.walk_packages(runloop_proxy.__path__, "runloop_proxy."):
+        if not info.name.endswith("__main__"):  # (that one runs the command line)
+            yield importlib.import_module(info.name)
+
+
+def _module_sizes() -> dict[str, int]:
+    """The size of every container and the entries of every functools cache held at a
+    module's top level in the package (the process's, whatever app made it)."""
+    out: dict[str, int] = {}
+    for module in _modules():
+        for name, obj in vars(module).items():
+            path = f"{module.__name__}.{name}"
+            if getattr(obj, "__module__", module.__name__) != module.__name__:
+                continue  # imported from elsewhere: counted where it is defined
+            if hasattr(obj, "cache_info"):
+                out[path] = obj.cache_info().currsize
+            elif isinstance(obj, (dict, list, set, ByteLRU)):
+                out[path] = len(obj)
+    return out
+
+
+def test_every_module_level_cache_is_known_and_none_is_bounded_by_count_alone() -> None:
+    """Finding: the masker's pattern and forms were lru_caches of 256 entries each, keyed by
+    credentials a pass-through client chooses (a 60 KB key: ~11 MB an entry, ~2.7 GB in
+    all, outside cache_mb). A functools cache is bounded by count, not bytes: none but
+    those named here, and no module-level ByteLRU (a cache's budget is its share of
+    cache_mb, given by AppState). Planted, red: the mask tables made by an lru_cache again;
+    a module-level dict of forms by credential."""
+    caches = {f"{m.__name__}.{n}" for m in _modules() for n, o in vars(m).items()
+              if hasattr(o, "cache_info") and getattr(o, "__module__", "") == m.__name__}
+    assert caches == set(MODULE_CACHES), sorted(caches ^ set(MODULE_CACHES))
+    lrus = [f"{m.__name__}.{n}" for m in _modules() for n, o in vars(m).items()
+            if isinstance(o, ByteLRU)]
+    assert not lrus, lrus
+
+
+# The caches whose budget is not yet a share of cache_mb, each fixed (bytes) where it is
+# made, and who holds it. Every other ByteLRU a proxy reaches grows with cache_mb.
+FIXED_BUDGETS = {
+    "state.store._anchors": "history/store.py ANCHORS_BYTES",
+    "state.summaries.failures": "history/summaries.py BACKOFF_BYTES",
+    "state.summaries.paused_until": "history/summaries.py BACKOFF_BYTES",
+    "state.summaries.pending": "history/summaries.py PENDING_BYTES",
+}
+
+
+def _budgets(root: object) -> dict[str, int]:
+    """The budget (max_bytes) of every ByteLRU reachable from ``root``, by path."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    stack: list[tuple[str, object, int]] = [("state", root, 0)]
+    while stack:
+        path, o, depth = stack.pop()
+        if id(o) in seen or depth > 6:
+            continue
+        seen.add(id(o))
+        if isinstance(o, ByteLRU):
+            out[path] = o.max_bytes
+        elif isinstance(o, dict):
+            stack += [(f"{path}[]", v, depth + 1) for v in list(o.values())[:50]]
+        elif type(o).__module__.startswith("runloop_proxy") and hasattr(o, "__dict__"):
+            stack += [(f"{path}.{k}", v, depth + 1) for k, v in vars(o).items()]
+    return out
+
+
+def test_the_caches_a_proxy_keeps_share_cache_mb(make_proxy: Any) -> None:
+    """Every ByteLRU a proxy reaches is sized from server.cache_mb (it grows with it) and
+    together they fit in it, but for the fixed ones named above. Planted, red: the mask
+    tables given a fixed 64 MB; the shares adding up to more than the whole."""
+    small = _budgets(make_proxy(server={"cache_mb": 16}).state)
+    large = _budgets(make_proxy(server={"cache_mb": 64}).state)
+    assert small.keys() == large.keys()
+    fixed = {p for p in small if small[p] == large[p]}
+    assert fixed == set(FIXED_BUDGETS), sorted(fixed ^ set(FIXED_BUDGETS))
+    for budget, mb in ((small, 16), (large, 64)):
+        assert sum(n for p, n in budget.items() if p not in fixed) <= mb << 20
+    assert "state.masks._kept" in small
+    assert sum(SHARES.values()) <= 1.0

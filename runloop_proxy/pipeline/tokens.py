@@ -87,8 +87,10 @@ class TokenCounter:
         self._factors: ByteLRU[tuple[str, str], float] = ByteLRU(
             4 << 20, lambda k, v: 200 + len(k[0]) + len(k[1]))
 
-    def resize(self, cache_bytes: int) -> None:
+    def resize(self, cache_bytes: int, factor_bytes: int | None = None) -> None:
         self._cache.max_bytes = cache_bytes
+        if factor_bytes is not None:
+            self._factors.max_bytes = factor_bytes
 
     def encoding(self, model: str, override: str | None = None) -> tuple[tiktoken.Encoding, bool]:
         """The model's encoding and whether it is exact (else: fallback + calibration)."""
