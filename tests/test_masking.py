@@ -6,7 +6,9 @@ lengths; and the work it does grows with the answer, not with the keys."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
+import httpx
 import orjson
 import pytest
 from hypothesis import given, settings
@@ -24,6 +26,7 @@ from runloop_proxy.pipeline.masking import (
     forms_of,
     table_of,
 )
+from runloop_proxy.scripted import ScriptedUpstream
 
 from .keys import anthropic_key, jwt, openai_project_key
 from .work import calls
@@ -199,3 +202,40 @@ def test_tables_are_kept_in_bytes() -> None:
     one = table_of((jwt(99),))
     assert one is not None and one.size > 200_000
     assert tables.of((jwt(39),)) is tables.of((jwt(39),))  # kept: made once
+
+
+@pytest.mark.parametrize(("path", "shape"), [("/v1/models", "openai"),
+                                             ("/v1/messages", "anthropic")])
+def test_a_credential_no_upstream_takes_is_refused_before_anything_is_sent(
+        make_proxy: Any, upstream: ScriptedUpstream, path: str, shape: str) -> None:
+    """Finding: in pass-through mode the client chooses the credential: a 60 KB x-api-key,
+    no valid key needed, held the loop 400 ms per request and left ~11 MB in a cache.
+    Now a 400 in the path's API's shape, before the body is read or anything is sent.
+    Planted, red: the door's check removed (the upstream got the request)."""
+    proxy = make_proxy()
+    upstream.reset()
+    body = {"model": "claude-sonnet-4-5-20250929", "max_tokens": 16,
+            "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.request("GET" if path == "/v1/models" else "POST", proxy.base + path,
+                      json=None if path == "/v1/models" else body, timeout=30,
+                      headers={"x-api-key": "k" * 60_000})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    if shape == "anthropic":
+        assert r.json()["type"] == "error" and error["type"] == "invalid_request_error"
+    else:
+        assert error["code"] == "credential_too_long" and error["param"] == "headers"
+    assert f"at most {MAX_CREDENTIAL_BYTES} bytes" in error["message"]
+    assert "k" * 100 not in r.text
+    assert not upstream.requests and not upstream.other
+    # a JWT of real length goes through, and is masked in what comes back
+    upstream.push({"content": f"the token {JWT} is expired; ids " + " ".join(
+        str(uuid.UUID(int=k)) for k in range(300))})
+    r = httpx.post(proxy.url + "/chat/completions", timeout=30,
+                   json={"model": "gpt-4o-2024-08-06",
+                         "messages": [{"role": "user", "content": "hi"}]},
+                   headers={"Authorization": f"Bearer {JWT}"})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["message"]["content"]
+    assert content.startswith("the token [the upstream key] is expired; ids 00000000-")
+    assert JWT[:RUN] not in r.text and JWT[-RUN:] not in r.text
