@@ -132,8 +132,8 @@ def long_keys() -> list[tuple[str, dict[str, Any], dict[str, Any] | None]]:
     164-character OpenAI project key, a 108-character Anthropic key, a 2 KB JWT), and a
     credential no one should send (60 KB: refused before anything is sent)."""
     rows: list[tuple[str, dict[str, Any], dict[str, Any] | None]] = []
-    for name, key in (("164-char key", openai_project_key()), ("2 KB JWT", jwt()),
-                      ("108-char key", anthropic_key())):
+    for name, key in (("10-char key", KEY), ("164-char key", openai_project_key()),
+                      ("2 KB JWT", jwt()), ("108-char key", anthropic_key())):
         rows += [
             (f"long key: 3,000 UUIDs in an answer ({name})",
              chat([user("list them")], **{HEADERS: bearer(key)}),

@@ -5,6 +5,7 @@ lengths; and the work it does grows with the answer, not with the keys."""
 
 from __future__ import annotations
 
+import tracemalloc
 import uuid
 from typing import Any
 
@@ -193,15 +194,21 @@ def test_a_credential_longer_than_forwarded_is_refused_before_anything_is_made()
 
 
 def test_tables_are_kept_in_bytes() -> None:
-    """The masks' tables are counted by what they hold (a 2 KB JWT's is hundreds of KB),
-    and the least recently used goes once their share is full."""
+    """The masks' tables are counted by what they hold (a 2 KB JWT's is 1.8 MB, as
+    tracemalloc sees it), and the least recently used goes once their share is full."""
     tables = MaskTables(4 << 20)
     for k in range(40):
         tables.of((jwt(k),))
         assert tables.bytes <= 4 << 20
-    one = table_of((jwt(99),))
-    assert one is not None and one.size > 200_000
     assert tables.of((jwt(39),)) is tables.of((jwt(39),))  # kept: made once
+    for values in ((jwt(99),), (OPENAI,), (ANTHROPIC, SHORT), ("/" * 8000,)):
+        tracemalloc.start()
+        try:
+            one = table_of(values)
+            held = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert one is not None and held <= one.size <= 1.5 * held + 16_384, (held, one.size)
 
 
 @pytest.mark.parametrize(("path", "shape"), [("/v1/models", "openai"),

@@ -24,7 +24,6 @@ import asyncio
 import base64
 import itertools
 import sys
-import threading
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -47,9 +46,8 @@ CREDENTIAL_HEADERS = ("authorization", "api-key", "x-api-key")
 LONG_CREDENTIALS = 1024  # a table for credentials longer than this is made off the loop
 PIECE = 64 << 10  # an answer's chunk is masked this much at a time, the loop served between
 _WIDE = 11  # windows this long or longer are found by 8-byte words, shorter ones by 4-byte
-_SET_SLOT = 40  # a set's slot and its share of the table's spare room, roughly
 _BYTES_OBJECT = 33  # a bytes object's header in CPython
-_INT_OBJECT = 36  # an int of up to 64 bits
+_INT_OBJECT = 32  # an int of 31 to 60 bits, as the allocator rounds it
 
 
 @dataclass(frozen=True, eq=False)
@@ -104,12 +102,14 @@ def table_of(values: Iterable[str]) -> MaskTable | None:
              for k in range(len(f) - 3)}
     alphabet = bytes(sorted(set(b"".join(forms))))
     marks = bytes(0x61 if c in alphabet else 0x20 for c in range(256))
-    size = 600 + sum(len(w) * (_SET_SLOT + _BYTES_OBJECT + n) for n, w in windows.items()) \
-        + len(words) * (_SET_SLOT + _INT_OBJECT)
+    kept = {n: frozenset(w) for n, w in sorted(windows.items())}
+    held = frozenset(words)
+    # what it holds: the sets as Python sizes them, their objects as its allocator rounds
+    size = 8192 + sys.getsizeof(held) + len(held) * _INT_OBJECT + sum(
+        sys.getsizeof(w) + len(w) * (_BYTES_OBJECT + n + 7) // 8 * 8 for n, w in kept.items())
     # a window of 11 bytes or more holds a whole word at a multiple of 8, of 7 at one of 4
     stride = 8 if min(windows) >= 11 else 4
-    return MaskTable({n: frozenset(w) for n, w in sorted(windows.items())}, frozenset(words),
-                     stride, marks, alphabet, min(windows), max(windows), size)
+    return MaskTable(kept, held, stride, marks, alphabet, min(windows), max(windows), size)
 
 
 class CredentialTooLong(ValueError):
@@ -149,7 +149,6 @@ class MaskTables:
     def __init__(self, max_bytes: int):
         self._kept: ByteLRU[tuple[str, ...], MaskTable] = ByteLRU(
             max_bytes, lambda k, v: v.size + sum(len(c) + 60 for c in k))
-        self._lock = threading.Lock()
 
     @property
     def bytes(self) -> int:
