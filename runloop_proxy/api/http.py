@@ -307,6 +307,8 @@ async def answer_turn(request: Request, api: str, make_turn: TurnMaker,
         log.exception("unexpected error")
         rlog.finish(500, "internal error")
         return json_response(shape(500, INTERNAL_ERROR, exc), 500)
+    finally:  # what the request held while it was answered (an answer read whole) goes
+        rlog.ended()  # back however it ended, cancelled too (a stream's later work: its own)
     if answer.stream is not None:
         return LiveStreamResponse(answer.stream, answer.status, answer.headers)
     return Response(answer.body, answer.status, headers=answer.headers)

@@ -43,11 +43,19 @@ class RequestLog:
         self._at_end: list[Callable[[], None]] = []  # run once the request is done
 
     def at_end(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` when the request is done (``finish``), or now if it is."""
+        """Run ``fn`` when the request is done (``finish``, or its frame's end: a request
+        cancelled is not counted, and what it held is given back all the same), or now if
+        it is."""
         if self.status is not None:
             fn()
         else:
             self._at_end.append(fn)
+
+    def ended(self) -> None:
+        """What waits for the request's end, run once."""
+        told, self._at_end = self._at_end, []
+        for fn in told:
+            fn()
 
     def identify(self, tenant: str, label: str, model: str, stream: bool) -> None:
         self.tenant, self.label, self.stream = tenant, label, stream
@@ -97,9 +105,7 @@ class RequestLog:
         if self.status is not None:
             return
         self.status = status
-        for fn in self._at_end:
-            fn()
-        self._at_end.clear()
+        self.ended()
         if not self.identified:
             return  # refused before its tenant was known (a bad key): nothing to label it by
         b = self.bound
