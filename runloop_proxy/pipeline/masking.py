@@ -63,14 +63,6 @@ class MaskTable:
     longest: int  # the longest window
     size: int  # the bytes it holds, about (what its cache counts)
 
-    def starts(self, data: bytes, at: int) -> int:
-        """The farthest end of a window of ``data`` that begins at ``at`` (-1: none)."""
-        end = -1
-        for n, found in self.windows.items():
-            if data[at:at + n] in found:  # (cut short by data's end: no window's length)
-                end = at + n
-        return end
-
 
 def forms_of(value: str) -> frozenset[bytes]:
     """A credential as sent, as a JSON string holds it (slashes escaped or not),
@@ -187,57 +179,57 @@ def _candidates(table: MaskTable, data: bytes) -> list[int]:
                                    map(table.words.__contains__, words)))
 
 
-def _extend(table: MaskTable, data: bytes, frontier: int, end: int) -> int:
-    """The end of the covered span that reaches ``end``, every window that begins at or
-    before ``frontier`` known to end by ``end``: each later start up to the span's end is
-    looked at once, from the farthest back (where a key's run goes on, the first one:
-    one lookup a window)."""
-    if len(table.windows) == 1:  # the usual case, in fewer steps
-        ((n, found),) = table.windows.items()
-        while True:
-            for at in range(end, max(frontier, end - n), -1):
-                if data[at:at + n] in found:
-                    frontier, end = end, at + n
-                    break
-            else:
-                return end
-    longest = table.longest
+def _extend(data: bytes, n: int, found: frozenset[bytes], frontier: int, end: int) -> int:
+    """The end of the span of windows (``n`` bytes long, in ``found``) that reaches
+    ``end``, every window that begins at or before ``frontier`` known to end by ``end``:
+    each later start up to the span's end is looked at once, from the farthest back (the
+    first found reaches farthest; where a key's run goes on, it is the first looked at)."""
     while True:
-        reach = end
-        for at in range(end, frontier, -1):
-            if at + longest <= reach:
-                break  # no window from here on back ends past what is known
-            reach = max(reach, table.starts(data, at))
-        if reach == end:
+        for at in range(end, max(frontier, end - n), -1):
+            if data[at:at + n] in found:
+                frontier, end = end, at + n
+                break
+        else:
             return end
-        frontier, end = end, reach
+
+
+def _spans(data: bytes, n: int, found: frozenset[bytes], candidates: list[int],
+           carried: int) -> list[tuple[int, int]]:
+    """The maximal spans of ``data`` covered by windows of one length."""
+    spans = [(0, _extend(data, n, found, -1, carried))] if carried else []
+    last = spans[-1][1] if spans else -1
+    for q in candidates:
+        if q <= last:
+            continue  # inside the span before: every window starting there is known
+        # the first window holding the word at q is the span's start (none starts between
+        # the last span and it, or an earlier word would have found it)
+        for at in range(max(q + 4 - n, last + 1), q + 1):
+            if data[at:at + n] in found:
+                last = _extend(data, n, found, at, at + n)
+                spans.append((at, last))
+                break
+    return spans
 
 
 def covered(table: MaskTable, data: bytes, carried: int = 0) -> list[tuple[int, int]]:
     """The maximal covered spans of ``data`` by windows wholly inside it, in order;
     ``carried``: its first bytes are covered already (by a window that began before)."""
-    spans: list[tuple[int, int]] = []
-    if carried:
-        spans.append((0, _extend(table, data, -1, carried)))
     if data.translate(table.marks).find(b"a" * table.shortest) == -1:
-        return spans  # no run of the forms' bytes as long as a window
-    last = spans[-1][1] if spans else -1
-    for q in _candidates(table, data):
-        if q <= last:
-            continue  # inside the span before: every window starting there is known
-        # the first window holding the word at q is the span's start (none starts between
-        # the last span and it, or an earlier word would have found it)
-        for at in range(max(q + 4 - table.longest, last + 1), q + 1):
-            end = table.starts(data, at)
-            if end == -1:
-                continue
-            if len(table.windows) > 1:  # a shorter window may end before q: all known
-                end, at_ = max(table.starts(data, k) for k in range(at, q + 1)), q
-            else:
-                at_ = at
-            last = _extend(table, data, at_, end)
-            spans.append((at, last))
-            break
+        return [(0, carried)] if carried else []  # no run of the forms' bytes a window long
+    candidates = _candidates(table, data)
+    if len(table.windows) == 1:  # the usual case: every form 12 bytes or longer
+        ((n, found),) = table.windows.items()
+        return _spans(data, n, found, candidates, carried)
+    # windows of several lengths (a credential shorter than 12): the union of each
+    # length's spans (a span of one length can lead into another's)
+    every = sorted(span for n, found in table.windows.items()
+                   for span in _spans(data, n, found, candidates, carried))
+    spans: list[tuple[int, int]] = []
+    for start, stop in every:
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
+        else:
+            spans.append((start, stop))
     return spans
 
 
