@@ -22,7 +22,14 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from .conversation.identity import DEFAULT_SOURCES, check_source
 from .errors import ConfigError
@@ -212,11 +219,20 @@ class ServerSection(_Strict):
     cache_mb: int = Field(128, ge=16, description="memory the per-process caches may use "
                                                   "in all (window carries, forms, counts)")
     held_answers_mb: int = Field(
-        512, ge=1, description="upstream answers the proxy reads whole (to answer its tools, "
+        256, ge=1, description="upstream answers the proxy reads whole (to answer its tools, "
         "or an error), in all, at once; past it a request gets a 503")
     tenant_share: float = Field(
         0.5, gt=0, le=1, description="the share of each bounded resource (an upstream's "
         "max_connections, held_answers_mb) one tenant may hold; past it, a 429")
+
+    @model_validator(mode="after")
+    def _one_answer_fits_a_share(self) -> ServerSection:
+        if (self.held_answers_mb << 20) * self.tenant_share < self.max_answer_bytes:
+            raise ValueError(
+                f"held_answers_mb x tenant_share ({self.held_answers_mb} x "
+                f"{self.tenant_share}) must hold one answer of max_answer_bytes "
+                f"({self.max_answer_bytes} bytes), or no tenant can read one that large")
+        return self
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://")

@@ -158,3 +158,22 @@ async def test_an_answer_read_whole_holds_its_bytes_until_its_request_ends(
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == "y" * 300_000
     await eventually(lambda: answers.in_use == 0, "the room given back")
+
+
+@pytest.mark.parametrize(("held_mb", "share", "answer", "ok"), [
+    (256, 0.5, 64 << 20, True), (64, 0.5, 64 << 20, False), (64, 1.0, 64 << 20, True),
+    (3, 0.34, 1 << 20, True), (3, 0.33, 1 << 20, False)])
+def test_a_share_of_answers_holds_one_answer_of_the_largest_size(
+        held_mb: int, share: float, answer: int, ok: bool) -> None:
+    """A config whose tenant share of answers read whole is smaller than the largest answer
+    the proxy reads whole is refused where it is read (no tenant could read one)."""
+    from pydantic import ValidationError
+
+    from runloop_proxy.config import ServerSection
+
+    fields = {"held_answers_mb": held_mb, "tenant_share": share, "max_answer_bytes": answer}
+    if ok:
+        assert ServerSection(**fields).held_answers_mb == held_mb
+    else:
+        with pytest.raises(ValidationError, match="must hold one answer of max_answer_bytes"):
+            ServerSection(**fields)
