@@ -137,7 +137,8 @@ async def test_an_answer_read_whole_holds_its_bytes_until_its_request_ends(
     took the RSS from 232 to 947 MB). Now the bytes of an answer read whole are held in
     its tenant's share of ``held_answers_mb`` until its request ends: one past the share
     is a 429, and when it is done the room is back. Planted, red: the bytes given back at
-    the read's end only when it succeeds (a refused read kept them)."""
+    the read's end only when it succeeds (a refused read kept them); the relay's read
+    never handing its bytes to the request's end (kept for good)."""
     proxy = make_proxy(config_dir=str(config(tmp_path / "cfg", upstream.url)),
                        server={"held_answers_mb": 2, "tenant_share": 0.5})
     answers = proxy.state.answers
