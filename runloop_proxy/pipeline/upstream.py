@@ -134,8 +134,8 @@ class UpstreamResponse:
         return b"".join(chunks)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives (an error answer's with the request's credentials masked,
-        one held back across chunks as long as the longest, less a byte)."""
+        """The body as it arrives, with the request's credentials masked (``masking``:
+        what a chunk's end may still begin, at most 11 bytes, waits for the next)."""
         if self._masked is None:
             async for chunk in self._chunks():
                 yield chunk
