@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from ..conversation.messages import Message, ToolCall, clean
-from ..errors import UpstreamError
+from ..errors import Unavailable, UpstreamError
 from ..pipeline.sse import DONE, SSEEvent, encode_json
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply, event_json
@@ -310,7 +310,7 @@ class ChatRelay:
         return out
 
     def error(self, exc: Exception) -> bytes:
-        body = exc.body() if isinstance(exc, UpstreamError) else {"error": {
+        body = exc.body() if isinstance(exc, (UpstreamError, Unavailable)) else {"error": {
             "message": "internal error in runloop-proxy", "type": "server_error",
             "param": None, "code": "internal_error"}}
         return encode_json(body)

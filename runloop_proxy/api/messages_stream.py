@@ -13,7 +13,7 @@ import orjson
 
 from ..conversation.blocks import assistant
 from ..conversation.messages import Message
-from ..errors import UpstreamBadReply, UpstreamError
+from ..errors import Unavailable, UpstreamBadReply, UpstreamError
 from ..pipeline.sse import SSEEvent, encode_event
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Reply, Step, bad_reply, typed_event
@@ -216,7 +216,7 @@ class OneMessage:
                 emit({"type": "message_stop"})]
 
     def error(self, exc: Exception) -> bytes:
-        if isinstance(exc, UpstreamError):
+        if isinstance(exc, (UpstreamError, Unavailable)):  # (a share refused mid-stream)
             return error_event(exc.status, str(exc))
         return error_event(500, "internal error in runloop-proxy")
 

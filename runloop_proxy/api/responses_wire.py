@@ -15,7 +15,7 @@ import orjson
 
 from ..conversation.items import to_items, to_messages, tool_name
 from ..conversation.messages import Message
-from ..errors import UpstreamError
+from ..errors import Unavailable, UpstreamError
 from ..pipeline.sse import SSEEvent, encode_event
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Native, Reply, bad_reply, typed_event
@@ -200,7 +200,7 @@ class ResponsesRelay:
         return [self.emit({"type": kind, "response": response})]
 
     def error(self, exc: Exception) -> bytes:
-        err = exc.body()["error"] if isinstance(exc, UpstreamError) else {
+        err = exc.body()["error"] if isinstance(exc, (UpstreamError, Unavailable)) else {
             "message": "internal error in runloop-proxy", "type": "server_error",
             "code": "internal_error"}
         return self.emit({"type": "error", "code": err.get("code"), "message": err["message"],

@@ -12,7 +12,13 @@ from typing import Any
 import orjson
 
 from ..conversation.identity import Session
-from ..errors import PermissionDenied, UpstreamError, UpstreamKeyRefused, UpstreamTooLarge
+from ..errors import (
+    PermissionDenied,
+    Unavailable,
+    UpstreamError,
+    UpstreamKeyRefused,
+    UpstreamTooLarge,
+)
 from ..ops import logs
 from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
@@ -276,6 +282,11 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
     except UpstreamError as exc:
         status = exc.status
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,
+                                                         "error": exc.log_text})
+        yield relay.error(exc)
+    except Unavailable as exc:  # a round's call past its tenant's share: said, not a crash
+        status = exc.status
+        log.warning("request refused mid-stream", extra={"tenant": turn.caller.tenant.name,
                                                          "error": exc.log_text})
         yield relay.error(exc)
     except (GeneratorExit, asyncio.CancelledError):
