@@ -178,3 +178,31 @@ def test_a_share_of_answers_holds_one_answer_of_the_largest_size(
     else:
         with pytest.raises(ValidationError, match="must hold one answer of max_answer_bytes"):
             ServerSection(**fields)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages", "bridge"])
+def test_a_refusal_mid_stream_is_the_streams_error_event_with_its_status(api: str) -> None:
+    """A proxy tool round refused for its tenant's share after the stream began: the
+    client's SDK reads the 429's message and code in its API's error event, not an
+    internal error. Planted, red: the wires' error events knowing UpstreamError only."""
+    import orjson
+
+    from runloop_proxy.api.bridge import BridgeWire
+    from runloop_proxy.api.chat_wire import ChatWire
+    from runloop_proxy.api.messages_wire import MessagesWire
+    from runloop_proxy.api.responses_wire import ResponsesWire
+
+    wire = {"chat": ChatWire, "responses": ResponsesWire, "messages": MessagesWire,
+            "bridge": BridgeWire}[api]()
+    request = {"model": "gpt-4o-2024-08-06", "stream": True, "max_tokens": 16,
+               "messages": [{"role": "user", "content": "hi"}], "input": "hi"}
+    refused = TenantOverShare("this caller holds its share of the proxy's connections")
+    event = wire.relay(request).error(refused)  # type: ignore[attr-defined]
+    data = orjson.loads(event.split(b"data: ", 1)[1])
+    if api in ("messages", "bridge"):
+        assert data["error"]["type"] == "rate_limit_error"
+        assert data["error"]["message"] == str(refused)
+    elif api == "responses":
+        assert data["code"] == "tenant_share_exceeded" and data["message"] == str(refused)
+    else:
+        assert data["error"]["code"] == "tenant_share_exceeded"
