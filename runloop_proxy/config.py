@@ -215,6 +215,12 @@ class ServerSection(_Strict):
     keep_alive_s: int = Field(5, ge=1, description="an idle keep-alive connection's life (s)")
     max_header_bytes: int = Field(65_536, ge=4096)
     session_header: str = "X-Session-Id"
+    websocket: bool = Field(
+        True, description="serve the Responses API over a WebSocket at /v1/responses (Codex "
+        "connects so first); off: the upgrade is answered 426, which Codex reads as 'use HTTP'")
+    websocket_idle_s: float = Field(
+        600.0, gt=0, description="a WebSocket with no event for this long is closed (the "
+        "client reconnects and sends the whole conversation)")
     admin_key: str | None = None
     cache_mb: int = Field(128, ge=16, description="memory the per-process caches may use "
                                                   "in all (window carries, forms, counts)")

@@ -141,6 +141,12 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()  # arms uvicorn's keep-alive timeout for an idle wait
 
+    def handle_websocket_upgrade(self) -> None:
+        # the connection is the WebSocket protocol's from here: the header and body
+        # deadlines of this protocol must not close it later
+        self._disarm()
+        super().handle_websocket_upgrade()
+
 
 def server_config(app: Any, server: ServerSection, host: str | None = None,
                   port: int | None = None, **kwargs: Any) -> uvicorn.Config:
@@ -149,6 +155,7 @@ def server_config(app: Any, server: ServerSection, host: str | None = None,
     config = uvicorn.Config(app, host=host if host is not None else server.host,
                             port=port if port is not None else server.port,
                             http=GuardedHttpTools, timeout_keep_alive=server.keep_alive_s,
+                            ws_max_size=server.max_body_bytes,
                             log_level=kwargs.pop("log_level", "warning"),
                             access_log=False, **kwargs)
     config.runloop_header_timeout = server.header_timeout_s  # type: ignore[attr-defined]

@@ -9,7 +9,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import HTTPConnection
 
 from .caches import SHARES, ByteLRU
 from .config import ProxyConfig, Settings, config_mtimes, load_config, redact_url
@@ -169,7 +169,7 @@ def _held(m: Message) -> int:
     return sum(len(t) * (1 if t.isascii() else 4) for t in texts if isinstance(t, str))
 
 
-def state_of(request: Request) -> AppState:
+def state_of(request: HTTPConnection) -> AppState:
     state: AppState = request.app.state.runloop
     return state
 

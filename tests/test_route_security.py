@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from starlette.routing import BaseRoute, Mount, Route
+from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 
 from runloop_proxy.api.routes import ALL_METHODS, CONVERSATIONS
 from runloop_proxy.ops.gate import OPEN
@@ -37,6 +37,7 @@ WRONG_KEY = "admin-not-the-key-0123456789"
 CANARY = "CANARY-7f3a9e secret order for Ms Okafor"
 SESSION = "canary-desk"
 METHODS = tuple(m for m in ALL_METHODS if m != "HEAD")
+WEBSOCKET = "WEBSOCKET"  # a WebSocket route's "method": its handshake
 
 
 class Access(Enum):
@@ -53,6 +54,7 @@ class Access(Enum):
 ACCESS: dict[tuple[str, str], Access] = {
     ("POST", "/v1/chat/completions"): Access.TENANT,
     ("POST", "/v1/responses"): Access.TENANT,
+    (WEBSOCKET, "/v1/responses"): Access.TENANT,  # the handshake, then a response.create
     ("POST", "/v1/messages"): Access.TENANT,
     ("POST", "/v1/messages/count_tokens"): Access.TENANT,
     ("GET", "/healthz"): Access.PUBLIC,
@@ -110,6 +112,8 @@ def _table(table: list[BaseRoute], prefix: str) -> Iterator[tuple[str, str]]:
             for method in sorted(route.methods or METHODS):
                 if method != "HEAD":  # Starlette's, with every GET: swept with it
                     yield method, prefix + route.path
+        elif isinstance(route, WebSocketRoute):
+            yield WEBSOCKET, prefix + route.path
         else:
             raise AssertionError(f"{route!r} is neither a Route nor a Mount: teach the sweep "
                                  f"how to reach it")
@@ -181,8 +185,33 @@ class Sweep:
             form, query = {"tenant": "acme", "id": SESSION, "csrf": self.csrf}, {}
         if path == "/admin/ui/login" and method == "POST":
             form = {"key": cred.headers.get("Authorization", "Bearer ")[7:]}
+        if method == WEBSOCKET:
+            return self.socket(path, cred)
         body = BODIES.get(path) if method == "POST" and path.startswith("/v1/") else None
         return self.request(method, path, cred.headers, cred.cookies, query, body, form)
+
+    def socket(self, path: str, cred: Credential) -> httpx.Response:
+        """A WebSocket route as a legitimate caller uses it: the handshake with ``cred``,
+        then the route's body as a ``response.create``; a refused handshake is its HTTP
+        answer, an accepted one the events it sent (as one response's text)."""
+        import orjson
+        from websockets.exceptions import InvalidStatus
+        from websockets.sync.client import connect
+
+        headers = {**cred.headers}
+        if cred.cookies:
+            headers["Cookie"] = "; ".join(f"{k}={v}" for k, v in cred.cookies.items())
+        url = self.proxy.base.replace("http://", "ws://") + path
+        try:
+            with connect(url, additional_headers=headers, open_timeout=10) as ws:
+                ws.send(orjson.dumps({"type": "response.create", **BODIES[path]}).decode())
+                events = []
+                while not events or events[-1]["type"] not in ("response.completed", "error"):
+                    events.append(orjson.loads(ws.recv(timeout=30)))
+        except InvalidStatus as refused:
+            return httpx.Response(refused.response.status_code,
+                                  content=bytes(refused.response.body or b""))
+        return httpx.Response(200, content=orjson.dumps(events))
 
     def upstream_seen(self) -> int:
         return len(self.upstream.requests) + len(self.upstream.other)

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, TypeAlias, TypeVar
 
 import orjson
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
@@ -143,7 +143,7 @@ def parse_json(raw: bytes) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc}") from exc
 
 
-def bearer(request: Request) -> str | None:
+def bearer(request: HTTPConnection) -> str | None:
     """The key a client sends: ``Authorization: Bearer``, else ``api-key`` (Azure's SDKs) or
     ``x-api-key``."""
     auth = request.headers.get("authorization")
@@ -152,7 +152,7 @@ def bearer(request: Request) -> str | None:
     return request.headers.get("api-key") or request.headers.get("x-api-key")
 
 
-def credentials(request: Request) -> list[str]:
+def credentials(request: HTTPConnection) -> list[str]:
     """Everything the client sends that may tell the upstream who it is, in a fixed order:
     the value of every header named like a credential (``IDENTITY``: a key, a token, an
     authorization, an organization or project, a gateway's own — every value of each),
@@ -179,14 +179,14 @@ def namespace_of(keys: list[str]) -> str | None:
     return "pt-" + hashlib.sha256("\0".join(keys).encode()).hexdigest()[:16]
 
 
-def authenticate(state: AppState, request: Request) -> Caller:
+def authenticate(state: AppState, request: HTTPConnection) -> Caller:
     """Who is calling (``_caller``), with the client of its upstream as the config had it:
     in-flight requests finish on the config they started with."""
     caller = _caller(state, request)
     return dataclasses.replace(caller, upstream=state.upstreams.get(caller.tenant.upstream))
 
 
-def _caller(state: AppState, request: Request) -> Caller:
+def _caller(state: AppState, request: HTTPConnection) -> Caller:
     """Who is calling, and how the upstream is to know it: an upstream of Anthropic's format
     takes its key as ``x-api-key``; one of chat completions only (the bridge's) as a bearer
     token, whichever header the client sent its key in, and none of Anthropic's headers.
@@ -232,7 +232,7 @@ def _caller(state: AppState, request: Request) -> Caller:
     return Caller(tenant, tenant.name, tenant.name, upstream_auth, drop, None, True, shared)
 
 
-def _bounded(request: Request) -> None:
+def _bounded(request: HTTPConnection) -> None:
     """A client whose own credentials go upstream sends none longer than the proxy masks
     (``masking.MAX_CREDENTIAL_BYTES``): refused at the door, before its body is read."""
     try:
@@ -265,20 +265,43 @@ async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:
 
 TurnMaker = Callable[[AppState, Request, RequestLog], Awaitable[Turn]]
 Stages = Callable[[AppState, Turn, RequestLog], Awaitable[Answer]]
+Guard = Callable[[Awaitable[Answer]], Awaitable[Answer]]  # runs the stages (a disconnect
+# cancels them there)
 
 
 async def answer_turn(request: Request, api: str, make_turn: TurnMaker,
                       run: Stages = serve) -> ASGIResponse:
-    """The frame every API adapter runs in: the adapter reads and checks the request into a
-    Turn, the pipeline serves it; errors come back in the API's shape (``error_shape``), a
-    client that goes away cancels the work, and the request is counted once whatever
-    happens. ``run``: the stages it goes through."""
+    """The frame every HTTP API adapter runs in (``outcome``): the adapter reads and checks
+    the request into a Turn, the pipeline serves it, a client that goes away cancels the
+    work; the answer or the error as an HTTP response. ``run``: the stages it goes
+    through."""
     state = state_of(request)
     rlog = RequestLog(state.metrics, api)
-    shape = error_shape(request.url.path)
+    answer = await outcome(state, rlog, error_shape(request.url.path),
+                           lambda: make_turn(state, request, rlog), run,
+                           lambda work: until_disconnect(request, work))
+    if answer.stream is not None:
+        return LiveStreamResponse(answer.stream, answer.status, answer.headers)
+    return Response(answer.body, answer.status, headers=answer.headers)
+
+
+def error_answer(shape: ErrorShape, exc: ClientError | UpstreamError | Unavailable,
+                 headers: dict[str, str] | None = None) -> Answer:
+    return Answer(exc.status, {"Content-Type": "application/json", **(headers or {})},
+                  orjson.dumps(shape(exc.status, exc.body(), exc)))
+
+
+async def outcome(state: AppState, rlog: RequestLog, shape: ErrorShape,
+                  make_turn: Callable[[], Awaitable[Turn]], run: Stages,
+                  guard: Guard) -> Answer:
+    """One request's answer, whatever the transport (HTTP, a WebSocket's ``response.create``):
+    the turn made, the stages run under ``guard``; every error the proxy answers as an
+    Answer in the API's shape (``shape``) with its status, and the request counted once
+    whatever happens. A client gone (``ClientGone``) is counted and raised: nobody to
+    answer."""
     try:
-        turn = await make_turn(state, request, rlog)
-        answer = await until_disconnect(request, run(state, turn, rlog))
+        turn = await make_turn()
+        return await guard(run(state, turn, rlog))
     except ClientGone:
         rlog.finish(CLIENT_CLOSED, "client disconnected")
         raise
@@ -287,31 +310,27 @@ async def answer_turn(request: Request, api: str, make_turn: TurnMaker,
             raise
         stop = ShuttingDown("the proxy is shutting down: this request was aborted; "
                             "send it again", retry_after=5)
-        log.warning("request aborted at shutdown", extra={"api": api})
+        log.warning("request aborted at shutdown", extra={"api": rlog.api})
         rlog.finish(stop.status, "aborted at shutdown")
-        return json_response(shape(stop.status, stop.body(), stop), stop.status,
-                             {"Retry-After": "5"})
+        return error_answer(shape, stop, {"Retry-After": "5"})
     except ClientError as exc:
         rlog.finish(exc.status, exc.log_text)
-        return json_response(shape(exc.status, exc.body(), exc), exc.status)
+        return error_answer(shape, exc)
     except UpstreamError as exc:
         log.warning("upstream error", extra={"error": exc.log_text, "status": exc.status})
         rlog.finish(exc.status, exc.log_text)
-        return json_response(shape(exc.status, exc.body(), exc), exc.status)
+        return error_answer(shape, exc)
     except Unavailable as exc:
         log.warning("request refused: unavailable", extra={"error": exc.log_text})
         rlog.finish(exc.status, exc.log_text)
-        return json_response(shape(exc.status, exc.body(), exc), exc.status,
-                             {"Retry-After": str(max(1, round(exc.retry_after)))})
+        return error_answer(shape, exc, {"Retry-After": str(max(1, round(exc.retry_after)))})
     except Exception as exc:
         log.exception("unexpected error")
         rlog.finish(500, "internal error")
-        return json_response(shape(500, INTERNAL_ERROR, exc), 500)
+        return Answer(500, {"Content-Type": "application/json"},
+                      orjson.dumps(shape(500, INTERNAL_ERROR, exc)))
     finally:  # what the request held while it was answered (an answer read whole) goes
         rlog.ended()  # back however it ended, cancelled too (a stream's later work: its own)
-    if answer.stream is not None:
-        return LiveStreamResponse(answer.stream, answer.status, answer.headers)
-    return Response(answer.body, answer.status, headers=answer.headers)
 
 
 class LiveStreamResponse:

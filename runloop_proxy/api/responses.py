@@ -15,7 +15,7 @@ from ..conversation.items import is_output, to_messages, tool_to_chat
 from ..conversation.messages import Message
 from ..errors import InvalidRequest
 from ..pipeline.accounting import RequestLog
-from ..pipeline.values import Turn
+from ..pipeline.values import Caller, Turn
 from ..state import AppState
 from .chat import bounded, kind_words, openai_required
 from .http import ASGIResponse, answer_turn, authenticate, read_request
@@ -32,17 +32,24 @@ async def responses(request: Request) -> ASGIResponse:
 
 async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
     caller = authenticate(state, request)
-    raw, (body, messages) = await read_request(state, request, _checked)
+    raw, (body, messages) = await read_request(state, request, checked)
+    return turn_of(caller, body, raw, messages, list(request.headers.items()), rlog)
+
+
+def turn_of(caller: Caller, body: dict[str, Any], raw: bytes, messages: list[Message],
+            headers: list[tuple[str, str]], rlog: RequestLog) -> Turn:
+    """A checked Responses request as a turn, whatever it came by (HTTP, a socket's
+    ``response.create``)."""
     chained = body.get("previous_response_id")
     if chained:
         rlog.api = "responses_chained"
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
     tools = body.get("tools")
-    return Turn(caller, WIRE, body, raw, messages, list(request.headers.items()),
+    return Turn(caller, WIRE, body, raw, messages, headers,
                 chained=chained, tools=[tool_to_chat(t) for t in tools] if tools else None)
 
 
-def _checked(body: Any) -> tuple[dict[str, Any], list[Message]]:
+def checked(body: Any) -> tuple[dict[str, Any], list[Message]]:
     body = validate_responses_request(body)
     return body, to_messages(body["input"], body.get("instructions"))
 

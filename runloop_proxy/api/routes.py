@@ -9,7 +9,7 @@ from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from ..errors import InvalidRequest, NotFound, PermissionDenied
 from ..ops.admin import admin_routes
@@ -31,6 +31,7 @@ from .messages import COUNT_PATH, count_tokens, messages
 from .messages import PATH as MESSAGES_PATH
 from .responses import PATH as RESPONSES_PATH
 from .responses import responses
+from .responses_ws import responses_socket
 
 ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 PREFIX = "/v1/"
@@ -162,6 +163,7 @@ def routes() -> list[BaseRoute]:
     return [
         Route(CHAT_PATH, chat_completions, methods=["POST"]),
         Route(RESPONSES_PATH, responses, methods=["POST"]),
+        WebSocketRoute(RESPONSES_PATH, responses_socket),
         Route(MESSAGES_PATH, messages, methods=["POST"]),
         Route(COUNT_PATH, count_tokens, methods=["POST"]),
         Route("/healthz", healthz, methods=["GET"]),

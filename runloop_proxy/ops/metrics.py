@@ -25,7 +25,8 @@ MAX_MODEL_LABELS = 64  # per tenant label: one tenant's clients cannot use up an
 OTHER_MODEL = "other"  # models past MAX_MODEL_LABELS; and the series every tenant starts with
 # The label values panels and alerts select on, exported at 0 from startup (a series that does
 # not exist yet reads as "no data", and an alert on it never fires).
-APIS = ("chat", "responses", "responses_chained", "messages", "messages_count")
+APIS = ("chat", "responses", "responses_chained", "responses_ws", "responses_warmup", "messages",
+        "messages_count")
 COMPACTION_KINDS = ("past_loop_reduction", "in_loop_elision", "in_loop_drop", "loop_omission",
                     "summary", "hard_truncation", "rejection")
 RECALL_OUTCOMES = {"recall_tool_call": ("hit", "not_found", "bad_arguments", "store_error"),
@@ -57,6 +58,9 @@ class Metrics:
             ["resource", "reason"], registry=r)
         self.in_flight = Gauge("runloop_in_flight_requests", "Requests being served",
                                registry=r, multiprocess_mode="livesum")
+        self.websockets = Gauge("runloop_websocket_connections",
+                                "Responses API WebSocket connections open", registry=r,
+                                multiprocess_mode="livesum")
         self.upstream_latency = Histogram("runloop_upstream_latency_seconds",
                                           "Upstream time per request (all upstream calls)", tm,
                                           buckets=_LATENCY, registry=r)

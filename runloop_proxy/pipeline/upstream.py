@@ -49,8 +49,9 @@ PROXY_KEY_HEADERS = frozenset(CREDENTIAL_HEADERS) - {"authorization"}
 # Cloudflare's, Google's keys, OpenAI's organization and project, a proxy's authorization)
 IDENTITY = re.compile(r"(^|-)(auth|authentication|authorization|api-?key|apikey|key|token|"
                       r"secret|organization|org|project|account|user|cookie)($|-)")
-# named like one, and no caller's: it differs on every request, or it is the client program's
-NOT_IDENTITY = frozenset({"idempotency-key", "user-agent"})
+# named like one, and no caller's: it differs on every request (a WebSocket handshake's
+# nonce too), or it is the client program's
+NOT_IDENTITY = frozenset({"idempotency-key", "user-agent", "sec-websocket-key"})
 # the server adds its own (two of each confuse clients and caches)
 _DROP_RESPONSE = HOP_BY_HOP | {"date", "server"}
 
