@@ -1,4 +1,4 @@
-"""The ``runloop-proxy`` command: serve, check-config, inspect, replay, demo.
+"""The ``runloop-proxy`` command: serve, check-config, inspect, replay, demo, wrap.
 
 Every ``serve`` option can also come from the environment as ``RUNLOOP_<NAME>``
 (``--redis-url`` also from ``REDIS_URL``); the command line wins.
@@ -63,6 +63,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(serving.cannot_listen(host, port, exc), file=sys.stderr)
         return 1
     embedded = None
+    advertised: str | None = None
     try:
         if not config.store.redis_url:
             # Started here, not per worker: every worker shares the one private server.
@@ -74,6 +75,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 return 2
             settings = Settings(**{**settings.__dict__, "redis_url": url})
             config = load_config(settings)
+            # the data directory is this proxy's: said there, for `wrap` to find it
+            advertised = advertise(settings.data_dir, serving.address(sock), settings.upstream)
         logs.get("serve").info(f"listening on {serving.address(sock)}")
         if settings.workers > 1:
             os.environ.update(settings_to_env(settings))
@@ -85,9 +88,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                               timeout_graceful_shutdown=30), sock)
     finally:
         sock.close()
+        if advertised is not None:
+            withdraw(advertised)
         if embedded is not None:
             embedded.stop()
     return 0
+
+
+def advertise(data_dir: str, url: str, upstream: str | None) -> str:
+    """``serving.json`` in the data directory: who serves on it (``wrap`` reuses it)."""
+    from .ops.wrap import SERVING
+
+    path = os.path.join(data_dir, SERVING)
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(orjson.dumps({"url": url, "pid": os.getpid(), "upstream": upstream}))
+    os.replace(tmp, path)
+    return path
+
+
+def withdraw(path: str) -> None:
+    """``serving.json`` taken back, if it is still this process's."""
+    try:
+        with open(path, "rb") as f:
+            mine = orjson.loads(f.read()).get("pid") == os.getpid()
+        if mine:
+            os.unlink(path)
+    except (OSError, orjson.JSONDecodeError, AttributeError):
+        pass
 
 
 def _not_a_directory(path: str | None) -> str | None:
@@ -260,7 +288,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the embedded Redis keeps its data (default .runloop-demo)")
     d.add_argument("--admin-key", default=None, help="default: a random one, printed")
     d.add_argument("--once", action="store_true", help="stop after printing")
+    from .ops.wrap import add_parser as wrap_parser
+
+    wrap_parser(sub)
     return parser
+
+
+def cmd_wrap(args: argparse.Namespace) -> int:
+    from .ops.wrap import run_wrap
+
+    return run_wrap(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -273,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"serve": cmd_serve, "check-config": cmd_check_config, "inspect": cmd_inspect,
-                "replay": cmd_replay, "demo": cmd_demo}
+                "replay": cmd_replay, "demo": cmd_demo, "wrap": cmd_wrap}
     try:
         return handlers[args.command](args)
     except BrokenPipeError:

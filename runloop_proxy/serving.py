@@ -134,18 +134,12 @@ class GuardedHttpTools(HttpToolsProtocol):
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        self._disarm()
+        self._disarm()  # a WebSocket's upgrade too: the connection is no request's after it
         if not self._refused:
             super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()  # arms uvicorn's keep-alive timeout for an idle wait
-
-    def handle_websocket_upgrade(self) -> None:
-        # the connection is the WebSocket protocol's from here: the header and body
-        # deadlines of this protocol must not close it later
-        self._disarm()
-        super().handle_websocket_upgrade()
 
 
 def server_config(app: Any, server: ServerSection, host: str | None = None,

@@ -271,18 +271,24 @@ def test_errors_are_error_events_with_the_http_status_and_the_socket_goes_on(
 
 def test_an_upstream_failing_mid_stream_is_an_error_event_of_its_status(
         make_proxy: Any, upstream: ScriptedUpstream) -> None:
-    """The upstream's stream breaks after its first event: the socket's client gets an
-    error event with a 5xx (Codex retries it) and nothing is kept to go on from. Red with
-    the stream's own error event relayed as it came (no status)."""
+    """The upstream's stream says it failed (its own error event), or breaks after its
+    first event: either way the socket's client gets an error event with a 5xx (Codex
+    retries it) and nothing is kept to go on from. Red with the stream's error event
+    relayed as it came (no status), and with a cut stream left without an end (the client
+    would wait for good)."""
     proxy = make_proxy()
-    upstream.push({"raw_chunks": [
-        b'event: response.created\ndata: {"type":"response.created","sequence_number":0,'
-        b'"response":{"id":"resp_cut","object":"response","status":"in_progress",'
-        b'"output":[]}}\n\n', b"data: {\"type\": \"resp"]})
+    created = (b'event: response.created\ndata: {"type":"response.created",'
+               b'"sequence_number":0,"response":{"id":"resp_cut","object":"response",'
+               b'"status":"in_progress","output":[]}}\n\n')
+    upstream.push({"raw_chunks": [created, b'event: error\ndata: {"type":"error",'
+                                  b'"sequence_number":1,"code":"server_error","message":'
+                                  b'"The server had an error","param":null}\n\n']},
+                  {"raw_chunks": [created, b"data: {\"type\": \"resp"]})
     with socket(proxy) as ws:
-        events = turn(ws, create(input="hello"))
-        assert [e["type"] for e in events] == ["response.created", "error"]
-        assert events[-1]["status"] >= 500 and events[-1]["error"]["message"]
+        for _ in range(2):
+            events = turn(ws, create(input="hello"))
+            assert [e["type"] for e in events] == ["response.created", "error"]
+            assert events[-1]["status"] >= 500 and events[-1]["error"]["message"]
         # the cut response is not one to go on from: chained on, it goes upstream as named
         turn(ws, create(input="again", previous_response_id="resp_cut"))
     assert upstream.requests[-1]["previous_response_id"] == "resp_cut"

@@ -210,10 +210,11 @@ class SocketRelay:
         return [orjson.dumps(data).decode()] if changed else [event.data]
 
     def kept(self, create: Create, answer_size: int) -> tuple[str, Kept] | None:
-        """What the connection keeps of the response that ended (None when it did not end
-        well): its id, the conversation it ends."""
+        """What the connection keeps of the response that ended (None when none did): its
+        id, the conversation it ends. A response the client was shown complete is kept
+        whatever came after it: the client goes on from it."""
         response = self.response
-        if self.failed or response is None or not isinstance(response.get("id"), str):
+        if response is None or not isinstance(response.get("id"), str):
             return None
         output = response.get("output")
         if not isinstance(output, list) or not all(isinstance(i, dict) for i in output):

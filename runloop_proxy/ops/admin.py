@@ -204,12 +204,20 @@ async def admin_session(request: Request) -> Response:
         raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
     summaries, compactions = await _summaries(state, tenant, session_id)
     with_messages = params.flag(request, "messages")
+    points = None
+    if params.flag(request, "points"):  # each request's tokens, frame and upstream usage
+        try:
+            points = await state.store.points(tenant, session_id)
+        except StoreError as exc:
+            return _store_unavailable(exc)
 
     def answer() -> Response:
         out = session_summary(view)
         out["summaries"], out["compactions"] = summaries, compactions
         if with_messages:
             out["messages"] = view.messages
+        if points is not None:
+            out["points"] = points
         return json_response(out)
 
     # segmenting a large session and writing it out is the work of a large request

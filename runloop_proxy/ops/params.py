@@ -34,6 +34,7 @@ FIELDS: dict[str, Field] = {
     "limit": Field("int", 1, 500),
     "pos": Field("int", 0, 10_000_000),
     "messages": Field("flag"),
+    "points": Field("flag"),
     # path parameters
     "session_id": Field("text", 1, 4096),
     # form fields

@@ -39,6 +39,9 @@ class RequestLog:
         self.upstream_called_at: float | None = None
         self.first_byte_seen = False
         self.status: int | None = None
+        # the upstream's usage of the request as it billed it (``billed``), kept with its
+        # point: what the request cost, priced later by whoever asks (``wrap``)
+        self.billed: dict[str, Any] | None = None
         self._bound: BoundMetrics | None = None
         self._at_end: list[Callable[[], None]] = []  # run once the request is done
 
@@ -89,6 +92,7 @@ class RequestLog:
         """Upstream-reported usage (every round of the request summed by the caller)."""
         if not usage or not self.identified:
             return
+        self.billed = billed(usage)
         b = self.bound
         prompt, cached = prompt_usage(usage)
         b.usage_prompt.inc(prompt)
@@ -148,6 +152,21 @@ def prompt_usage(usage: dict[str, Any]) -> tuple[int, int]:
     prompt = _int(usage.get("prompt_tokens", usage.get("input_tokens")))
     details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
     return prompt, _int(details.get("cached_tokens")) if isinstance(details, dict) else 0
+
+
+BILLED = ("prompt_tokens", "input_tokens", "completion_tokens", "output_tokens",
+          "cache_read_input_tokens", "cache_creation_input_tokens")
+
+
+def billed(usage: dict[str, Any]) -> dict[str, Any]:
+    """What of an upstream's usage prices it (``Price.usage_cost`` reads these): its counts,
+    and the cached tokens of its details; nothing else it may carry."""
+    out: dict[str, Any] = {k: usage[k] for k in BILLED if _int(usage.get(k))}
+    for k in ("prompt_tokens_details", "input_tokens_details"):
+        details = usage.get(k)
+        if isinstance(details, dict) and _int(details.get("cached_tokens")):
+            out[k] = {"cached_tokens": details["cached_tokens"]}
+    return out
 
 
 def _int(v: Any) -> int:

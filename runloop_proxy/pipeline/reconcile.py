@@ -308,12 +308,15 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
                  reply: Message | None, kept: dict[str, Any] | None,
                  large: bool = False, answer_id: str | None = None,
                  tokens: tuple[int, int] | None = None,
-                 frame: dict[str, Any] | None = None, chain: str | None = None) -> None:
+                 frame: dict[str, Any] | None = None, chain: str | None = None,
+                 usage: dict[str, Any] | None = None) -> None:
     """After a 2xx, off the request path: add the client's side of the turn and the answer it
     got to the session's history (written behind), the proxy's part of the turn to splice
     back next time, and for a fingerprinted session an anchor that finds it again from its
     reply. ``large``: the answer is counted off the event loop. ``chain``: the upstream id a
-    request chaining on ``answer_id`` must go on from (``toolloop.Outcome.chain``)."""
+    request chaining on ``answer_id`` must go on from (``toolloop.Outcome.chain``).
+    ``usage``: the upstream's bill for the request (``accounting.billed``), kept with its
+    point."""
     store, ns = state.store, turn.caller.namespace
     if store is None or ns is None or history.degraded == "store":
         return
@@ -323,7 +326,7 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     store.reserve(ns, session.id)
     try:
         await _record(state, turn, session, history, store, ns, reply, kept, large,
-                      answer_id, tokens, frame, chain)
+                      answer_id, tokens, frame, chain, usage)
     finally:
         store.release(ns, session.id)
 
@@ -332,7 +335,7 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
                   store: RedisStore, ns: str, reply: Message | None,
                   kept: dict[str, Any] | None, large: bool, answer_id: str | None,
                   tokens: tuple[int, int] | None, frame: dict[str, Any] | None,
-                  chain: str | None) -> None:
+                  chain: str | None, usage: dict[str, Any] | None) -> None:
     chainable = answer_id is not None and turn.wire.api == "responses" \
         and turn.body.get("store") is not False
     if chainable and chain is not None:
@@ -364,7 +367,8 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
     # the prompt as sent and as forwarded (the inspector's chart), written with the turn,
     # and what the inspector rebuilds its window from: the messages it carried, its frame
     point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1],
-             **request_point(state, turn, history, frame)} if tokens is not None else None
+             **request_point(state, turn, history, frame),
+             **({"usage": usage} if usage else {})} if tokens is not None else None
     size = 0
     if (turn.large or history.large) and history.appended is None:
         # a conversation's chain hashes are made once and then grown: a large new one's are

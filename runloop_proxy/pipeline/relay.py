@@ -101,7 +101,7 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     rlog.usage(outcome.usage)
     state.spawn(record(state, turn, session, history, outcome.shown, outcome.kept,
                        answer_id=outcome.id, tokens=rlog.prompt_tokens, frame=rlog.frame,
-                       chain=outcome.chain))
+                       usage=rlog.billed, chain=outcome.chain))
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps(data))
 
@@ -112,7 +112,8 @@ def _answered(state: AppState, turn: Turn, session: Session, history: History,
     _calibrate(state, turn, rlog, reply.usage if reply else None)
     rlog.usage(reply.usage if reply else None)
     state.spawn(record(state, turn, session, history, reply.message if reply else None, None,
-                       large, reply.id if reply else None, rlog.prompt_tokens, rlog.frame))
+                       large, reply.id if reply else None, rlog.prompt_tokens, rlog.frame,
+                       usage=rlog.billed))
 
 
 async def _passed_through(state: AppState, turn: Turn, session: Session, history: History,
@@ -278,7 +279,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
             state.spawn(record(state, turn, session, history, outcomes[0].shown,
                                outcomes[0].kept, answer_id=outcomes[0].id,
                                tokens=rlog.prompt_tokens, frame=rlog.frame,
-                               chain=outcomes[0].chain))
+                               usage=rlog.billed, chain=outcomes[0].chain))
     except UpstreamError as exc:
         status = exc.status
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,
