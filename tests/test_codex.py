@@ -105,6 +105,8 @@ def transcripts(home: Path) -> str:
 
 def test_codex_session_is_stored_and_its_tool_round_passes(
         codex_bin: str, make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """A tool round over the socket: stored under Codex's thread id, one branch. Red with
+    the session-id header lost on the socket (a fingerprint instead)."""
     proxy = make_proxy(admin_key=ADMIN)
     work = tmp_path / "work"
     work.mkdir()

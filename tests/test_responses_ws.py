@@ -181,8 +181,8 @@ def test_the_proxys_rounds_are_hidden_and_the_next_turn_goes_on_from_what_the_cl
     """A small window: old outputs are cut, the model recalls one through the proxy's tool.
     The socket's client never sees that call, its output or the proxy's tools; its next turn
     goes on from the response as it saw it, and the upstream is sent no call left
-    unanswered. Red with the proxy's call left in what the connection keeps (the next
-    request carries a call with no output) and with the proxy's tools shown."""
+    unanswered. Red with the proxy's call left in the response the client ends with (so in
+    what the connection keeps) and with the proxy's tools echoed in it."""
     proxy = make_proxy(config_dir=passthrough(tmp_path, upstream, (  # a small window
         f'[defaults.models."{MODEL}"]\ncontext_window = 16000\n'
         f'[defaults.policy]\nkeep_recent_tool_results = 1\n')), admin_key=ADMIN)
@@ -331,7 +331,8 @@ def test_a_client_that_goes_away_cancels_the_upstream_call(
         make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """The client closes its socket while the model thinks: the upstream call is cancelled
     (the scripted model sees its caller gone) and the request is counted once, as a 499.
-    Red with the turn left running after the close."""
+    Red with the turn left running after the close, and with a reader that loses the
+    disconnect."""
     proxy = make_proxy()
     upstream.delay = 1.5
     with socket(proxy) as ws:
@@ -348,7 +349,8 @@ def test_a_socket_outlives_the_request_deadlines_and_closes_when_idle(
         make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """The header and body deadlines are the HTTP request's: a socket idle past both still
     serves its next event; one idle past ``websocket_idle_s`` is closed (1000). Red with
-    the upgraded connection's deadlines left armed (closed at the body deadline)."""
+    the body deadline left armed at an upgrade (closed then), and with idle sockets never
+    closed."""
     proxy = make_proxy(server={"header_timeout_s": 0.4, "body_timeout_s": 0.7,
                                "websocket_idle_s": 2.5})
     with socket(proxy) as ws:
@@ -388,3 +390,43 @@ def test_a_lane_is_echoed_and_the_sdk_reads_every_event(
     assert got[-1].type == "response.completed" and got[-1].response.output_text == \
         "echo: hello"
     assert upstream.requests[-1]["input"] == [user_text("warm"), user_text("hello")]
+
+
+def test_a_large_conversation_over_the_socket_leaves_little_work_on_the_event_loop(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """test_hardening's bound for every API, over the socket: a ``response.create`` of
+    18,000 items leaves under a call an item on the proxy's event loop; one that goes on
+    from it with one new item (the conversation expanded from what the connection keeps)
+    leaves no more than the same request POSTed whole (its expansion, check and
+    serialising run in a worker thread). Red with the expansion kept on the loop."""
+    from .test_hardening import _loop_calls
+
+    upstream.keep_requests = False
+    n = 18_000
+    items = [{"type": "message", "role": "user" if i % 2 == 0 else "assistant",
+              "content": f"item {i}"} for i in range(n + 1)]
+    with socket(proxy, session="loop-warm") as ws:  # what a process loads once
+        turn(ws, create(input=items[:201]))
+    with socket(proxy, session="loop-large") as ws:
+        got: list[dict[str, Any]] = []
+        calls = _loop_calls(proxy, lambda: got.extend(turn(ws, create(input=items))))
+        assert got[-1]["type"] == "response.completed", got[-1]
+        assert calls < n, f"{calls / n:.1f} calls per item on the event loop"
+        first = got[-1]["response"]
+        got.clear()
+        over_ws = _loop_calls(proxy, lambda: got.extend(turn(ws, create(
+            input=[user("one more")], previous_response_id=first["id"]))))
+        assert got[-1]["type"] == "response.completed", got[-1]
+    # the same two requests over HTTP, the second carrying the whole conversation
+    headers = {"Authorization": f"Bearer {KEY}", "session-id": "loop-http"}
+
+    def post(body_input: list[dict[str, Any]]) -> httpx.Response:
+        r = httpx.post(proxy.url + "/responses", headers=headers, timeout=120, json={
+            "model": MODEL, "store": False, "stream": True, "input": body_input})
+        assert r.status_code == 200, r.text[:300]
+        return r
+
+    done = [orjson.loads(line[6:]) for line in post(items).text.splitlines()
+            if line.startswith("data: ")][-1]["response"]["output"]
+    over_http = _loop_calls(proxy, lambda: post([*items, *done, user("one more")]))
+    assert over_ws < 1.2 * over_http + 2_000, (over_ws, over_http)

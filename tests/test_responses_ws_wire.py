@@ -155,7 +155,9 @@ def test_every_turn_reaches_the_upstream_as_the_whole_conversation(
     ``n`` new items: the request the proxy builds carries exactly the conversation a
     reference keeps whole (every response's input and output, by id) — while the response
     is among the last ``limit`` used; an older one is chained, as the upstream would
-    have it. The reference is a plain dict of every conversation ever made."""
+    have it. The reference is a plain dict of every conversation ever made. Red with the
+    chains kept first in first out (not by use) and with the new items put before the
+    kept ones."""
     chains = Chains(limit)
     reference: dict[str, list[dict[str, Any]]] = {}
     recent: collections.OrderedDict[str, None] = collections.OrderedDict()  # LRU reference
@@ -193,6 +195,7 @@ def test_every_turn_reaches_the_upstream_as_the_whole_conversation(
 
 
 def test_a_response_that_failed_or_was_cut_is_not_kept() -> None:
+    """Red with any response event taken as its end, and with an id not checked."""
     made = create_request({"type": "response.create", "model": MODEL, "input": "x"},
                           Chains(), 10)
     for events in ([{"type": "response.created", "response": {"id": "r1", "output": []}}],
@@ -239,6 +242,7 @@ def _relayed(raw: bytes, cuts: list[int], lane: str | None,
 @given(st.data(), st.sampled_from([None, "lane-2"]), st.sampled_from([None, "resp_0"]))
 def test_the_events_come_through_in_any_chunking(data: st.DataObject, lane: str | None,
                                                  previous: str | None) -> None:
+    """Red with the previous id echoed on the response's end only."""
     raw = b"".join(encode_event(orjson.dumps(e), e["type"]) for e in STREAM) + \
         b"data: [DONE]\n\n"
     cuts = data.draw(st.lists(st.integers(0, len(raw)), max_size=12))
@@ -271,6 +275,7 @@ ERRORS = [  # (a stream's error event, the status and type it stands for)
                          ids=[str(e[0].get("code")) for e in ERRORS])
 def test_a_streams_error_is_the_sockets_with_its_status(event: dict[str, Any], status: int,
                                                        kind: str) -> None:
+    """Red with a rate limit read as a 502 (Codex would not wait as it is told)."""
     out = socket_error({**event, "sequence_number": 4})
     assert out["type"] == "error" and out["status"] == status
     assert out["error"]["type"] == kind and out["error"]["message"]
@@ -303,7 +308,8 @@ def _relay_all(events: list[SSEEvent]) -> int:
 @pytest.mark.parametrize("shape", sorted(RESPONSES))
 def test_the_socket_relay_does_work_linear_in_the_stream(shape: str) -> None:
     """test_stream_work's Responses shapes at n and 4n events through the socket's relay
-    (a lane and a previous id: every event rewritten): calls and bytes about four times."""
+    (a lane and a previous id: every event rewritten): calls and bytes about four times.
+    Red with a relay that re-copies what it saw at each event."""
     small, large = (stream_events("responses", RESPONSES[shape], n) for n in (500, 2_000))
     _relay_all(small)
     for count in (calls, allocated):

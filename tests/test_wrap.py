@@ -102,8 +102,12 @@ def test_wrap_codex_exec_runs_through_a_proxy_it_starts_and_prints_the_savings(
         codex_bin: str, upstream: ScriptedUpstream, tmp_path: Path) -> None:
     """``wrap codex exec "…"``: Codex answers through a proxy wrap started (over its socket),
     with the user's login; the savings and the inspector's address are printed; the proxy
-    is stopped when wrap exits; the user's Codex files are as they were. Red with the
-    summary left out, and with the proxy left running after the last wrap."""
+    is stopped when wrap exits; the user's Codex files are as they were. A Ctrl-C at the
+    terminal while Codex waits for the model is Codex's: it stops its turn and exits, the
+    proxy serves on until wrap has read the figures, and wrap passes Codex's code on. Red
+    with the summary left out, with the proxy left running after the last wrap, with the
+    proxy in the terminal's process group (the Ctrl-C stops it under the agent), and with
+    wrap's own SIGINT left to interrupt it (it stops the proxy while the agent runs)."""
     env = user_env(tmp_path, codex_bin)
     home = codex_login(codex_bin, env)
     before = digest(home)
@@ -124,6 +128,25 @@ def test_wrap_codex_exec_runs_through_a_proxy_it_starts_and_prints_the_savings(
     # the agent's key went upstream as it would directly; the socket was Codex's first try
     assert upstream.headers[-1]["authorization"] == f"Bearer {OPENAI_KEY}"
     assert "Reconnecting" not in r.stderr and "Falling back" not in r.stderr
+    # Ctrl-C at a terminal: SIGINT to its foreground process group (wrap and Codex; the
+    # proxy wrap started is in a session of its own)
+    upstream.reset()
+    upstream.delay = 5.0  # the model thinks; the scripted one notices its caller gone after
+    term = subprocess.Popen(
+        [sys.executable, "-m", "runloop_proxy", "wrap", "codex", "--upstream", upstream.url,
+         "--data-dir", str(data), "exec", "--skip-git-repo-check", "think hard"], cwd=work,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    until(lambda: len(upstream.requests) >= 1, timeout=90,
+          what="Codex's turn to reach the upstream")
+    os.killpg(term.pid, signal.SIGINT)
+    out, err = term.communicate(timeout=60)
+    assert term.returncode != 0, err[-2000:]
+    # the proxy outlived the Ctrl-C: wrap read the session's figures from it after Codex
+    # (the turn was cut: nothing recorded, "no request"; a proxy gone would be "could not")
+    assert summary(err)[0].startswith("runloop-proxy: codex sent "), err[-2000:]
+    until(lambda: upstream.abandoned == 1, timeout=40,
+          what="the interrupted turn to be cancelled upstream")
     # the proxy wrap started is gone with it, and nothing of the user's changed
     info = orjson.loads((data / SERVING).read_bytes()) if (data / SERVING).exists() else None
     assert info is None or gone(info["pid"])
@@ -168,16 +191,13 @@ def test_an_agent_that_is_not_installed_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "data").exists()
 
 
-def test_wrap_reuses_a_serve_on_the_data_dir_and_ctrl_c_reaches_the_agent_first(
+def test_wrap_reuses_a_serve_on_the_data_dir_and_passes_the_agents_exit_code_on(
         codex_bin: str, upstream: ScriptedUpstream, tmp_path: Path) -> None:
     """A user's own ``runloop-proxy serve`` on the data directory: wrap uses it (its admin
     key from RUNLOOP_ADMIN_KEY for the figures) and leaves it running. Codex's exit code is
-    wrap's: an upstream that refuses the request makes Codex exit 1, and wrap too. A Ctrl-C
-    at the terminal while Codex waits for the model goes to Codex, not to the proxy: Codex
-    stops its turn and exits, wrap passes its code on and still prints the summary. Red
-    with wrap stopping a proxy it did not start, with the exit code taken as wrap's own
-    (0), and with wrap ignoring SIGINT the way the agent inherits (SIG_IGN: Codex never
-    stops)."""
+    wrap's: an upstream that refuses the request makes Codex exit 1, and wrap too. Red
+    with wrap stopping a proxy it did not start, and with the exit code taken as wrap's
+    own (0)."""
     env = user_env(tmp_path, codex_bin)
     codex_login(codex_bin, env)
     data = tmp_path / "data"
@@ -204,23 +224,6 @@ def test_wrap_reuses_a_serve_on_the_data_dir_and_ctrl_c_reaches_the_agent_first(
         r = wrap({**env, "RUNLOOP_ADMIN_KEY": admin}, "codex", "--upstream", upstream.url,
                  "--data-dir", str(data), "exec", "--skip-git-repo-check", "hi", cwd=work)
         assert r.returncode == 1, r.stderr[-3000:]
-        # Ctrl-C at a terminal: SIGINT to its foreground process group (wrap and Codex)
-        upstream.reset()
-        upstream.delay = 8.0  # the model thinks; the scripted one notices its caller gone after
-        term = subprocess.Popen(
-            [sys.executable, "-m", "runloop_proxy", "wrap", "codex", "--upstream",
-             upstream.url, "--data-dir", str(data), "exec", "--skip-git-repo-check",
-             "think hard"], cwd=work, env={**env, "RUNLOOP_ADMIN_KEY": admin},
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True)
-        until(lambda: len(upstream.requests) >= 1, timeout=90,
-              what="Codex's turn to reach the upstream")
-        os.killpg(term.pid, signal.SIGINT)
-        out, err = term.communicate(timeout=60)
-        assert term.returncode != 0, err[-2000:]
-        assert summary(err)[0].startswith("runloop-proxy: codex sent "), err[-2000:]
-        until(lambda: upstream.abandoned == 1, timeout=40,
-              what="the interrupted turn to be cancelled upstream")
         assert serve.poll() is None and httpx.get(
             f"http://127.0.0.1:{port}/healthz").status_code == 200
     finally:
