@@ -14,9 +14,11 @@ API key login, as its users run it, answering one prompt (``codex exec``) agains
 - ``refused (403)``: an upstream with no socket route, as the proxy was before (Codex retries
   the upgrade, then falls back).
 
-Printed per mode: the median time from Codex's start to its first request reaching the model
-(``first``) and to its exit (``run``), and each as a ratio of ``direct``. Ratios from one run,
-not absolute times: the machine is shared.
+Each mode's servers are started once and warmed by one uncounted run (a user's proxy is up
+before Codex starts), then the modes take turns. Printed per mode: the median time from
+Codex's start to its first request reaching the model (``first``) and to its exit (``run``),
+and each as a ratio of ``direct``. Ratios from one run, not absolute times: the machine is
+shared.
 """
 
 from __future__ import annotations
@@ -167,26 +169,31 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="codex-work-"))
     results: dict[str, dict[str, list[float]]] = {}
     modes = ["direct", "proxy", "proxy, socket off", "refused (403)"]
-    for _ in range(args.runs):
-        for mode in modes:  # interleaved: a slow moment of the machine hits every mode
+    running: dict[str, tuple[Upstream, str]] = {}
+    stops: list[Any] = []
+    try:
+        for mode in modes:  # each served by a process already warm, as a user's proxy is
             upstream = Upstream(socket=mode == "direct")
-            proxy = redis = None
-            try:
-                url = upstream.url
-                if mode.startswith("proxy"):
-                    proxy, url, redis = proxy_for(upstream, tempfile.mkdtemp(prefix="cs-"),
-                                                  websocket=mode == "proxy")
+            stops.append(upstream.stop)
+            url = upstream.url
+            if mode.startswith("proxy"):
+                proxy, url, redis = proxy_for(upstream, tempfile.mkdtemp(prefix="cs-"),
+                                              websocket=mode == "proxy")
+                stops += [redis.stop, proxy.stop]
+            running[mode] = (upstream, url)
+            run_codex(codex, url, work)  # warm-up, not counted
+        for _ in range(args.runs):
+            for mode in modes:  # interleaved: a slow moment of the machine hits every mode
+                upstream, url = running[mode]
+                upstream.first = None
                 start, end, _ = run_codex(codex, url, work)
                 assert upstream.first is not None, mode
                 got = results.setdefault(mode, {"first": [], "run": []})
                 got["first"].append(upstream.first - start)
                 got["run"].append(end - start)
-            finally:
-                if proxy is not None:
-                    proxy.stop()
-                if redis is not None:
-                    redis.stop()
-                upstream.stop()
+    finally:
+        for stop in reversed(stops):
+            stop()
     medians = {m: {k: statistics.median(v) for k, v in r.items()} for m, r in results.items()}
     if args.json:
         print(json.dumps(medians, indent=2))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
+import logging
 import socket
 from typing import Any
 
@@ -142,10 +143,23 @@ class GuardedHttpTools(HttpToolsProtocol):
         super().on_response_complete()  # arms uvicorn's keep-alive timeout for an idle wait
 
 
+class _DenialIsAnAnswer(logging.Filter):
+    """uvicorn's WebSocket protocol logs an error for every upgrade the app refused with an
+    HTTP answer (``websocket.http.response``: a bad key, the socket turned off), the
+    handshake never being complete: an answer given, not an app that failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "ASGI callable returned without completing handshake."
+
+
+_DENIAL_FILTER = _DenialIsAnAnswer()
+
+
 def server_config(app: Any, server: ServerSection, host: str | None = None,
                   port: int | None = None, **kwargs: Any) -> uvicorn.Config:
     """The uvicorn config every runloop-proxy server runs with (the CLI, its workers, the
     tests): the guarded protocol and its limits from ``server``."""
+    logging.getLogger("uvicorn.error").addFilter(_DENIAL_FILTER)  # once: a set of filters
     config = uvicorn.Config(app, host=host if host is not None else server.host,
                             port=port if port is not None else server.port,
                             http=GuardedHttpTools, timeout_keep_alive=server.keep_alive_s,

@@ -59,7 +59,7 @@ class Sweep:
         csrf = re.search(r"name='csrf' value='([0-9a-f]+)'", page)
         self.valid: dict[str, str] = {
             "tenant": tenants[0]["tenant"], "id": "swept", "q": "", "page": "0",
-            "offset": "0", "limit": "10", "pos": "0", "messages": "1",
+            "offset": "0", "limit": "10", "pos": "0", "messages": "1", "points": "1",
             "session_id": "swept", "key": ADMIN_KEY, "csrf": csrf.group(1) if csrf else ""}
         assert set(self.valid) == set(params.FIELDS), "a new parameter needs a valid value here"
 

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -256,3 +257,38 @@ def test_a_sessions_cost_both_ways_from_its_points() -> None:
     assert not t.unpriced and not t.unbilled
     other = session_cost([{**points[0], "model": "house-model-7b"}], prices, "openai")
     assert other.unpriced == {"house-model-7b"} and other.cost == 0 and isinstance(other, Totals)
+
+
+@pytest.mark.parametrize(("given", "options", "agent_args"), [
+    (["exec", "hi"], {}, ["exec", "hi"]),
+    (["--", "-p", "hi"], {}, ["-p", "hi"]),
+    (["--upstream", "http://u/v1", "--data-dir=/d", "exec", "--upstream", "x"],
+     {"upstream": "http://u/v1", "data_dir": "/d"}, ["exec", "--upstream", "x"]),
+    (["--port", "9123", "--", "--port", "1"], {"port": 9123}, ["--port", "1"]),
+])
+def test_wraps_own_options_come_before_the_agents(given: list[str], options: dict[str, Any],
+                                                  agent_args: list[str]) -> None:
+    """What follows the agent's name is the agent's, but for wrap's own options in front of
+    it (``wrap codex --upstream U exec …``) and a ``--`` that ends them."""
+    import argparse
+
+    from runloop_proxy.ops.wrap import own_options
+
+    args = argparse.Namespace(agent_args=given, upstream=None, data_dir=None, port=0)
+    assert own_options(args) == agent_args
+    assert {k: getattr(args, k) for k in options} == options
+
+
+def test_codex_set_to_another_provider_is_said(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Codex whose config (read, never written) or arguments choose another model
+    provider would not go through the proxy: wrap says so, and how to."""
+    from runloop_proxy.ops.wrap import codex_elsewhere
+
+    monkeypatch.setenv("CODEX_HOME", str(tmp_path))
+    assert codex_elsewhere(["exec", "hi"]) is None  # no config: the built-in provider
+    (tmp_path / "config.toml").write_text('model_provider = "azure"\n')
+    said = codex_elsewhere(["exec", "hi"])
+    assert said is not None and "'azure'" in said and "-c model_provider=openai" in said
+    assert codex_elsewhere(["-c", "model_provider=openai", "exec", "hi"]) is None
+    assert (tmp_path / "config.toml").read_text() == 'model_provider = "azure"\n'

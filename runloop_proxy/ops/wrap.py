@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -142,8 +143,9 @@ def run_wrap(args: argparse.Namespace) -> int:
     except WrapError as exc:
         print(f"runloop-proxy wrap: {exc}", file=sys.stderr)
         return 2
+    # the agent on PATH, as npm install -g puts it; RUNLOOP_WRAP_CLAUDE / _CODEX: elsewhere
     binary = os.environ.get(f"RUNLOOP_WRAP_{agent.name.upper()}") or \
-        _which(agent.command)
+        shutil.which(agent.command)
     if binary is None:
         print(f"runloop-proxy wrap: {agent.command} is not installed (install it with "
               f"`npm install -g {agent.package}`, then run this again)", file=sys.stderr)
@@ -156,6 +158,8 @@ def run_wrap(args: argparse.Namespace) -> int:
         print(f"runloop-proxy wrap: {exc}", file=sys.stderr)
         return 2
     since_ms = int(time.time() * 1000)
+    if agent.name == "codex" and (warning := codex_elsewhere(agent_args)) is not None:
+        print(f"runloop-proxy wrap: {warning}", file=sys.stderr)
     try:
         code = run_agent(binary, *launch(agent, proxy, agent_args))
         for line in report(proxy, since_ms, agent):
@@ -163,12 +167,6 @@ def run_wrap(args: argparse.Namespace) -> int:
         return code
     finally:
         release(data_dir, proxy)
-
-
-def _which(command: str) -> str | None:
-    import shutil
-
-    return shutil.which(command)
 
 
 def launch(agent: Agent, proxy: Proxy, agent_args: list[str]
@@ -180,6 +178,27 @@ def launch(agent: Agent, proxy: Proxy, agent_args: list[str]
         return agent_args, env
     # Codex: its built-in provider's base URL for this run only (its login is kept)
     return ["-c", f'openai_base_url="{proxy.url}/v1"', *agent_args], env
+
+
+def codex_elsewhere(agent_args: list[str]) -> str | None:
+    """Why Codex would not go through the proxy: its config (read, never written) or its
+    arguments choose a model provider other than its built-in one, whose base URL is the
+    one wrap points at the proxy; None when it goes through."""
+    import tomllib
+
+    home = Path(os.environ.get("CODEX_HOME") or Path.home() / ".codex")
+    try:
+        chosen = tomllib.loads((home / "config.toml").read_text()).get("model_provider")
+    except (OSError, tomllib.TOMLDecodeError):
+        chosen = None
+    for i, arg in enumerate(agent_args[:-1]):
+        if arg in ("-c", "--config") and agent_args[i + 1].startswith("model_provider="):
+            chosen = agent_args[i + 1].partition("=")[2].strip("\"'")
+    if chosen in (None, "openai"):
+        return None
+    return (f"Codex is set to the model provider {chosen!r}, so its requests go where that "
+            f"provider says, not through the proxy (wrap points the built-in OpenAI "
+            f"provider at it): pass -c model_provider=openai to go through it")
 
 
 # -- the agent ------------------------------------------------------------------------------
