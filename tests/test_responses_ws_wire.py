@@ -259,11 +259,15 @@ def test_the_events_come_through_in_any_chunking(data: st.DataObject, lane: str 
 
 ERRORS = [  # (a stream's error event, the status and type it stands for)
     ({"type": "error", "code": "rate_limit_exceeded", "message": "slow down", "param": None},
-     429, "invalid_request_error"),
+     429, "rate_limit_error"),
     ({"type": "error", "code": "context_length_exceeded", "message": "too long",
       "param": "input"}, 400, "invalid_request_error"),
     ({"type": "error", "code": "internal_error", "message": "oops", "param": None},
      500, "server_error"),
+    ({"type": "error", "code": "tenant_share_exceeded", "message": "this tenant's share of "
+      "tool rounds is in use", "param": None}, 429, "rate_limit_error"),
+    ({"type": "error", "code": "proxy_full", "message": "the proxy is full", "param": None},
+     503, "server_error"),
     ({"type": "error", "code": None, "message": "the upstream went away", "param": None},
      502, "server_error"),
     ({"type": "error", "status": 503, "error": {"type": "server_error", "code": "overloaded",

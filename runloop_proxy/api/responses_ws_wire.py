@@ -38,6 +38,8 @@ WS_BETA = "responses_websockets="  # OpenAI-Beta's token for the socket itself
 # the status an error event of a stream stands for, by its code (an HTTP answer would have
 # had it): what is left failed mid-answer upstream (502), or in the proxy (500)
 _STATUS_OF_CODE = {"rate_limit_exceeded": 429, "insufficient_quota": 429,
+                   "tenant_share_exceeded": 429, "proxy_full": 503,
+                   "store_unavailable": 503, "shutting_down": 503,
                    "context_length_exceeded": 400, "invalid_request_error": 400,
                    "invalid_prompt": 400, "internal_error": 500, "server_error": 500}
 _ANSWER_HEADERS_SKIPPED = ("content-type", "content-length")
@@ -234,8 +236,9 @@ def socket_error(data: dict[str, Any]) -> dict[str, Any]:
     given = data.get("status")
     status: int = given if isinstance(given, int) else \
         _STATUS_OF_CODE.get(code if isinstance(code, str) else "", 502)
-    error = {"type": err.get("type") or ("server_error" if status >= 500
-                                          else "invalid_request_error"),
+    kind = "server_error" if status >= 500 else "rate_limit_error" if status == 429 \
+        else "invalid_request_error"
+    error = {"type": err.get("type") or kind,
              "code": code, "message": str(err.get("message") or "the response failed"),
              "param": err.get("param")}
     out = {"type": "error", "status": status, "error": error}
