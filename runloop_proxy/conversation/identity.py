@@ -36,7 +36,7 @@ from typing import Any
 import orjson
 
 from ..errors import InvalidRequest
-from .messages import Message, content_hash, match_hash, message_hash, message_text, tool_calls_of
+from .messages import Message, content_hash, match_hash, message_text, tool_calls_of, unmarked_hash
 from .runloops import preamble_end
 
 MAX_ID_CHARS = 256
@@ -163,12 +163,13 @@ def identify(headers: Iterable[tuple[str, str]], body: dict[str, Any],
 
 
 def fingerprint(namespace: str, scope: tuple[str, ...], messages: list[Message]) -> str:
-    """The namespace, the scope, the system prompt and the first user message, hashed."""
+    """The namespace, the scope, the system prompt and the first user message, hashed —
+    without their cache marks (a client moves those between requests)."""
     pre = preamble_end(messages)
     opening = next((m for m in messages[pre:] if m.get("role") == "user"),
                    messages[pre] if pre < len(messages) else None)
-    parts = [namespace, *scope, *(message_hash(m) for m in messages[:pre]),
-             "|", message_hash(opening) if opening is not None else ""]
+    parts = [namespace, *scope, *(unmarked_hash(m) for m in messages[:pre]),
+             "|", unmarked_hash(opening) if opening is not None else ""]
     return "fp-" + hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 

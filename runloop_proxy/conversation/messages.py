@@ -6,7 +6,12 @@ add or drop when they echo a reply: null-valued fields, ``annotations: []``, the
 streamed tool calls, key order) addresses it in the store and in every cache. Its *match hash*
 is what reconciliation compares: for an assistant message only its role, text and tool calls,
 so a reply a client echoes back with fields of its own (LiteLLM's ``provider_specific_fields``)
-or without some of ours is still the same turn.
+or without some of ours is still the same turn; for any other message its content hash *without
+the provider's cache marks* (``CACHE_MARKS``: ``cache_control`` on any block, at any depth).
+What a client adds or moves for the provider's cache is not content: Claude Code moves its one
+mark to the newest block on every request, so the block that carried it comes back without it,
+and a hash that counted the mark read every request as an edit (a fork per request). The
+content hash keeps the marks: the window forwards a message's blocks as the client sent them.
 """
 
 from __future__ import annotations
@@ -128,11 +133,64 @@ def message_hash(msg: Message) -> str:
     return content_hash(canonical_json(msg))
 
 
-def match_hash(msg: Message, content_key: str | None = None) -> str:
-    """The identity reconciliation compares (see the module docstring); ``content_key``, the
-    content hash when known, serves every message but an assistant's."""
+CACHE_MARKS = frozenset({"cache_control"})  # fields a client sets for the provider's cache
+_MARK_BYTES = tuple(f'"{k}"'.encode() for k in CACHE_MARKS)
+
+
+def unmarked(value: Any) -> Any:
+    """``value`` without the provider's cache marks at any depth (a dict's ``cache_control``
+    key), copied only where one is; ``value`` itself when it holds none. One walk of its
+    containers (its nesting is bounded by the request's)."""
+    if not isinstance(value, (dict, list)):
+        return value
+    # Post-order over the containers with an explicit stack: a new container is made only
+    # for one a mark was taken out of, or one holding such a container (a container shared
+    # by two fields — a tool message's content and its block's — is made once).
+    out: dict[int, Any] = {}
+    todo: list[tuple[Any, bool]] = [(value, False)]
+    while todo:
+        node, done = todo.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        if not done:
+            todo.append((node, True))
+            todo.extend((v, False) for _, v in items if isinstance(v, (dict, list)))
+            continue
+        changed = isinstance(node, dict) and not CACHE_MARKS.isdisjoint(node)
+        kids = {k: out[id(v)] for k, v in items
+                if isinstance(v, (dict, list)) and id(v) in out}
+        if not changed and not kids:
+            continue
+        if isinstance(node, dict):
+            out[id(node)] = {k: kids.get(k, v) for k, v in node.items()
+                             if k not in CACHE_MARKS}
+        else:
+            out[id(node)] = [kids.get(i, v) for i, v in enumerate(node)]
+    return out.get(id(value), value)
+
+
+def marked(body: bytes) -> bool:
+    """Whether a message's canonical JSON may hold a cache mark (a key, or text quoting
+    one: then ``unmarked`` finds none and the hash is the content hash anyway)."""
+    return any(m in body for m in _MARK_BYTES)
+
+
+def unmarked_hash(msg: Message, body: bytes | None = None) -> str:
+    """The content hash of ``msg`` without its cache marks (``body``: its canonical JSON,
+    when known)."""
+    body = canonical_json(msg) if body is None else body
+    if not marked(body):
+        return content_hash(body)
+    return message_hash(unmarked(msg))
+
+
+def match_hash(msg: Message, content_key: str | None = None, body: bytes | None = None) -> str:
+    """The identity reconciliation compares (see the module docstring); ``content_key`` and
+    ``body``, the content hash and canonical JSON when known, serve every message but an
+    assistant's."""
     if msg.get("role") != "assistant":
-        return content_key or message_hash(msg)
+        if content_key is not None and body is not None and not marked(body):
+            return content_key
+        return unmarked_hash(msg, body)
     calls = [[c.get("id"), (c.get("function") or {}).get("name"),
               (c.get("function") or {}).get("arguments")] for c in tool_calls_of(msg)]
     return content_hash(orjson.dumps(["assistant", message_text(msg), calls]))

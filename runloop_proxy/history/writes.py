@@ -62,7 +62,7 @@ def prepare(msg: Message, tokens: int | None = None, reply: bool = False) -> Pre
     tid = msg.get("tool_call_id") if msg.get("role") == "tool" else ""
     kind = Kind.REPLY if reply else Kind.ASSISTANT if msg.get("role") == "assistant" \
         else Kind.CLIENT
-    return Prepared(key, match_hash(msg, key), body, tid if isinstance(tid, str) else "",
+    return Prepared(key, match_hash(msg, key, body), body, tid if isinstance(tid, str) else "",
                     tokens, "", kind)
 
 
