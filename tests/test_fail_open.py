@@ -73,7 +73,7 @@ class Hung:
 
 @pytest.fixture(params=["gone", "hung"])
 def degraded_proxy(request: pytest.FixtureRequest, make_proxy: Any) -> Iterator[ProxyServer]:
-    store = {"retry_after_s": 0.2, "timeout_s": 0.2}
+    store = {"retry_after_s": 0.3, "timeout_s": 0.2}
     if request.param == "gone":
         server = RedisServer().start()
         proxy = make_proxy(redis=server.url, store=store)

@@ -4,6 +4,7 @@ with a 408 (431), while everyone else is served."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -12,9 +13,19 @@ from typing import Any
 import httpx
 import pytest
 
+from .distinct import Distinct
+
 pytestmark = pytest.mark.slow
 
-LIMITS = {"header_timeout_s": 0.6, "body_timeout_s": 0.6, "max_header_bytes": 4096}
+
+
+@pytest.fixture
+def limits(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The server's limits for one test, drawn apart (``tests/distinct.py``): a header and a
+    body deadline of one value could not show one armed in the other's place."""
+    draw = Distinct(request.node.nodeid)
+    return {"header_timeout_s": draw.seconds(0.4, 1.2), "body_timeout_s": draw.seconds(0.4, 1.2),
+            "max_header_bytes": draw.size(4096, 6000)}
 
 
 def _dribble(port: int, parts: list[bytes], gap: float, until: float) -> tuple[bytes, float]:
@@ -64,8 +75,9 @@ HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applica
     ("body a byte at a time", [HEAD + b"Content-Length: 500\r\n\r\n"] + [b"{"] * 500),
 ])
 def test_a_slow_client_is_cut_off_and_told_why(make_proxy: Any, name: str,
-                                                parts: list[bytes]) -> None:
-    proxy = make_proxy(server=LIMITS)
+                                                parts: list[bytes],
+                                                limits: dict[str, Any]) -> None:
+    proxy = make_proxy(server=limits)
     got, took = _dribble(proxy.port, parts, gap=0.1, until=6.0)
     assert took < 4.0, f"{name}: the connection was still open after {took:.1f} s"
     if name != "silent":
@@ -73,17 +85,18 @@ def test_a_slow_client_is_cut_off_and_told_why(make_proxy: Any, name: str,
         assert b"request timeout" in got
 
 
-def test_headers_without_end_are_refused(make_proxy: Any) -> None:
-    proxy = make_proxy(server=LIMITS)
+def test_headers_without_end_are_refused(make_proxy: Any, limits: dict[str, Any]) -> None:
+    proxy = make_proxy(server=limits)
     flood = [HEAD] + [b"X-Filler: " + b"a" * 1000 + b"\r\n"] * 20
     got, _ = _dribble(proxy.port, flood, gap=0.0, until=3.0)
     assert got.startswith(b"HTTP/1.1 431 "), got[:200]
 
 
-def test_slow_clients_do_not_hold_up_the_others(make_proxy: Any, upstream: Any) -> None:
+def test_slow_clients_do_not_hold_up_the_others(make_proxy: Any, upstream: Any,
+                                                 limits: dict[str, Any]) -> None:
     """Forty dribbling connections at once; a normal client is answered meanwhile, and once
     the deadline has passed none of the dribblers is still connected."""
-    proxy = make_proxy(server=LIMITS)
+    proxy = make_proxy(server=limits)
     results: list[float] = []
 
     def slow() -> None:
@@ -101,17 +114,19 @@ def test_slow_clients_do_not_hold_up_the_others(make_proxy: Any, upstream: Any) 
     assert len(results) == 40 and max(results) < 4.0, sorted(results)[-3:]
 
 
-def test_a_kept_alive_connection_serves_its_next_request(make_proxy: Any) -> None:
+def test_a_kept_alive_connection_serves_its_next_request(make_proxy: Any,
+                                                         limits: dict[str, Any]) -> None:
     """The deadlines are per request: a client that sends its requests promptly on one
     connection is served each time, however long the connection lives."""
-    proxy = make_proxy(server=LIMITS)
+    proxy = make_proxy(server=limits)
     with httpx.Client(base_url=proxy.base, timeout=5) as client:
         for _ in range(4):
             assert client.get("/healthz").json() == {"status": "ok"}
             time.sleep(0.3)  # under keep_alive_s, above nothing: the deadline is re-armed
 
 
-def test_a_header_block_too_large_is_refused_before_the_app_sees_it() -> None:
+def test_a_header_block_too_large_is_refused_before_the_app_sees_it(
+        limits: dict[str, Any]) -> None:
     """A header block over the limit that arrives in one read was parsed whole, handed to the
     app (its work done: 5,000 credential headers stalled every request for a second) and only
     then answered 431. The refusal comes before the request is dispatched: under the
@@ -129,14 +144,14 @@ def test_a_header_block_too_large_is_refused_before_the_app_sees_it() -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": b"ok"})
 
-    server = ThreadedServer(app, lifespan="off", server=ServerSection(**LIMITS))
+    server = ThreadedServer(app, lifespan="off", server=ServerSection(**limits))
     port = server.start()
     try:
         body = b'{"model": "m"}'
         block = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                  + b"".join(b"X-Api-Key-%d: k%d\r\n" % (i, i) for i in range(400))
                  + b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        assert len(block) > LIMITS["max_header_bytes"]
+        assert len(block) > limits["max_header_bytes"]
         got, _ = _dribble(port, [block], gap=0.0, until=3.0)
         assert got.startswith(b"HTTP/1.1 431 "), got[:200]
         assert got.count(b"HTTP/1.1") == 1
@@ -162,13 +177,14 @@ def _refusal_json(got: bytes) -> tuple[int, dict[str, str], Any]:
                                   "/v1/messages/count_tokens", "/v1/embeddings"])
 @pytest.mark.parametrize("refusal", ["headers too large", "too slow"])
 def test_a_refusal_is_an_error_in_the_paths_api_shape(make_proxy: Any, path: str,
-                                                      refusal: str) -> None:
+                                                      refusal: str,
+                                                      limits: dict[str, Any]) -> None:
     """Finding (red team): a request refused before the app saw it (431: headers over the
     limit; 408: too slow to arrive) was answered in plain text on every path, where every
     other error a client of that API gets is its API's JSON (OpenAI's, or Anthropic's on
     /v1/messages), which its SDK reads. One rule for both: the app's (``FastPath.refusal``,
     the path's shape as ``api.http.error_shape`` has it)."""
-    proxy = make_proxy(server=LIMITS)
+    proxy = make_proxy(server=limits)
     head = HEAD.replace(b"/v1/chat/completions", path.encode())
     if refusal == "headers too large":
         got, _ = _dribble(proxy.port, [head] + [b"X-Filler: " + b"a" * 1000 + b"\r\n"] * 20,
@@ -187,3 +203,142 @@ def test_a_refusal_is_an_error_in_the_paths_api_shape(make_proxy: Any, path: str
         assert body["error"]["type"] == "invalid_request_error", body
         assert body["error"]["code"] == {431: "request_headers_too_large",
                                          408: "request_timeout"}[status]
+
+
+class _Transport(asyncio.Transport):
+    """What the protocol writes, and whether it closed: a connection without a socket."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"peername": ("127.0.0.1", 50_123), "sockname": ("127.0.0.1", 8_123)}.get(
+            name, default)
+
+    def write(self, data: Any) -> None:
+        self.written += bytes(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+class _Timers:
+    """The event loop, with every timer the protocol arms written down (its delay, in order)
+    and never started by the clock: a test fires one when it chooses."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.armed: list[tuple[float, asyncio.TimerHandle]] = []
+
+    def call_later(self, delay: float, callback: Any, *args: Any) -> asyncio.TimerHandle:
+        handle = asyncio.TimerHandle(self.loop.time() + 3600, callback, args, self.loop)
+        self.armed.append((delay, handle))
+        return handle
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loop, name)
+
+
+def _protocol(limits: dict[str, Any], seen: list[str]) -> tuple[Any, _Timers, _Transport]:
+    """The proxy's protocol on one connection, its app noting every request it is given."""
+    from uvicorn.server import ServerState
+
+    from runloop_proxy.config import ServerSection
+    from runloop_proxy.serving import GuardedHttpTools, server_config
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["path"])
+        while (await receive())["more_body"] if scope["method"] == "POST" else False:
+            pass
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    config = server_config(app, ServerSection(**limits), lifespan="off")
+    timers = _Timers(asyncio.get_running_loop())
+    proto = GuardedHttpTools(config, ServerState(), {}, _loop=timers)
+    transport = _Transport()
+    proto.connection_made(transport)
+    return proto, timers, transport
+
+
+def _live(timers: _Timers) -> list[float]:
+    """The delays of the timers armed and not cancelled, in the order they were armed."""
+    return [delay for delay, handle in timers.armed if not handle.cancelled()]
+
+
+def test_each_deadline_is_armed_with_its_own_setting(limits: dict[str, Any]) -> None:
+    """The header deadline is armed with ``header_timeout_s`` when the connection opens and
+    again when a kept-alive connection's next request begins, the body deadline with
+    ``body_timeout_s`` when the headers end, and the one that fires answers 408. Timers are
+    written down, not waited for: the values are asserted exactly, on any machine.
+
+    Bug class: a deadline armed from the wrong setting (invisible while both settings were
+    0.6). Planted: the body deadline armed with ``header_timeout``; the header deadline of a
+    kept-alive connection's next request armed with ``body_timeout``."""
+    header, body = limits["header_timeout_s"], limits["body_timeout_s"]
+
+    async def main() -> None:
+        seen: list[str] = []
+        proto, timers, transport = _protocol(limits, seen)
+        assert _live(timers) == [header]
+        proto.data_received(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                            b"Content-Length: 11\r\n\r\n")
+        assert _live(timers) == [body]  # the header deadline gone, the body's armed
+        proto.data_received(b'{"model": 1')
+        assert _live(timers) == []
+        for _ in range(50):
+            await asyncio.sleep(0)
+        assert seen == ["/v1/chat/completions"] and transport.written.startswith(
+            b"HTTP/1.1 200 ")
+        proto.data_received(b"GET /healthz HTTP/1.1\r\n")  # the next request, half sent
+        assert _live(timers)[-1:] == [header]
+        timers.armed[-1][1]._run()  # its deadline passes
+        got = transport.written.split(b"HTTP/1.1 ")[-1]
+        assert got.startswith(b"408 ") and transport.closed, got
+        assert seen == ["/v1/chat/completions"]
+        proto.connection_lost(None)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("over", [0, 1])
+def test_the_header_bound_holds_at_its_exact_value(limits: dict[str, Any], over: int) -> None:
+    """A header block of exactly ``max_header_bytes`` (the URL and each header's name, value
+    and its 4 bytes of framing) is served; one byte more is a 431 before the app sees it.
+
+    Bug class: a bound off at its boundary. Planted: ``>=`` for ``>`` in
+    ``on_headers_complete`` (the exact size refused); the framing counted as 2 bytes a header
+    (a block 2 bytes a header over the bound served)."""
+    bound = limits["max_header_bytes"]
+
+    async def main() -> None:
+        seen: list[str] = []
+        proto, timers, transport = _protocol(limits, seen)
+        url = b"/v1/models"
+        fixed = [(b"Host", b"proxy.internal"), (b"Authorization", b"Bearer " + b"k" * 164)]
+        used = len(url) + sum(len(n) + len(v) + 4 for n, v in fixed)
+        filler = bound + over - used - len(b"X-Filler") - 4
+        headers = fixed + [(b"X-Filler", b"f" * filler)]
+        assert len(url) + sum(len(n) + len(v) + 4 for n, v in headers) == bound + over
+        proto.data_received(b"GET " + url + b" HTTP/1.1\r\n" + b"".join(
+            n + b": " + v + b"\r\n" for n, v in headers) + b"\r\n")
+        for _ in range(50):
+            await asyncio.sleep(0)
+        if over:
+            assert transport.written.startswith(b"HTTP/1.1 431 ") and seen == []
+        else:
+            assert transport.written.startswith(b"HTTP/1.1 200 ") and seen == ["/v1/models"]
+        proto.connection_lost(None)
+
+    asyncio.run(main())

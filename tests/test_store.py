@@ -433,7 +433,7 @@ def test_every_api_served_without_redis_says_so(make_proxy: Any, upstream: Scrip
     answer of the proxy's goes through (``relay.proxy_headers``): count_tokens left it out
     (a red-team pass)."""
     server = RedisServer().start()
-    proxy = make_proxy(redis=server.url, store={"retry_after_s": 0.2, "timeout_s": 0.2})
+    proxy = make_proxy(redis=server.url, store={"retry_after_s": 0.3, "timeout_s": 0.2})
     server.stop()
     try:
         r = httpx.post(proxy.url + path, json=body, timeout=30,
@@ -449,7 +449,7 @@ def test_redis_killed_mid_traffic_no_client_failures(make_proxy: Any,
     server = RedisServer().start()
     try:
         proxy = make_proxy(redis=server.url, admin_key=ADMIN,
-                           store={"retry_after_s": 0.2, "timeout_s": 0.2})
+                           store={"retry_after_s": 0.3, "timeout_s": 0.2})
         c = sdk(proxy)
         failures = 0
         degraded = 0

@@ -456,7 +456,7 @@ def test_an_omission_by_age_shows_the_digest_of_what_it_left_out(
     upstream.responder = model()
     root = write_config(tmp_path / "c", upstream.url, acme_policy=(
         'max_run_loops = 8\nomit_batch = 4\nsummary_model = "extractive"\n'
-        'summary_lines = false\nmax_time_range_s = 4\n'))
+        'summary_lines = false\nmax_time_range_s = 3.8\n'))
     proxy = make_proxy(config_dir=str(root))
 
     def shown(turn: int) -> list[str | None]:
@@ -493,7 +493,7 @@ def test_a_loop_is_dated_in_its_own_conversation_not_by_the_same_words_elsewhere
     long ago does not make this session's new loop old: it is not omitted by age."""
     upstream.responder = model()
     root = write_config(tmp_path / "c", upstream.url, acme_policy=(
-        'max_run_loops = 8\nomit_batch = 4\nmax_time_range_s = 4\n'))
+        'max_run_loops = 8\nomit_batch = 4\nmax_time_range_s = 3.8\n'))
     proxy = make_proxy(config_dir=str(root))
     converse(proxy, "first-session", 2)
     time.sleep(4.2)

@@ -27,8 +27,8 @@ SLACK_S = 600  # the test's own duration, in seconds of TTL: far below any unit 
 def retention_config(tmp_path: Path, upstream: ScriptedUpstream) -> str:
     """acme keeps its history 2 days (its own setting), globex the store's 3 (global)."""
     root = write_config(tmp_path / "cfg", upstream.url, acme_policy=(
-        'max_run_loops = 1\nomit_batch = 1\nsummary_model = "extractive"\n'
-        'reduce_at_least = 0\n'))
+        'max_run_loops = 1\nomit_batch = 1\n'  # coincide: one loop omitted a turn
+        'summary_model = "extractive"\nreduce_at_least = 0\n'))
     acme = root / "tenants" / "acme.toml"
     acme.write_text("retention_days = 2\n" + acme.read_text())
     return str(root)

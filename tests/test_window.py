@@ -714,7 +714,8 @@ def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
         for k in range(n):
             msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
         msgs.append(U())
-        w = build(msgs, Policy(**MECHANICS, max_run_loops=3, omit_batch=3, reduce_at_least=0))
+        w = build(msgs, Policy(**MECHANICS, max_run_loops=3, omit_batch=3,  # coincide: the
+                               reduce_at_least=0))  # batch as large as what stays: the table's
         shown.append(w.reduced_loops)
         assert_valid(w.messages)
     # past loops shown run 1, 2, 3 then drop back to 1: one prefix change per three turns
@@ -727,7 +728,7 @@ def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
         for k in range(n):
             msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
         msgs.append(U())
-        markers.add(build(msgs, Policy(**MECHANICS, max_run_loops=3, omit_batch=3,
+        markers.add(build(msgs, Policy(**MECHANICS, max_run_loops=3, omit_batch=2,
                                        reduce_at_least=0)).messages[1]["content"])
     assert len(markers) == 1
 
@@ -833,7 +834,7 @@ def test_loops_beyond_max_run_loops_go_even_when_reducing_them_did_not_pay() -> 
     for k in range(6):
         msgs += [U(tag=f"q{k}"), F(tag=f"a{k}")]
     msgs.append(U(tag="now"))
-    w = build(msgs, Policy(**MECHANICS, max_run_loops=2, omit_batch=2))
+    w = build(msgs, Policy(**MECHANICS, max_run_loops=2, omit_batch=1))
     users = [m["content"] for m in w.messages if m["role"] == "user"]
     assert w.omitted_loops == 4 and "Earlier turns" in w.messages[1]["content"]
     assert users == [words(5, "q4"), words(5, "q5"), words(5, "now")]
