@@ -238,8 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="measure the window on recorded conversations",
                        description="Measure what the window saves on recorded conversations: "
                                    "offline, or through a running proxy (--proxy).")
-    r.add_argument("file", help="the conversations, one JSON object a line: chat "
-                                "(messages), Responses (input) or Anthropic Messages")
+    r.add_argument("file", nargs="?", default=None,
+                   help="the conversations, one JSON object a line: chat (messages), "
+                        "Responses (input) or Anthropic Messages")
+    r.add_argument("--sample", action="store_true",
+                   help="replay the sample session the demo sends (shipped with the package), "
+                        "with the demo's model and policy: the same figures the demo prints")
     r.add_argument("--context", type=int, default=None,
                    help="model context window for the run (default: the model's or 128k)")
     r.add_argument("--model", default=None,

@@ -137,11 +137,16 @@ def test_demo_once_prints_no_address_it_takes_down(redis_url: str, tmp_path: Pat
     r = cli("demo", "--once", "--port", "0", "--redis-url", redis_url, "--data-dir",
             str(tmp_path), timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
-    saved = re.search(r"sent ([\d,]+), the upstream got ([\d,]+) — (\d+)% saved", r.stdout)
+    saved = re.search(r"prompt tokens saved [\d.]+% \(([\d,]+) sent, ([\d,]+) forwarded\)",
+                      r.stdout)
     assert saved, r.stdout
     sent, got = (int(saved.group(k).replace(",", "")) for k in (1, 2))
     assert got < sent / 2 and "36 requests" in r.stdout
+    assert re.search(HEADLINE, r.stdout), r.stdout
     assert "http://" not in r.stdout and "without --once" in r.stdout
+
+
+HEADLINE = r"bill saved -?[\d.]+% \(-?\$[\d,.]+ of \$[\d,.]+\)"
 
 
 def read_until(stream: IO[str], marker: str, what: str) -> str:
@@ -174,6 +179,15 @@ def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path:
         assert login.status_code == 303
         page = c.get(session.group(1))
         assert page.status_code == 200 and "36 requests" in page.text
+        # the headline: the same name and value in the demo, the inspector and the replay
+        # of the same session (the shipped sample)
+        said = re.search(HEADLINE, text)
+        assert said, text
+        assert said.group(0) in page.text, page.text[:3000]
+        replayed = cli("replay", "--sample", "--no-progress", timeout=300)
+        assert replayed.returncode == 0, replayed.stderr[-2000:]
+        assert f"  {said.group(0)}: gpt-4o-mini at openai's prices" in replayed.stdout, \
+            (said.group(0), replayed.stdout)
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -406,7 +406,7 @@ def test_replay_names_the_conversations_that_cost_more_and_prices_them(tmp_path:
     human = run(f, "--context", "16384", "--worst", "1").stdout
     assert "costing more than pass-through: cache-aware 1, strict 1" in human
     assert "short-one" in human and "long-one" not in human and "by domain" in human
-    assert "money (openai" in human
+    assert "money, block by block (openai" in human
     anthropic = json.loads(run(f, "--json", "--provider", "anthropic").stdout)
     assert anthropic["model"] == "claude-sonnet-4"
     assert anthropic["money"]["provider"] == "anthropic"

@@ -23,7 +23,11 @@ import httpx
 
 from ..config import Settings, load_config
 from ..conversation.messages import Message
+from ..pricing import PriceTable
+from ..savings import Meter, providers
 from ..scripted import ScriptedUpstream, ThreadedServer
+
+MODEL = "gpt-4o-mini"
 
 SYSTEM = ("You are the support agent of an online shop. Look orders up with get_order before "
           "answering; quote order ids and tracking numbers exactly.")
@@ -116,24 +120,23 @@ def _demo(args: argparse.Namespace, sock: socket.socket) -> int:
     try:
         port = server.start(sock=sock)
         base = f"http://127.0.0.1:{port}"
-        client_total = forwarded_total = 0
+        meter = Meter(providers(PriceTable.load()))
         session = f"demo-{int(time.time())}"
         with httpx.Client(base_url=base, timeout=60, headers={
                 "Authorization": "Bearer sk-demo", "X-Session-Id": session}) as c:
             for i in points:
                 r = c.post("/v1/chat/completions", json={
-                    "model": "gpt-4o-mini", "messages": conversation[:i], "tools": TOOLS})
+                    "model": MODEL, "messages": conversation[:i], "tools": TOOLS})
                 if r.status_code != 200:
                     print(f"the proxy answered {r.status_code}: {r.text[:300]}",
                           file=sys.stderr)
                     return 1
                 sent, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
-                client_total += sent
-                forwarded_total += forwarded
-        saved = 1 - forwarded_total / client_total if client_total else 0.0
+                meter.add(MODEL, sent, forwarded, time.time())
         print(f"replayed a support agent's session: {len(points)} requests through the proxy")
-        print(f"  prompt tokens: the client sent {client_total:,}, the upstream got "
-              f"{forwarded_total:,} — {saved:.0%} saved")
+        print(f"  {meter.total.headline()}: {MODEL} at openai's prices, its prompt cache on "
+              f"both sides")
+        print(f"  {meter.total.secondary()}")
         print(f"  last request: {sent:,} tokens sent, {forwarded:,} forwarded")
         if args.once:
             print("stopped (--once): run `runloop-proxy demo` without --once to browse the "

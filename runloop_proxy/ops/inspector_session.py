@@ -12,6 +12,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from .. import savings
 from ..config import TenantSpec
 from ..conversation.identity import name_of
 from ..conversation.messages import Message, message_text, tool_calls_of
@@ -21,6 +22,8 @@ from ..history.store import SessionView
 from ..history.summaries import OMIT
 from ..pipeline.offload import offload
 from ..pipeline.tools import spliced_stored
+from ..pricing import PriceTable
+from ..savings import Savings
 from ..state import AppState
 from ..window.forms import SUMMARY_HEAD, TAG
 from .inspector_chart import chart
@@ -75,12 +78,25 @@ def _body(state: AppState, cookie: str, tenant: str, sid: str, view: SessionView
            f"run loop{'s' if len(loops) != 1 else ''} · {len(view.branches)} "
            f"branch{'es' if len(view.branches) != 1 else ''} · created "
            f"{when(view.created_ms)} · last used {when(view.updated_ms)}</p>",
+           headline_html(session_savings(state, points)),
            "<h2>Prompt tokens per request</h2>", chart(points),
            _window(rebuilt, len(points)), note, _loops(tenant, sid, messages, loops, rebuilt),
            _summaries(state, spec, tenant, sid, stored, cookie),
            _rounds(tenant, sid, view, messages), _records(view, rebuilt),
            _branches(view)]
     return "".join(out)
+
+
+def session_savings(state: AppState, points: list[dict[str, Any]]) -> Savings:
+    """The session's headline figure, at the proxy's prices (``savings``)."""
+    return savings.of_points(points, state.config.prices or PriceTable.load())
+
+
+def headline_html(s: Savings) -> str:
+    """The headline and its secondary figure, labelled, with what the headline means."""
+    return (f"<p class='headline'><b>{escape(s.headline())}</b> · {escape(s.secondary())}"
+            f"</p><p class='muted'>{escape(savings.HEADLINE.capitalize())}: "
+            f"{escape(savings.DEFINITION)}.</p>")
 
 
 def _window(rebuilt: Rebuilt, requests: int) -> str:

@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from ..conversation.messages import Message, content_hash
 from ..errors import ConfigError
 from ..pipeline.accounting import prompt_usage
 from ..pricing import PriceTable, Provider
+from ..savings import Meter
 from .replay_offline import CACHED_PRICE, Replayer
 from .replay_report import Run, as_json, report
 from .replay_tally import SEPARATE, Tally
@@ -74,6 +76,13 @@ class HttpReplay:
             self.direct.close()
 
     def conversation(self, conv: dict[str, Any], idx: int, tally: Tally) -> None:
+        meter = self.replayer.meter()
+        try:
+            self._requests(conv, idx, tally, meter)
+        finally:
+            tally.savings = meter.total
+
+    def _requests(self, conv: dict[str, Any], idx: int, tally: Tally, meter: Meter) -> None:
         messages = conv["messages"]
         for i in range(1, len(messages)):
             if messages[i].get("role") != "assistant":
@@ -93,6 +102,7 @@ class HttpReplay:
                 tally.forwarded += client
                 tally.over_client += 1
                 tally.over_forwarded += 1
+                meter.add(self.model, client, client)
                 continue
             if r.status_code != 200 or not header:
                 raise ReplayError(f"conversation {idx}, request {tally.requests}: the proxy "
@@ -100,6 +110,7 @@ class HttpReplay:
             client, forwarded = map(int, header.split(";"))
             tally.client += client
             tally.forwarded += forwarded
+            meter.add(self.model, client, forwarded)
             tally.over_client += client > self.context
             tally.over_forwarded += forwarded > self.context
             if self.direct is None:
@@ -307,8 +318,20 @@ def _read(path: Path) -> list[dict[str, Any]] | str:
     return convs
 
 
+SAMPLE = "samples/support_agent.jsonl"  # the demo's session (tests/test_savings.py)
+SAMPLE_MODEL = "gpt-4o-mini"  # the demo's
+SAMPLE_POLICY = "summary_model=extractive"  # the demo's
+
+
 def run_replay(args: argparse.Namespace) -> int:
-    path = Path(args.file)
+    if args.sample == bool(args.file):
+        print("replay: give a FILE of conversations, or --sample (not both)", file=sys.stderr)
+        return 2
+    if args.sample:
+        args.model = args.model or SAMPLE_MODEL
+        args.set = [SAMPLE_POLICY, *(args.set or [])]
+    path = Path(args.file) if args.file else \
+        Path(str(resources.files("runloop_proxy").joinpath(SAMPLE)))
     convs = _read(path)
     if isinstance(convs, str):
         print(convs, file=sys.stderr)

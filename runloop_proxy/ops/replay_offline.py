@@ -36,6 +36,7 @@ from ..history.summaries import digest, due
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
 from ..pipeline.tools import Doc, ProxyTools, doc, query_terms, rank_docs
 from ..pricing import Block, BreakpointCache, PrefixCache, Price, Provider
+from ..savings import Meter
 from ..window.builder import Window, build_window
 from ..window.forms import Budget
 from ..window.retention import Conversation as RetentionMeter
@@ -139,6 +140,10 @@ class Replayer:
         self.provider = provider
         self.price = provider.price(model) if provider is not None else None
 
+    def meter(self) -> Meter:
+        """A conversation's headline figure, priced by the replay's provider."""
+        return Meter([self.provider] if self.provider is not None else [])
+
     def proxy_tools_tokens(self, tools: list[dict[str, Any]] | None) -> int:
         """What the proxy's tools add to a request carrying ``tools`` (with none, the tools
         section's frame as well)."""
@@ -210,6 +215,7 @@ class Replayer:
             reasoning.append(reasoning[-1] + _reasoning_items(m.get("items") or []))
         ahead = SummariesAhead(policy, messages, segment(messages),
                                lambda t: self.counter.text(self.enc, t), self.summary_cost)
+        meter = self.meter()
         client = Side(self.provider, self.price, self.cache_step)
         forwarded = Side(self.provider, self.price, self.cache_step)
         bound = Side(None, None, self.cache_step)
@@ -234,6 +240,7 @@ class Replayer:
             tally.requests += 1
             tally.client += client_total
             tally.forwarded += fwd_total
+            meter.add(self.model, client_total, fwd_total)
             cblocks = [block(m) for m in req]
             c_sep, c_strict, c_money = client.bill(cblocks[:pre], tools_block, cblocks[pre:])
             wpre = preamble_end(window.messages)
@@ -270,6 +277,7 @@ class Replayer:
             if reasoning[i]:
                 tally.reasoning_client += reasoning[i]
                 tally.reasoning_forwarded += _reasoning_items(to_items(window.messages)[1])
+        tally.savings = meter.total
 
 
 class SummariesAhead:

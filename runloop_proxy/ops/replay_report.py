@@ -72,6 +72,7 @@ def report(run: Run, tally: Tally, worst: int = 5) -> list[str]:
     lines = [f"{run.path.name}{half}: {run.conversations} conversations, {tally.requests} "
              f"requests, model {run.model} (counted with {run.replayer.encoding}), context "
              f"{run.replayer.context}",
+             f"  {headline(run, tally)}",
              f"  prompt tokens   client {tally.client:>12,}  forwarded {tally.forwarded:>12,}  "
              f"saving {out['raw_saving']:.1%}"]
     c, f = tally.costs[SEPARATE]
@@ -123,13 +124,22 @@ def _money(run: Run, tally: Tally) -> list[str]:
     cache = "automatic prefix cache" if run.provider.cache == "prefix" else \
         "cache_control breakpoints after the system prompt and at the end"
     write = f", cache writes ${price.cache_write:.2f}" if price.cache_write is not None else ""
-    return [f"  money ({run.provider.name}, {cache}; per million: input ${price.input:.2f}, "
-            f"cached ${price.cached_input:.3f}{write})",
+    return [f"  money, block by block ({run.provider.name}, {cache}; per million: input "
+            f"${price.input:.2f}, cached ${price.cached_input:.3f}{write})",
             f"                  client ${tally.money[0]:>11,.2f}  forwarded "
             f"${tally.money[1]:>11,.2f}  saving {tally.saving(*tally.money):.1%}"
             + (f"; with the recorded replies' output (${tally.output_money:,.2f} either way) "
                f"{tally.saving(tally.money[0] + tally.output_money, tally.money[1] + tally.output_money):.1%}"  # noqa: E501
                if tally.output_money else "")]
+
+
+def headline(run: Run, tally: Tally) -> str:
+    """The headline figure (``savings``), and whose prices it is at."""
+    said = tally.savings.headline()
+    if run.provider is None or tally.savings.bill_saved is None:
+        return said + (f" (no provider prices {run.model}: --provider, --prices)"
+                       if run.provider is None else "")
+    return f"{said}: {run.model} at {run.provider.name}'s prices, its prompt cache on both sides"
 
 
 def _retention(out: dict[str, Any]) -> list[str]:

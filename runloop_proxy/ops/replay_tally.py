@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..savings import Savings
 from ..window.retention import Retention
 
 # the cost models a replay prices both sides with (input-token equivalents, cached at 10%)
@@ -42,6 +43,7 @@ class Tally:
     reasoning_client: int = 0  # Responses reasoning items sent, summed over requests
     reasoning_forwarded: int = 0
     rows: list[Row] = field(default_factory=list)  # one per conversation added
+    savings: Savings = Savings()  # the headline's (``savings``): both sides priced alike
 
     @property
     def client_cost(self) -> float:
@@ -76,6 +78,7 @@ class Tally:
             self.charge(m, c, f)
         self.money[0] += other.money[0]
         self.money[1] += other.money[1]
+        self.savings = self.savings + other.savings
         for k, v in other.events.items():
             self.events[k] = self.events.get(k, 0) + v
         self.retention.add(other.retention)
@@ -112,7 +115,8 @@ class Tally:
     def as_dict(self) -> dict[str, Any]:
         c, f = self.costs[SEPARATE]
         sc, sf = self.costs[STRICT]
-        return {"requests": self.requests, "client_tokens": self.client,
+        return {"headline": self.savings.as_dict(),
+                "requests": self.requests, "client_tokens": self.client,
                 "forwarded_tokens": self.forwarded,
                 "raw_saving": round(self.saving(self.client, self.forwarded), 4),
                 "client_cost": round(c), "forwarded_cost": round(f),
