@@ -142,6 +142,9 @@ class ScriptedUpstream:
         self.abandoned = 0
         self.keep_requests = True
         self.delay = 0.0
+        # headers added to every answer, as a provider's are (its account, its key's rate
+        # limits, its edge's cookies): what a proxy relays of them is the client's to see
+        self.answer_headers: list[tuple[str, str]] = []
         self.server: ThreadedServer | None = None
         self.port = 0
         self._anthropic: anthropic.AnthropicCache | None = None
@@ -161,19 +164,32 @@ class ScriptedUpstream:
         self.streams_started = self.streams_closed_early = self.abandoned = 0
         self.keep_requests = True
         self.delay = 0.0
+        self.answer_headers = []
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
     def start(self, port: int = 0) -> ScriptedUpstream:
-        self.server = ThreadedServer(self.app(), lifespan="off")
+        self.server = ThreadedServer(self._with_answer_headers(self.app()), lifespan="off")
         self.port = self.server.start(port)
         return self
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
+
+    def _with_answer_headers(self, app: Starlette) -> Any:
+        async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+            async def sending(message: Any) -> None:
+                if message["type"] == "http.response.start" and self.answer_headers:
+                    message = {**message, "headers": [
+                        *message.get("headers", []),
+                        *((k.lower().encode("latin-1"), v.encode("latin-1"))
+                          for k, v in self.answer_headers)]}
+                await send(message)
+            await app(scope, receive, sending)
+        return wrapped
 
     # -- the fake LLM ----------------------------------------------------------------------
 

@@ -129,7 +129,7 @@ async def passthrough(request: Request) -> ASGIResponse:
 
     # relayed as it arrives, as the upstream encoded it: never held whole, never inflated
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-    return LiveStreamResponse(relay(), resp.status, dict(resp.forward_headers()), sse=sse)
+    return LiveStreamResponse(relay(), resp.status, dict(caller.answer_headers(resp)), sse=sse)
 
 
 async def healthz(request: Request) -> Response:

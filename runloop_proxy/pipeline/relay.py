@@ -73,7 +73,7 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     """The upstream's answer to the client: as it came, or (when the proxy's tools went out)
     with the proxy's rounds answered and hidden. Errors pass through with their status; a
     large answer passes through as it arrives, never held whole."""
-    headers = response_headers(resp, session, rlog)
+    headers = response_headers(turn.caller, resp, session, rlog)
     refuse_held_key(turn.caller, resp)
     if resp.status >= 400:
         status, raw = turn.wire.upstream_error(resp.status, await read(state, resp, rlog))
@@ -165,9 +165,9 @@ def refuse_held_key(caller: Caller, resp: UpstreamResponse) -> None:
         raise UpstreamKeyRefused(resp.status)
 
 
-def response_headers(resp: UpstreamResponse, session: Session,
+def response_headers(caller: Caller, resp: UpstreamResponse, session: Session,
                      rlog: RequestLog) -> dict[str, str]:
-    return {**dict(resp.forward_headers()), **proxy_headers(session, rlog)}
+    return {**dict(caller.answer_headers(resp)), **proxy_headers(session, rlog)}
 
 
 def proxy_headers(session: Session, rlog: RequestLog) -> dict[str, str]:

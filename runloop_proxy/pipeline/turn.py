@@ -50,7 +50,7 @@ async def count(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     # (an upstream of another API has no count of this one's: the proxy counts then)
     if turn.policy.count_tokens == "upstream" and not turn.wire.translates:
         resp = await forward(state, turn, out.body, rlog, "/count_tokens")
-        headers = response_headers(resp, session, rlog)
+        headers = response_headers(turn.caller, resp, session, rlog)
         raw = await read(state, resp, rlog)
         rlog.finish(resp.status)
         return Answer(resp.status, headers, raw)

@@ -38,11 +38,17 @@ from .masking import (
 from .shares import Held, Shares
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504, 529})  # 529: Anthropic's overloaded
+# a connection's own headers (RFC 9110 §7.6.1, with RFC 2616's spellings and the
+# Proxy-Connection clients still send), never relayed either way; nor any header a
+# ``Connection`` names
 HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailers",
-    "transfer-encoding", "upgrade", "host", "content-length", "content-encoding",
+    "connection", "proxy-connection", "keep-alive", "proxy-authenticate",
+    "proxy-authorization", "te", "trailer", "trailers", "transfer-encoding", "upgrade",
 })
-_DROP_REQUEST = HOP_BY_HOP | {"authorization", "accept-encoding", "x-runloop-history"}
+# how this hop's body is framed and who it is for: set again for the next hop
+_FRAMING = frozenset({"host", "content-length", "content-encoding"})
+_DROP_REQUEST = HOP_BY_HOP | _FRAMING | {"authorization", "accept-encoding",
+                                         "x-runloop-history"}
 # the client's credentials for the proxy itself, never forwarded in tenant mode
 PROXY_KEY_HEADERS = frozenset(CREDENTIAL_HEADERS) - {"authorization"}
 # headers that may name the caller to an upstream or a gateway in front of it (Portkey's,
@@ -52,8 +58,37 @@ IDENTITY = re.compile(r"(^|-)(auth|authentication|authorization|api-?key|apikey|
 # named like one, and no caller's: it differs on every request (a WebSocket handshake's
 # nonce too), or it is the client program's
 NOT_IDENTITY = frozenset({"idempotency-key", "user-agent", "sec-websocket-key"})
-# the server adds its own (two of each confuse clients and caches)
-_DROP_RESPONSE = HOP_BY_HOP | {"date", "server"}
+# What an upstream's answer may tell a client, whoever's key it was made with: a list of
+# what is allowed (an upstream's new header says nothing until it is known to be harmless).
+# What the body is, the ids the SDKs put in their errors and logs, and when to try again.
+ANSWER_HEADERS = frozenset({
+    "content-type", "content-disposition", "content-language", "content-range",
+    "accept-ranges", "cache-control", "etag", "last-modified", "expires", "vary",
+    "x-request-id", "request-id", "retry-after", "retry-after-ms", "x-should-retry",
+    "openai-processing-ms", "openai-version",
+})
+# ... who the key acts as: the account's organization and project, only to the client
+# whose own key went upstream (else they are the operator's)
+ACCOUNT_HEADERS = frozenset({"openai-organization", "openai-project",
+                             "anthropic-organization-id"})
+# ... what the key has left of its rate limits: live counters of every request made with it,
+# so only to a caller whose key no other caller uses (else a side channel on their traffic)
+RATE_LIMITS = re.compile(r"(x-|anthropic-)?ratelimit(-.*)?")
+
+
+def connection_named(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
+    """The (lower-case) headers a message's ``Connection`` (or ``Proxy-Connection``) names:
+    they are for this hop only (RFC 9110 §7.6.1)."""
+    return frozenset(t for k, v in headers if k.lower() in ("connection", "proxy-connection")
+                     for t in (p.strip().lower() for p in v.split(",")) if t)
+
+
+def answer_header(name: str, own_key: bool = False, own_limits: bool = False) -> bool:
+    """Whether an upstream's answer header (lower-case) is relayed to the client:
+    ``own_key``, the key that made it is the client's own; ``own_limits``, no other caller
+    uses that key (the client's own, or a tenant's alone)."""
+    return name in ANSWER_HEADERS or (own_key and name in ACCOUNT_HEADERS) \
+        or (own_limits and RATE_LIMITS.fullmatch(name) is not None)
 
 
 class UpstreamResponse:
@@ -93,15 +128,22 @@ class UpstreamResponse:
         encoded = self._resp.headers.get("content-encoding", "identity").lower() != "identity"
         return None if encoded and not self.raw else self._resp.content_length
 
-    def forward_headers(self) -> list[tuple[str, str]]:
-        """The answer's headers for the client: hop-by-hop ones dropped; a raw body keeps the
-        headers that say how it is encoded and how long it is."""
+    def forward_headers(self, own_key: bool = False,
+                        own_limits: bool = False) -> list[tuple[str, str]]:
+        """The answer's headers for the client: those ``answer_header`` allows (the key's
+        account and its rate limits only to a caller they describe alone), never a hop's own
+        or one its ``Connection`` names; a raw body keeps the headers that say how it is
+        encoded and how long it is."""
         keep = {"content-encoding", "content-length"} if self.raw and not self._masked \
             else {"content-encoding"} if self.raw else set()
         out = []
         masker = Masker(self._table) if self._table else None
-        for k, v in self._resp.headers.items():
-            if k.lower() in _DROP_RESPONSE and k.lower() not in keep:
+        items = list(self._resp.headers.items())
+        hop = connection_named(items)
+        for k, v in items:
+            lk = k.lower()
+            if lk in hop or lk in HOP_BY_HOP \
+                    or not (lk in keep or answer_header(lk, own_key, own_limits)):
                 continue
             if masker is not None:
                 v = masker.whole(v.encode("utf-8", "surrogateescape")).decode("utf-8", "replace")
@@ -413,17 +455,21 @@ def names_caller(header: str) -> bool:
 def upstream_headers(client_headers: Iterable[tuple[str, str]], authorization: str | None,
                      drop: frozenset[str] = frozenset(), body_as_sent: bool = False,
                      proxy_key: bool = False) -> CIMultiDict[str]:
-    """The client's headers minus hop-by-hop and proxy-control ones (and ``drop``), with the
+    """The client's headers minus hop-by-hop ones (the standard set and those its
+    ``Connection`` names) and proxy-control ones (and ``drop``), with the
     upstream's auth. ``body_as_sent``: the client's body goes upstream byte for byte, so the
     header that says how it is encoded goes with it (a rewritten body is sent plain).
     ``proxy_key``: the upstream gets the proxy's key, not the client's, so nothing that names
     a caller goes with it (an organization or project header would pick where the operator's
     key acts; a cookie or a gateway's key would act as someone the operator never named)."""
     out: CIMultiDict[str] = CIMultiDict()
+    client_headers = list(client_headers)
+    hop = connection_named(client_headers)
     for k, v in client_headers:
         lk = k.lower()
-        if lk in drop or lk.startswith("x-runloop-") or (proxy_key and names_caller(lk)) or (
-                lk in _DROP_REQUEST and not (body_as_sent and lk == "content-encoding")):
+        if lk in drop or lk in hop or lk.startswith("x-runloop-") \
+                or (proxy_key and names_caller(lk)) \
+                or (lk in _DROP_REQUEST and not (body_as_sent and lk == "content-encoding")):
             continue
         out.add(k, v)
     if authorization:

@@ -16,7 +16,7 @@ from ..history.store import Prepared
 from ..window.builder import Window
 from .offload import is_large, is_large_body
 from .tools import ProxyTools
-from .upstream import UpstreamClient, upstream_headers
+from .upstream import UpstreamClient, UpstreamResponse, upstream_headers
 from .wire import Wire
 
 
@@ -68,6 +68,14 @@ class Caller:
         if self.upstream_api_key:
             headers["x-api-key"] = self.upstream_api_key
         return headers
+
+    def answer_headers(self, resp: UpstreamResponse) -> list[tuple[str, str]]:
+        """What this caller is told of ``resp``'s headers: every answer the proxy relays
+        goes through this. The account the key acts as only when the key is the caller's
+        own; the key's rate limits only when no other caller's requests count against them
+        (its own key, or a tenant's upstream key no other tenant has)."""
+        return resp.forward_headers(own_key=not self.proxy_key,
+                                    own_limits=not self.shared_key)
 
 
 MAX_MODEL_CHARS = 256  # the longest model name a request may give (the longest real: ~60)
