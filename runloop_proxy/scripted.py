@@ -4,6 +4,8 @@ Used by the tests, the benchmarks and for trying the proxy without an API key
 (``python -m runloop_proxy.scripted --port 9000``). Replies come from a queue of scripted
 turns, else from a ``responder`` callable, else an echo of the last user message. Every request
 it receives is kept for inspection; streams closed early are counted (client-disconnect tests).
+It takes time as a provider does (``latency``: a ``scripted_world.Latency`` per call kind,
+every pause recorded in ``pauses``) and answers with ids shaped like the providers'.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import gzip
 import hashlib
 import itertools
@@ -45,6 +48,16 @@ from .pipeline.tokens import (
     REPLY_PRIMING,
     TOOLS_OVERHEAD,
     billed_tokens,
+)
+from .scripted_world import (
+    CallKind,
+    Latency,
+    Pauses,
+    chat_completion_id,
+    is_summary_call,
+    openai_call_id,
+    responses_id,
+    system_fingerprint,
 )
 
 Reply = dict[str, Any]
@@ -141,7 +154,9 @@ class ScriptedUpstream:
         self.streams_closed_early = 0
         self.abandoned = 0
         self.keep_requests = True
-        self.delay = 0.0
+        self.latency = Latency()
+        self.pauses = Pauses()
+        self.fingerprint = system_fingerprint()
         # headers added to every answer, as a provider's are (its account, its key's rate
         # limits, its edge's cookies): what a proxy relays of them is the client's to see
         self.answer_headers: list[tuple[str, str]] = []
@@ -163,8 +178,33 @@ class ScriptedUpstream:
         self.other.clear()
         self.streams_started = self.streams_closed_early = self.abandoned = 0
         self.keep_requests = True
-        self.delay = 0.0
         self.answer_headers = []
+        self.latency = Latency()
+        self.pauses.clear()
+
+    @property
+    def delay(self) -> float:
+        """The think time before every answer (``latency.first_byte``)."""
+        return self.latency.first_byte
+
+    @delay.setter
+    def delay(self, seconds: float) -> None:
+        self.latency = dataclasses.replace(self.latency, first_byte=seconds)
+
+    async def pause(self, kind: CallKind, seconds: float) -> None:
+        """Wait ``seconds`` as a call of ``kind`` (recorded in ``pauses``)."""
+        if seconds > 0:
+            self.pauses.add(kind, seconds)
+            await asyncio.sleep(seconds)
+
+    async def paced(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """``events`` with ``latency.between_events`` between every two of them."""
+        first = True
+        async for data in events:
+            if not first:
+                await self.pause("between_events", self.latency.between_events)
+            first = False
+            yield data
 
     @property
     def url(self) -> str:
@@ -232,9 +272,12 @@ class ScriptedUpstream:
             org = request.headers.get("x-scripted-cache-scope") or \
                 request.headers.get("openai-organization", "")
             header = request.headers.get("x-scripted-delay-ms")
-            delay = reply.get("delay", float(header) / 1000 if header else self.delay)
+            summary = is_summary_call(body)
+            kind: CallKind = "summary" if summary else "first_byte"
+            wait = self.latency.summary if summary else self.latency.first_byte
+            delay = reply.get("delay", float(header) / 1000 if header else wait)
             if delay:
-                await asyncio.sleep(delay)
+                await self.pause(kind, delay)
                 if await request.is_disconnected():
                     self.abandoned += 1  # the caller went away while the "model" thought
             if "status" in reply:
@@ -248,12 +291,13 @@ class ScriptedUpstream:
                 return self._messages(body, reply, org or request.headers.get("x-api-key", ""))
             if responses:
                 if body.get("stream"):
-                    return StreamingResponse(self._response_events(body, reply, org),
-                                             media_type="text/event-stream")
+                    return StreamingResponse(
+                        self.paced(self._response_events(body, reply, org)),
+                        media_type="text/event-stream")
                 return Response(orjson.dumps(self._response(body, reply, org)),
                                 media_type="application/json")
             if body.get("stream"):
-                return StreamingResponse(self._stream(body, reply, org),
+                return StreamingResponse(self.paced(self._stream(body, reply, org)),
                                          media_type="text/event-stream")
             return Response(orjson.dumps(self._completion(body, reply, org)),
                             media_type="application/json")
@@ -262,6 +306,7 @@ class ScriptedUpstream:
             body = orjson.loads(await request.body())
             self.other.append(("POST", request.url.path, dict(request.headers),
                                orjson.dumps(body)))
+            await self.pause("count_tokens", self.latency.count_tokens)
             return Response(orjson.dumps({"input_tokens": self.anthropic.tokens(body)}),
                             media_type="application/json")
 
@@ -332,7 +377,7 @@ class ScriptedUpstream:
             finally:
                 if not done:
                     self.streams_closed_early += 1
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(self.paced(stream()), media_type="text/event-stream")
 
     def _usage(self, body: dict[str, Any], reply: Reply, org: str) -> dict[str, Any]:
         prompt, cached = estimate_prompt_tokens(body), 0
@@ -354,9 +399,9 @@ class ScriptedUpstream:
         n = body.get("n")
         n = n if isinstance(n, int) and 0 < n <= 128 else 1
         finish = "tool_calls" if reply.get("tool_calls") else "stop"
-        return {"id": f"chatcmpl-{next(_ids)}", "object": "chat.completion",
+        return {"id": chat_completion_id(), "object": "chat.completion",
                 "created": int(time.time()), "model": body.get("model"),
-                "system_fingerprint": "fp_scripted",
+                "system_fingerprint": self.fingerprint,
                 "choices": [{"index": i, "message": message, "logprobs": None,
                              "finish_reason": finish} for i in range(n)],
                 "usage": self._usage(body, reply, org)}
@@ -365,7 +410,7 @@ class ScriptedUpstream:
                   status: str = "completed") -> dict[str, Any]:
         """A Responses API answer: the reply's reasoning, text and calls as output items."""
         usage = self._usage(_as_chat(body), reply, org)
-        return {"id": reply.get("response_id") or f"resp_{next(_ids)}", "object": "response",
+        return {"id": reply.get("response_id") or responses_id("resp_"), "object": "response",
                 "created_at": int(time.time()), "status": status, "error": None,
                 "incomplete_details": None, "instructions": body.get("instructions"),
                 "model": body.get("model"), "output": _output_items(reply),
@@ -427,9 +472,9 @@ class ScriptedUpstream:
                     await asyncio.sleep(reply.get("chunk_delay", 0))
                 done = True
                 return
-            cid = f"chatcmpl-{next(_ids)}"
+            cid = chat_completion_id()
             base = {"id": cid, "object": "chat.completion.chunk", "created": int(time.time()),
-                    "model": body.get("model"), "system_fingerprint": "fp_scripted"}
+                    "model": body.get("model"), "system_fingerprint": self.fingerprint}
 
             def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
                 obj = {**base, "choices": [{"index": 0, "delta": delta, "logprobs": None,
@@ -543,7 +588,7 @@ def _raw(reply: Reply) -> Response:
 
 def _call(c: dict[str, Any]) -> dict[str, Any]:
     args = c.get("arguments", {})
-    return {"id": c.get("id") or f"call_{next(_ids)}", "type": "function",
+    return {"id": c.get("id") or openai_call_id(), "type": "function",
             "function": {"name": c["name"],
                          "arguments": args if isinstance(args, str)
                          else orjson.dumps(args).decode()}}
@@ -560,24 +605,23 @@ def _as_chat(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _output_items(reply: Reply) -> list[dict[str, Any]]:
-    n = next(_ids)
     out: list[dict[str, Any]] = []
     if reply.get("reasoning") is not None:
-        out.append({"type": "reasoning", "id": f"rs_{n}", "summary": [],
+        out.append({"type": "reasoning", "id": responses_id("rs_"), "summary": [],
                     "encrypted_content": reply["reasoning"]})
     if reply.get("content"):
-        out.append({"type": "message", "id": f"msg_{n}", "status": "completed",
+        out.append({"type": "message", "id": responses_id("msg_"), "status": "completed",
                     "role": "assistant", "content": [{"type": "output_text", "annotations": [],
                                                       "logprobs": [],
                                                       "text": reply["content"]}]})
     for c in reply.get("tool_calls") or []:
         call = _call(c)
         if c.get("custom"):
-            out.append({"type": "custom_tool_call", "id": f"ctc_{next(_ids)}",
+            out.append({"type": "custom_tool_call", "id": responses_id("ctc_"),
                         "status": "completed", "call_id": call["id"],
                         "name": call["function"]["name"], "input": call["function"]["arguments"]})
         else:
-            out.append({"type": "function_call", "id": f"fc_{next(_ids)}",
+            out.append({"type": "function_call", "id": responses_id("fc_"),
                         "status": "completed", "call_id": call["id"],
                         "name": call["function"]["name"],
                         "arguments": call["function"]["arguments"]})
@@ -623,6 +667,13 @@ def main() -> int:
     parser.add_argument("--port", type=port_number, default=9000)
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="think time before every answer (an LLM is never instant)")
+    parser.add_argument("--between-events-ms", type=float, default=0.0,
+                        help="pause between two events of a stream")
+    parser.add_argument("--summary-ms", type=float, default=0.0,
+                        help="think time before answering the proxy's summary calls "
+                             "(instead of --delay-ms)")
+    parser.add_argument("--count-tokens-ms", type=float, default=0.0,
+                        help="think time before /v1/messages/count_tokens answers")
     parser.add_argument("--prompt-cache", action="store_true",
                         help="count prompt tokens with tiktoken and report cached_tokens the "
                              "way OpenAI's prefix cache would")
@@ -634,7 +685,13 @@ def main() -> int:
         return 1
     up = ScriptedUpstream(prompt_cache=args.prompt_cache)
     up.keep_requests = False
-    up.delay = args.delay_ms / 1000
+    for ms in (args.delay_ms, args.between_events_ms, args.summary_ms, args.count_tokens_ms):
+        if ms < 0:
+            parser.error("a latency is milliseconds >= 0")
+    up.latency = Latency(first_byte=args.delay_ms / 1000,
+                         between_events=args.between_events_ms / 1000,
+                         summary=args.summary_ms / 1000,
+                         count_tokens=args.count_tokens_ms / 1000)
     print(f"scripted upstream listening on {serving.address(sock)}/v1", flush=True)
     with sock:
         uvicorn.Server(uvicorn.Config(up.app(), log_level="warning", access_log=False)).run(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import orjson
 
 from .pipeline import encodings
+from .scripted_world import anthropic_message_id, anthropic_tool_use_id
 
 Reply = dict[str, Any]
 TOKENIZER = "o200k_base"  # Anthropic's is not public: any tokenizer but the proxy's cl100k
@@ -26,7 +26,6 @@ TOOLS_PROMPT = 346  # what a request with tools adds (Anthropic's tool-use syste
 IMAGE_TOKENS = 800
 CACHE_MIN = 1024
 LOOKBACK = 20
-_ids = itertools.count(1)
 
 
 class AnthropicCache:
@@ -143,7 +142,7 @@ def content(reply: Reply) -> list[dict[str, Any]]:
         out.append({"type": "text", "text": reply["content"]})
     for c in reply.get("tool_calls") or []:
         args = c.get("arguments", {})
-        out.append({"type": "tool_use", "id": c.get("id") or f"toolu_{next(_ids):04d}",
+        out.append({"type": "tool_use", "id": c.get("id") or anthropic_tool_use_id(),
                     "name": c["name"],
                     "input": orjson.loads(args) if isinstance(args, str) else args})
     return out
@@ -152,7 +151,7 @@ def content(reply: Reply) -> list[dict[str, Any]]:
 def message(body: dict[str, Any], reply: Reply, usage: dict[str, int]) -> dict[str, Any]:
     blocks = content(reply)
     output = max(1, sum(len(orjson.dumps(b)) for b in blocks) // 4)
-    return {"id": reply.get("message_id") or f"msg_{next(_ids):06d}", "type": "message",
+    return {"id": reply.get("message_id") or anthropic_message_id(), "type": "message",
             "role": "assistant", "model": body.get("model"), "content": blocks,
             "stop_reason": reply.get("stop_reason") or (
                 "tool_use" if reply.get("tool_calls") else "end_turn"),

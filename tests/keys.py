@@ -41,3 +41,13 @@ def jwt(seed: int = 0, size: int = 2048) -> str:
                    + _text(rng, claims_len, string.hexdigits.lower()) + '"]}').encode())
     return f"{head}.{claims[:claims_len]}.{signature}"
 
+
+
+# dated model names, as clients send them (a proxy that keys anything by a model's
+# undated alias, or cuts a name at its first dash, shows with these)
+OPENAI_MODEL = "gpt-4.1-2025-04-14"
+OPENAI_MINI_MODEL = "gpt-4.1-mini-2025-04-14"
+# (the anthropic SDK warns, and filterwarnings=error fails, on a model it lists deprecated:
+# claude-sonnet-4-5-20250929 is one since late 2026)
+ANTHROPIC_MODEL = "claude-haiku-4-5-20251001"
+ANTHROPIC_LATEST_MODEL = "claude-sonnet-4-6"
