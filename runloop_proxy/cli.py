@@ -292,9 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the embedded Redis keeps its data (default .runloop-demo)")
     d.add_argument("--admin-key", default=None, help="default: a random one, printed")
     d.add_argument("--once", action="store_true", help="stop after printing")
+    from .ops.init import add_parser as init_parser
     from .ops.wrap import add_parser as wrap_parser
 
     wrap_parser(sub)
+    init_parser(sub)
     return parser
 
 
@@ -302,6 +304,12 @@ def cmd_wrap(args: argparse.Namespace) -> int:
     from .ops.wrap import run_wrap
 
     return run_wrap(args)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    from .ops.init import run_init
+
+    return run_init(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -314,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"serve": cmd_serve, "check-config": cmd_check_config, "inspect": cmd_inspect,
-                "replay": cmd_replay, "demo": cmd_demo, "wrap": cmd_wrap}
+                "replay": cmd_replay, "demo": cmd_demo, "wrap": cmd_wrap,
+                "init": cmd_init}
     try:
         return handlers[args.command](args)
     except BrokenPipeError:

@@ -35,7 +35,7 @@ def test_help_names_every_command_in_plain_words() -> None:
     out = cli("--help")
     assert out.returncode == 0
     assert "`" not in out.stdout
-    for command in ("serve", "check-config", "inspect", "replay", "demo"):
+    for command in ("serve", "check-config", "inspect", "replay", "demo", "init"):
         assert re.search(rf"^\s+{command}\s+\w", out.stdout, re.M), command
 
 

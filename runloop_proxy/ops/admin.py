@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from ..api.http import bearer, json_response, shaped_errors
+from ..config import hash_key
 from ..conversation.identity import name_of, stored_id
 from ..conversation.runloops import preview, segment
 from ..errors import (
@@ -34,6 +35,14 @@ def admin_key_of(state: AppState) -> str:
     if not key:
         raise NotFound("admin endpoints are disabled (no admin key configured)")
     return key
+
+
+def admin_key_matches(configured: str, given: str) -> bool:
+    """``given`` is the admin key: the configured key itself, or one whose SHA-256 is the
+    configured ``sha256:<hex>`` (``runloop-proxy init`` writes the hash, never the key)."""
+    if configured.startswith("sha256:"):
+        return hmac.compare_digest(hash_key(given), configured.removeprefix("sha256:").lower())
+    return hmac.compare_digest(given.encode(), configured.encode())
 
 
 def _admin(state: AppState, request: Request) -> str:
@@ -139,8 +148,7 @@ def check_admin_key(state: AppState, request: Request) -> None:
     """The admin key as Bearer (or ``api-key``, ``x-api-key``), else AuthenticationFailed;
     NotFound when no admin key is configured. The gate (``ops.gate``) asks this of every
     admin API request before any handler; the handlers ask it again."""
-    given = bearer(request) or ""
-    if not hmac.compare_digest(given.encode(), admin_key_of(state).encode()):
+    if not admin_key_matches(admin_key_of(state), bearer(request) or ""):
         raise AuthenticationFailed("admin endpoints need the admin key as Bearer token")
 
 

@@ -29,7 +29,7 @@ from ..conversation.identity import log_name, name_of, stored_id
 from ..errors import InvalidRequest, ProxyError, StoreError
 from ..state import state_of
 from . import params
-from .admin import admin_key_of, compact
+from .admin import admin_key_matches, admin_key_of, compact
 from .inspector_message import message
 from .inspector_session import session
 from .inspector_shell import (
@@ -77,7 +77,7 @@ async def login(request: Request) -> Response:
         return page("disabled", f"<p class='err'>{escape(str(exc))}</p>", 404, user=False)
     form = await _form(request)
     given = params.form_text(form, "key")
-    if not hmac.compare_digest(given.encode(), key.encode()):
+    if not admin_key_matches(key, given):
         return _login("That is not the admin key.", 401)
     exp = str(int(time.time()) + VALID_S)
     resp = RedirectResponse(BASE, 303)
