@@ -143,6 +143,9 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+RECORDS_SHOWN = 10  # inspect's text: the last ones; --json has all
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     import httpx
 
@@ -197,10 +200,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for asked in data.get("compactions") or []:
         print(f"  compact now: loops 0-{asked['loops'][1]} omitted from message "
               f"{asked['from_message']} on")
-    print(f"  compression records: {len(data['compression_records'])}")
-    for rec in data["compression_records"][-10:]:
-        print(f"    {record_line(rec)}")
+    print("\n".join(records_lines(data["compression_records"])))
     return 0
+
+
+def records_lines(records: list[dict[str, Any]], shown: int = RECORDS_SHOWN) -> list[str]:
+    """inspect's compression records: the last ``shown``, saying so when some are not."""
+    last = records[-shown:] if shown else []
+    head = f"  compression records: {len(records)}" + (
+        f" (the last {len(last)} of {len(records)} shown; --json lists them all)"
+        if len(last) < len(records) else "")
+    return [head, *(f"    {record_line(rec)}" for rec in last)]
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -292,11 +302,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the embedded Redis keeps its data (default .runloop-demo)")
     d.add_argument("--admin-key", default=None, help="default: a random one, printed")
     d.add_argument("--once", action="store_true", help="stop after printing")
+    from .ops.export import add_parser as export_parser
     from .ops.init import add_parser as init_parser
     from .ops.wrap import add_parser as wrap_parser
 
     wrap_parser(sub)
     init_parser(sub)
+    export_parser(sub)
     return parser
 
 
@@ -304,6 +316,12 @@ def cmd_wrap(args: argparse.Namespace) -> int:
     from .ops.wrap import run_wrap
 
     return run_wrap(args)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .ops.export import run_export
+
+    return run_export(args)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -323,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handlers = {"serve": cmd_serve, "check-config": cmd_check_config, "inspect": cmd_inspect,
                 "replay": cmd_replay, "demo": cmd_demo, "wrap": cmd_wrap,
-                "init": cmd_init}
+                "init": cmd_init, "export": cmd_export}
     try:
         return handlers[args.command](args)
     except BrokenPipeError:

@@ -549,3 +549,24 @@ def test_every_numeric_option_takes_its_whole_range_and_nothing_past_it() -> Non
                     build_parser().parse_args(["serve", option.flags[0], str(value)])
                 with pytest.raises(ValueError):
                     settings_from_env({**environ, name: str(value)})
+
+
+@pytest.mark.parametrize(("count", "head", "listed"), [
+    (0, "  compression records: 0", 0),
+    (9, "  compression records: 9", 9),
+    (10, "  compression records: 10", 10),
+    (13, "  compression records: 13 (the last 10 of 13 shown; --json lists them all)", 10),
+])
+def test_inspect_says_when_it_shows_the_last_records_of_more(count: int, head: str,
+                                                             listed: int) -> None:
+    """Bug class: a list cut short without saying so. Planted: the note dropped (the 13 row
+    red), and the first ten shown instead of the last (the ids check red)."""
+    from runloop_proxy.cli import records_lines
+
+    records = [{"kind": "elision", "at_message": 100 + k, "tokens_before": 5000 + k,
+                "tokens_after": 900, "refs": [f"call_{k:02d}"]} for k in range(count)]
+    lines = records_lines(records)
+    assert lines[0] == head and len(lines) == 1 + listed
+    shown = [k for k in range(count) if any(f"call_{k:02d}" in line or f"{100 + k}" in line
+                                            for line in lines[1:])]
+    assert shown == list(range(count - listed, count)), lines
