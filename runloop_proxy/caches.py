@@ -16,7 +16,7 @@ ENTRY_OVERHEAD = 120  # a dict slot, the key tuple, the value's box: roughly, in
 # each cache's share of server.cache_mb
 SHARES = {"carries": 0.26, "recent": 0.19, "memo": 0.15, "cuts": 0.08, "tokens": 0.10,
           "chains": 0.10, "first_seen": 0.02, "sessions": 0.05, "masks": 0.03,
-          "factors": 0.02}
+          "factors": 0.015, "windows": 0.005}
 
 
 def approx_size(obj: Any, budget: int = 1 << 16) -> int:

@@ -34,31 +34,13 @@ from pydantic import (
 from .conversation.identity import DEFAULT_SOURCES, check_source
 from .errors import ConfigError
 from .pricing import PRICES_FILE, PriceTable
+from .windows import KNOWN, ModelWindow, lookup
 
 GLOBAL_FILE = "runloop.toml"
 TENANTS_DIR = "tenants"
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
-BUILTIN_CONTEXT_WINDOWS: dict[str, int] = {
-    "gpt-4o": 128_000,
-    "gpt-4o-mini": 128_000,
-    "gpt-4.1": 1_047_576,
-    "gpt-4.1-mini": 1_047_576,
-    "gpt-4.1-nano": 1_047_576,
-    "gpt-4-turbo": 128_000,
-    "gpt-4": 8_192,
-    "gpt-3.5-turbo": 16_385,
-    "o1": 200_000,
-    "o3": 200_000,
-    "o3-mini": 200_000,
-    "o4-mini": 200_000,
-    "gpt-5": 400_000,
-    "gpt-5-mini": 400_000,
-    "deepseek-chat": 128_000,
-    "deepseek-reasoner": 128_000,
-    "claude-sonnet-4": 200_000,
-    "claude-opus-4": 200_000,
-}
+BUILTIN_CONTEXT_WINDOWS: dict[str, int] = dict(KNOWN)  # windows.py: the table by family
 DEFAULT_CONTEXT_WINDOW = 128_000
 
 
@@ -299,24 +281,25 @@ class TenantSpec(_Strict):
         return v
 
     def context_window(self, model: str) -> int:
+        return self.window_of(model).tokens
+
+    def window_of(self, model: str) -> ModelWindow:
+        """``model``'s window and whether it is known: the tenant's ``models``, the table's
+        (windows.py), the tenant's own ``default_context_window`` when it sets one, the
+        table's guess for a later model of a family it lists, the default (a guess)."""
         spec = self.models.get(model)
         if spec is not None:
-            return spec.context_window
-        builtin = _builtin_window(model)
-        return builtin if builtin is not None else self.default_context_window
+            return ModelWindow(spec.context_window, True, "config")
+        found = lookup(model)
+        if found is not None and found.known:
+            return found
+        if "default_context_window" in self.model_fields_set:
+            return ModelWindow(self.default_context_window, True, "config")
+        return found or ModelWindow(self.default_context_window, False, "default")
 
     def encoding_for(self, model: str) -> str | None:
         spec = self.models.get(model)
         return spec.encoding if spec is not None else None
-
-
-def _builtin_window(model: str) -> int | None:
-    if model in BUILTIN_CONTEXT_WINDOWS:
-        return BUILTIN_CONTEXT_WINDOWS[model]
-    # Dated snapshots ("gpt-4o-2024-08-06") share their family's window: longest prefix wins.
-    best = max((m for m in BUILTIN_CONTEXT_WINDOWS if model.startswith(m + "-")),
-               key=len, default=None)
-    return BUILTIN_CONTEXT_WINDOWS[best] if best else None
 
 
 class GlobalFile(_Strict):

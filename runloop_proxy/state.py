@@ -20,6 +20,7 @@ from .history.store import RedisStore
 from .history.summaries import SummaryService
 from .ops import logs
 from .ops.metrics import Metrics
+from .pipeline.limits import LearnedWindows
 from .pipeline.masking import MaskTables
 from .pipeline.shares import Shares
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
@@ -62,6 +63,8 @@ class AppState:
         self.recent: ByteLRU[tuple[str, str], Recent] = ByteLRU(share("recent"),
                                                                 lambda k, v: v.size)
         self.tokens.resize(share("tokens"), share("factors"))
+        # (scope, model) -> the window its upstream's overflow error said (pipeline/limits.py)
+        self.windows = LearnedWindows(share("windows"))
         # the tables that mask the credentials of a request in its answer (upstream.py)
         self.masks = MaskTables(share("masks"))
         server = self.config.server

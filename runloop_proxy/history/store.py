@@ -310,6 +310,22 @@ class RedisStore:
     def _ttl_ms(self, retention_days: float | None) -> int:
         return int((retention_days or self.cfg.retention_days) * 86_400_000)
 
+    def _window_key(self, scope: str, model: str) -> str:
+        digest = hashlib.sha256(f"{scope}\0{model}".encode()).hexdigest()[:32]
+        return f"{self.cfg.key_prefix}:w:{digest}"
+
+    async def learned_window(self, scope: str, model: str) -> int | None:
+        """The window an upstream's overflow error said ``model`` has, for callers of
+        ``scope`` (any replica's), or None."""
+        raw = await self._call("window", lambda: self.client.get(
+            self._window_key(scope, model)))
+        return int(raw) if raw is not None and bytes(raw).isdigit() else None
+
+    async def learn_window(self, scope: str, model: str, tokens: int) -> None:
+        """Remember ``model``'s window for ``scope`` (kept as long as a session is)."""
+        await self._call("window", lambda: self.client.set(
+            self._window_key(scope, model), str(tokens), px=self._ttl_ms(None)))
+
     def check_limits(self, count: int, largest: int) -> None:
         """StoreLimitExceeded when a conversation of ``count`` messages (and a reply) cannot
         be kept: too many messages, or the largest new one (``largest`` bytes, measured where

@@ -23,6 +23,7 @@ from ..history.summaries import Made, counts_of, covers, inline_digest, summarie
 from ..state import AppState
 from ..window.builder import Carry, Stamps, Window, aged_loops, build_window
 from ..window.forms import DEFAULT_NAMES, Budget, SessionMemo, ToolNames
+from ..windows import ModelWindow
 from .tokens import REPLY_PRIMING, WindowTokens
 from .tools import ProxyTools, definitions_tokens
 
@@ -37,6 +38,7 @@ class Frame:
     factor: float = 1.0  # model tokens per counted token (a model counted with a fallback)
     names: ToolNames = DEFAULT_NAMES  # the proxy's tools, renamed if the client's take a name
     choices: int = 1  # n: the proxy offers its tools to single-choice requests only
+    learned: int | None = None  # the window the upstream's overflow error said it has
 
     @classmethod
     def of(cls, state: AppState, tenant: TenantSpec, body: dict[str, Any],
@@ -52,7 +54,8 @@ class Frame:
                    state.tokens.tools(enc, tools),
                    1.0 if exact else state.tokens.factor(model, scope),
                    ProxyTools.for_request(tools).window_names,
-                   choices if isinstance(choices, int) and choices > 0 else 1)
+                   choices if isinstance(choices, int) and choices > 0 else 1,
+                   state.windows.learned(scope, model))
 
     def point(self) -> dict[str, Any]:
         """The frame as kept beside a request's token counts (defaults left out)."""
@@ -65,6 +68,8 @@ class Frame:
             out["names"] = list(self.names)
         if self.choices != 1:
             out["choices"] = self.choices
+        if self.learned is not None:
+            out["learned"] = self.learned
         return out
 
     @classmethod
@@ -76,17 +81,30 @@ class Frame:
         names = point.get("names")
         max_output, factor, choices = (point.get("max_output"), point.get("factor", 1.0),
                                        point.get("choices", 1))
+        learned = point.get("learned")
         return cls(model, max_output if isinstance(max_output, int) else None, tools,
                    float(factor) if isinstance(factor, (int, float)) else 1.0,
                    (str(names[0]), str(names[1])) if isinstance(names, list)
                    and len(names) == 2 else DEFAULT_NAMES,
-                   choices if isinstance(choices, int) else 1)
+                   choices if isinstance(choices, int) else 1,
+                   learned if isinstance(learned, int) else None)
+
+    def window(self, tenant: TenantSpec) -> ModelWindow:
+        """The model's window for this request: the tenant's when it configured one, else
+        what the upstream said, else the table's (known or guessed). What an upstream said
+        is its prompt's limit, not a reason to refuse: the request goes, compressed toward
+        it, and the upstream answers (its output reserve is held to a quarter, as a guess's)."""
+        given = tenant.window_of(self.model)
+        if self.learned is not None and given.source != "config":
+            return ModelWindow(self.learned, False, "learned")
+        return given
 
     def budget(self, state: AppState, tenant: TenantSpec) -> Budget:
         enc, _ = state.tokens.encoding(self.model, tenant.encoding_for(self.model))
-        return Budget.for_request(tenant.policy, tenant.context_window(self.model),
+        window = self.window(tenant)
+        return Budget.for_request(tenant.policy, window.tokens,
                                   self.max_output, self.tools_tokens + proxy_tools_tokens(
-                                      state, enc), self.factor, REPLY_PRIMING)
+                                      state, enc), self.factor, REPLY_PRIMING, window.known)
 
 
 def proxy_tools_tokens(state: AppState, enc: Any) -> int:

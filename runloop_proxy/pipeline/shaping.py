@@ -55,7 +55,14 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
         _after(state, turn, session, spliced, spliced_keys, window, stored, made, rlog)
     tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
-    if not window.fits and not turn.counting:
+    if not window.fits and window.budget is not None and not window.budget.known:
+        # a window the proxy guessed is no reason to refuse: the upstream says (and then
+        # the proxy knows: serve() learns it from the overflow error and builds again)
+        log.info("the window is a guess: forwarding a request past it",
+                 extra={"tenant": turn.caller.tenant.name, "session": session.id,
+                        "model": turn.model[:64], "tokens": window.tokens_out,
+                        "guessed": window.budget.hard})
+    elif not window.fits and not turn.counting:
         state.metrics.rejections.labels(tl, ml).inc()
         log_events(state, turn, session, window)
         raise ContextLengthExceeded(

@@ -16,6 +16,7 @@ import orjson
 
 from ..conversation.identity import identify
 from ..state import AppState
+from ..windows import OVERFLOW_STATUSES, overflow_limit
 from .accounting import RequestLog
 from .reconcile import reconcile, unrecorded
 from .relay import forward, proxy_headers, read, relay, response_headers
@@ -29,9 +30,36 @@ async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
                        state.config.server.session_header, turn.caller.tenant.session_sources)
     session, history = await reconcile(state, turn, session)
     rlog.session, rlog.degraded = session.id, unrecorded(state, turn, history)
+    told = await _window_told(state, turn)
     out = await shape(state, turn, session, history, rlog)
     resp = await forward(state, turn, out.body, rlog)
+    if told and resp.status in OVERFLOW_STATUSES:
+        # the model's window was a guess, or the table's: the upstream's overflow error
+        # says what it is; with news, the window is built again in it and sent once more
+        raw = await read(state, resp, rlog)
+        limit = overflow_limit(resp.status, raw)
+        if limit is None or limit == _window_used(state, turn) or not await state.windows.learn(
+                state.store, turn.caller.scope, turn.model, limit):
+            status, raw = turn.wire.upstream_error(resp.status, raw)
+            rlog.finish(status)
+            return Answer(status, response_headers(resp, session, rlog), raw)
+        out = await shape(state, turn, session, history, rlog)
+        resp = await forward(state, turn, out.body, rlog)
     return await relay(state, turn, session, history, out, resp, rlog)
+
+
+def _window_used(state: AppState, turn: Turn) -> int:
+    learned = state.windows.learned(turn.caller.scope, turn.model)
+    return learned if learned is not None else turn.caller.tenant.window_of(turn.model).tokens
+
+
+async def _window_told(state: AppState, turn: Turn) -> bool:
+    """Whether the upstream's word on the model's window counts for this request (a window
+    the tenant configured is the operator's): then what another replica learned is read."""
+    if turn.caller.tenant.window_of(turn.model).source == "config":
+        return False
+    await state.windows.load(state.store, turn.caller.scope, turn.model)
+    return True
 
 
 async def count(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:

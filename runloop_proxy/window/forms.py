@@ -89,18 +89,24 @@ class Budget:
     margin: int = 0
     fitting: bool = False  # the model's window bounds ``working``, not the soft budget
     factor: float = 1.0  # the model's tokens per token the proxy counts (calibration)
+    known: bool = True  # False: ``context`` is a guess, never a reason to refuse
 
     @classmethod
     def for_request(cls, policy: Policy, context: int, reserve: int | None, tools: int,
-                    factor: float = 1.0, priming: int = 3) -> Budget:
+                    factor: float = 1.0, priming: int = 3, known: bool = True) -> Budget:
         """Message budget for a request: the model's window less the reserved output
         (``max_tokens``, else the policy's — at most a quarter of a small window), the tool
         schemas and the margin (at most a sixteenth); ``factor`` converts the model's tokens
         into the counter's (calibration). The working budget is the soft budget less the tool
         schemas, which take at most half of it: a client whose tools alone fill the soft
         budget (Claude Code's take ~15k tokens) would otherwise get a working budget of a
-        token, and a compaction event at every request."""
+        token, and a compaction event at every request. Where ``context`` is a guess
+        (``known`` False) the request's own reserve is held to a quarter of it too: a
+        ``max_tokens`` of 128,000 for a model the proxy does not know says nothing about its
+        window (it left nothing for the messages, and the proxy refused every request)."""
         out = reserve or min(policy.reserved_output_tokens, context // 4)
+        if not known:
+            out = min(out, context // 4)
         margin = min(policy.safety_margin_tokens, context // 16)
         hard = int((context - out - margin) / factor) - tools - priming
         working = hard
@@ -109,7 +115,7 @@ class Budget:
             working = min(hard, soft - min(tools, soft // 2))
         return cls(hard=max(hard, 0), working=max(working, 1), context=context, reserve=out,
                    tools=tools + priming, margin=margin, fitting=working >= hard,
-                   factor=factor)
+                   factor=factor, known=known)
 
     def trigger(self, policy: Policy) -> float:
         """The tokens past which a compaction event fires: ``threshold`` of the working
@@ -125,7 +131,8 @@ class Budget:
         scale = "" if self.factor == 1.0 else (
             f" (counted as the proxy counts, where the upstream has reported "
             f"{self.factor:.2f} of the model's tokens for each)")
-        return (f"the {self.context}-token context less {self.reserve} reserved for the "
+        guess = "" if self.known else " (a guess: the proxy does not know this model's)"
+        return (f"the {self.context}-token context{guess} less {self.reserve} reserved for the "
                 f"output and {self.margin} of margin leaves {self.hard} for the messages "
                 f"beside {self.tools} of tool schemas{scale}")
 
