@@ -19,7 +19,7 @@ from ..state import AppState
 from ..windows import OVERFLOW_STATUSES, overflow_limit
 from .accounting import RequestLog
 from .reconcile import reconcile, unrecorded
-from .relay import forward, proxy_headers, read, relay, response_headers
+from .relay import forward, proxy_headers, read, refuse_held_key, relay, response_headers
 from .shaping import shape
 from .tokens import REPLY_PRIMING
 from .values import Answer, Turn
@@ -36,13 +36,15 @@ async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     if told and resp.status in OVERFLOW_STATUSES:
         # the model's window was a guess, or the table's: the upstream's overflow error
         # says what it is; with news, the window is built again in it and sent once more
+        headers = response_headers(turn.caller, resp, session, rlog)
+        refuse_held_key(turn.caller, resp)
         raw = await read(state, resp, rlog)
         limit = overflow_limit(resp.status, raw)
         if limit is None or limit == _window_used(state, turn) or not await state.windows.learn(
                 state.store, turn.caller.scope, turn.model, limit):
             status, raw = turn.wire.upstream_error(resp.status, raw)
             rlog.finish(status)
-            return Answer(status, response_headers(resp, session, rlog), raw)
+            return Answer(status, headers, raw)
         out = await shape(state, turn, session, history, rlog)
         resp = await forward(state, turn, out.body, rlog)
     return await relay(state, turn, session, history, out, resp, rlog)
