@@ -78,6 +78,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # the data directory is this proxy's: said there, for `wrap` to find it
             advertised = advertise(settings.data_dir, serving.address(sock), settings.upstream)
         logs.get("serve").info(f"listening on {serving.address(sock)}")
+        serving.announce_when_ready(serving.address(sock), serving.ready_lines(
+            serving.address(sock), bool(config.server.admin_key)))
         if settings.workers > 1:
             os.environ.update(settings_to_env(settings))
             serving.run(serving.server_config(

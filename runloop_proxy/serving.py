@@ -16,6 +16,8 @@ import errno
 import gc
 import logging
 import socket
+import threading
+import time
 from typing import Any
 
 import uvicorn
@@ -193,6 +195,51 @@ def address(sock: socket.socket) -> str:
     """The ``http://`` address a listening socket answers on."""
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+READY_POLL_S = 0.2  # how often serve asks its own /healthz until it answers
+
+
+def ready_lines(url: str, admin: bool) -> list[str]:
+    """What ``serve`` prints once it answers: the base URLs to give clients (an address on
+    every interface is given as the loopback one, with a note), and the inspector's."""
+    base = loopback(url)
+    note = " (listening on every interface: from elsewhere, this machine's address)" \
+        if base != url else ""
+    inspector = f"{base}/admin/ui  (log in with the admin key)" if admin else \
+        "off: no admin key (--admin-key, RUNLOOP_ADMIN_KEY or server.admin_key)"
+    return [f"runloop-proxy is ready at {base}{note}",
+            f"  OpenAI clients:    base URL {base}/v1",
+            f"  Anthropic clients: base URL {base}",
+            f"  inspector:         {inspector}"]
+
+
+def loopback(url: str) -> str:
+    """An address on every interface as the loopback one (what a local client dials)."""
+    for anywhere in ("http://0.0.0.0:", "http://[::]:"):
+        if url.startswith(anywhere):
+            return "http://127.0.0.1:" + url[len(anywhere):]
+    return url
+
+
+def announce_when_ready(url: str, lines: list[str]) -> threading.Thread:
+    """Print ``lines`` to stdout once ``url``/healthz answers (every worker started, the app's
+    startup done), from a daemon thread; nothing if the server stops first."""
+    def wait() -> None:
+        import httpx
+
+        while True:
+            try:
+                if httpx.get(loopback(url) + "/healthz", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(READY_POLL_S)
+        print("\n".join(lines), flush=True)
+
+    thread = threading.Thread(target=wait, name="announce-ready", daemon=True)
+    thread.start()
+    return thread
 
 
 def cannot_listen(host: str, port: int, exc: OSError) -> str:

@@ -570,3 +570,53 @@ def test_inspect_says_when_it_shows_the_last_records_of_more(count: int, head: s
     shown = [k for k in range(count) if any(f"call_{k:02d}" in line or f"{100 + k}" in line
                                             for line in lines[1:])]
     assert shown == list(range(count - listed, count)), lines
+
+
+@pytest.mark.parametrize(("address", "admin", "base", "inspector"), [
+    ("http://127.0.0.1:18733", True, "http://127.0.0.1:18733",
+     "http://127.0.0.1:18733/admin/ui  (log in with the admin key)"),
+    ("http://0.0.0.0:18734", False, "http://127.0.0.1:18734",
+     "off: no admin key (--admin-key, RUNLOOP_ADMIN_KEY or server.admin_key)"),
+    ("http://[::]:18735", True, "http://127.0.0.1:18735",
+     "http://127.0.0.1:18735/admin/ui  (log in with the admin key)"),
+])
+def test_serve_s_ready_lines_give_the_addresses_a_local_client_dials(
+        address: str, admin: bool, base: str, inspector: str) -> None:
+    from runloop_proxy.serving import ready_lines
+
+    lines = ready_lines(address, admin)
+    assert lines[0].startswith(f"runloop-proxy is ready at {base}")
+    assert ("every interface" in lines[0]) == (base != address)
+    assert lines[1:] == [f"  OpenAI clients:    base URL {base}/v1",
+                         f"  Anthropic clients: base URL {base}",
+                         f"  inspector:         {inspector}"]
+
+
+def test_serve_prints_the_client_base_urls_once_it_answers(
+        upstream: ScriptedUpstream, redis_url: str, tmp_path: Path) -> None:
+    """Bug class: an address printed that a client cannot use. Planted: the OpenAI base URL
+    printed without /v1 (the SDK's call 404: red), the lines printed before the app started
+    (the port refused: red)."""
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy", "serve", "--upstream",
+                             upstream.url, "--redis-url", redis_url, "--port", str(port),
+                             "--data-dir", str(tmp_path), "--admin-key", ADMIN_KEY],
+                            stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        assert proc.stdout is not None
+        text = read_until(proc.stdout, "inspector:", "serve")
+        openai_base = re.search(r"OpenAI clients:\s+base URL (\S+)", text)
+        inspector = re.search(r"inspector:\s+(\S+)", text)
+        assert openai_base and inspector, text
+        assert f"ready at http://127.0.0.1:{port}" in text
+        client = openai.OpenAI(base_url=openai_base.group(1), api_key="sk-ready-4519" * 4,
+                               max_retries=0)
+        answer = client.chat.completions.create(
+            model="gpt-4o-mini", messages=[{"role": "user", "content": "ready 4519"}])
+        assert "ready 4519" in (answer.choices[0].message.content or "")
+        assert httpx.get(inspector.group(1) + "/login").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        log.close()
