@@ -292,12 +292,14 @@ class ScriptedUpstream:
             if responses:
                 if body.get("stream"):
                     return StreamingResponse(
-                        self.paced(self._response_events(body, reply, org)),
+                        self.paced(cut_stream(self._response_events(body, reply, org), reply,
+                                              "responses")),
                         media_type="text/event-stream")
                 return Response(orjson.dumps(self._response(body, reply, org)),
                                 media_type="application/json")
             if body.get("stream"):
-                return StreamingResponse(self.paced(self._stream(body, reply, org)),
+                return StreamingResponse(self.paced(cut_stream(self._stream(body, reply, org),
+                                                               reply, "chat")),
                                          media_type="text/event-stream")
             return Response(orjson.dumps(self._completion(body, reply, org)),
                             media_type="application/json")
@@ -377,7 +379,8 @@ class ScriptedUpstream:
             finally:
                 if not done:
                     self.streams_closed_early += 1
-        return StreamingResponse(self.paced(stream()), media_type="text/event-stream")
+        return StreamingResponse(self.paced(cut_stream(stream(), reply, "messages")),
+                                 media_type="text/event-stream")
 
     def _usage(self, body: dict[str, Any], reply: Reply, org: str) -> dict[str, Any]:
         prompt, cached = estimate_prompt_tokens(body), 0
@@ -564,6 +567,54 @@ def calls_chunk(calls: int, name: str = "look") -> bytes:
                 {"index": i, "id": f"call_{i}", "type": "function",
                  "function": {"name": name, "arguments": "{}"}} for i in range(calls)]}}]}) \
         + b"\n\n"
+
+
+# what each API's upstream sends when it fails mid-stream (OpenAI's chat chunk of an error,
+# the Responses API's error event, Anthropic's overloaded_error)
+STREAM_ERRORS = {
+    "chat": b"data: " + orjson.dumps({"error": {
+        "message": "The server is overloaded, please try again later.",
+        "type": "server_error", "param": None, "code": "server_overloaded"}}) + b"\n\n",
+    "responses": b"event: error\ndata: " + orjson.dumps({
+        "type": "error", "code": "server_error", "param": None, "sequence_number": 999,
+        "message": "An error occurred while processing your request."}) + b"\n\n",
+    "messages": b"event: error\ndata: " + orjson.dumps({"type": "error", "error": {
+        "type": "overloaded_error", "message": "Overloaded"}}) + b"\n\n",
+}
+CUTS = ("error", "drop", "end")
+
+
+async def cut_stream(stream: AsyncIterator[bytes], reply: Reply, api: str
+                     ) -> AsyncIterator[bytes]:
+    """A stream as scripted, or (``cut``: ``{"after": N, "how": ...}``) its first N events
+    (N < 0: all but its last -N, the end marker among them) and then a fault: ``error`` the
+    API's own error event, ``drop`` the connection breaks, ``end`` the stream just stops (no
+    end marker, no error)."""
+    cut = reply.get("cut")
+    if not cut:
+        async for raw in stream:
+            yield raw
+        return
+    after: int = cut["after"]
+    held: collections.deque[bytes] = collections.deque()
+    sent = 0
+    async for raw in stream:
+        if after >= 0:
+            if sent >= after:
+                break
+            yield raw
+            sent += 1
+            continue
+        held.append(raw)
+        if len(held) > -after:
+            yield held.popleft()
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        await aclose()
+    if cut["how"] == "error":
+        yield STREAM_ERRORS[api]
+    elif cut["how"] == "drop":
+        raise ConnectionAbortedError("scripted death mid-stream")
 
 
 def _raw(reply: Reply) -> Response:

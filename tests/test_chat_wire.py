@@ -176,7 +176,8 @@ def test_a_stream_round_hides_the_proxys_calls_and_holds_the_finish() -> None:
               chunk({}, "tool_calls"),
               {"id": "u1", "choices": [], "usage": {"prompt_tokens": 9}}):
         out += rnd.feed(ev(c))
-    assert not rnd.complete or rnd.feed(ev("[DONE]")) == []
+    assert not rnd.complete  # a finish reason and the usage, no [DONE]: not ended yet
+    assert rnd.feed(ev("[DONE]")) == []
     assert rnd.complete
     shown = sent(out)
     calls = [tc for c in shown for tc in c["choices"][0]["delta"].get("tool_calls") or []]
@@ -223,15 +224,24 @@ def test_an_unreadable_or_failed_chunk_raises(bad: str) -> None:
     assert ("boom" in str(err.value)) == ("boom" in bad)
 
 
-def test_the_observer_records_what_it_can_read_and_stops_at_its_limit() -> None:
+def test_the_observer_records_only_a_whole_stream_and_stops_at_its_limit() -> None:
+    """Whole: read to its [DONE], every event read. Red with the observer recording the
+    answer at its finish reason (no [DONE]) and with an unreadable event skipped."""
+    answer = (chunk({"role": "assistant", "content": "a"}), chunk({"refusal": "no"}),
+              chunk({"content": "b"}, "stop"))
     obs = ChatObserver(10_000)
-    for c in (chunk({"role": "assistant", "content": "a"}), chunk({"refusal": "no"}),
-              [1, 2], chunk({"content": "b"}, "stop")):
+    for c in answer:
         obs.feed(ev(c))
-    obs.feed(SSEEvent("not json"))
+    assert obs.reply() is None and not obs.ended  # the finish reason is not the end
+    obs.feed(ev("[DONE]"))
     reply = obs.reply()
     assert reply is not None and reply.message == {"role": "assistant", "content": "ab",
                                                    "refusal": "no"}
+    for bad in ([1, 2], "not json", {"error": {"message": "Overloaded"}}):
+        obs = ChatObserver(10_000)
+        for c in (*answer[:2], bad, *answer[2:], "[DONE]"):
+            obs.feed(ev(c))
+        assert obs.ended and obs.failure is not None and obs.reply() is None
     small = ChatObserver(10)
     small.feed(ev(chunk({"content": "a long enough answer"})))
     assert small.reply() is None

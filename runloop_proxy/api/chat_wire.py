@@ -14,7 +14,7 @@ from ..conversation.messages import Message, ToolCall, clean
 from ..errors import Unavailable, UpstreamError
 from ..pipeline.sse import DONE, SSEEvent, encode_json
 from ..pipeline.tools import ProxyTools
-from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply, event_json
+from ..pipeline.wire import Decision, Ending, Native, Reply, Step, bad_reply, event_json
 from ..window.builder import Note
 
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
@@ -239,30 +239,37 @@ def decode_chunk(event: SSEEvent) -> dict[str, Any] | None:
     return chunk  # type: ignore[no-any-return]
 
 
-class ChatObserver:
-    """Reads a stream relayed unchanged, to record its answer; what it cannot read it skips
-    (the client got the bytes as they came), and past ``limit`` bytes it stops keeping the
-    answer (the store would not keep it either)."""
+class ChatObserver(Ending):
+    """Reads a stream relayed unchanged, to record its answer; what it cannot read leaves
+    the answer unrecorded (the client got the bytes as they came), and past ``limit`` bytes
+    it stops keeping the answer (the store would not keep it either). The answer is whole
+    at [DONE] only: a finish reason comes before the usage chunk, and a stream cut after it
+    did not end."""
 
     def __init__(self, limit: int) -> None:
+        super().__init__()
         self.acc = Accumulator()
         self.limit = limit
         self.size = 0
 
     def feed(self, event: SSEEvent) -> None:
+        if event.is_done:
+            self.ended = True
+            return
         self.size += len(event.data)
-        if self.size > self.limit:
+        if self.size > self.limit or self.ended:
             return
         try:
             chunk = decode_chunk(event)
-        except UpstreamError:
+        except UpstreamError as exc:
+            self.failed(exc)
             return
         if chunk is not None:
             self.acc.add(chunk)
 
     def reply(self) -> Reply | None:
-        if self.size > self.limit or (self.acc.id is None and not self.acc.content
-                                      and not self.acc.calls):
+        if not self.whole or self.size > self.limit or (
+                self.acc.id is None and not self.acc.content and not self.acc.calls):
             return None
         return Reply(self.acc.message(), self.acc.usage)
 
@@ -412,7 +419,7 @@ class _Held:
 
 class ChunkRound:
     """One upstream stream of chat chunks read into an answer (``acc``), whatever it is
-    relayed as: complete at its finish reason or its [DONE]."""
+    relayed as: complete at its [DONE]."""
 
     def __init__(self) -> None:
         self.acc = Accumulator()
@@ -420,7 +427,10 @@ class ChunkRound:
 
     @property
     def complete(self) -> bool:
-        return self.done or self.acc.finish_reason is not None
+        """At [DONE] only: the usage chunk comes after the finish reason, and a stream cut
+        between them did not end (the rule every path and API keeps: an answer is whole at
+        its upstream's own end marker)."""
+        return self.done
 
     def chunk(self, event: SSEEvent) -> dict[str, Any] | None:
         """The event's chunk, added to the answer; None for [DONE] or an event without one."""

@@ -16,7 +16,7 @@ from ..conversation.messages import Message
 from ..errors import Unavailable, UpstreamBadReply, UpstreamError
 from ..pipeline.sse import SSEEvent, encode_event
 from ..pipeline.tools import ProxyTools
-from ..pipeline.wire import Decision, Reply, Step, bad_reply, typed_event
+from ..pipeline.wire import Decision, Ending, Reply, Step, bad_reply, typed_event
 
 Block = dict[str, Any]
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -164,10 +164,13 @@ class Assembled:
                      rid if isinstance(rid, str) else None)
 
 
-class MessagesObserver:
-    """Reads a stream relayed unchanged, to record its answer (at most ``limit`` bytes)."""
+class MessagesObserver(Ending):
+    """Reads a stream relayed unchanged, to record its answer (at most ``limit`` bytes):
+    whole at its ``message_stop``, never after an ``error`` event (``overloaded_error``
+    mid-stream) or an event it could not read."""
 
     def __init__(self, limit: int):
+        super().__init__()
         self.limit = limit
         self.size = 0
         self.acc = Assembled()
@@ -175,16 +178,23 @@ class MessagesObserver:
     def feed(self, event: SSEEvent) -> None:
         self.size += len(event.data)
         if self.size > self.limit:
+            # no longer kept, but its end still told (by the event's name: it is not read)
+            if event.event == "message_stop":
+                self.ended = True
+            elif event.event == "error":
+                self.failed(UpstreamError("", quoted="the upstream's stream failed"))
             return
         try:
             data = decode(event)
             if data is not None:
                 self.acc.add(data)
-        except UpstreamError:
+        except UpstreamError as exc:
+            self.failed(exc)
             return
+        self.ended = self.acc.stopped
 
     def reply(self) -> Reply | None:
-        if self.size > self.limit or self.acc.message is None:
+        if not self.whole or self.size > self.limit or self.acc.message is None:
             return None
         return self.acc.reply()
 

@@ -18,7 +18,7 @@ from ..conversation.messages import Message
 from ..errors import Unavailable, UpstreamError
 from ..pipeline.sse import SSEEvent, encode_event
 from ..pipeline.tools import ProxyTools
-from ..pipeline.wire import Decision, Native, Reply, bad_reply, typed_event
+from ..pipeline.wire import Decision, Ending, Native, Reply, bad_reply, typed_event
 from ..window.builder import Note
 
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")
@@ -131,10 +131,13 @@ def _decode(event: SSEEvent) -> dict[str, Any] | None:
     return data
 
 
-class ResponsesObserver:
-    """Reads a stream relayed unchanged, to record its answer (at most ``limit`` bytes)."""
+class ResponsesObserver(Ending):
+    """Reads a stream relayed unchanged, to record its answer (at most ``limit`` bytes):
+    whole at its ``response.completed`` (or ``response.incomplete``: the upstream ended it),
+    never after an ``error`` or ``response.failed`` event or an event it could not read."""
 
     def __init__(self, limit: int):
+        super().__init__()
         self.limit = limit
         self.size = 0
         self.response: dict[str, Any] | None = None
@@ -142,16 +145,24 @@ class ResponsesObserver:
     def feed(self, event: SSEEvent) -> None:
         self.size += len(event.data)
         if self.size > self.limit:
+            # no longer kept, but its end still told (by the event's name: it is not read)
+            if event.event in ENDS:
+                self.ended = True
+            elif event.event in ("error", "response.failed"):
+                self.failed(UpstreamError("", quoted="the upstream's response failed"))
             return
         try:
             data = _decode(event)
-        except UpstreamError:
+        except UpstreamError as exc:
+            self.failed(exc)
             return
-        if data is not None and data["type"] in ENDS and isinstance(data.get("response"), dict):
-            self.response = data["response"]
+        if data is not None and data["type"] in ENDS:
+            self.ended = True
+            if isinstance(data.get("response"), dict):
+                self.response = data["response"]
 
     def reply(self) -> Reply | None:
-        if self.size > self.limit or self.response is None \
+        if not self.whole or self.size > self.limit or self.response is None \
                 or response_problem(self.response):
             return None
         return reply_of(self.response)

@@ -15,6 +15,7 @@ from ..conversation.identity import Session
 from ..errors import (
     PermissionDenied,
     Unavailable,
+    UpstreamBadReply,
     UpstreamError,
     UpstreamKeyRefused,
     UpstreamTooLarge,
@@ -265,7 +266,17 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
             if decoder is not None:
                 for ev in decoder.flush():
                     observer.feed(ev)
-                _answered(state, turn, session, history, rlog, observer.reply(), False)
+                if observer.failure is not None:
+                    # the upstream's error event reached the client as it came (its SDK
+                    # raises it); the fragment before it is no answer: nothing recorded
+                    status = observer.failure.status
+                    log.warning("upstream failed mid-stream: relayed, not recorded", extra={
+                        "tenant": turn.caller.tenant.name,
+                        "error": observer.failure.log_text})
+                elif not observer.ended:
+                    raise UpstreamBadReply("the upstream's stream ended before its answer did")
+                else:
+                    _answered(state, turn, session, history, rlog, observer.reply(), False)
         else:
             rounds = _rounds(state, turn, session, history, out, rlog)
             try:

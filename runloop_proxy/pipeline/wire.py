@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import orjson
 
 from ..conversation.messages import Message, ToolCall
-from ..errors import UpstreamBadReply
+from ..errors import UpstreamBadReply, UpstreamError
 from ..window.builder import Note
 from .sse import SSEEvent
 from .tools import ProxyTools
@@ -116,11 +116,35 @@ class StreamRelay(Protocol):
 
 
 class StreamObserver(Protocol):
-    """Reads a stream relayed unchanged, to record its answer."""
+    """Reads a stream relayed unchanged, to record its answer. Its answer is recorded only
+    when the stream is ``whole``: the upstream's own end marker arrived ([DONE],
+    ``message_stop``, ``response.completed``) and nothing before it failed (an error event,
+    an event it could not read)."""
+
+    ended: bool  # the upstream's own end marker arrived
+    failure: UpstreamError | None  # an error event, or an event that is no event of the API
 
     def feed(self, event: SSEEvent) -> None: ...
 
     def reply(self) -> Reply | None: ...
+
+
+class Ending:
+    """How a stream relayed unchanged ended, for its observer: its end marker, its first
+    failure (an error event the client was relayed as it came, or an event the observer
+    could not read)."""
+
+    def __init__(self) -> None:
+        self.ended = False
+        self.failure: UpstreamError | None = None
+
+    def failed(self, exc: UpstreamError) -> None:
+        if self.failure is None:
+            self.failure = exc
+
+    @property
+    def whole(self) -> bool:
+        return self.ended and self.failure is None
 
 
 class Wire(Protocol):
