@@ -29,6 +29,7 @@ from .ops.metrics import Metrics
 from .pipeline.tokens import TokenCounter
 from .serving import tune_gc
 from .state import AppState
+from .tasks import forever
 
 log = logs.get("app")
 
@@ -60,7 +61,9 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP,
                                     lambda: state.spawn(state.reload("SIGHUP")))
-        watcher = asyncio.create_task(state.watch_config()) if settings.config_dir else None
+        watcher = asyncio.create_task(forever("watch_config", state.watch_config,
+                                                state.background_failed)) \
+            if settings.config_dir else None
         log.info("runloop-proxy ready", extra={
             "tenants": len(config.tenants), "passthrough": config.passthrough is not None})
         try:

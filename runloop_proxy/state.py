@@ -26,6 +26,7 @@ from .pipeline.shares import Shares
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
 from .pipeline.upstream import UpstreamClient
 from .pipeline.values import Recent
+from .tasks import once
 from .window.builder import Carry
 
 log = logs.get("state")
@@ -80,10 +81,16 @@ class AppState:
         self.metrics.share_refusals.labels(resource.split(" to ")[0], reason).inc()
 
     def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
-        """Run work off the request path; keep a reference so it is not collected mid-flight."""
-        task = asyncio.ensure_future(coro)
+        """Run work off the request path, supervised (``tasks.once``: an exception logged
+        with its traceback and counted); keep a reference so it is not collected
+        mid-flight."""
+        name = getattr(coro, "__qualname__", None) or "background"
+        task = asyncio.ensure_future(once(name, coro, self.background_failed))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+
+    def background_failed(self, name: str) -> None:
+        self.metrics.background_failures.labels(name).inc()
 
     def init_metrics(self) -> None:
         """Every tenant's series exported from the start (see Metrics.init_tenants)."""

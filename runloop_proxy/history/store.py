@@ -186,7 +186,8 @@ class RedisStore:
         self._scripts_loaded = False
         self.writes = WriteBehind(self._pipeline, self._settle, self._available_in,
                                   cfg.write_retry_s, self._lost, cfg.write_queue_mb << 20,
-                                  metrics.write_queue.set, self._refused)
+                                  metrics.write_queue.set, self._refused,
+                                  lambda name: metrics.background_failures.labels(name).inc())
         self._refused_logged = 0.0
         # anchors this replica set, until Redis holds them (a few hundred bytes each)
         self._anchors: ByteLRU[tuple[str, str], str] = ByteLRU(
@@ -223,6 +224,17 @@ class RedisStore:
             except RedisError as exc:
                 self.metrics.store_errors.labels(op).inc()
                 raise StoreError(f"redis {op} failed: {type(exc).__name__}: {exc}") from exc
+            except StoreError:
+                raise  # the store's own (a session's limits): as it is
+            except Exception as exc:  # noqa: BLE001 - whatever the client library raises
+                # redis-py's cluster client raises RuntimeError / AttributeError while it
+                # reconnects after a master died: a store failure like any other (fail
+                # open), never a 500 nor a dead background task; retried once, as a
+                # dropped connection is
+                if attempt:
+                    log.warning("store client raised %s", type(exc).__name__, exc_info=True,
+                                extra={"op": op})
+                    raise self._down(op, f"{type(exc).__name__}: {exc}") from exc
         self.metrics.store_latency.labels(op).observe(time.perf_counter() - started)
         self.metrics.store_up.set(1)
         return result
@@ -244,7 +256,9 @@ class RedisStore:
     async def _probe_until_up(self) -> None:
         while not self.available:
             await asyncio.sleep(PROBE_EVERY_S)
-            with contextlib.suppress(RedisError, OSError, TimeoutError):
+            # whatever the client raises, the probe goes on (it is what brings the store
+            # back: a probe dead of a cluster client's RuntimeError left it down for good)
+            with contextlib.suppress(Exception):
                 await self.client.ping()
                 self._down_until = 0.0
                 self.metrics.store_up.set(1)

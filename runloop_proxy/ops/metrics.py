@@ -107,6 +107,10 @@ class Metrics:
         self.write_queue = Gauge("runloop_write_queue_jobs",
                                  "History writes waiting for Redis (write-behind)",
                                  registry=r, multiprocess_mode="livesum")
+        self.background_failures = Counter(
+            "runloop_background_failures_total",
+            "Background tasks that raised (logged with a traceback; a long-lived one started "
+            "again)", ["task"], registry=r)
         self.branches_pruned = Counter("runloop_branches_pruned_total",
                                        "Least recently used branches pruned past max_branches",
                                        registry=r)
