@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import re
 import urllib.parse
+import zlib
 from typing import Any
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
@@ -14,7 +16,9 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from ..errors import InvalidRequest, NotFound, PermissionDenied
 from ..ops.admin import admin_routes
 from ..ops.inspector import inspector_routes
-from ..pipeline.relay import refuse_held_key
+from ..pipeline.offload import is_large_body, offload
+from ..pipeline.references import stored_references
+from ..pipeline.relay import refuse_held_key, refuse_stored
 from ..state import state_of
 from .chat import PATH as CHAT_PATH
 from .chat import chat_completions
@@ -76,6 +80,41 @@ def stateless(method: str, path: str) -> bool:
     return bool(_STATELESS.fullmatch(f"{method.upper()} {path}"))
 
 
+_FORM_NAME = re.compile(rb'(?im)^content-disposition:[^\r\n]*?\bname="([^"]*)"')
+_KEY_PART = re.compile(r"[^\[\]]+")
+
+
+def body_references(content_type: str, encoding: str, raw: bytes, limit: int) -> list[str]:
+    """What a pass-through body names of an account's stored objects (``references``), as
+    the upstream would read it: JSON, a form (its fields' names: ``images[0][file_id]``
+    is a ``file_id``) or multipart (its parts' names), inflated first when it comes gzip-
+    or deflate-encoded (at most ``limit`` bytes); another encoding cannot be read, and what
+    cannot be read is refused (["an encoded body"]), never sent unread."""
+    encoding = encoding.strip().lower()
+    if encoding not in ("", "identity"):
+        if encoding not in ("gzip", "x-gzip", "deflate"):
+            return [f"a body in {encoding[:32]}"]
+        inflater = zlib.decompressobj(wbits=47)  # gzip or zlib, by the header
+        try:
+            raw = inflater.decompress(raw, limit + 1)
+        except zlib.error:
+            return ["an encoded body"]
+        if len(raw) > limit or inflater.unconsumed_tail:
+            return ["an encoded body"]
+    kind = content_type.split(";")[0].strip().lower()
+    if kind == "multipart/form-data":  # a part's value may be a file: only names read
+        fields = [(m.decode("utf-8", "replace"), "named") for m in _FORM_NAME.findall(raw)]
+    elif kind == "application/x-www-form-urlencoded":
+        fields = urllib.parse.parse_qsl(raw.decode("latin-1"), keep_blank_values=True)
+    else:
+        try:
+            return stored_references(orjson.loads(raw))
+        except orjson.JSONDecodeError:
+            return []  # not JSON (audio, an image): names nothing by a field
+    return [ref for name, value in fields
+            for ref in stored_references({(_KEY_PART.findall(name) or [name])[-1]: value})]
+
+
 def base_url_hint(path: str) -> str:
     """What a client that asked for ``path`` likely has wrong in its base URL (a known API
     path without ``/v1``: an OpenAI SDK's base URL without it; ``/v1/v1/``: an Anthropic
@@ -111,6 +150,11 @@ async def passthrough(request: Request) -> ASGIResponse:
                        f"no such endpoint (the proxy answers /v1/messages and "
                        f"/v1/messages/count_tokens itself)")
     raw = await read_body(request, state.config.server.max_body_bytes)
+    if caller.shared_key and raw:  # what the body names, as the conversation endpoints
+        refuse_stored(await offload(is_large_body(raw), lambda: body_references(
+            request.headers.get("content-type", ""),
+            request.headers.get("content-encoding", ""), raw,
+            state.config.server.max_body_bytes)))
     headers = caller.upstream_headers(request.headers.items(), body_as_sent=True)
     # the answer comes back as the upstream encodes it, so only in what the client accepts
     headers["Accept-Encoding"] = request.headers.get("accept-encoding", "identity")

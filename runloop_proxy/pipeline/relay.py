@@ -42,11 +42,8 @@ async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
     key other tenants use too is refused what names that account's stored objects (their
     listing is refused in the pass-through, ``routes.stateless``; naming one by its id is
     the other way to them)."""
-    if turn.caller.shared_key and turn.stored_references:
-        raise PermissionDenied(
-            f"this tenant's upstream key is other tenants' too, so the proxy sends nothing that "
-            f"names what that account stores ({', '.join(sorted(set(turn.stored_references)))})"
-            f"; give the tenant its own upstream_key to use them")
+    if turn.caller.shared_key:
+        refuse_stored(await offload(turn.large, lambda: turn.stored_references))
     payload = body if isinstance(body, bytes) else orjson.dumps(body)
     headers = json_headers(turn.caller.upstream_headers(turn.headers))
     started = rlog.upstream_started()
@@ -155,6 +152,18 @@ def _too_large_to_record(state: AppState, turn: Turn, size: int | None = None) -
     log.warning("answer too large to record: relayed, not stored",
                 extra={"tenant": turn.caller.tenant.name, "bytes": size})
     state.metrics.store_errors.labels("too_large").inc()
+
+
+def refuse_stored(references: list[str]) -> None:
+    """A request of a caller whose upstream key other tenants use too that names what the
+    account stores (``references``): refused before anything is sent."""
+    if references:
+        shown = sorted(set(references))
+        raise PermissionDenied(
+            f"this tenant's upstream key is other tenants' too, so the proxy sends nothing that "
+            f"names what that account stores ({', '.join(shown[:8])}"
+            f"{', ...' if len(shown) > 8 else ''}); give the tenant its own upstream_key to "
+            f"use them")
 
 
 def refuse_held_key(caller: Caller, resp: UpstreamResponse) -> None:

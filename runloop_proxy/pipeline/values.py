@@ -15,6 +15,7 @@ from ..errors import InvalidRequest
 from ..history.store import Prepared
 from ..window.builder import Window
 from .offload import is_large, is_large_body
+from .references import stored_references
 from .tools import ProxyTools
 from .upstream import UpstreamClient, UpstreamResponse, upstream_headers
 from .wire import Wire
@@ -120,29 +121,11 @@ class Turn:
 
     @functools.cached_property
     def stored_references(self) -> list[str]:
-        """What the request names of what an upstream account stores, by where each API puts
-        it: a response or conversation it continues, a stored prompt, a file, a vector store
-        or container a tool reads, an item referenced by id — never a tool's schema or a
-        call's arguments (their fields are the client's own names)."""
-        body = self.body
-        found = [k for k in ("previous_response_id", "conversation", "prompt", "container")
-                 if body.get(k)]
-        for tool in body.get("tools") or ():
-            if isinstance(tool, dict) and (tool.get("vector_store_ids")
-                                           or isinstance(tool.get("container"), str)):
-                found.append(f"tools: {tool.get('type')}")
-        stack: list[Any] = [body.get(k) for k in ("messages", "input")]
-        while stack:  # the turns and their content parts, to any depth
-            value = stack.pop()
-            if isinstance(value, list):
-                stack.extend(value)
-            elif isinstance(value, dict):
-                if value.get("type") == "item_reference" or value.get("file_id") \
-                        or value.get("file_ids"):
-                    found.append(str(value.get("type") or "file_id"))
-                stack.extend(v for k, v in value.items()
-                             if k in ("content", "file", "output") and isinstance(v, (list, dict)))
-        return found
+        """Where the request names what an upstream account stores (``references``: any
+        field at any depth whose name or shape names a stored object — a response or
+        conversation it continues, a stored prompt, a file, a vector store, a container, a
+        skill, an item by id — never a tool's schema or a call's arguments)."""
+        return stored_references(self.body)
 
     @property
     def chat_tools(self) -> list[dict[str, Any]] | None:
