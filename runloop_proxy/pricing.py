@@ -81,9 +81,11 @@ class PrefixCache:
     minimum: int = 1024
     step: int = 128
     ttl: float | None = None
-    # chain hash of a prefix -> (its tokens, the block after it, last used)
-    _seen: dict[int, tuple[int, Block | None, float]] = field(default_factory=dict)
-    _first: tuple[Block, float] | None = None  # the last prompt's first block
+    # chain hash of a prefix -> (its tokens, last used)
+    _seen: dict[int, tuple[int, float]] = field(default_factory=dict)
+    # chain hash of a prefix (0: the empty one) -> every block that followed it in a prompt,
+    # with when: an earlier branch's block is cached as long as that prompt's prefix is
+    _after: dict[int, dict[Block, float]] = field(default_factory=dict)
 
     def bill(self, blocks: Sequence[Block], at: float | None = None) -> Bill:
         """Bill ``blocks`` against the prompts billed before, then remember them."""
@@ -95,26 +97,24 @@ class PrefixCache:
             ends.append(t)
         k = self._longest(chains, at)  # blocks shared whole
         shared = ends[k - 1] if k else 0
-        if k:
-            after = self._seen[chains[k - 1]][1]
-        else:
-            first = self._first
-            after = first[0] if first is not None and (
-                self.ttl is None or at is None or at - first[1] <= self.ttl) else None
-        if k < len(blocks) and after is not None and _extends(after, blocks[k]):
-            shared += min(after.tokens, blocks[k].tokens) - 1  # its last token may merge
+        if k < len(blocks):  # a block that only grew shares its tokens but the last
+            after = self._after.get(chains[k - 1] if k else 0, {})
+            shared += max((min(a.tokens, blocks[k].tokens) - 1 for a, t in after.items()
+                           if self._live(t, at) and _extends(a, blocks[k])), default=0)
         total = ends[-1] if ends else 0
         cached = (shared // self.step) * self.step if shared >= self.minimum else 0
         now = at if at is not None else 0.0
         for j, ch in enumerate(chains):
-            self._seen[ch] = (ends[j], blocks[j + 1] if j + 1 < len(blocks) else None, now)
-        if blocks:
-            self._first = (blocks[0], now)
+            self._seen[ch] = (ends[j], now)
+            self._after.setdefault(chains[j - 1] if j else 0, {})[blocks[j]] = now
         return Bill(total - cached, cached)
+
+    def _live(self, used: float, at: float | None) -> bool:
+        return self.ttl is None or at is None or at - used <= self.ttl
 
     def _alive(self, chain: int, at: float | None) -> bool:
         hit = self._seen.get(chain)
-        return hit is not None and (self.ttl is None or at is None or at - hit[2] <= self.ttl)
+        return hit is not None and self._live(hit[1], at)
 
     def _longest(self, chains: list[int], at: float | None) -> int:
         """How many leading blocks an earlier prompt shared: a prompt remembers every prefix

@@ -10,8 +10,10 @@ from types import ModuleType
 from typing import Any
 
 import httpx
-from hypothesis import given
+import pytest
+from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import runloop_proxy
 from runloop_proxy.caches import ENTRY_OVERHEAD, SHARES, ByteLRU, approx_size
@@ -238,3 +240,76 @@ def test_the_caches_a_proxy_keeps_share_cache_mb(make_proxy: Any) -> None:
         assert sum(n for p, n in budget.items() if p not in fixed) <= mb << 20
     assert "state.masks._kept" in small
     assert sum(SHARES.values()) <= 1.0
+
+
+class _ByteLRUAgainstAList(RuleBasedStateMachine):
+    """A ``ByteLRU`` over a long run (up to 60 steps) of sets, gets, deletes and clears, its
+    values growing as the run goes on, against the obvious model: a list of (key, value,
+    size) from least to most recently used, where a set removes the key and appends it, then
+    drops from the front while over the budget (an entry larger than the budget is not kept),
+    and a get moves its key to the end. After every step the cache holds exactly the model's
+    entries, in its order, and its byte count is their sum.
+
+    Bug class: bookkeeping that goes wrong at a later step (a short run with values that do
+    not grow passes). Planted: a get that does not refresh recency (``move_to_end`` left
+    out); a replaced entry whose old size stays counted; eviction from the wrong end
+    (``popitem(last=True)``: the entry just set goes first)."""
+
+    BUDGET = 2_917  # a size no value's growth lands on exactly
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache: ByteLRU[str, str] = ByteLRU(self.BUDGET, lambda k, v: len(k) + len(v))
+        self.model: list[tuple[str, str, int]] = []
+        self.step = 0
+
+    def _touch(self, key: str) -> tuple[str, str, int] | None:
+        for i, entry in enumerate(self.model):
+            if entry[0] == key:
+                return self.model.pop(i)
+        return None
+
+    @rule(key=st.sampled_from([f"sess-{i:02d}" for i in range(12)]), extra=st.integers(0, 90))
+    def put(self, key: str, extra: int) -> None:
+        self.step += 1
+        value = "v" * (extra + 40 * self.step)  # grows with the run: evictions get larger
+        self.cache[key] = value
+        self._touch(key)
+        size = len(key) + len(value)
+        if size <= self.BUDGET:
+            self.model.append((key, value, size))
+            while sum(e[2] for e in self.model) > self.BUDGET:
+                self.model.pop(0)
+
+    @rule(key=st.sampled_from([f"sess-{i:02d}" for i in range(12)]))
+    def get(self, key: str) -> None:
+        entry = self._touch(key)
+        if entry is not None:
+            self.model.append(entry)
+        assert self.cache.get(key) == (entry[1] if entry else None)
+
+    @rule(key=st.sampled_from([f"sess-{i:02d}" for i in range(12)]))
+    def delete(self, key: str) -> None:
+        entry = self._touch(key)
+        if entry is None:
+            with pytest.raises(KeyError):
+                del self.cache[key]
+        else:
+            del self.cache[key]
+
+    @rule()
+    def clear(self) -> None:
+        self.cache.clear()
+        self.model.clear()
+
+    @invariant()
+    def same_entries_in_the_same_order(self) -> None:
+        assert list(self.cache) == [e[0] for e in self.model]
+        assert {k: self.cache._data[k][0] for k in self.cache} == {e[0]: e[1] for e in self.model}
+        assert self.cache.bytes == sum(e[2] for e in self.model) <= self.BUDGET
+        assert len(self.cache) == len(self.model)
+
+
+_ByteLRUAgainstAList.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=60, deadline=None)
+test_byte_lru_over_long_runs_is_the_model = _ByteLRUAgainstAList.TestCase

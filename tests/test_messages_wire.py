@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 import pytest
 from anthropic.lib.streaming._messages import accumulate_event
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from runloop_proxy.api.messages_stream import MessagesRelay
@@ -399,3 +399,125 @@ def test_each_window_message_is_told_the_turn_it_went_into(kinds: list[str]) -> 
     for i, t in enumerate(turn_of):
         where = system if t == -1 else turns[t]
         assert f"<m{i}>" in orjson.dumps(where).decode(), (i, kinds, turn_of, turns)
+
+
+def _auto_reference(body: dict[str, Any], stable: int | None,
+                    note: tuple[int, int] | None) -> dict[str, Any]:
+    """``with_auto`` the slow way, from what the docstring promises: the places wanted, in
+    order (the request's last turn, the note's block, the stable turn; -1 the system prompt),
+    each given a mark on its last markable block (or the note's block, else the markable one
+    before it) while the body holds fewer than four marks anywhere; a place whose block is
+    marked already takes none; each mark takes the ttl of the first mark after it."""
+    import copy
+
+    out = copy.deepcopy(body)
+    turns = out.get("messages") or []
+
+    def as_blocks(content: Any) -> list[Any]:
+        return content if isinstance(content, list) else [{"type": "text", "text": content}]
+
+    def rendered() -> list[tuple[tuple[int, int, int], Any]]:
+        """Every block that can hold a mark, with its place, in the order the API renders."""
+        order: list[tuple[tuple[int, int, int], Any]] = []
+        order += [((0, 0, i), t) for i, t in enumerate(out.get("tools") or [])]
+        if isinstance(out.get("system"), list):
+            order += [((1, 0, i), b) for i, b in enumerate(out["system"])]
+        for t, turn in enumerate(turns):
+            if isinstance(turn.get("content"), list):
+                for i, b in enumerate(turn["content"]):
+                    order += [((2, t, i), b)]
+        return order
+
+    places: list[tuple[int, int | None]] = [(len(turns) - 1, None)]
+    places += [note] if note is not None else []
+    places += [(stable, None)] if stable is not None else []
+    done: list[tuple[int, int | None]] = []
+    for t, block in places:
+        if (t, block) in done or (t < 0 and not out.get("system")):
+            continue
+        done.append((t, block))
+        if _every_mark(out) >= 4:
+            break
+        if t >= len(turns):
+            continue
+        holder, key, part = (out, "system", 1) if t < 0 else (turns[t], "content", 2)
+        blocks = as_blocks(holder[key])
+        candidates = [i for i, b in enumerate(blocks)
+                      if (block is None or i <= block) and isinstance(b, dict)
+                      and b.get("type") not in ("thinking", "redacted_thinking")
+                      and (b.get("type") != "text" or b.get("text"))]
+        if not candidates or "cache_control" in blocks[candidates[-1]]:
+            continue
+        at = candidates[-1]
+        place = (part, max(t, 0), at)
+        later = [m["cache_control"] for where, b in rendered() if where > place
+                 for m in _marked_in_order(b)]
+        ttl = later[0].get("ttl") if later and isinstance(later[0].get("ttl"), str) else None
+        blocks = [dict(b) if isinstance(b, dict) else b for b in blocks]
+        blocks[at]["cache_control"] = {"type": "ephemeral", **({"ttl": ttl} if ttl else {})}
+        holder[key] = blocks
+    return out
+
+
+def _marked_in_order(block: Any) -> list[dict[str, Any]]:
+    """The marked blocks of ``block`` and inside it, in the order they are written."""
+    if isinstance(block, list):
+        return [m for v in block for m in _marked_in_order(v)]
+    if not isinstance(block, dict):
+        return []
+    here = [block] if isinstance(block.get("cache_control"), dict) else []
+    return here + [m for k, v in block.items() if k != "cache_control"
+                   for m in _marked_in_order(v)]
+
+
+_ttl_text = st.builds(lambda text, ttl: {"type": "text", "text": text, **(
+    {"cache_control": {"type": "ephemeral", **({"ttl": ttl} if ttl else {})}}
+    if ttl is not None else {})}, st.sampled_from(["", "t", "longer text"]),
+    st.sampled_from([None, None, "", "1h", "5m"]))
+_thinking = st.just({"type": "thinking", "thinking": "hm", "signature": "sig"})
+_auto_result = st.builds(lambda inner: {"type": "tool_result", "tool_use_id": "toolu_01",
+                                        "content": inner}, st.lists(_ttl_text, max_size=2))
+
+
+@settings(max_examples=400, deadline=None)
+@given(system=st.one_of(st.sampled_from(["", "You are terse."]), st.lists(_ttl_text, max_size=2)),
+       tools=st.lists(st.sampled_from([None, "1h", ""]), max_size=2),
+       turns=st.lists(st.one_of(st.sampled_from(["", "a question"]), st.lists(
+           st.one_of(_ttl_text, _thinking, _auto_result), min_size=1, max_size=4)),
+           min_size=1, max_size=5),
+       stable=st.one_of(st.none(), st.integers(-1, 4)), note=st.one_of(
+           st.none(), st.tuples(st.integers(0, 4), st.integers(0, 3))))
+@example(system="S", tools=[], turns=["q", "a", [{
+    "type": "tool_result", "tool_use_id": "toolu_01", "content": [
+        {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "1h"}},
+        {"type": "text", "text": "y", "cache_control": {"type": "ephemeral"}}]}], "go on"],
+    stable=1, note=None)  # found by it: the mark took y's 5 minutes, before x's hour
+def test_auto_marks_are_exactly_where_the_reference_puts_them(
+        system: Any, tools: list[str | None], turns: list[Any], stable: int | None,
+        note: tuple[int, int] | None) -> None:
+    """The proxy's breakpoints are where they pay, not only at most four: the whole body
+    ``with_auto`` returns equals the slow reference's (each place in its order, the last
+    markable block, the ttl of the next mark after it), for bodies with thinking blocks,
+    empty texts, string contents, marks nested in tool results and the client's own ttls.
+
+    Bug class: a mark that exists but sits in a worse place (a shorter prefix cached, a
+    higher bill). Found by it: the stable mark before a tool result whose blocks carry
+    marks of an hour then of five minutes took the five minutes (the blocks inside were
+    read last first), and a five-minute mark before an hour's is a request the API refuses.
+    Planted: the stable prefix's mark before the note's (one slot left goes to
+    the wrong place); a mark on the first markable block of a turn instead of the last; the
+    ttl taken from the mark before it, not after."""
+    from runloop_proxy.api.breakpoints import with_auto
+    body: dict[str, Any] = {
+        "system": system, "messages": [
+            {"role": "user" if k % 2 == 0 else "assistant", "content": c}
+            for k, c in enumerate(turns)],
+        "tools": [{"name": f"lookup_{i}", "input_schema": {"type": "object"}, **(
+            {"cache_control": {"type": "ephemeral", **({"ttl": t} if t else {})}}
+            if t is not None else {})} for i, t in enumerate(tools)]}
+    if note is not None and (note[0] >= len(turns) or not isinstance(turns[note[0]], list)
+                             or note[1] >= len(turns[note[0]])):
+        note = None  # the builder names only a block of a turn in blocks
+    stable = None if stable is None else min(stable, len(turns) - 1)
+    want = _auto_reference(body, stable, note)
+    assert with_auto(body, stable, note) == want

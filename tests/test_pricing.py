@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 from runloop_proxy.errors import ConfigError
 from runloop_proxy.pricing import (
@@ -190,3 +191,148 @@ def test_a_misspelled_name_in_a_price_table_is_refused(tmp_path: Path, text: str
     with pytest.raises(ConfigError) as err:
         PriceTable.load(path)
     assert str(err.value) == f"{path}: {where}"
+
+
+# -- long conversations against slow references --------------------------------------------
+
+
+class _PrefixReference:
+    """A provider's prefix cache the slow way: every prefix of every prompt billed, by its
+    keys, with when it was last used, and every block that followed it in any prompt."""
+
+    def __init__(self, minimum: int, step: int, ttl: float) -> None:
+        self.minimum, self.step, self.ttl = minimum, step, ttl
+        self.used: dict[tuple[str, ...], float] = {}  # a prefix's keys -> last used
+        self.after: dict[tuple[str, ...], dict[Block, float]] = {}  # -> next blocks, when
+
+    def bill(self, prompt: list[Block], at: float) -> Bill:
+        keys = tuple(b.key for b in prompt)
+        alive = [j for j in range(1, len(prompt) + 1)
+                 if keys[:j] in self.used and at - self.used[keys[:j]] <= self.ttl]
+        k = max(alive, default=0)
+        shared = sum(b.tokens for b in prompt[:k])
+        if k < len(prompt):  # a block that only grew shares its tokens but the last
+            new = prompt[k]
+            grown = [min(old.tokens, new.tokens) - 1
+                     for old, t in self.after.get(keys[:k], {}).items()
+                     if at - t <= self.ttl and old.role == new.role and old.text and new.text
+                     and (old.text.startswith(new.text) or new.text.startswith(old.text))]
+            shared += max(grown, default=0)
+        total = sum(b.tokens for b in prompt)
+        cached = shared // self.step * self.step if shared >= self.minimum else 0
+        for j in range(len(prompt)):
+            self.used[keys[:j + 1]] = at
+            self.after.setdefault(keys[:j], {})[prompt[j]] = at
+        return Bill(total - cached, cached)
+
+
+class _BreakpointReference:
+    """Anthropic's breakpoints the slow way: entries by a prefix's keys and when each was
+    last used; a prompt reads the longest live entry at most ``lookback`` blocks before one
+    of its last four breakpoints, and writes from there to its last one."""
+
+    def __init__(self, minimum: int, ttl: float) -> None:
+        self.minimum, self.ttl, self.lookback = minimum, ttl, 20
+        self.entries: dict[tuple[str, ...], float] = {}
+
+    def bill(self, prompt: list[Block], marks: list[int], at: float) -> Bill:
+        keys = tuple(b.key for b in prompt)
+        upto = [sum(b.tokens for b in prompt[:j]) for j in range(len(prompt) + 1)]
+        marks = sorted(set(m for m in marks if 0 < m <= len(prompt)))[-4:]
+        live = [j for m in marks for j in range(max(1, m - self.lookback), m + 1)
+                if keys[:j] in self.entries and at - self.entries[keys[:j]] <= self.ttl]
+        read = max(live, default=0)
+        if read:
+            self.entries[keys[:read]] = at
+        written = 0
+        if marks and marks[-1] > read and upto[marks[-1]] >= self.minimum:
+            written = upto[marks[-1]] - upto[read]
+            for m in marks:
+                if upto[m] >= self.minimum:
+                    self.entries[keys[:m]] = at
+        return Bill(upto[-1] - upto[read] - written, upto[read], written)
+
+
+class _Conversation(RuleBasedStateMachine):
+    """One agent conversation over many requests (up to 60 steps): messages appended, the
+    last one grown (a summary that appends), a fork back to an earlier point, a compaction
+    that replaces old messages by a marker whose text grows, time passing past the caches'
+    lives; each request billed by both caches and by their slow references, which must agree
+    to the token at every step.
+
+    Bug class: a provider model whose state goes wrong on a later request (two or three
+    prompts of unchanging content pass). Planted: the prefix cache remembering only the last
+    prompt's block after a prefix (an earlier branch's grown block missed: a real one, fixed
+    here: a conversation that went back to an earlier branch and compacted it again was
+    billed its marker's tokens in full); a breakpoint entry's life measured from its first
+    write (``setdefault``); a grown block found after its prompt's life ended (its own time
+    not checked)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[Block] = [Block("system", 1_311, "You are a coding agent.", "system")]
+        self.now = 0.0
+        self.serial = 0
+        self.sent: list[list[Block]] = []
+
+    @initialize(rules=st.sampled_from([(1024, 128), (0, 1), (256, 64)]))
+    def caches(self, rules: tuple[int, int]) -> None:
+        minimum, step = rules
+        self.prefix = PrefixCache(minimum, step, ttl=300)
+        self.prefix_ref = _PrefixReference(minimum, step, ttl=300)
+        self.marks = BreakpointCache(minimum, ttl=300)
+        self.marks_ref = _BreakpointReference(minimum, ttl=300)
+
+    def _block(self, role: str, text: str) -> Block:
+        self.serial += 1
+        return Block(f"{role}-{self.serial}", 7 + len(text) // 4, text, role)
+
+    @rule(role=st.sampled_from(["user", "assistant", "tool"]), words=st.integers(1, 120))
+    def append(self, role: str, words: int) -> None:
+        self.messages.append(self._block(role, f"m{self.serial} " + "word " * words))
+
+    @rule(words=st.integers(1, 80))
+    def grow_the_last(self, words: int) -> None:
+        if len(self.messages) > 1:
+            last = self.messages.pop()
+            self.messages.append(self._block(last.role, last.text + " more" * words))
+
+    @rule(back=st.integers(1, 6), words=st.integers(1, 60))
+    def fork(self, back: int, words: int) -> None:
+        del self.messages[max(1, len(self.messages) - back):]
+        self.messages.append(self._block("user", f"edited {self.serial} " + "x " * words))
+
+    @rule(keep=st.integers(1, 4), words=st.integers(5, 90))
+    def compact(self, keep: int, words: int) -> None:
+        if len(self.messages) > keep + 2:
+            marker = next((m for m in self.messages if m.key.startswith("marker")), None)
+            text = (marker.text if marker else "Earlier turns:") + " done" * words
+            block = self._block("assistant", text)
+            self.messages = [self.messages[0], Block("marker" + block.key, block.tokens,
+                                                     text, "assistant"),
+                             *self.messages[-keep:]]
+
+    @rule(data=st.data())
+    def back_to_a_branch(self, data: st.DataObject) -> None:
+        """A conversation sent before, resumed (a client's regenerate, another tab)."""
+        if self.sent:
+            self.messages = list(data.draw(st.sampled_from(self.sent)))
+
+    @rule(seconds=st.sampled_from([3, 41, 299, 300, 301, 977]))
+    def wait(self, seconds: float) -> None:
+        self.now += seconds
+
+    @rule(extra=st.lists(st.integers(1, 40), max_size=4))
+    def send(self, extra: list[int]) -> None:
+        prompt = list(self.messages)
+        self.sent.append(prompt)
+        assert self.prefix.bill(prompt, self.now) == self.prefix_ref.bill(prompt, self.now)
+        marks = [len(prompt), *extra]
+        assert self.marks.bill(prompt, marks, self.now) == \
+            self.marks_ref.bill(prompt, marks, self.now)
+        self.now += 1
+
+
+_Conversation.TestCase.settings = settings(max_examples=80, stateful_step_count=60,
+                                           deadline=None)
+test_both_caches_over_long_conversations_match_their_references = _Conversation.TestCase

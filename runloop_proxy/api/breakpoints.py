@@ -40,17 +40,20 @@ def marks(body: dict[str, Any]) -> list[Mark]:
 def _with_nested(block: Any) -> list[Any]:
     """A block and every block inside it, however deep (a tool_result's content, a
     search_result's text in it, a document's content source): a mark on any counts
-    against the API's four. One walk of the block, its nesting bounded by the request's."""
+    against the API's four. In the order they are written (the next mark after a place is
+    the first of a block's: a mark given a later one's lifetime could precede a longer-lived
+    one, which the API refuses). One walk of the block, its nesting bounded by the
+    request's."""
     out: list[Any] = []
     todo = [block]
     while todo:
         value = todo.pop()
         if isinstance(value, dict):
             out.append(value)
-            todo.extend(v for k, v in value.items() if k != "cache_control"
-                        and isinstance(v, (dict, list)))
+            todo.extend(reversed([v for k, v in value.items() if k != "cache_control"
+                                  and isinstance(v, (dict, list))]))
         elif isinstance(value, list):
-            todo.extend(v for v in value if isinstance(v, (dict, list)))
+            todo.extend(reversed([v for v in value if isinstance(v, (dict, list))]))
     return out
 
 
