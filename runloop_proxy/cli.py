@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from . import __version__
-from .config import Settings, describe, load_config
+from .config import Settings, describe, load_config, url_hints
 from .environment import SERVE_OPTIONS, env_name, env_value, port_number, settings_to_env
 from .errors import ConfigError
 from .ops.views import branch_origin, loop_span, record_line
@@ -56,6 +56,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"runloop-proxy: config error: {exc}", file=sys.stderr)
         return 2
+    for hint in url_hints(config):
+        logs.get("serve").warning(hint)
     host, port = config.server.host, config.server.port
     try:
         sock = serving.listen(host, port)
@@ -141,10 +143,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
               f"invalid config, {len(problems)} problems:\n  " + "\n  ".join(problems),
               file=sys.stderr)
         return 1
+    for hint in url_hints(config):
+        print(f"hint: {hint}", file=sys.stderr)
     sys.stdout.write(orjson.dumps(describe(config), option=orjson.OPT_INDENT_2).decode() + "\n")
     return 0
 
 
+DEMO_PORT = 8090  # not serve's 8080: a user runs the demo, then serve, both up
 RECORDS_SHOWN = 10  # inspect's text: the last ones; --json has all
 
 
@@ -297,8 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = ("start a scripted upstream and the proxy, replay a sample agent session through "
             "them, print the savings and the inspector's address (no API key needed)")
     d = sub.add_parser("demo", help=demo, description=demo[:1].upper() + demo[1:] + ".")
-    d.add_argument("--port", type=port_number, default=8080,
-                   help="the proxy's port (default 8080)")
+    d.add_argument("--port", type=port_number, default=DEMO_PORT,
+                   help=f"the proxy's port (default {DEMO_PORT}: serve's 8080 stays free for "
+                        f"the proxy you start next)")
     d.add_argument("--redis-url", default=None, help="default: an embedded redis-server")
     d.add_argument("--data-dir", default=".runloop-demo",
                    help="where the embedded Redis keeps its data (default .runloop-demo)")

@@ -450,14 +450,49 @@ def _why(model: type[BaseModel], err: Any) -> str:
     return "unknown field" + (f" (did you mean {close[0]!r}?)" if close else "")
 
 
+# words a config copied from an example or a tutorial may hold the hash of: a key anyone can
+# guess (the examples once shipped the hash of "test"), refused where the config is read
+GUESSABLE = ("", "test", "testing", "password", "changeme", "change-me", "secret", "admin",
+             "key", "apikey", "api-key", "example", "demo", "proxy", "letmein", "1234",
+             "12345678", "123456789", "sk-test", "your-key", "YOUR_KEY", "xxx", "default")
+
+
+def guessable(digest: str) -> str | None:
+    """The well-known word ``digest`` (a sha256, hex) is the hash of, if it is one."""
+    return next((w for w in GUESSABLE if hash_key(w) == digest.lower()), None)
+
+
+def check_hash(value: str, file: str, where: str) -> str:
+    """A ``sha256:<hex>`` key's digest, or ConfigError: not 64 hex digits, or the hash of a
+    word anyone can guess."""
+    digest = value.removeprefix("sha256:").lower()
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        raise ConfigError(file, where, "sha256: must be followed by 64 hex digits")
+    word = guessable(digest)
+    if word is not None:
+        raise ConfigError(file, where, f"the hash of {word!r}, a key anyone can guess: make "
+                                       f"one (runloop-proxy init prints one) and put its hash "
+                                       f"here (printf %s \"$KEY\" | sha256sum)")
+    return digest
+
+
+def url_hints(config: ProxyConfig) -> list[str]:
+    """Upstream URLs that look like a mistake, each with its fix: no path at all, where
+    OpenAI-compatible servers and Anthropic's API serve under /v1."""
+    out = []
+    for name, spec in sorted(config.upstreams.items()):
+        if urllib.parse.urlsplit(spec.url).path in ("", "/"):
+            out.append(f"upstream {name!r}: {redact_url(spec.url)} has no /v1 — OpenAI-"
+                       f"compatible servers (and Anthropic's API) answer under /v1: did you "
+                       f"mean {redact_url(spec.url)}/v1?")
+    return out
+
+
 def _key_hashes(tenant: TenantSpec, file: str) -> list[str]:
     hashes = []
     for i, key in enumerate(tenant.keys):
         if key.startswith("sha256:"):
-            digest = key.removeprefix("sha256:").lower()
-            if not re.fullmatch(r"[0-9a-f]{64}", digest):
-                raise ConfigError(file, f"keys[{i}]", "sha256: must be followed by 64 hex digits")
-            hashes.append(digest)
+            hashes.append(check_hash(key, file, f"keys[{i}]"))
         elif len(key) < 16:
             raise ConfigError(file, f"keys[{i}]", "a proxy key must be at least 16 characters")
         else:
@@ -506,6 +541,9 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
     over = "the command line or RUNLOOP_*"
     server = _validate(ServerSection, {**gfile.server.model_dump(), **server_over}, over,
                        "server.") if server_over else gfile.server
+    if server.admin_key and server.admin_key.startswith("sha256:"):
+        check_hash(server.admin_key, str(sources[0]) if sources and not settings.admin_key
+                   else over, "server.admin_key")
     store = _validate(StoreSection, {**gfile.store.model_dump(),
                                      "redis_url": settings.redis_url}, over, "store.") \
         if settings.redis_url else gfile.store

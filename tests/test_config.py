@@ -592,3 +592,81 @@ def test_a_dated_snapshot_takes_its_own_familys_window_and_price(suffix: str) ->
     # a name only extending a family's is no snapshot of it
     assert tenant.context_window("gpt-4o" + suffix.replace("-", "x")) == \
         (128_000 if not suffix else 1234)
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("word", ["test", "changeme", "password", "", "YOUR_KEY"])
+@pytest.mark.parametrize("where", ["tenant", "admin"])
+def test_the_hash_of_a_word_anyone_can_guess_is_refused_where_it_is_read(
+        tmp_path: Path, word: str, where: str) -> None:
+    """Bug class: a config that accepts a key anyone can guess (the examples shipped the hash
+    of "test"). Planted: the check on tenants' keys only (the admin rows red), the digest
+    compared as written, not lowercased (the upper-case hashes here went through: every row
+    red)."""
+    root = write_config(tmp_path, "http://127.0.0.1:9/v1")
+    digest = hashlib.sha256(word.encode()).hexdigest()
+    if where == "tenant":
+        (root / "tenants" / "globex.toml").write_text(
+            f'name = "globex"\nkeys = ["sha256:{digest.upper()}"]\n')
+        field = "keys[0]"
+    else:
+        text = (root / "runloop.toml").read_text()
+        (root / "runloop.toml").write_text(text.replace(
+            'admin_key = "admin-0123456789abcdef"', f'admin_key = "sha256:{digest.upper()}"'))
+        field = "server.admin_key"
+    with pytest.raises(ConfigError) as caught:
+        load_config(Settings(config_dir=str(root)))
+    assert caught.value.field == field, str(caught.value)
+    assert f"the hash of {word!r}, a key anyone can guess" in str(caught.value)
+    assert "runloop-proxy init" in str(caught.value)
+
+
+def test_a_made_key_s_hash_loads_for_tenants_and_the_admin(tmp_path: Path) -> None:
+    root = write_config(tmp_path, "http://127.0.0.1:9/v1")
+    admin = hashlib.sha256(b"rla-Qm9vW2x5c2VjcmV0LWFkbWluLWtleS0xMjM0NTY3OA").hexdigest()
+    text = (root / "runloop.toml").read_text()
+    (root / "runloop.toml").write_text(text.replace('admin_key = "admin-0123456789abcdef"',
+                                                    f'admin_key = "sha256:{admin}"'))
+    config = load_config(Settings(config_dir=str(root)))
+    assert config.server.admin_key == f"sha256:{admin}"
+    assert hashlib.sha256(GLOBEX_KEY.encode()).hexdigest() in config.key_index
+
+
+def test_no_shipped_config_holds_a_guessable_key_hash() -> None:
+    """Every sha256: in the example configs and the deploy files (a user copies them)."""
+    import re
+
+    from runloop_proxy.config import guessable
+
+    found = []
+    for path in [*(ROOT / "config").rglob("*.toml"), *(ROOT / "deploy").rglob("*")]:
+        if path.is_file():
+            for digest in re.findall(r"sha256:([0-9a-fA-F]{64})", path.read_text(errors="replace")):
+                found.append((path.name, digest, guessable(digest)))
+    assert [f for f in found if f[2] is not None] == []
+
+
+@pytest.mark.parametrize(("url", "hinted"), [
+    ("http://127.0.0.1:11434", True), ("https://api.openai.com/", True),
+    ("https://api.openai.com/v1", False), ("http://localhost:8000/v1/", False),
+    ("https://my-res.openai.azure.com/openai", False),
+    ("https://gw.example.net/proxy/v1", False),
+])
+def test_an_upstream_url_without_a_path_gets_the_v1_hint(tmp_path: Path, url: str,
+                                                          hinted: bool) -> None:
+    from runloop_proxy.config import url_hints
+
+    config = load_config(Settings(upstream=url))
+    hints = url_hints(config)
+    if hinted:
+        assert hints == [f"upstream 'default': {url.rstrip('/')} has no /v1 — OpenAI-compatible "
+                         f"servers (and Anthropic's API) answer under /v1: did you mean "
+                         f"{url.rstrip('/')}/v1?"]
+    else:
+        assert hints == []
+    out = subprocess.run([sys.executable, "-m", "runloop_proxy", "check-config",
+                          str(write_config(tmp_path, url))], capture_output=True, text=True,
+                         timeout=120, env={**os.environ})
+    assert out.returncode == 0 and ("hint: upstream 'main'" in out.stderr) == hinted, out.stderr

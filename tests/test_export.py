@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
@@ -94,3 +95,9 @@ def test_export_writes_what_the_proxy_stored_and_replay_reads_it(
 
     r = export("no-such-session-9d2", "--url", proxy.base)
     assert r.returncode == 1 and "404" in r.stderr and "Traceback" not in r.stderr
+    # the session as the client named it, never the store's key for it ("n:…")
+    assert "'no-such-session-9d2'" in r.stderr and "n:" not in r.stderr, r.stderr
+    for path in ("/admin/sessions/ticket-0000-gone", "/admin/sessions/ticket-0000-gone?"
+                 "messages=1", "/admin/ui/session?id=ticket-0000-gone"):
+        page = httpx.get(proxy.base + path, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+        assert page.status_code in (303, 404) and "n:ticket" not in page.text, page.text

@@ -122,8 +122,8 @@ async def tenant_of_session(state: AppState, request: Request, session_id: str) 
     if len(found) == 1:
         return found[0]
     if not found:
-        raise NotFound(f"no session {session_id!r} in any tenant")
-    raise Conflict(f"session {session_id!r} exists in several tenants: "
+        raise NotFound(f"no session {name_of(session_id)!r} in any tenant")
+    raise Conflict(f"session {name_of(session_id)!r} exists in several tenants: "
                    f"{', '.join(found)}; give ?tenant=NAME", param="tenant")
 
 
@@ -189,7 +189,7 @@ async def compact(state: AppState, tenant: str, session_id: str) -> dict[str, An
                        "caller's own, so only summary_model = \"extractive\" compacts here")
     view = await state.store.session(tenant, session_id)
     if view is None:
-        raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
+        raise NotFound(f"no session {name_of(session_id)!r} for tenant {tenant!r}")
     job = Job(spec.policy, tenant, spec.name, spec.name, "gpt-4o", spec.upstream, auth,
               spec=state.config.upstreams.get(spec.upstream))
     messages, keys, _ = spliced_stored(view.messages, view.internal)
@@ -209,7 +209,7 @@ async def admin_session(request: Request) -> Response:
     except StoreError as exc:
         return _store_unavailable(exc)
     if view is None:
-        raise NotFound(f"no session {session_id!r} for tenant {tenant!r}")
+        raise NotFound(f"no session {name_of(session_id)!r} for tenant {tenant!r}")
     summaries, compactions = await _summaries(state, tenant, session_id)
     with_messages = params.flag(request, "messages")
     points = None

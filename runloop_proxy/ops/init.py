@@ -13,6 +13,7 @@ import argparse
 import re
 import secrets
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,11 @@ def run_init(args: argparse.Namespace) -> int:
     if root.exists() and not root.is_dir():
         print(f"init: {root}: not a directory", file=sys.stderr)
         return 1
+    path = urllib.parse.urlsplit(args.upstream).path
+    if path in ("", "/"):
+        print(f"init: hint: {args.upstream} has no /v1 — OpenAI-compatible servers (and "
+              f"Anthropic's API) answer under /v1: did you mean {args.upstream.rstrip('/')}/v1? "
+              f"(written as given)", file=sys.stderr)
     proxy_key, admin_key = new_key(PROXY_KEY_PREFIX), new_key(ADMIN_KEY_PREFIX)
     (root / TENANTS_DIR).mkdir(parents=True, exist_ok=True)
     (root / GLOBAL_FILE).write_text(global_toml(args.upstream, args.upstream_key_env,
