@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,21 @@ from runloop_proxy.config import ProxyConfig, Settings, load_config
 from runloop_proxy.history.embedded import find_redis_server
 from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream, ThreadedServer
+
+
+@pytest.fixture(autouse=True)
+def _tracer_put_back() -> Iterator[None]:
+    """Every test leaves the tracer as it found it (this thread's and the one new threads
+    get): coverage measures through it, and a test that sets its own and then
+    ``sys.settrace(None)`` switches coverage off for every test after it, so the floor
+    measures less than what runs. Count lines with ``tests.work.lines``, which puts the
+    previous tracer back."""
+    before = sys.gettrace(), threading.gettrace()
+    yield
+    after = sys.gettrace(), threading.gettrace()
+    assert after[0] is before[0], f"the test left sys.settrace at {after[0]!r}, not {before[0]!r}"
+    assert after[1] is before[1], \
+        f"the test left threading.settrace at {after[1]!r}, not {before[1]!r}"
 
 
 def until(cond: Any, timeout: float = 10, what: str = "the condition") -> float:

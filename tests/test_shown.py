@@ -171,11 +171,12 @@ def test_a_stream_of_cr_ended_lines_is_read_once() -> None:
 
     lines = 5_000
     decoder = SSEDecoder()
+    previous = sys.getprofile()
     sys.setprofile(hook)
     try:
         events = decoder.feed(b"data: x\r\r" * lines)
     finally:
-        sys.setprofile(None)
+        sys.setprofile(previous)
     assert len(events) == lines
     assert finds <= 2 * lines + 2, finds  # a line is a search (four an event before)
 
