@@ -12,7 +12,6 @@ upstream's cache read, which is ``cache_read_input_tokens``)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import orjson
@@ -28,6 +27,7 @@ from .bridge_stream import BridgeRelay, stop_reason, tool_use, usage_of_chat
 from .chat_wire import ChatObserver, ChatWire, completion_problem
 from .messages_stream import error_type
 from .messages_wire import MessagesWire
+from .overflow import error_fields, overflow
 
 log = logs.get("bridge")
 Block = dict[str, Any]
@@ -93,7 +93,8 @@ class BridgeWire:
         return self.chat.observer(limit)  # never used: every answer is translated
 
     def upstream_error(self, status: int, raw: bytes) -> tuple[int, bytes]:
-        return status, orjson.dumps(anthropic_error(status, raw))
+        status, body = _translated(status, raw)
+        return status, orjson.dumps(body)
 
 
 # -- the request: Messages -> chat completions --------------------------------------------------
@@ -262,29 +263,23 @@ def message_of(data: dict[str, Any], model: str) -> dict[str, Any]:
 
 # -- errors: OpenAI's shape -> Anthropic's ----------------------------------------------------
 
-_ALLOWED = re.compile(r"maximum context length is (\d+)")
-_NEEDED = re.compile(r"(?:resulted in|requested) (\d+) tokens")
-
-
 def anthropic_error(status: int, raw: bytes) -> dict[str, Any]:
-    """An upstream's error body (OpenAI's shape, or any) in Anthropic's, its type named by the
-    status; a prompt that does not fit says so in Anthropic's words (Claude Code compacts its
-    conversation on "prompt is too long")."""
+    """An upstream's error body (OpenAI's shape, or any other server's) in Anthropic's, its
+    type named by the status; a prompt that does not fit says so in Anthropic's words
+    (Claude Code compacts its conversation on "prompt is too long"), whichever server's
+    words it came in (``overflow.py``)."""
+    return _translated(status, raw)[1]
+
+
+def _translated(status: int, raw: bytes) -> tuple[int, dict[str, Any]]:
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError:
         data = None
-    err = data.get("error") if isinstance(data, dict) else None
-    if isinstance(err, dict):
-        message, code = str(err.get("message", "")), err.get("code") or err.get("type")
-    else:
-        message = str(err) if err else raw[:2000].decode(errors="replace")
-        code = None
+    message, fields = error_fields(data, raw)
     message = message or f"the upstream answered {status}"
-    if status == 400 and (code == "context_length_exceeded" or "context length" in message):
-        allowed, needed = _ALLOWED.search(message), _NEEDED.search(message)
-        message = (f"prompt is too long: {needed.group(1)} tokens > {allowed.group(1)} "
-                   f"maximum. {message}") if allowed and needed else \
-            f"prompt is too long: {message}"
-    kind = error_type(status)
-    return {"type": "error", "error": {"type": kind, "message": message}}
+    too_long = overflow(status, message, fields)
+    if too_long is not None:
+        # Anthropic's overflow is a 400 whichever status the server gave it (TGI's 422)
+        status, message = 400, too_long.anthropic_message()
+    return status, {"type": "error", "error": {"type": error_type(status), "message": message}}

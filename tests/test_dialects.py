@@ -1,0 +1,115 @@
+"""Every translation and relay against what other servers really send (``tests/dialects.py``):
+their errors (a prompt too long above all: Claude Code compacts only when the bridge says
+"prompt is too long"), their stream ends, usage fields, finish reasons and tool-call shapes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import httpx
+import orjson
+import pytest
+
+from runloop_proxy.api.bridge import BridgeWire, anthropic_error
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer
+from .dialects import NOT_OVERFLOWS, OVERFLOWS, ErrorRow
+from .keys import ANTHROPIC_MODEL, OPENAI_MODEL, openai_project_key
+
+KEY = openai_project_key(39)
+ROWS = OVERFLOWS + NOT_OVERFLOWS
+
+
+def expected_message(row: ErrorRow, words: str) -> str:
+    if not row.overflow:
+        return words
+    if words.startswith("prompt is too long"):
+        return words
+    if row.needed is not None:
+        return f"prompt is too long: {row.needed} tokens > {row.allowed} maximum. {words}"
+    return f"prompt is too long: {words}"
+
+
+def words_of(row: ErrorRow) -> str:
+    data = orjson.loads(row.body)
+    data = data[0] if isinstance(data, list) else data
+    err = data.get("error")
+    return str(err["message"] if isinstance(err, dict) else err if isinstance(err, str)
+               else data["message"])
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.server for r in ROWS])
+def test_every_servers_error_is_anthropics_and_an_overflow_says_prompt_is_too_long(
+        row: ErrorRow) -> None:
+    """The exact answer the bridge gives for each server's error body, its sizes read from
+    whichever words or fields the server used. Bug class: an overflow recognised in one
+    server's words only (Claude Code never compacts behind vLLM, llama.cpp, Ollama...).
+    Planted: the recognition back to OpenAI's ``context_length_exceeded``/"context length"
+    (red for llama.cpp, Mistral's sizes, TGI, Gemini, Bedrock); second: the top-level fields
+    (vLLM before 0.6, Mistral) not read, the message the raw body."""
+    status, body = BridgeWire().upstream_error(row.status, row.body)
+    kind = "invalid_request_error" if row.overflow or row.status in (400, 422) else {
+        429: "rate_limit_error", 404: "not_found_error", 503: "overloaded_error",
+        500: "api_error"}[row.status]
+    want = {"type": "error", "error": {"type": kind,
+                                       "message": expected_message(row, words_of(row))}}
+    assert orjson.loads(body) == want
+    assert anthropic_error(row.status, row.body) == want
+    assert status == (400 if row.overflow else row.status)
+
+
+def bridge(make_proxy: Any) -> ProxyServer:
+    return make_proxy(upstream_format="chat")  # type: ignore[no-any-return]
+
+
+def test_claude_code_sees_every_servers_overflow_through_the_bridge(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Through real servers, the anthropic SDK (Claude Code's) against a bridge whose chat
+    upstream answers each server's error: an overflow is a 400 ``invalid_request_error``
+    whose message starts "prompt is too long", JSON and streamed alike; anything else keeps
+    its status and words. Bug class and plants as above; a third: the overflow's status left
+    the server's (TGI's 422 reached Claude Code as a 422)."""
+    proxy = bridge(make_proxy)
+    client = anthropic.Anthropic(base_url=proxy.base, api_key=KEY, max_retries=0)
+    ask: Any = [{"role": "user", "content": "refactor the parser"}]
+    for row in ROWS:
+        for stream in (False, True):
+            retried = 3 if row.status >= 500 or row.status == 429 else 1
+            upstream.push(*[{"status": row.status, "body": orjson.loads(row.body),
+                             "headers": {"retry-after": "0"}}] * retried)
+            with pytest.raises(anthropic.APIStatusError) as raised:
+                if stream:
+                    with client.messages.stream(model=ANTHROPIC_MODEL, max_tokens=2048,
+                                                messages=ask) as s:
+                        s.get_final_message()
+                else:
+                    client.messages.create(model=ANTHROPIC_MODEL, max_tokens=2048,
+                                           messages=ask)
+            upstream.script.clear()
+            err = raised.value
+            message = err.body["error"]["message"]  # type: ignore[index]
+            assert message == expected_message(row, words_of(row)), (row.server, stream)
+            assert err.status_code == (400 if row.overflow else row.status), row.server
+            if row.overflow:
+                assert isinstance(err, anthropic.BadRequestError), row.server
+
+
+def test_every_servers_error_reaches_a_chat_client_as_the_server_sent_it(
+        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """The chat relay passes each server's error through: its status, its body byte for
+    byte (an OpenAI client reads vLLM's or llama.cpp's fields as it would direct). Bug class:
+    a relay that rebuilds what it passes on. Planted: the body re-encoded from its parse
+    (key order, a list unwrapped); second: a 422 answered as a 502."""
+    for row in ROWS:
+        retried = 3 if row.status >= 500 or row.status == 429 else 1
+        upstream.push(*[{"status": row.status, "body": orjson.loads(row.body),
+                         "headers": {"retry-after": "0"}}] * retried)
+        r = httpx.post(proxy.url + "/chat/completions", timeout=30,
+                       headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": OPENAI_MODEL, "messages": [
+                           {"role": "user", "content": "refactor the parser"}]})
+        upstream.script.clear()
+        assert r.status_code == row.status, row.server
+        assert r.content == row.body, row.server  # the scripted upstream sends these bytes
