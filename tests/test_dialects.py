@@ -13,6 +13,7 @@ import pytest
 
 from runloop_proxy.api.bridge import BridgeWire, anthropic_error
 from runloop_proxy.scripted import ScriptedUpstream
+from runloop_proxy.windows import overflow_limit
 
 from .conftest import ProxyServer
 from .dialects import NOT_OVERFLOWS, OVERFLOWS, ErrorRow
@@ -76,9 +77,9 @@ def test_claude_code_sees_every_servers_overflow_through_the_bridge(
     ask: Any = [{"role": "user", "content": "refactor the parser"}]
     for row in ROWS:
         for stream in (False, True):
-            retried = 3 if row.status >= 500 or row.status == 429 else 1
+            # the proxy retries a 429 and a 5xx, and an overflow in the window it names
             upstream.push(*[{"status": row.status, "body": orjson.loads(row.body),
-                             "headers": {"retry-after": "0"}}] * retried)
+                             "headers": {"retry-after": "0"}}] * 4)
             with pytest.raises(anthropic.APIStatusError) as raised:
                 if stream:
                     with client.messages.stream(model=ANTHROPIC_MODEL, max_tokens=2048,
@@ -103,9 +104,8 @@ def test_every_servers_error_reaches_a_chat_client_as_the_server_sent_it(
     a relay that rebuilds what it passes on. Planted: the body re-encoded from its parse
     (key order, a list unwrapped); second: a 422 answered as a 502."""
     for row in ROWS:
-        retried = 3 if row.status >= 500 or row.status == 429 else 1
         upstream.push(*[{"status": row.status, "body": orjson.loads(row.body),
-                         "headers": {"retry-after": "0"}}] * retried)
+                         "headers": {"retry-after": "0"}}] * 4)  # retried, as above
         r = httpx.post(proxy.url + "/chat/completions", timeout=30,
                        headers={"Authorization": f"Bearer {KEY}"},
                        json={"model": OPENAI_MODEL, "messages": [
@@ -113,3 +113,16 @@ def test_every_servers_error_reaches_a_chat_client_as_the_server_sent_it(
         upstream.script.clear()
         assert r.status_code == row.status, row.server
         assert r.content == row.body, row.server  # the scripted upstream sends these bytes
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.server for r in ROWS])
+def test_the_window_the_proxy_learns_from_each_servers_error(row: ErrorRow) -> None:
+    """What the proxy learns of a model's window from the same errors (``windows``): the
+    size each overflow names, nothing from an error that is not one. Bug class as above, on
+    the learning side. Planted: llama.cpp's ``n_ctx`` pattern dropped; second: the statuses
+    not checked (a 429's "Limit 30000" learned as a window)."""
+    learned = overflow_limit(row.status, row.body)
+    if not row.overflow:
+        assert learned is None
+    elif row.allowed is not None:
+        assert learned == row.allowed

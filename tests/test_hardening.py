@@ -844,7 +844,6 @@ def test_a_callers_credentials_are_read_in_work_linear_in_its_headers() -> None:
     here by the values' own comparisons: 20 million for 6,500 values), then a lookup by
     name per distinct name (Starlette's ``getlist`` scans every header: 2,500 names, a
     420 ms stall; counted here by the lines Python runs, in a real Starlette request)."""
-    import sys
     from types import SimpleNamespace
 
     from starlette.requests import Request

@@ -278,7 +278,7 @@ def _translated(status: int, raw: bytes) -> tuple[int, dict[str, Any]]:
         data = None
     message, fields = error_fields(data, raw)
     message = message or f"the upstream answered {status}"
-    too_long = overflow(status, message, fields)
+    too_long = overflow(status, raw, message, fields)
     if too_long is not None:
         # Anthropic's overflow is a 400 whichever status the server gave it (TGI's 422)
         status, message = 400, too_long.anthropic_message()

@@ -12,12 +12,16 @@ them), OpenRouter ("requested about M tokens"), Mistral ("Prompt contains M toke
 large for model with N maximum context length"), Gemini's OpenAI endpoint ("The input token
 count (M) exceeds the maximum number of tokens allowed (N)", in a list), TGI (a 422:
 "`inputs` tokens + `max_new_tokens` must be <= N"), Groq (only the code), Bedrock behind a
-gateway ("Input is too long for requested model"). ``tests/dialects.py`` holds them all."""
+gateway ("Input is too long for requested model"). ``tests/dialects.py`` holds them all.
+The model's window is read as the proxy learns it (``windows.overflow_limit``), so both
+read one error alike; this module adds what the prompt took and whether it is one at all."""
 
 from __future__ import annotations
 
 import re
 from typing import Any, NamedTuple
+
+from ..windows import overflow_limit
 
 # a status a server may answer an overflow with: 400 (most), 413 (some gateways), 422 (TGI)
 STATUSES = frozenset({400, 413, 422})
@@ -31,16 +35,6 @@ WORDINGS = re.compile("|".join([
     r"reduce the length of the (?:input )?messages",
 ]), re.IGNORECASE)
 _NUMBER = r"(\d[\d,]*)"
-ALLOWED = [re.compile(p, re.IGNORECASE) for p in (
-    rf"maximum context length is {_NUMBER}",
-    rf"available context size \({_NUMBER} tokens\)",
-    rf"with {_NUMBER} maximum context length",
-    rf"maximum number of tokens allowed \({_NUMBER}\)",
-    rf"tokens > {_NUMBER} maximum",
-    rf"> {_NUMBER}, decrease input length",
-    rf"must be <= {_NUMBER}",
-    rf"context (?:length|window|size) (?:of|is) {_NUMBER}",
-)]
 NEEDED = [re.compile(p, re.IGNORECASE) for p in (
     rf"(?:resulted in|requested|requested about) {_NUMBER} tokens",
     rf"your request has {_NUMBER} input tokens",
@@ -49,7 +43,7 @@ NEEDED = [re.compile(p, re.IGNORECASE) for p in (
     rf"input token count \({_NUMBER}\)",
     rf"prompt is too long: {_NUMBER} tokens",
 )]
-SUMMED = re.compile(rf"{_NUMBER} \+ {_NUMBER} > {_NUMBER}")  # Anthropic's input + max_tokens
+SUMMED = re.compile(rf"{_NUMBER} \+ {_NUMBER} > \d")  # Anthropic's input + max_tokens
 
 
 class Overflow(NamedTuple):
@@ -106,19 +100,21 @@ def _field(fields: dict[str, Any], name: str) -> int | None:
         else None
 
 
-def overflow(status: int, message: str, fields: dict[str, Any]) -> Overflow | None:
-    """The error as an overflow, if it is one (by its code or type, else by its words)."""
+def overflow(status: int, raw: bytes, message: str, fields: dict[str, Any]
+             ) -> Overflow | None:
+    """The error (its body, and the message and fields ``error_fields`` read from it) as an
+    overflow, if it is one (by its code or type, else by its words); the model's window as
+    ``windows.overflow_limit`` reads it (what the proxy learns from the same error)."""
     if status not in STATUSES:
         return None
     names = {str(fields.get(k) or "").lower() for k in ("code", "type")}
     if not names & CODES and not WORDINGS.search(message):
         return None
     needed = _field(fields, "n_prompt_tokens") or _first(NEEDED, message)
-    allowed = _field(fields, "n_ctx") or _first(ALLOWED, message)
+    allowed = overflow_limit(status, raw)
     summed = SUMMED.search(message)
     if summed:
         needed = (_int(summed.group(1)) or 0) + (_int(summed.group(2)) or 0)
-        allowed = _int(summed.group(3))
     if needed is None or allowed is None or needed <= allowed:
         # a count that says nothing of the prompt (``max_tokens`` too large for what is
         # left): the words alone
