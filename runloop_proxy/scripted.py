@@ -5,7 +5,11 @@ Used by the tests, the benchmarks and for trying the proxy without an API key
 turns, else from a ``responder`` callable, else an echo of the last user message. Every request
 it receives is kept for inspection; streams closed early are counted (client-disconnect tests).
 It takes time as a provider does (``latency``: a ``scripted_world.Latency`` per call kind,
-every pause recorded in ``pauses``) and answers with ids shaped like the providers'.
+every pause recorded in ``pauses``) and answers with ids shaped like the providers'. A
+summary call (the proxy's own) is answered by default with a summary of what it was asked to
+add (``scripted_summary``), and waits for ``summary_gate`` when one is set (an event: tests
+hold the summariser slower than any gap between requests without hoping a sleep is long
+enough).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import dataclasses
 import gzip
 import hashlib
 import itertools
+import re
 import socket
 import sys
 import threading
@@ -62,6 +67,27 @@ from .scripted_world import (
 
 Reply = dict[str, Any]
 _ids = itertools.count(1)
+GATE_LIMIT_S = 600.0  # a summary call held by a gate nobody opens answers after this
+
+
+def scripted_summary(body: dict[str, Any]) -> Reply:
+    """A summary call answered as a careful model would, deterministically: one line per
+    turn it was asked to add (its number and its first words) and the identifiers those
+    turns hold (words with a digit in them, verbatim), within the tokens it was allowed
+    (about four characters a token)."""
+    prompt = _text(body["messages"][0].get("content"))
+    turns = prompt.rsplit("Turns to add:", 1)[-1]
+    lines, ids, seen = [], [], set()
+    for m in re.finditer(r"\[turn (\d+)\]\n(?:user: )?([^\n]*)", turns):
+        lines.append(f"- turn {m.group(1)}: {m.group(2)[:60]}")
+    for tok in re.findall(r"[#\w][\w#./:-]*\d[\w#./:-]*", turns):
+        tok = tok.rstrip(".:")
+        if tok not in seen and not tok.startswith(("call_", "turn")):
+            seen.add(tok)
+            ids.append(tok)
+    limit = int(body.get("max_tokens") or 1000) * 4
+    text = "\n".join(["Goals and facts:", *lines, "Identifiers: " + " ".join(ids)])
+    return {"content": text[:limit]}
 
 
 def _text(content: Any) -> str:
@@ -160,6 +186,9 @@ class ScriptedUpstream:
         # headers added to every answer, as a provider's are (its account, its key's rate
         # limits, its edge's cookies): what a proxy relays of them is the client's to see
         self.answer_headers: list[tuple[str, str]] = []
+        self.summary_gate: threading.Event | None = None  # set: summary calls may answer
+        self.summary_calls = 0  # summary calls received
+        self.summaries_answered = 0  # and answered
         self.server: ThreadedServer | None = None
         self.port = 0
         self._anthropic: anthropic.AnthropicCache | None = None
@@ -181,6 +210,8 @@ class ScriptedUpstream:
         self.answer_headers = []
         self.latency = Latency()
         self.pauses.clear()
+        self.summary_gate = None
+        self.summary_calls = self.summaries_answered = 0
 
     @property
     def delay(self) -> float:
@@ -239,6 +270,8 @@ class ScriptedUpstream:
         if self.responder is not None:
             return self.responder(body)
         messages = body.get("messages") if "input" not in body else _as_chat(body)["messages"]
+        if "input" not in body and is_summary_call(body):
+            return scripted_summary(body)
         last_user: dict[str, Any] = next((m for m in reversed(messages or [])
                                           if m.get("role") == "user"), {})
         return {"content": f"echo: {_text(last_user.get('content'))[:200]}"}
@@ -265,14 +298,21 @@ class ScriptedUpstream:
                 self.requests.append(body)
                 self.raw_bodies.append(raw)
                 self.headers.append(dict(request.headers))
+            summary = not responses and is_summary_call(body)
+            if summary:
+                self.summary_calls += 1
+                gate = self.summary_gate
+                if gate is not None and not gate.is_set():
+                    await asyncio.to_thread(gate.wait, GATE_LIMIT_S)
             reply = self.next_reply(body)
+            if summary:
+                self.summaries_answered += 1
             if request.headers.get("x-scripted-unique-replies") and "content" in reply:
                 # every answer different, as a real model's are (nothing cached by content)
                 reply = {**reply, "content": f"{reply['content']} #{next(_ids)}"}
             org = request.headers.get("x-scripted-cache-scope") or \
                 request.headers.get("openai-organization", "")
             header = request.headers.get("x-scripted-delay-ms")
-            summary = is_summary_call(body)
             kind: CallKind = "summary" if summary else "first_byte"
             wait = self.latency.summary if summary else self.latency.first_byte
             delay = reply.get("delay", float(header) / 1000 if header else wait)

@@ -4,6 +4,7 @@ replicas, failures counted and backed off, and never a wait on the request path.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -135,45 +136,104 @@ def test_an_extractive_summary_without_lines_keeps_the_identifiers_alone(
     assert "- Q:" not in text and "where is order 1" not in text
 
 
-def test_a_slow_llm_summary_never_holds_a_request(
+def omitted_orders(body: dict[str, Any]) -> list[int]:
+    """The questions (order numbers) a window leaves out: those before the first one shown
+    after the omission marker (the opening question stays before it)."""
+    msgs = body["messages"]
+    at = next((i for i, m in enumerate(msgs) if "Earlier turns are not shown"
+               in str(m.get("content"))), None)
+    if at is None:
+        return []
+    asked = [int(str(m["content"]).split()[-1]) for m in msgs[at:]
+             if m["role"] == "user" and str(m["content"]).startswith("where is order")]
+    return list(range(1, asked[0])) if asked else []
+
+
+def test_a_model_slower_than_the_session_never_leaves_an_omission_bare(
         tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """A summary model held (a gate: slower than any gap between requests, whatever the
+    machine's speed) never holds a request, and every window that omits loops says
+    something about every loop it omits from the first omission on: the digest of the
+    loops under a label naming them, until the model's summary is in; then the model's
+    summary for what it covers and the digest for the rest, from the next omission event
+    on (the window stays the same between events). One summary call per session in flight;
+    the one made after it is for the newest cover, rolled from the model's last summary.
+
+    Bug class: background work that falls behind and nothing stands in for it. Red with
+    the window's inline stand-in made for the extractive summariser only (bare markers from
+    the first event), and with the newest cover wanted while a call is in flight dropped
+    (no call after the first: the summariser never catches up)."""
     calls: list[dict[str, Any]] = []
+    over: list[bool] = []  # the test is over: the gate stays open
 
     def summary(body: dict[str, Any]) -> dict[str, Any]:
-        calls.append(body)  # the summary model thinks for 8 s (the upstream stays free)
-        return {"content": "Goals: track orders. Identifiers: #W1000 #W2000", "delay": 8}
+        calls.append(body)
+        if not over:
+            gate.clear()  # each call is let through on its own: the model stays behind
+        turns = body["messages"][0]["content"].rsplit("Turns to add:", 1)[1]
+        orders = sorted({w for w in turns.split() if w.startswith("#W") and w[2:].isdigit()},
+                        key=lambda w: int(w[2:]))
+        return {"content": f"MODEL: orders tracked {' '.join(orders)}"}
 
     upstream.responder = model(summary)
+    upstream.summary_gate = gate = threading.Event()
     proxy = make_proxy(config_dir=config(tmp_path, upstream, model="gpt-4o-mini"))
+    try:
+        _slow_model_session(proxy, upstream, gate, calls)
+    finally:
+        over.append(True)
+        gate.set()  # the calls still held answer (the server stops without waiting)
 
-    def stored() -> list[Any]:
-        return list(httpx.get(proxy.base + "/admin/sessions/sum-slow", headers=ADMIN,
-                              params={"tenant": "acme"}).json().get("summaries") or [])
 
-    # every request is answered while the first summary call is still thinking
-    converse(proxy, "sum-slow", 6, after=lambda k: proxy.settle())
-    assert calls and not [s for s in stored() if not s.get("late")]
-    prompt = calls[0]["messages"][0]["content"]
-    assert "where is order 1" in prompt and "where is order 2" in prompt
-    assert "where is order 3" not in prompt  # the loops of one event, not the session
-    # it arrived after the omission event it was made for: that event went out without it
-    # (marked late, counted), and the window keeps its prefix until the next event
-    assert [s["loops"] for s in stored() if s.get("late")] == [[0, 2]]
-    metrics = httpx.get(proxy.base + "/metrics").text
-    assert 'runloop_summaries_total{outcome="late",tenant="acme"} 1.0' in metrics
-    # late is no failure: no request was served degraded by it (a failing summariser's is,
-    # tests/test_fail_open.py)
-    assert 'runloop_degraded_requests_total{reason="summary"' not in metrics
+def _slow_model_session(proxy: ProxyServer, upstream: ScriptedUpstream,
+                        gate: threading.Event, calls: list[dict[str, Any]]) -> None:
 
-    def recorded() -> list[Any]:
+    def step(k: int) -> None:
+        proxy.settle()
+        if k == 9:  # four omission-worthy batches went by with the model still thinking
+            assert upstream.summary_calls == 1  # one call in flight, none queued beside it
+            gate.set()
+            # the first is stored and the next call, for the newest cover, is held
+            until(lambda: stored_models() >= 1 and upstream.summary_calls == 2, timeout=30,
+                  what="the model's first summary stored")
+
+    def stored_models() -> int:
         view = httpx.get(proxy.base + "/admin/sessions/sum-slow", headers=ADMIN,
                          params={"tenant": "acme"}).json()
-        return [r for r in view["compression_records"] if r.get("kind") == "summary"]
+        return sum(1 for s in view["summaries"] if s.get("model_summary"))
 
-    until(recorded, timeout=20, what="the summary call finished and recorded")
-    (done,) = recorded()
-    assert done["loops"] == [0, 2] and done["summarizer"].startswith("gpt-4o-mini")
-    assert done["latency_ms"] >= 8000 and done["tokens_in"] > 0
+    converse(proxy, "sum-slow", 14, after=step)
+    asked = [b for b in upstream.requests if not is_summary_call(b)]
+    windows = [(b, omitted_orders(b)) for b in asked if omitted_orders(b)]
+    assert len(windows) >= 10
+    for body, orders in windows:  # every omitted loop said something about, never bare
+        text = marker(body)
+        assert text is not None and "Summary of the turns not shown" in text, orders
+        for k in orders:
+            assert f"#W{k}000" in text, (k, text)
+    # before the model answered: the digest, labelled with exactly the turns it covers
+    first = marker(windows[0][0])
+    assert first is not None and "Turns 1–2, not yet summarised:" in first and "MODEL" not in first
+    # after: the model's summary of the loops it covers, the digest of the rest
+    later = [marker(b) or "" for b, _ in windows[-3:]]
+    assert all("MODEL: orders tracked #W1000 #W2000\nTurns 3–" in t for t in later), later
+    # between events the window's summary is the same text (append-only)
+    texts = [marker(b) for b, _ in windows]
+    events = {tuple(o) for _, o in windows}
+    assert sum(1 for a, b in zip(texts, texts[1:], strict=False) if a != b) < len(events)
+    # the first call: turns 1-2 only; the next (after the gate opened) for the newest cover,
+    # from the model's summary and the loops after it: never the whole session
+    prompt = calls[0]["messages"][0]["content"]
+    assert "where is order 1\n" in prompt and "where is order 3\n" not in prompt
+    assert upstream.summary_calls == 2 and len(calls) == 1  # the next one is held
+    gate.set()
+    until(lambda: len(calls) >= 2, timeout=30, what="the summary after the first")
+    second = calls[1]["messages"][0]["content"]
+    assert "MODEL: orders tracked #W1000 #W2000" in second  # rolled from the model's
+    assert "where is order 2\n" not in second and "where is order 6\n" in second
+    assert len(second) < 2.5 * len(prompt)
+    metrics = httpx.get(proxy.base + "/metrics").text
+    assert 'runloop_degraded_requests_total{reason="summary"' not in metrics  # late: no fault
 
 
 def test_failures_are_counted_and_back_off(tmp_path: Path, make_proxy: Any,
@@ -219,11 +279,19 @@ def test_two_replicas_make_one_summary(tmp_path: Path, make_proxy: Any,
         until(lambda: httpx.get(a.base + "/admin/sessions/sum-two", headers=ADMIN, params={
             "tenant": "acme"}).json()["summaries"], timeout=15, what="the summary stored")
         assert len(calls) == 1  # replica b found the lock taken and made none
-        stored = httpx.get(b.base + "/admin/sessions/sum-two", headers=ADMIN,
-                           params={"tenant": "acme"}).json()["summaries"]
-        # one entry for loops 0-2, whoever stored it (late here: it thinks past its event)
-        assert [s["loops"] for s in stored] == [[0, 2]], stored
-        assert stored[0].get("late") or stored[0]["text"] == "one summary"
+
+        def stored() -> list[dict[str, Any]]:
+            return list(httpx.get(b.base + "/admin/sessions/sum-two", headers=ADMIN,
+                                  params={"tenant": "acme"}).json()["summaries"])
+
+        until(lambda: any(s.get("model_summary") for s in stored()), timeout=15,
+              what="the model's summary stored")
+        # one window entry for loops 0-2, whoever stored it (the digest standing in here:
+        # the model thinks past its event), and the model's one summary of them
+        shown = [s for s in stored() if not s.get("model_summary")]
+        assert [s["loops"] for s in shown] == [[0, 2]], shown
+        assert shown[0]["text"] == "one summary" or shown[0]["digest_loops"] == [0, 2]
+        assert [s["text"] for s in stored() if s.get("model_summary")] == ["one summary"]
     finally:
         b.stop()
 
@@ -595,3 +663,23 @@ def test_a_summary_upstream_is_called_with_its_own_key(
         assert not [b for b in upstream.requests if is_summary_call(b)]
     finally:
         summariser.stop()
+
+
+def test_the_scripted_upstream_knows_the_proxys_summary_calls() -> None:
+    """The scripted summary model (its latency and gate apply to summary calls only) finds
+    them by the words both prompts open with; its default answer lists the turns it was
+    asked to add and their identifiers, within the tokens it was allowed. Red with the
+    default answer's turn lines read from the wrong section (the previous summary's)."""
+    from runloop_proxy.history.summaries import APPEND, MERGE, SECTIONS
+    from runloop_proxy.scripted import is_summary_call, scripted_summary
+
+    for prompt in (APPEND, MERGE):
+        text = prompt.format(max_tokens=40, sections=SECTIONS, previous="(none)",
+                             turns="[turn 3]\nuser: where is order 3\nassistant: #W3000 ok")
+        body = {"model": "gpt-4o-mini-2024-07-18", "max_tokens": 40,
+                "messages": [{"role": "user", "content": text}]}
+        assert is_summary_call(body)
+        answer = scripted_summary(body)["content"]
+        assert "- turn 3: where is order 3" in answer and "#W3000" in answer
+        assert len(answer) <= 40 * 4
+    assert not is_summary_call({"messages": [{"role": "user", "content": "where is order 3"}]})

@@ -48,6 +48,8 @@ from ..window.builder import Compactions, Summaries, batch_omission
 from ..window.digest import VERSION as EXTRACTIVE
 from ..window.digest import roll
 
+EXTRACTIVE_MODEL = "extractive"  # policy.summary_model's name for the digest
+
 if TYPE_CHECKING:
     from collections.abc import Coroutine
 
@@ -97,6 +99,9 @@ LATE = "late"
 PENDING_BYTES = 8 << 20  # the summaries waiting for a reply, over all sessions
 BACKOFF_BYTES = 1 << 20  # the failure counts and pauses of summaries, over all callers
 OMIT = "omit:"  # a compaction's field: omit:<e>:<cover> -> the request point it applies from
+MODEL = "model:"  # a model's summary of the first e loops: model:<e>:<cover> -> its record
+CALL_BATCHES = 2  # a model call adds at most this many batches of loops: its input is bounded
+DIGEST_LABEL = "Turns {first}–{last}, not yet summarised:"  # before a digest in a model's place
 
 
 def covers(keys: Sequence[str], loops: Sequence[RunLoop], batch: int,
@@ -163,6 +168,44 @@ def omit_field(e: int, cover: str) -> str:
     return f"{OMIT}{field(e, cover)}"
 
 
+def model_field(e: int, cover: str) -> str:
+    return f"{MODEL}{field(e, cover)}"
+
+
+def uses_model(policy: Policy) -> bool:
+    """Whether the policy's summaries are a model's (made in the background, at its speed)."""
+    return bool(policy.summary_model) and policy.summary_model != EXTRACTIVE_MODEL
+
+
+def newest_model(entries: dict[str, str], cover: dict[int, str], upto: int
+                 ) -> tuple[int, str] | None:
+    """The newest model summary stored of at most ``upto`` loops (its count and field)."""
+    done = [(k, model_field(k, c)) for k, c in sorted(cover.items())
+            if 0 < k <= upto and model_field(k, c) in entries]
+    return done[-1] if done else None
+
+
+def base_of(policy: Policy, entries: dict[str, str], cover: dict[int, str], e: int
+            ) -> tuple[int, str] | None:
+    """What the summary of the first ``e`` loops rolls from (its loop count and field): for
+    a model, the newest model summary below ``e`` while the loops after it are at most
+    ``CALL_BATCHES`` batches (its input is bounded by the policy, never by how far the
+    summariser fell behind), else the newest window summary below ``e`` (a model's summary
+    with a digest after it: bounded by ``summary_max_tokens``); for the extractive digest,
+    the newest stored below ``e``."""
+    if not uses_model(policy):
+        prev = previous_of(entries, cover, e)
+        return None if prev is None else (prev[0], field(*prev))
+    bound = CALL_BATCHES * policy.omission_batch
+    model = newest_model(entries, cover, e - 1)
+    if model is not None and e - model[0] <= bound:
+        return model
+    shown = previous_of(entries, cover, e)
+    if shown is not None and (model is None or shown[0] > model[0]):
+        return shown[0], field(*shown)
+    return model
+
+
 def compactions(entries: dict[str, str], cover: dict[int, str]) -> Compactions:
     """The omissions asked for this conversation's lineage: (request point, loops)."""
     out = [(int(raw), e) for e, c in cover.items() if (raw := entries.get(omit_field(e, c)))]
@@ -172,6 +215,15 @@ def compactions(entries: dict[str, str], cover: dict[int, str]) -> Compactions:
 def made(entries: dict[str, str], e: int, cover: str) -> bool:
     """Whether a summary of the first ``e`` loops is stored (not missing, not late)."""
     return (entries.get(field(e, cover)) or LATE) != LATE
+
+
+def stands_in(raw: str) -> bool:
+    """Whether a window's summary is (in part) the digest standing in for a model's."""
+    try:
+        rec = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(rec, dict) and rec.get("digest_loops") is not None
 
 
 def previous_of(entries: dict[str, str], cover: dict[int, str], e: int
@@ -265,6 +317,11 @@ class SummaryService:
         # per session, a summary the reply to its last request will make due (bounded)
         self.pending: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
             PENDING_BYTES, lambda k, v: 256 + 64 * len(v.keys))
+        # per session, the loop count of the summary being made in this process, and the
+        # newest one wanted meanwhile (made when it is done)
+        self.running: dict[tuple[str, str], int] = {}
+        self.wanted: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
+            PENDING_BYTES, lambda k, v: 256 + 64 * len(v.keys))
 
     async def stored(self, turn: Turn, session: Session) -> dict[str, str]:
         """What the store holds for the session (fail-open: nothing)."""
@@ -293,20 +350,30 @@ class SummaryService:
         # no carry while some loop is older than max_time_range (the clock decides too):
         # segment afresh then, or sessions with an old loop would never plan a summary
         loops = window.carry.conv.loops if window.carry is not None else segment(messages)
-        cover = covers(keys, loops, policy.omission_batch)
         e = window.omitted_loops
-        tl = turn.caller.label
-        missing = e > 0 and e in cover and not made(entries, e, cover[e])
+        cover = covers(keys, loops, policy.omission_batch, {e, *counts_of(entries)})
+        # a digest standing in for the model's summary counts as its summary missing: a
+        # failing summariser's requests say so (a merely late one's do not: shaping.py)
+        missing = e > 0 and e in cover and (not made(entries, e, cover[e]) or (
+            uses_model(policy) and stands_in(entries[field(e, cover[e])])))
         if e in cover and field(e, cover[e]) not in entries:
-            self.state.metrics.summaries.labels(tl, "late").inc()
+            self.state.metrics.summaries.labels(turn.caller.label, "late").inc()
             self.state.spawn(self._late(ns, session.id, field(e, cover[e])))
         nxt = (e // policy.omission_batch + 1) * policy.omission_batch  # an age may stop off it
         closed = sum(1 for lp in loops if lp.final_position is not None)
         pressed = window.budget is not None \
             and window.tokens_out > policy.target * window.budget.working
-        if nxt in cover and field(nxt, cover[nxt]) not in entries \
-                and due(policy, nxt, closed, pressed):
-            self._spawn(Job.of(turn), session.id, messages, loops, cover, nxt, entries)
+        if uses_model(policy):
+            # the newest cover whose loops have closed and is due: a summariser that fell
+            # behind skips to it (one call rolls on from the newest summary it finished)
+            due_now = [k for k in cover if k >= nxt and due(policy, k, closed, pressed)
+                       and model_field(k, cover[k]) not in entries]
+            if due_now:
+                nxt = max(due_now)
+        wanted = model_field(nxt, cover[nxt]) if uses_model(policy) and nxt in cover \
+            else field(nxt, cover[nxt]) if nxt in cover else None
+        if wanted is not None and wanted not in entries and due(policy, nxt, closed, pressed):
+            self._spawn(Job.of(turn), session.id, messages, keys, loops, cover, nxt, entries)
         elif loops and loops[-1].final_position is None and closed + 1 >= nxt \
                 and (pressed or event_at(policy, nxt) <= closed + 1):
             # the reply to this request closes the last loop the summary needs, and its event
@@ -324,14 +391,52 @@ class SummaryService:
         messages, keys = [*p.messages, reply], [*p.keys, key]
         loops = segment(messages)
         cover = covers(keys, loops, p.job.policy.omission_batch)
-        if p.e in cover and field(p.e, cover[p.e]) not in p.entries:
-            self._spawn(p.job, session_id, messages, loops, cover, p.e, p.entries)
+        if p.e in cover and field(p.e, cover[p.e]) not in p.entries \
+                and model_field(p.e, cover[p.e]) not in p.entries:
+            self._spawn(p.job, session_id, messages, keys, loops, cover, p.e, p.entries)
 
-    def _spawn(self, job: Job, session_id: str, messages: list[Message],
+    def _spawn(self, job: Job, session_id: str, messages: list[Message], keys: list[str],
                loops: Sequence[RunLoop], cover: dict[int, str], e: int,
                entries: dict[str, str]) -> None:
-        self.state.spawn(self.make(job, session_id, messages, loops, e, cover[e],
-                                   previous_of(entries, cover, e), entries))
+        """Make the summary of the first ``e`` loops, unless one of this session's is being
+        made in this process: then it is made when that one is done, if still the newest
+        wanted (at most one summary per session in flight, always for the newest cover)."""
+        at = (job.namespace, session_id)
+        if at in self.running:
+            held = self.wanted.get(at)
+            if held is None or held.e <= e:
+                self.wanted[at] = _Pending(job, messages, keys, e, entries)
+            return
+        self.running[at] = e
+        self.state.spawn(self._run(job, session_id, messages, loops, cover, e, entries))
+
+    async def _run(self, job: Job, session_id: str, messages: list[Message],
+                   loops: Sequence[RunLoop], cover: dict[int, str], e: int,
+                   entries: dict[str, str]) -> None:
+        at = (job.namespace, session_id)
+        try:
+            await self.make(job, session_id, messages, loops, e, cover[e],
+                            base_of(job.policy, entries, cover, e), entries)
+        finally:
+            self.running.pop(at, None)
+            nxt = self.wanted.pop(at, None)
+            if nxt is not None and nxt.e > e:
+                self.state.spawn(self._again(session_id, nxt))
+
+    async def _again(self, session_id: str, p: _Pending) -> None:
+        """The newest summary wanted while another was made: rolled from what is stored now
+        (the one just finished among it)."""
+        store = self.state.store
+        assert store is not None
+        try:
+            entries = await store.summaries(p.job.namespace, session_id)
+        except StoreError:
+            entries = p.entries
+        loops = segment(p.messages)
+        cover = covers(p.keys, loops, p.job.policy.omission_batch, counts_of(entries))
+        name = model_field if uses_model(p.job.policy) else field
+        if p.e in cover and name(p.e, cover[p.e]) not in entries:
+            self._spawn(p.job, session_id, p.messages, p.keys, loops, cover, p.e, entries)
 
     async def _late(self, ns: str, session_id: str, name: str) -> None:
         assert self.state.store is not None
@@ -343,7 +448,10 @@ class SummaryService:
     async def make(self, job: Job, session_id: str, messages: list[Message],
                    loops: Sequence[RunLoop], e: int, cover: str,
                    previous: tuple[int, str] | None, entries: dict[str, str]) -> str | None:
-        """Summary of loops [0, e), rolled from ``previous`` (its loop count and field)."""
+        """Summary of loops [0, e), rolled from ``previous`` (its loop count and field: a
+        model's summary or a window's, ``base_of``). A model's is stored as the model's
+        (``model_field``, which later windows take the newest of) and, when its event has not
+        come yet, as the window's for that event (``field``)."""
         store, ns, policy = self.state.store, job.namespace, job.policy
         tl, tenant = job.label, job.tenant
         assert store is not None and policy.summary_model
@@ -358,6 +466,8 @@ class SummaryService:
         started = time.perf_counter()
         prev_e, prev_text = _rolled_from(entries, previous)
         new = loops[prev_e:e]
+        if policy.summary_model != "extractive":
+            new = new[-CALL_BATCHES * policy.omission_batch:]  # bounded by the policy
         enc, _ = self.state.tokens.encoding(job.model, None)
 
         def count(text: str) -> int:
@@ -396,6 +506,10 @@ class SummaryService:
                 metrics.summary_tokens.labels(tl, kind).inc(n)
         record = _record(text, summarizer, prev_e, e, prev_text, usage, ms)
         try:
+            if policy.summary_model != "extractive":
+                record["input_bytes"] = usage.get("input_bytes")
+                await store.put_summary(ns, session_id, model_field(e, cover),
+                                        orjson.dumps(record).decode())
             await self._put(ns, session_id, field(e, cover), record)
             await store.unlock_summary(ns, session_id)
         except StoreError:
@@ -421,10 +535,16 @@ class SummaryService:
         if ns is None or self.state.store is None:
             return
 
+        # a model's summary planned for this event (a batch's) that its event came before
+        covered = made.record.get("digest_loops") is not None and uses_model(turn.policy) \
+            and made.record["loops"][1] % turn.policy.omission_batch == 0
+
         async def put() -> None:
             try:
                 if await self._put(ns, session.id, made.name, made.record):
-                    self.state.metrics.summaries.labels(label, "ok").inc()
+                    # a model's summary its event came before: the digest stands in for it
+                    self.state.metrics.summaries.labels(label, "late" if covered
+                                                        else "ok").inc()
             except StoreError:
                 pass
         self.state.spawn(put())
@@ -463,7 +583,8 @@ class SummaryService:
             raise RuntimeError(f"upstream {name!r} changed since the request this summary is "
                                "for: it is made from the next one")
         headers = json_headers(upstream_headers([], auth, job.drop_headers))
-        resp = await client.request("POST", "/chat/completions", headers, orjson.dumps(body))
+        raw = orjson.dumps(body)
+        resp = await client.request("POST", "/chat/completions", headers, raw)
         data: Any = orjson.loads(await resp.read(SUMMARY_ANSWER_BYTES))
         if resp.status != 200 or not isinstance(data, dict):
             raise RuntimeError(f"the summary call answered {resp.status}")
@@ -472,7 +593,9 @@ class SummaryService:
             raise RuntimeError("the summary call answered no text")
         usage = data.get("usage") or {}
         text = f"{previous}{LATER}{text.strip()}" if kind == "append" else text.strip()
-        return text, {k: int(usage.get(k) or 0) for k in ("prompt_tokens", "completion_tokens")}
+        return text, {**{k: int(usage.get(k) or 0) for k in ("prompt_tokens",
+                                                              "completion_tokens")},
+                      "input_bytes": len(raw)}
 
     async def compact(self, job: Job, session_id: str, messages: list[Message],
                       keys: list[str]) -> tuple[list[tuple[int, str | None]], int]:
@@ -491,7 +614,7 @@ class SummaryService:
             if field(e, c) in entries:
                 continue  # made, or late: the event went out without it, and stays so
             out.append((e, await self.make(job, session_id, messages, loops, e, c,
-                                           previous_of(entries, cover, e), entries)))
+                                           base_of(job.policy, entries, cover, e), entries)))
         entries = await store.summaries(job.namespace, session_id)
         ready = [e for e, c in cover.items() if made(entries, e, c)]
         if not ready:
@@ -511,44 +634,150 @@ class Made:
 
 
 def digest(policy: Policy, previous: str | None, messages: Sequence[Message],
-           loops: Sequence[RunLoop], count: Callable[[str], int]) -> str:
+           loops: Sequence[RunLoop], count: Callable[[str], int],
+           max_tokens: int | None = None) -> str:
     """The extractive summary rolled from ``previous`` over ``loops`` (for a model's
-    summary, what replay shows in its place: ``summary_lines`` is the extractive one's).
-    Identifiers the system prompt holds are left out: the model sees them anyway."""
+    summary, what replay shows in its place, and what the window shows for the loops a
+    model's summary does not cover yet: ``summary_lines`` is the extractive one's), within
+    ``max_tokens`` (``summary_max_tokens`` by default). Identifiers the system prompt holds
+    are left out: the model sees them anyway."""
     lines_too = policy.summary_lines or policy.summary_model != "extractive"
     known = "\n".join(text_of(m.get("content")) for m in messages[:preamble_end(messages)])
     return roll(previous, [messages[lp.start:lp.end] for lp in loops],
-                policy.summary_max_tokens, count, lines_too, known)
+                policy.summary_max_tokens if max_tokens is None else max_tokens, count,
+                lines_too, known)
 
 
 def inline_digest(policy: Policy, entries: dict[str, str], cover: dict[int, str],
                   loops: Sequence[RunLoop], messages: Sequence[Message],
-                  count: Callable[[str], int], aged: int = 0) -> Made | None:
-    """The extractive summary this request's omission event needs when the store has none
-    for it (neither made nor marked late): a pure digest of loops already closed, bounded by
-    ``summary_max_tokens`` and made in a millisecond, so the window takes it now rather than
-    going without it until the next event. (A model's summary is never made on the request
-    path; the background one-loop-ahead start is all it gets.) Later requests of the same
-    event make the same text, whether or not the store has it yet. ``aged``: the loops an
-    omission by age leaves out (``window.builder.aged_loops``), which no batch plans for."""
-    if policy.summary_model != "extractive" or not loops:
+                  count: Callable[[str], int], aged: int = 0, e: int | None = None
+                  ) -> Made | None:
+    """The summary this request's omission event needs when the store has none for it
+    (neither made nor marked late), made now: pure, bounded by ``summary_max_tokens`` and
+    made in a millisecond, so the window takes it now rather than going without it until
+    the next event. With the extractive summariser, the digest of the loops left out; with
+    a model, whose summary is never made on the request path, the newest model summary
+    finished so far followed by the digest of the loops it does not cover yet (``cover``):
+    every omitted loop is said something about from the first omission on. Later requests
+    of the same event make the same text, whether or not the store has it yet. ``aged``:
+    the loops an omission by age leaves out (``window.builder.aged_loops``), which no batch
+    plans for; ``e``: the loops the window omits, when known (an omission over the
+    threshold or asked for can stop off the batches)."""
+    if not policy.summary_model or not loops:
         return None
-    e = max(batch_omission(policy, len(loops) - 1), aged)
+    if e is None:
+        e = max(batch_omission(policy, len(loops) - 1), aged)
     if e not in cover or field(e, cover[e]) in entries:
         return None
     started = time.perf_counter()
-    prev_e, prev_text = _rolled_from(entries, previous_of(entries, cover, e))
-    text = digest(policy, prev_text, messages, loops[prev_e:e], count)
-    ms = round((time.perf_counter() - started) * 1000, 1)
-    return Made(field(e, cover[e]), _record(text, EXTRACTIVE, prev_e, e, prev_text, {}, ms))
+    if not uses_model(policy):
+        prev_e, prev_text = _rolled_from(entries, base_of(policy, entries, cover, e))
+        text = digest(policy, prev_text, messages, loops[prev_e:e], count)
+        ms = round((time.perf_counter() - started) * 1000, 1)
+        return Made(field(e, cover[e]), _record(text, EXTRACTIVE, prev_e, e, prev_text, {},
+                                                ms))
+    text, record = cover_text(policy, entries, cover, loops, messages, count, e)
+    record["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
+    return Made(field(e, cover[e]), record)
 
 
-def _rolled_from(entries: dict[str, str], previous: tuple[int, str] | None
+def cover_text(policy: Policy, entries: dict[str, str], cover: dict[int, str],
+               loops: Sequence[RunLoop], messages: Sequence[Message],
+               count: Callable[[str], int], e: int) -> tuple[str, dict[str, Any]]:
+    """What the window shows for the first ``e`` loops while the model's summary of them is
+    not in: the newest model summary finished (of the first k loops), then the digest of
+    loops k..e−1 under a label naming them. The previous event's text is kept and grown
+    (append-only: the provider's cached prefix holds) while no newer model summary came;
+    a newer one replaces the digest it stands for when that pays (``swap_pays``), or when
+    the kept text would have been rewritten anyway (no room left to append)."""
+    model = newest_model(entries, cover, e)
+    k, model_text, by = 0, None, None
+    if model is not None:
+        rec = orjson.loads(entries[model[1]])
+        k, model_text, by = model[0], str(rec["text"]), str(rec.get("summarizer"))
+    swap = _covered(policy, messages, loops, model_text, k, e, count)
+    prev = previous_of(entries, cover, e)
+    if prev is not None:
+        rec = orjson.loads(entries[field(*prev)])
+        base = rec.get("model_loops")
+        prev_k = int(base[1]) if isinstance(base, list) and len(base) == 2 else 0
+        if rec.get("digest_loops") is not None and prev_k <= k:
+            old = str(rec["text"])
+            grown = f"{old}\n{_digest_block(policy, messages, loops, prev[0], e, count)}"
+            if count(grown) <= policy.summary_max_tokens and (
+                    prev_k == k or not swap_pays(policy, old, grown, swap, count)):
+                return grown, _cover_record(grown, rec.get("model_by"), prev_k, e, policy)
+    return swap, _cover_record(swap, by, k, e, policy)
+
+
+def swap_pays(policy: Policy, old: str, kept: str, swap: str,
+              count: Callable[[str], int]) -> bool:
+    """Whether a model summary that came since the last event pays for replacing the digest
+    it stands for, priced as the window's other levers are (``plan._Replay.pays``): the
+    swap must make the note no longer than keeping it would, and with
+    ``payback_requests`` what it saves over that many requests at the cached price must pay
+    for what it makes the provider read again at the write price (the last event's text
+    after the part both share: everything after the note is read again at an omission
+    event either way)."""
+    from ..window.plan import CACHE_WRITE, CACHED_READ
+
+    saved = count(kept) - count(swap)
+    if saved < 0:
+        return False
+    horizon = policy.payback_requests
+    if horizon is None:
+        return True
+    shared = 0
+    for x, y in zip(old, swap, strict=False):
+        if x != y:
+            break
+        shared += 1
+    reread = count(old[shared:]) if shared < len(old) else 0
+    return saved * (CACHE_WRITE + horizon * CACHED_READ) >= (CACHE_WRITE - CACHED_READ) * reread
+
+
+def _digest_block(policy: Policy, messages: Sequence[Message], loops: Sequence[RunLoop],
+                  first: int, last: int, count: Callable[[str], int],
+                  room: int | None = None) -> str:
+    """The digest of loops [first, last) under a label naming them, within ``room``
+    tokens (the summary budget by default)."""
+    label = DIGEST_LABEL.format(first=first + 1, last=last)
+    room = policy.summary_max_tokens if room is None else room
+    body = digest(policy, None, messages, loops[first:last], count,
+                  max(1, room - count(label) - 1)) if last > first else ""
+    return f"{label}\n{body}" if body else label
+
+
+def _covered(policy: Policy, messages: Sequence[Message], loops: Sequence[RunLoop],
+             model_text: str | None, k: int, e: int, count: Callable[[str], int]) -> str:
+    """The model's summary of the first ``k`` loops, then the digest of loops k..e−1."""
+    if model_text is None:
+        return _digest_block(policy, messages, loops, 0, e, count)
+    if k >= e:
+        return model_text
+    room = max(policy.summary_max_tokens - count(model_text) - 1,
+               int(policy.summary_max_tokens * MIN_APPEND_SHARE))
+    return f"{model_text}\n{_digest_block(policy, messages, loops, k, e, count, room)}"
+
+
+def _cover_record(text: str, model_by: str | None, k: int, e: int, policy: Policy
+                  ) -> dict[str, Any]:
+    """A window summary's record: what it covers in all (``loops``), by the model's summary
+    (``model_loops``) and by the digest (``digest_loops``)."""
+    return {"text": text, "summarizer": f"{EXTRACTIVE} after {model_by}" if model_by
+            else EXTRACTIVE, "loops": [0, e], "model_loops": [0, k] if k else None,
+            "model_by": model_by, "digest_loops": [k, e] if e > k else None,
+            "appended": False, "tokens_in": None, "tokens_out": None, "latency_ms": 0.0,
+            "model": policy.summary_model}
+
+
+def _rolled_from(entries: dict[str, str], base: tuple[int, str] | None
                  ) -> tuple[int, str | None]:
-    """The loop count and text of the summary a new one rolls from (none: 0, None)."""
-    if previous is None:
+    """The loop count and text of the summary a new one rolls from (``base``: its loop
+    count and field; none: 0, None)."""
+    if base is None or base[1] not in entries:
         return 0, None
-    return previous[0], str(orjson.loads(entries[field(*previous)])["text"])
+    return base[0], str(orjson.loads(entries[base[1]])["text"])
 
 
 def _record(text: str, summarizer: str, prev_e: int, e: int, prev_text: str | None,

@@ -23,7 +23,7 @@ from ..errors import (
     error_body,
 )
 from ..history.store import SessionView
-from ..history.summaries import OMIT, Job
+from ..history.summaries import MODEL, OMIT, Job
 from ..pipeline.offload import offload
 from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
@@ -96,11 +96,15 @@ async def _summaries(state: Any, tenant: str, session_id: str
             e, _, cover = name[len(OMIT):].partition(":")
             asked.append({"loops": [0, int(e)], "cover": cover, "from_message": int(raw)})
             continue
-        e, _, cover = name.partition(":")
+        model = name.startswith(MODEL)  # the model's own summary, kept for later events
+        e, _, cover = name[len(MODEL):].partition(":") if model else name.partition(":")
         # "loops" is the batch's range, end excluded; a rolling summary's text covers every
         # loop before its end ("covers": first and last, both included)
         covered = [0, int(e) - 1]
-        if raw == "late":
+        if model:
+            out.append({**orjson.loads(raw), "covers": covered, "cover": cover,
+                        "model_summary": True})
+        elif raw == "late":
             out.append({"loops": [0, int(e)], "covers": covered, "cover": cover, "late": True})
         else:
             out.append({**orjson.loads(raw), "covers": covered, "cover": cover})

@@ -19,7 +19,7 @@ from ..conversation.messages import Message, message_text, tool_calls_of
 from ..conversation.runloops import RunLoop, preview, segment
 from ..errors import StoreError
 from ..history.store import SessionView
-from ..history.summaries import OMIT
+from ..history.summaries import MODEL, OMIT
 from ..pipeline.offload import offload
 from ..pipeline.tools import spliced_stored
 from ..pricing import PriceTable
@@ -186,6 +186,7 @@ def _summaries(state: AppState, spec: TenantSpec, tenant: str, sid: str,
     for name, raw in sorted(stored.items(), key=lambda kv: _count(kv[0])):
         e = _count(name)
         span = escape(loop_span([0, e - 1])) if e > 0 else "no loops"
+        model = name.startswith(MODEL)
         if name.startswith(OMIT):
             out.append(f"<p>compact now: {span} omitted from message {escape(raw)} on</p>")
         elif raw == "late":
@@ -200,7 +201,10 @@ def _summaries(state: AppState, spec: TenantSpec, tenant: str, sid: str,
                 s = {}
             latency = s.get("latency_ms")
             took = f" · {latency} ms" if isinstance(latency, (int, float)) else ""
-            out.append(f"<p>{span} · by {escape(str(s.get('summarizer') or 'the summariser'))}"
+            kind = "the model's summary (windows take the newest from their next " \
+                "omission on) · " if model else ""
+            out.append(f"<p>{kind}{span} · by "
+                       f"{escape(str(s.get('summarizer') or 'the summariser'))}"
                        f"{took}</p><pre>{escape(str(s.get('text', '')))}</pre>")
     if spec.policy.summary_model:
         out.append(f"<form method='post' action='{BASE}/compact'><input type='hidden' "
@@ -216,7 +220,8 @@ def _summaries(state: AppState, spec: TenantSpec, tenant: str, sid: str,
 
 def _count(name: str) -> int:
     """The loop count a summary's (or an omission's) field names: ``e:cover``."""
-    head = name[len(OMIT):] if name.startswith(OMIT) else name
+    head = name[len(OMIT):] if name.startswith(OMIT) \
+        else name[len(MODEL):] if name.startswith(MODEL) else name
     e = head.partition(":")[0]
     return int(e) if e.isascii() and e.isdigit() else -1
 

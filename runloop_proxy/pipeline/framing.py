@@ -127,8 +127,7 @@ def window_in(state: AppState, tenant: TenantSpec, frame: Frame, messages: list[
     forms the window caches across requests are that session's alone (``SessionMemo``)."""
     policy = tenant.policy
     enc, _ = state.tokens.encoding(frame.model, tenant.encoding_for(frame.model))
-    loops = _loops(carry, messages, keys) \
-        if stored or policy.summary_model == "extractive" else None
+    loops = _loops(carry, messages, keys) if policy.summary_model else None
     # an omission by age stops where the clock says, off the batches summaries are planned
     # for: its summary is made inline (extractive) and kept under that count
     aged = aged_loops(policy, loops[:-1], stamps, now) if loops else 0
@@ -146,6 +145,25 @@ def window_in(state: AppState, tenant: TenantSpec, frame: Frame, messages: list[
                           tool_names=frame.names, carry=carry, summaries=summaries,
                           compactions=compactions, record_from=record_from,
                           client_tools=frame.tools_tokens > 0)
+    e = window.omitted_loops
+    if loops and cover is not None and e and e not in dict(summaries) and made is None:
+        # an omission off the batch the summary was planned for (over the threshold, asked
+        # for): the loops it leaves out are said something about all the same, made now
+        cover = covers(keys, loops, policy.omission_batch, {e, aged, *counts_of(stored)})
+        made = inline_digest(policy, stored, cover, loops, messages,
+                             lambda t: state.tokens.text(enc, t), aged, e)
+        if made is not None:
+            stored[made.name] = orjson.dumps(made.record).decode()
+            summaries, compactions = summaries_of(policy, stored, cover)
+            again = build_window(messages, keys, counts, policy, frame.budget(state, tenant),
+                                 WindowTokens(state.tokens, enc, state.cuts),
+                                 protected=protected, timestamps=stamps, now_ms=now,
+                                 memo=SessionMemo(state.window_memo, scope),
+                                 tool_names=frame.names, carry=carry, summaries=summaries,
+                                 compactions=compactions, record_from=record_from,
+                                 client_tools=frame.tools_tokens > 0)
+            if again.omitted_loops == e:
+                window = again
     return window, made
 
 
