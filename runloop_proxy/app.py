@@ -13,7 +13,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from .api.http import ClientGone, error_response, error_shape
 from .api.routes import CONVERSATIONS, base_url_hint, routes
@@ -123,6 +123,8 @@ class FastPath:
             return
         in_flight = self.state.runloop.metrics.in_flight
         in_flight.inc()
+        if area(scope) is not None:
+            send = no_store(send)
         try:
             refused = refusal(self.state.runloop, scope)
             if refused is not None:
@@ -140,6 +142,20 @@ class FastPath:
             await response(scope, receive, send)
         finally:
             in_flight.dec()
+
+
+def no_store(send: Send) -> Send:
+    """``send``, with every answer marked ``Cache-Control: no-store``: what is under /admin
+    (whole conversations, tenants' keys' names, the login's pages and refusals) is kept by
+    no browser or cache between the admin and the proxy."""
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = [(k, v) for k, v in message.get("headers", [])
+                       if k.lower() not in (b"cache-control", b"pragma")]
+            message = {**message, "headers": [*headers, (b"cache-control", b"no-store"),
+                                              (b"pragma", b"no-cache")]}
+        await send(message)
+    return sending
 
 
 def app_from_env() -> FastPath:

@@ -22,11 +22,14 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from ..api.chat import json_kind, validate_chat_request
+from ..api.messages import validate_messages_request
+from ..api.responses import validate_responses_request
 from ..config import Policy, Settings, TenantSpec, load_config, passthrough_tenant
 from ..conversation import blocks
 from ..conversation.items import to_items, to_messages, tool_to_chat
 from ..conversation.messages import Message, content_hash
-from ..errors import ConfigError
+from ..errors import ConfigError, InvalidRequest
 from ..pipeline.accounting import prompt_usage
 from ..pricing import PriceTable, Provider
 from ..savings import Meter
@@ -296,8 +299,9 @@ def _pricing(args: argparse.Namespace) -> tuple[Provider | None, str]:
                 None), model
 
 
-def _read(path: Path) -> list[dict[str, Any]] | str:
-    """The conversations of a file, or why they cannot be read."""
+def _read(path: Path) -> list[tuple[int, dict[str, Any]]] | str:
+    """The conversations of a file with their line numbers, or why they cannot be read: the
+    first malformed line as ``FILE:LINE: why`` (one line, never a traceback)."""
     try:
         lines = path.read_bytes().splitlines()
     except OSError as exc:
@@ -307,15 +311,68 @@ def _read(path: Path) -> list[dict[str, Any]] | str:
         if not line.strip():
             continue
         try:
-            conv = orjson.loads(line)
-        except orjson.JSONDecodeError as exc:
-            return f"{path}:{n}: not JSON: {exc}"
-        conv = conversation_of(conv)
-        if conv is None:
-            return (f"{path}:{n}: expected an object with a 'messages' array (chat) or an "
-                    f"'input' array (Responses)")
-        convs.append(conv)
+            conv = read_line(line)
+        except LineProblem as exc:
+            return f"{path}:{n}: {exc}"
+        convs.append((n, conv))
     return convs
+
+
+class LineProblem(Exception):
+    """Why a line of a trace is not a conversation the replay can read."""
+
+
+# what the replay reads of a line besides its turns and tools, and the JSON types each takes
+_FIELDS = {"tools": (list,), "system": (str, list), "instructions": (str,), "format": (str,),
+           "id": (str, int), "meta": (dict,)}
+
+
+def read_line(raw: bytes) -> dict[str, Any]:
+    """A trace's line as the conversation the replay reads, or LineProblem: not JSON, not a
+    conversation, a field of the wrong type — each of its turns, items, blocks and tools
+    checked as the API the line records checks a request (so what the replay goes on to
+    read is what the proxy itself accepts)."""
+    try:
+        line = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise LineProblem(f"not JSON: {exc}") from None
+    if not isinstance(line, dict) or not (isinstance(line.get("messages"), list)
+                                          or isinstance(line.get("input"), list)):
+        raise LineProblem("expected an object with a 'messages' array (chat) or an 'input' "
+                          "array (Responses)")
+    for name, kinds in _FIELDS.items():
+        if line.get(name) is not None and (not isinstance(line[name], kinds)
+                                           or isinstance(line[name], bool)):
+            raise LineProblem(f"{name}: expected {' or '.join(_KIND[k] for k in kinds)}, "
+                              f"not {json_kind(line[name])}")
+    request: dict[str, Any] = {k: v for k, v in line.items()
+                               if k in ("messages", "input", "system", "instructions", "tools")
+                               and v is not None}
+    try:
+        if not request.get("messages", request.get("input")):
+            pass  # an empty conversation: nothing to check, nothing to replay
+        elif "messages" in request and _is_messages_api(line):
+            validate_messages_request({**request, "model": "replay"}, counting=True)
+        elif "messages" in request:
+            validate_chat_request({k: v for k, v in request.items()
+                                   if k in ("messages", "tools")} | {"model": "replay"})
+        else:
+            validate_responses_request({k: v for k, v in request.items() if k in (
+                "input", "instructions", "tools")} | {"model": "replay"})
+        conv = conversation_of(line)
+    except InvalidRequest as exc:
+        raise LineProblem(str(exc)) from None
+    except (TypeError, ValueError, KeyError, AttributeError, RecursionError) as exc:
+        # what the API's checks let through and the conversion cannot take: said, not raised
+        raise LineProblem(f"cannot be read as a conversation ({type(exc).__name__}: "
+                          f"{str(exc)[:200]})") from None
+    if conv is None:
+        raise LineProblem("expected an object with a 'messages' array (chat) or an 'input' "
+                          "array (Responses)")
+    return conv
+
+
+_KIND = {list: "an array", str: "a string", dict: "an object", int: "a number"}
 
 
 SAMPLE = "samples/support_agent.jsonl"  # the demo's session (tests/test_savings.py)
@@ -332,10 +389,12 @@ def run_replay(args: argparse.Namespace) -> int:
         args.set = [SAMPLE_POLICY, *(args.set or [])]
     path = Path(args.file) if args.file else \
         Path(str(resources.files("runloop_proxy").joinpath(SAMPLE)))
-    convs = _read(path)
-    if isinstance(convs, str):
-        print(convs, file=sys.stderr)
+    lines = _read(path)
+    if isinstance(lines, str):
+        print(lines, file=sys.stderr)
         return 2
+    at = {id(conv): n for n, conv in lines}
+    convs = [conv for _, conv in lines]
     if args.half:
         convs = [c for c in convs if half_of(c) == args.half]
     if args.limit:
@@ -362,10 +421,17 @@ def run_replay(args: argparse.Namespace) -> int:
     try:
         for k, conv in enumerate(convs):
             one = Tally()
-            if http is not None:
-                http.conversation(conv, k, one)
-            else:
-                replayer.conversation(conv, one)
+            try:
+                if http is not None:
+                    http.conversation(conv, k, one)
+                else:
+                    replayer.conversation(conv, one)
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+                # a line the checks above let through and the replay cannot take: named by
+                # its place, as a malformed line is, never a traceback
+                print(f"{path}:{at[id(conv)]}: cannot be replayed ({type(exc).__name__}: "
+                      f"{str(exc)[:200]})", file=sys.stderr)
+                return 2
             meta = conv.get("meta")
             domain = meta.get("domain") if isinstance(meta, dict) else None
             tally.add(one, str(conv.get("id") or k), str(domain or ""))
