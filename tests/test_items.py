@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -157,3 +158,28 @@ def test_a_changed_run_gives_back_the_providers_own_calls_as_they_were() -> None
     assert back[1]["content"][0]["text"] == "long long"
     assert back[2]["arguments"] == '{"cmd": "ls"}'
     assert back[3] == computer
+
+
+@pytest.mark.parametrize(("content", "read"), [
+    ("", ""),  # an empty text stays a text, not a list of no parts
+    ("where is order 7", "where is order 7"),
+    (None, ""),
+    (7, ""),
+    ({"type": "input_text", "text": "not a list"}, ""),
+    ([], []),
+    ([{"type": "input_text", "text": "one part"}], "one part"),
+    ([{"type": "input_text", "text": "a"}, {"type": "output_text", "text": "b"}],
+     [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]),
+    ([{"type": "input_image", "image_url": "data:image/png;base64,iVBO"}],
+     [{"type": "input_image", "image_url": "data:image/png;base64,iVBO"}]),
+])
+def test_a_messages_content_is_read_as_the_window_reads_it(content: Any, read: Any) -> None:
+    """Each shape a Responses message's content comes in, read exactly: text parts joined
+    when there is one, kept as parts when there are more, anything else as it is or empty.
+
+    Bug class: a reader's type guard widened (mutation sample, seed 3907: ``and`` for
+    ``or`` in ``_content``'s guard read an empty text as a list of no parts and raised on
+    a null content). Planted too: a non-text part's list read as text (``in`` for the part
+    type check dropped)."""
+    (message,) = to_messages([{"type": "message", "role": "user", "content": content}])
+    assert message["content"] == read

@@ -474,7 +474,8 @@ _ttl_text = st.builds(lambda text, ttl: {"type": "text", "text": text, **(
     {"cache_control": {"type": "ephemeral", **({"ttl": ttl} if ttl else {})}}
     if ttl is not None else {})}, st.sampled_from(["", "t", "longer text"]),
     st.sampled_from([None, None, "", "1h", "5m"]))
-_thinking = st.just({"type": "thinking", "thinking": "hm", "signature": "sig"})
+_thinking = st.sampled_from([{"type": "thinking", "thinking": "hm", "signature": "EqQBCgIYAh"},
+                             {"type": "redacted_thinking", "data": "EmwKAhgBEgy3va3pzix"}])
 _auto_result = st.builds(lambda inner: {"type": "tool_result", "tool_use_id": "toolu_01",
                                         "content": inner}, st.lists(_ttl_text, max_size=2))
 
@@ -506,7 +507,8 @@ def test_auto_marks_are_exactly_where_the_reference_puts_them(
     read last first), and a five-minute mark before an hour's is a request the API refuses.
     Planted: the stable prefix's mark before the note's (one slot left goes to
     the wrong place); a mark on the first markable block of a turn instead of the last; the
-    ttl taken from the mark before it, not after."""
+    ttl taken from the mark before it, not after; a redacted_thinking block taken as
+    markable (the API refuses a mark on it)."""
     from runloop_proxy.api.breakpoints import with_auto
     body: dict[str, Any] = {
         "system": system, "messages": [

@@ -1525,3 +1525,52 @@ def test_one_memo_across_requests_that_differ_in_any_input_never_changes_a_windo
                 memoed.reduced_loops, memoed.omitted_loops) == \
             (fresh.events, fresh.elided, fresh.fits, fresh.tokens_out, fresh.reduced_loops,
              fresh.omitted_loops), (p, f)
+
+
+def _marker_text(m: Message) -> bool:
+    content = m.get("content")
+    text = content if isinstance(content, str) else orjson.dumps(content).decode()
+    return "Earlier turns are not shown" in text
+
+
+@PROPS
+@given(conversations(), policies, st.integers(300, 3000))
+def test_the_marker_stands_in_one_place_right_after_what_it_follows(
+        msgs: list[Message], policy: Policy, working: int) -> None:
+    """Where the omission's marker is, not only that it is there: exactly one, and
+    - without ``strict_roles``: an assistant message (the model's own note, never a system
+      message, which would make OpenAI re-read the tool schemas), standing right after the
+      system prompt and the opening task (when ``keep_opening``) — the messages before it
+      are those, in their order — and right before the loops still shown;
+    - with ``strict_roles``: inside the client's last system message (a system message of
+      its own, first, only when the client sent none), never an assistant message.
+
+    Bug class: a mark of the proxy's that exists but stands in a worse place (a prefix
+    re-read, a model misled). Planted: the note before the opening task (``[*pre, note,
+    *task]``); the note as a system message after the system prompt; the note after the
+    first kept loop's question."""
+    w = build(msgs, policy, hard=working + 200, working=working)
+    if not w.omitted_loops or not w.fits:
+        return
+    marked = [i for i, m in enumerate(w.messages) if _marker_text(m)]
+    assert len(marked) == 1, marked
+    at = marked[0]
+    pre = next((i for i, m in enumerate(msgs) if m["role"] not in ("system", "developer")),
+               len(msgs))
+    if policy.strict_roles:
+        assert w.messages[at]["role"] in ("system", "developer")
+        assert at == (pre - 1 if pre else 0)
+        return
+    assert w.messages[at]["role"] == "assistant"
+    assert [m["role"] for m in w.messages[:pre]] == [m["role"] for m in msgs[:pre]]
+    assert w.messages[:pre] == msgs[:pre]  # the system prompt whole, untouched
+    opening = w.messages[pre:at]
+    assert all(m["role"] == "user" for m in opening), [m["role"] for m in opening]
+    if policy.keep_opening:
+        first = msgs[pre]
+        assert opening and opening[0]["content"][:40] == first["content"][:40]
+    else:
+        assert opening == []
+    after = w.messages[at + 1:]
+    # what follows is the shown conversation: never a second note, never another system
+    assert all(m["role"] not in ("system", "developer") for m in after)
