@@ -163,3 +163,120 @@ NOT_OVERFLOWS = [
         "Budget has been exceeded! Current cost: 10.02, Max budget: 10.0", "budget_exceeded",
         "400"), False),
 ]
+
+
+# -- streams ---------------------------------------------------------------------------------
+
+class StreamRow(NamedTuple):
+    server: str
+    chunks: list[bytes]  # the bytes as the server sends them
+    text: str
+    calls: list[tuple[str, dict[str, Any]]]  # (name, arguments), in order
+    finish: str | None  # the last finish_reason the server names
+    stop_reason: str  # what the bridge must say for it
+    cut: bool = False  # no end marker: the proxy says the answer was cut (never stored whole)
+
+
+CID = "chatcmpl-9xQvT3kLmB2cR7sWnE4yA1hZ0pFdG"
+
+
+def _chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+    return {"id": CID, "object": "chat.completion.chunk", "created": 1764640000,
+            "model": "served-model", "choices": [{"index": 0, "delta": delta,
+                                                  "logprobs": None, "finish_reason": finish,
+                                                  **extra.pop("choice", {})}], **extra}
+
+
+def _sse(events: list[Any], done: bytes | None = b"data: [DONE]", sep: bytes = b"\n\n",
+         comments: int = 0) -> list[bytes]:
+    out = [b": OPENROUTER PROCESSING" + sep] * comments
+    out += [b"data: " + orjson.dumps(e) + sep for e in events]
+    return out + ([done + sep] if done is not None else [])
+
+
+USAGE = {"prompt_tokens": 1843, "completion_tokens": 41, "total_tokens": 1884}
+TEXT = "The parser now reads CRLF."
+PIECES = [{"content": TEXT[i:i + 7]} for i in range(0, len(TEXT), 7)]
+BASH = ("bash", {"command": "pytest -q tests/test_sse.py"})
+GREP = ("grep", {"pattern": "feed\\(", "path": "runloop_proxy"})
+
+
+def _call_deltas(calls: list[tuple[str, dict[str, Any]]], ids: list[str | None],
+                 indices: list[int], whole: bool = False, cut: int = 9) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for (name, args), cid, at in zip(calls, ids, indices, strict=True):
+        raw = orjson.dumps(args).decode()
+        head: dict[str, Any] = {"index": at, "type": "function",
+                                "function": {"name": name, "arguments": raw if whole else ""}}
+        if cid is not None:
+            head["id"] = cid
+        out.append({"tool_calls": [head]})
+        if not whole:
+            out += [{"tool_calls": [{"index": at, "function": {"arguments": raw[j:j + cut]}}]}
+                    for j in range(0, len(raw), cut)]
+    return out
+
+
+def _text_stream(finish: str | None, **kw: Any) -> list[dict[str, Any]]:
+    return [_chunk({"role": "assistant", "content": ""}), *[_chunk(p) for p in PIECES],
+            _chunk({}, finish, **kw)]
+
+
+def _calls_stream(calls: list[tuple[str, dict[str, Any]]], ids: list[str | None],
+                  indices: list[int], finish: str | None, whole: bool = False
+                  ) -> list[dict[str, Any]]:
+    return [_chunk({"role": "assistant", "content": None}),
+            *[_chunk(d) for d in _call_deltas(calls, ids, indices, whole)], _chunk({}, finish)]
+
+
+AZURE_FILTERS = {"hate": {"filtered": False, "severity": "safe"},
+                 "self_harm": {"filtered": False, "severity": "safe"}}
+
+STREAMS = [
+    StreamRow("openai, usage chunk", _sse([*_text_stream("stop"), {
+        "id": CID, "object": "chat.completion.chunk", "created": 1764640000,
+        "model": "gpt-4.1-2025-04-14", "choices": [], "usage": {
+            **USAGE, "prompt_tokens_details": {"cached_tokens": 1536}}}]), TEXT, [], "stop",
+        "end_turn"),
+    StreamRow("openai, two calls in pieces", _sse(_calls_stream(
+        [BASH, GREP], ["call_Hq2vN8sLx0TbR4mWc9Ye1Kd", "call_Pz7uJ3fGa5XoV2nQe8Rt6Wb"],
+        [0, 1], "tool_calls")), "", [BASH, GREP], "tool_calls", "tool_use"),
+    StreamRow("azure, a filter chunk first", _sse([
+        {"choices": [], "created": 0, "id": "", "model": "", "object": "",
+         "prompt_filter_results": [{"prompt_index": 0,
+                                    "content_filter_results": AZURE_FILTERS}]},
+        *[{**c, "choices": [{**c["choices"][0], "content_filter_results": AZURE_FILTERS}]}
+          for c in _text_stream("stop")]]), TEXT, [], "stop", "end_turn"),
+    StreamRow("vllm, stop_reason beside and usage in every chunk", _sse([
+        {**c, "choices": [{**c["choices"][0], "stop_reason": None}], "usage": USAGE}
+        for c in _text_stream("stop")]), TEXT, [], "stop", "end_turn"),
+    StreamRow("llama.cpp, usage and timings in the last chunk", _sse(_text_stream(
+        "stop", usage=USAGE, timings={"prompt_n": 1843, "prompt_ms": 912.4,
+                                      "predicted_n": 41, "predicted_ms": 1533.0}),
+        done=b"data: [DONE]"), TEXT, [], "stop", "end_turn"),
+    StreamRow("ollama, a call whole in one chunk, finish stop", _sse([
+        {**c, "system_fingerprint": "fp_ollama"} for c in _calls_stream(
+            [BASH], ["call_7rj3k0ab"], [0], "stop", whole=True)]), "", [BASH], "stop",
+        "tool_use"),
+    StreamRow("openrouter, comment lines first", _sse(_text_stream("stop"), comments=3), TEXT,
+              [], "stop", "end_turn"),
+    StreamRow("a gateway, no end marker", _sse(_text_stream("stop"), done=None), TEXT, [],
+              "stop", "end_turn", cut=True),
+    StreamRow("data:[DONE] without its space", _sse(_text_stream("stop"), done=b"data:[DONE]"),
+              TEXT, [], "stop", "end_turn"),
+    StreamRow("CRLF line ends", _sse(_text_stream("stop"), sep=b"\r\n\r\n"), TEXT, [], "stop",
+              "end_turn"),
+    StreamRow("cut at max_tokens", _sse(_text_stream("length")), TEXT, [], "length",
+              "max_tokens"),
+    StreamRow("eos_token (text-generation-inference)", _sse(_text_stream("eos_token")), TEXT,
+              [], "eos_token", "end_turn"),
+    StreamRow("no finish reason at all", _sse(_text_stream(None)), TEXT, [], None, "end_turn"),
+    StreamRow("function_call as the finish reason", _sse(_calls_stream(
+        [GREP], ["call_Lw4bS9dQz1XcV6nHr3Tj8Yk"], [0], "function_call")), "", [GREP],
+        "function_call", "tool_use"),
+    StreamRow("a call without an id", _sse(_calls_stream([BASH], [None], [0], "tool_calls")),
+              "", [BASH], "tool_calls", "tool_use"),
+    StreamRow("indices with a gap", _sse(_calls_stream(
+        [BASH, GREP], ["call_Aa1bB2cC3dD4eE5fF6gG7hH", "call_Ii8jJ9kK0lL1mM2nN3oO4pP"], [0, 2],
+        "tool_calls")), "", [BASH, GREP], "tool_calls", "tool_use"),
+]

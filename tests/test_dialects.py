@@ -4,10 +4,13 @@ their errors (a prompt too long above all: Claude Code compacts only when the br
 
 from __future__ import annotations
 
+import collections
+import contextlib
 from typing import Any
 
 import anthropic
 import httpx
+import openai
 import orjson
 import pytest
 
@@ -16,7 +19,7 @@ from runloop_proxy.scripted import ScriptedUpstream
 from runloop_proxy.windows import overflow_limit
 
 from .conftest import ProxyServer
-from .dialects import NOT_OVERFLOWS, OVERFLOWS, ErrorRow
+from .dialects import BASH, GREP, NOT_OVERFLOWS, OVERFLOWS, STREAMS, ErrorRow
 from .keys import ANTHROPIC_MODEL, OPENAI_MODEL, openai_project_key
 
 KEY = openai_project_key(39)
@@ -126,3 +129,91 @@ def test_the_window_the_proxy_learns_from_each_servers_error(row: ErrorRow) -> N
         assert learned is None
     elif row.allowed is not None:
         assert learned == row.allowed
+
+
+STREAM_IDS = [r.server for r in STREAMS]
+
+
+def test_every_servers_stream_through_the_bridge(make_proxy: Any, upstream: ScriptedUpstream
+                                                 ) -> None:
+    """Each server's stream (its ends, usage fields, finish reasons, tool-call shapes) through
+    the bridge to the anthropic SDK: the text, the calls (each with an id of its own, the
+    arguments whole), the stop reason. Bug class: a translation that knows one server's
+    stream. Planted: a finish reason other than tool_calls with calls named end_turn (red
+    for Ollama's "stop"); second: a call with no id passed on with an empty one (red before
+    ``bridge_stream.tool_use`` made one: a bug this table found)."""
+    proxy = bridge(make_proxy)
+    client = anthropic.Anthropic(base_url=proxy.base, api_key=KEY, max_retries=0)
+    for row in STREAMS:
+        upstream.push({"raw_chunks": row.chunks})
+        ask: Any = [{"role": "user", "content": "fix the parser"}]
+        if row.cut:
+            with pytest.raises(anthropic.APIStatusError, match="ended before its answer"), \
+                    client.messages.stream(model=ANTHROPIC_MODEL, max_tokens=2048,
+                                           messages=ask) as s:
+                s.get_final_message()
+            continue
+        with client.messages.stream(model=ANTHROPIC_MODEL, max_tokens=2048,
+                                    messages=ask) as s:
+            final = s.get_final_message()
+        upstream.script.clear()
+        text = "".join(b.text for b in final.content if b.type == "text")
+        uses = [b for b in final.content if b.type == "tool_use"]
+        assert (text, [(u.name, u.input) for u in uses]) == (row.text, row.calls), row.server
+        assert all(u.id for u in uses) and len({u.id for u in uses}) == len(uses), row.server
+        assert final.stop_reason == row.stop_reason, row.server
+
+
+def test_every_servers_stream_reaches_a_chat_client_whole(proxy: ProxyServer,
+                                                          upstream: ScriptedUpstream) -> None:
+    """Each server's stream through the chat relay to the openai SDK: the text, the calls'
+    names and arguments, the finish reason, as the server sent them. Bug class: a relay that
+    drops what it does not expect (a chunk of no choices, a comment, a field beside the
+    choices). Planted: chunks without choices dropped (Azure's filter chunk); second:
+    llama.cpp's ``timings`` stripped beside its usage. A stream with no end marker is cut
+    (the proxy never takes an answer as whole without it): its text arrives, then the
+    error, and its held end never does."""
+    client = openai.OpenAI(base_url=proxy.url, api_key=KEY, max_retries=0)
+    # the client's tools: the proxy's ride beside them, so the stream is read and rewritten
+    tools: Any = [{"type": "function", "function": {
+        "name": name, "parameters": {"type": "object", "properties": {
+            k: {"type": "string"} for k in args}}}} for name, args in (BASH, GREP)]
+    for row in STREAMS:
+        upstream.push({"raw_chunks": row.chunks})
+        chunks: list[Any] = []
+        with contextlib.ExitStack() as cut:
+            if row.cut:  # the text reaches the client, then the error
+                cut.enter_context(pytest.raises(openai.APIError, match="ended before"))
+            chunks += client.chat.completions.create(
+                model=OPENAI_MODEL, stream=True, tools=tools,
+                messages=[{"role": "user", "content": "fix the parser"}])
+        upstream.script.clear()
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        names, args = [], collections.defaultdict(str)
+        for c in chunks:
+            for choice in c.choices:
+                for t in choice.delta.tool_calls or []:
+                    if t.function and t.function.name:
+                        names.append(t.function.name)
+                    if t.function and t.function.arguments:
+                        args[t.index] += t.function.arguments
+        assert text == row.text, row.server
+        assert names == [n for n, _ in row.calls], row.server
+        assert [orjson.loads(a) for _, a in sorted(args.items())] == \
+            [a for _, a in row.calls], row.server
+        finishes = [ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason]
+        # a cut stream's end is held back (it never came): no finish reason reaches the client
+        assert finishes == ([row.finish] if row.finish and not row.cut else []), row.server
+        # what rides beside the choices reaches the client too (Azure's filter results)
+        extras = [{k: v for k, v in (c.model_extra or {}).items()} for c in chunks]
+        sent = [{k: v for k, v in e.items() if k in ("prompt_filter_results", "timings")}
+                for e in _events(row.chunks)]
+        assert [e for e in sent if e] == [
+            {k: v for k, v in e.items() if k in ("prompt_filter_results", "timings")}
+            for e in extras if set(e) & {"prompt_filter_results", "timings"}], row.server
+
+
+def _events(chunks: list[bytes]) -> list[dict[str, Any]]:
+    raw = b"".join(chunks).replace(b"\r\n", b"\n")
+    return [orjson.loads(line[5:]) for line in raw.split(b"\n")
+            if line.startswith(b"data:") and line[5:].strip() != b"[DONE]"]

@@ -251,7 +251,7 @@ def message_of(data: dict[str, Any], model: str) -> dict[str, Any]:
     if text:
         content.append({"type": "text", "text": text})
     calls = msg.get("tool_calls") or []
-    content += [tool_use(c) for c in calls]
+    content += [tool_use(c, at) for at, c in enumerate(calls)]
     usage = usage_of_chat(data.get("usage")) or {"input_tokens": 0, "output_tokens": 0}
     rid, name = data.get("id"), data.get("model")
     return {"id": rid if isinstance(rid, str) else "msg_bridge", "type": "message",

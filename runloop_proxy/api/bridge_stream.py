@@ -15,6 +15,7 @@ a refusal after it, as in the JSON answer: ``bridge.message_of``)."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import orjson
@@ -111,11 +112,18 @@ class BridgeRelay(OneMessage):
         return out
 
 
-def tool_use(call: dict[str, Any]) -> Block:
-    """A chat tool call as a ``tool_use`` block (its id kept: the result answers it)."""
+def tool_use(call: dict[str, Any], at: int = 0) -> Block:
+    """A chat tool call as a ``tool_use`` block (its id kept: the result answers it). A
+    server that names no id (some local ones) gets one made from the call and its place,
+    the same each time the answer is read: a Messages client must answer a ``tool_use`` by
+    its id."""
     fn = call.get("function") or {}
-    return {"type": "tool_use", "id": str(call.get("id", "")), "name": str(fn.get("name", "")),
-            "input": input_of(fn.get("arguments"))}
+    name, arguments = str(fn.get("name", "")), fn.get("arguments")
+    cid = call.get("id")
+    if not isinstance(cid, str) or not cid:
+        made = hashlib.sha256(orjson.dumps([at, name, arguments])).hexdigest()[:24]
+        cid = f"toolu_{made}"
+    return {"type": "tool_use", "id": cid, "name": name, "input": input_of(arguments)}
 
 
 class BridgeRound(ChunkRound):
@@ -165,7 +173,8 @@ class BridgeRound(ChunkRound):
             out += self._text(refusal)
         if self.text is not None:
             self.text["text"] = "".join(self.said)
-        calls = [tool_use(c) for c in self.acc.tool_calls()]  # type: ignore[arg-type]
+        calls = [tool_use(c, at)  # type: ignore[arg-type]
+                 for at, c in enumerate(self.acc.tool_calls())]
         whole = [*([self.text] if self.text else []), *calls]  # as the model answered
         for call, block in zip(self.acc.tool_calls(), calls, strict=True):
             if self.tools.owns(call):
