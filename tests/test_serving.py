@@ -257,14 +257,19 @@ def _protocol(limits: dict[str, Any], seen: list[str]) -> tuple[Any, _Timers, _T
     from runloop_proxy.config import ServerSection
     from runloop_proxy.serving import GuardedHttpTools, server_config
 
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        seen.append(scope["path"])
-        while (await receive())["more_body"] if scope["method"] == "POST" else False:
-            pass
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
+    class App:
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            seen.append(scope["path"])
+            while (await receive())["more_body"] if scope["method"] == "POST" else False:
+                pass
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
 
-    config = server_config(app, ServerSection(**limits), lifespan="off")
+        @staticmethod
+        def refusal(path: str, status: int, message: str) -> bytes:
+            return b'{"path": "%s", "status": %d}' % (path.encode(), status)
+
+    config = server_config(App(), ServerSection(**limits), lifespan="off")
     timers = _Timers(asyncio.get_running_loop())
     proto = GuardedHttpTools(config, ServerState(), {}, _loop=timers)
     transport = _Transport()
@@ -339,6 +344,42 @@ def test_the_header_bound_holds_at_its_exact_value(limits: dict[str, Any], over:
             assert transport.written.startswith(b"HTTP/1.1 431 ") and seen == []
         else:
             assert transport.written.startswith(b"HTTP/1.1 200 ") and seen == ["/v1/models"]
+        proto.connection_lost(None)
+
+    asyncio.run(main())
+
+
+def test_each_request_on_a_kept_alive_connection_has_the_whole_header_bound(
+        limits: dict[str, Any]) -> None:
+    """The header bound is per request: on one kept-alive connection, three requests whose
+    header blocks each take 60% of ``max_header_bytes`` are all served (their sizes do not
+    add up), and a fourth over the bound alone is refused.
+
+    Bug class: per-request state carried across a connection's requests. Planted: the
+    header count not reset when a request begins (the second one refused); the target
+    (the path a refusal is shaped by) not reset (the refusal shaped by the earlier
+    requests' paths run together)."""
+    bound = limits["max_header_bytes"]
+
+    async def main() -> None:
+        seen: list[str] = []
+        proto, _, transport = _protocol(limits, seen)
+        for k in range(3):
+            url = f"/v1/models/gpt-4o-2024-08-06-{k}".encode()
+            filler = int(bound * 0.6) - len(url) - len(b"X-Filler") - 4
+            proto.data_received(b"GET " + url + b" HTTP/1.1\r\nX-Filler: " + b"f" * filler
+                                + b"\r\n\r\n")
+            for _ in range(50):
+                await asyncio.sleep(0)
+            assert len(seen) == k + 1, (k, transport.written[-300:])
+        assert transport.written.count(b"HTTP/1.1 200 ") == 3 and not transport.closed
+        proto.data_received(b"GET /v1/messages HTTP/1.1\r\nX-Filler: " + b"f" * bound
+                            + b"\r\n\r\n")
+        for _ in range(50):
+            await asyncio.sleep(0)
+        refusal = transport.written.split(b"HTTP/1.1 ")[-1]
+        assert refusal.startswith(b"431 ") and len(seen) == 3
+        assert refusal.endswith(b'{"path": "/v1/messages", "status": 431}'), refusal[-200:]
         proto.connection_lost(None)
 
     asyncio.run(main())
