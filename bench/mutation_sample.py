@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -38,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import tomllib
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -284,10 +286,16 @@ class Scratch:
         shutil.copytree(ROOT, self.dir / "repo", ignore=ignore)
         self.repo = self.dir / "repo"
         # the copy measures the processes its tests start too (the CLI, replay, demo)
+        # (what the project's own config lacks of it: a key written twice is no TOML, and
+        # every test file then maps to no test)
         config = self.repo / "pyproject.toml"
-        config.write_text(config.read_text().replace(
-            'concurrency = ["thread"]',
-            'concurrency = ["thread"]\npatch = ["subprocess"]\nparallel = true'))
+        text = config.read_text()
+        wanted = [line for key, line in (("patch", 'patch = ["subprocess"]'),
+                                         ("parallel", "parallel = true"))
+                  if not re.search(rf"(?m)^{key}\s*=", text)]
+        config.write_text(text.replace('concurrency = ["thread"]', "\n".join(
+            ['concurrency = ["thread"]', *wanted])))
+        tomllib.loads(config.read_text())  # fails here, not as 0 tests per file
         self.running: subprocess.Popen[str] | None = None
         self.env = {**os.environ, "PYTHONPATH": str(self.repo), "WINDOW_EXAMPLES": "25",
                     "PYTHONDONTWRITEBYTECODE": "1"}
@@ -332,9 +340,12 @@ class Scratch:
 
         tag = test_file.removesuffix(".py")
         data_file, junit = self.dir / f".cov-{tag}", self.dir / f"junit-{tag}.xml"
-        self._pytest([f"--cov={PACKAGE}", "--cov-context=test", "--cov-report=",
-                      "--cov-fail-under=0", f"--junitxml={junit}", f"tests/{test_file}"],
-                     1800, {**self.env, "COVERAGE_FILE": str(data_file)})
+        run = self._pytest([f"--cov={PACKAGE}", "--cov-context=test", "--cov-report=",
+                            "--cov-fail-under=0", f"--junitxml={junit}", f"tests/{test_file}"],
+                           1800, {**self.env, "COVERAGE_FILE": str(data_file)})
+        if run is not None and run.returncode not in (0, 1):  # not a test's failure: the run's
+            print(f"  broken    {test_file}: pytest exited {run.returncode}: "
+                  f"{(run.stderr or run.stdout).strip()[-300:]}", flush=True)
         out = Covered()
         if junit.exists():
             import xml.etree.ElementTree as ET
