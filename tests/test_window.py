@@ -1574,3 +1574,30 @@ def test_the_marker_stands_in_one_place_right_after_what_it_follows(
     after = w.messages[at + 1:]
     # what follows is the shown conversation: never a second note, never another system
     assert all(m["role"] not in ("system", "developer") for m in after)
+
+
+LEVERS = {k for k in CompactionKind} - {CompactionKind.TRUNCATION, CompactionKind.REJECTION}
+
+
+@settings(PROPS, max_examples=max(PROPS.max_examples // 3, 10))
+@given(conversations(), policies, st.integers(300, 3000), st.integers(0, 400))
+def test_no_compaction_event_leaves_the_window_larger(
+        msgs: list[Message], policy: Policy, working: int, over: int) -> None:
+    """Every lever of the budget or of savings, at every request point of a session, takes
+    tokens out or does not fire (an omission by age or by the operator's "compact now" is
+    made as asked; none here: no clock, no request):
+    a compaction is a rewrite the provider bills as a cache write, for nothing when it
+    saves nothing. The hard limit's last resort may only keep the window as it is.
+    The bug class: *a lever that fires without taking tokens out* — dropping old tool
+    exchanges whose results were already elided (the note cost 2-3 tokens more than the
+    short forms it replaced: all seven drops in a Claude Code session); planted again:
+    an omission that adds its marker and kept reply to a window with one short past loop."""
+    keys = [message_hash(m) for m in msgs]
+    counts = [OPS.count(m) for m in msgs]
+    w = build_window(msgs, keys, counts, policy, Budget(working + over, working), OPS,
+                     record_from=0)
+    for e in w.events:
+        if e.kind in LEVERS:
+            assert e.tokens_after < e.tokens_before, e
+        else:
+            assert e.tokens_after <= e.tokens_before, e

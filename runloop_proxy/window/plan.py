@@ -244,6 +244,21 @@ class _Replay:
         self._step(p, record, c.loop_of[p - 1] if p > c.pre else 0)
         self.prev_point = p
 
+    def _lever(self, p: int, record: bool, kind: CompactionKind, why: str,
+               move: Callable[[], bool]) -> bool:
+        """A lever the budget asks for: made when it takes tokens out, else undone — one
+        that saves nothing is a rewrite the provider bills as a cache write (dropping
+        exchanges already elided made the window 2-3 tokens larger with its note). The one
+        rule every lever goes through (``_optional`` adds when it pays)."""
+        state, before = self.snapshot(), self.tokens(p)
+        if not move():
+            return False
+        if self.tokens(p) < before:
+            self._event(record, kind, before, p, why)
+            return True
+        self.resume(state)
+        return False
+
     def _optional(self, p: int, record: bool, kind: CompactionKind, why: str,
                   move: Callable[[], bool]) -> None:
         """A lever that only saves money: made when it pays (``pays``), else undone."""
@@ -255,11 +270,13 @@ class _Replay:
                 self.resume(state)
 
     def _step(self, p: int, record: bool, current: int) -> None:
-        c, plan, pol = self.c, self.plan, self.c.policy
+        c, pol = self.c, self.c.policy
         if self.optional and pol.reduce_past_loops is ReducePastLoops.ALWAYS \
                 and self.reduction_pays(current):
             self._optional(p, record, CompactionKind.PAST_LOOPS, "past run loops",
                            lambda: self.reduce_to(current))
+        # what age (max_time_range) or the operator ("compact now") omits is omitted as
+        # asked, whatever it saves: those are not levers of the budget
         before = self.tokens(p)
         if self.omit_to(self.time_omission(current), current):
             self._event(record, CompactionKind.OMISSION, before, p, "max_time_range")
@@ -275,25 +292,34 @@ class _Replay:
         if self.tokens(p) <= trigger:
             return
         target = pol.target * working
-        before = self.tokens(p)
-        if self.reduce_to(current):
-            self._event(record, CompactionKind.PAST_LOOPS, before, p, "over threshold")
+        if self.shows_alike(current):
+            self.reduce_to(current)  # the reduced loops read as they were: no change to make
+        else:
+            self._lever(p, record, CompactionKind.PAST_LOOPS, "over threshold",
+                        lambda: self.reduce_to(current))
         if self.tokens(p) > target:
-            before = self.tokens(p)
-            if self.elide(p, target):
-                self._event(record, CompactionKind.ELISION, before, p, "over threshold")
+            self._lever(p, record, CompactionKind.ELISION, "over threshold",
+                        lambda: self.elide(p, target))
         if self.tokens(p) > target:
-            before = self.tokens(p)
-            if self.drop(p, target):
-                self._event(record, CompactionKind.DROP, before, p, "elision not enough")
+            self._lever(p, record, CompactionKind.DROP, "elision not enough",
+                        lambda: self.drop(p, target))
         if self.tokens(p) > trigger:
-            before = self.tokens(p)
-            b = pol.omission_batch
-            moved = False
-            while self.tokens(p) > target and plan.omit_upto < plan.reduced_upto:
-                moved |= self.omit_to(plan.omit_upto + b, plan.reduced_upto)
-            if moved:
-                self._event(record, CompactionKind.OMISSION, before, p, "over threshold")
+            self._lever(p, record, CompactionKind.OMISSION, "over threshold",
+                        lambda: self._omit_batches(p, target))
+
+    def _omit_batches(self, p: int, target: float) -> bool:
+        plan, b = self.plan, self.c.policy.omission_batch
+        moved = False
+        while self.tokens(p) > target and plan.omit_upto < plan.reduced_upto:
+            moved |= self.omit_to(plan.omit_upto + b, plan.reduced_upto)
+        return moved
+
+    def shows_alike(self, current: int) -> bool:
+        """Whether reducing the loops shown whole before ``current`` changes none of them
+        (loops without tools read the same reduced)."""
+        plan = self.plan
+        return not any(self.c.reduced(j)[2]
+                       for j in range(max(plan.reduced_upto, plan.omit_upto), current))
 
     def elide(self, p: int, target: float) -> bool:
         c, plan = self.c, self.plan
