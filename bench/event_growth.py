@@ -69,9 +69,9 @@ def main() -> int:
                     if larger:
                         grown.append((str(conv.get("id", "?"))[:48], e.kind.value,
                                       e.tokens_before, e.tokens_after))
+            by_kind = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
             print(f"{path} context {context:,}: {len(convs)} conversations, "
-                  f"{sum(kinds.values())} events ({', '.join(f'{k} {n}' for k, n in sorted(kinds.items()))}); "
-                  f"not smaller after: {len(grown)}")
+                  f"{sum(kinds.values())} events ({by_kind}); not smaller after: {len(grown)}")
             for row in grown[:10]:
                 print(f"  {row[0]}: {row[1]} {row[2]} -> {row[3]}")
             grown_total += len(grown)
