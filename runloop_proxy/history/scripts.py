@@ -104,12 +104,12 @@ return {redis.call('HGETALL', KEYS[1]), counts}
 
 # A key written outside SYNC/APPEND (records, the proxy's tool rounds, summaries) expires with
 # its session: KEYS[1] is the session's meta, whose remaining time the others get. Before the
-# session's first sync there is none; that sync's touch sets every key's.
+# session's first sync there is none (and a request refused or cut never syncs): then the
+# session's retention, ARGV[1] ms; the first sync's touch sets every key's again.
 EXPIRE_WITH_SESSION_LUA = r"""
 local t = redis.call('PTTL', KEYS[1])
-if t > 0 then
-  for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], t) end
-end
+if t <= 0 then t = tonumber(ARGV[1]) end
+for i = 2, #KEYS do redis.call('PEXPIRE', KEYS[i], t) end
 return t
 """
 
@@ -279,8 +279,9 @@ return {'ok', tostring(L), head, tostring(forked), tostring(common), internal, p
 """
 
 # A proxy tool exchange kept (``RedisStore.add_internal``): the :int hash and its :intk log
-# written together. KEYS[1]: the session's meta; ARGV: prefix, anchor, exchange, and a new
-# generation, used if the log is made anew (then every replica reads it all again).
+# written together. KEYS[1]: the session's meta; ARGV: prefix, anchor, exchange, a new
+# generation, used if the log is made anew (then every replica reads it all again), and the
+# session's retention in ms (its keys' time while it has no meta yet).
 ADD_INTERNAL_LUA = INTK + r"""
 local p = ARGV[1]
 local nk, gen = intk_log(p, ARGV[4], 0)  -- the log as it stands, made right
@@ -291,9 +292,8 @@ else
   redis.call('RPUSH', p .. ':intk', ARGV[2])
 end
 local t = redis.call('PTTL', KEYS[1])
-if t > 0 then
-  redis.call('PEXPIRE', p .. ':int', t); redis.call('PEXPIRE', p .. ':intk', t)
-end
+if t <= 0 then t = tonumber(ARGV[5]) end  -- no sync yet: the session's retention
+redis.call('PEXPIRE', p .. ':int', t); redis.call('PEXPIRE', p .. ':intk', t)
 return {redis.call('LLEN', p .. ':intk') - 1, gen, gen == ARGV[4] and 1 or 0}
 """
 

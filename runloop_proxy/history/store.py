@@ -631,14 +631,15 @@ class RedisStore:
         self._sessions[key] = _Cached(length, chain, internal, seen, gen, last)
 
     async def add_internal(self, namespace: str, session_id: str, anchor: str,
-                           entry: dict[str, Any]) -> None:
+                           entry: dict[str, Any], retention_days: float | None = None) -> None:
         """Keep a proxy-owned tool exchange, to splice around ``anchor`` (the chain hash at
         the message the client saw: that message, in that lineage) in later windows."""
         p = self.prefix(namespace, session_id)
 
         # the hash and the log a replica's sync reads on from, written together (scripts)
         logged, gen, fresh = await self._call("internal", lambda: self._add_internal(
-            keys=[p + ":meta"], args=[p, anchor, orjson.dumps(entry), new_generation()]))
+            keys=[p + ":meta"], args=[p, anchor, orjson.dumps(entry), new_generation(),
+                                          self._ttl_ms(retention_days)]))
         cached = self._sessions.get((namespace, session_id))
         if cached is not None and cached.internal is not None:
             if int(fresh) and not cached.internal and not cached.gen and int(logged) == 1:
@@ -652,11 +653,13 @@ class RedisStore:
                     cached.seen, cached.last = int(logged), anchor  # else another replica
                     # wrote between: the next sync reads it
 
-    async def add_record(self, namespace: str, session_id: str, record: dict[str, Any]) -> None:
-        await self.add_records(namespace, session_id, [record])
+    async def add_record(self, namespace: str, session_id: str, record: dict[str, Any],
+                         retention_days: float | None = None) -> None:
+        await self.add_records(namespace, session_id, [record], retention_days)
 
     async def add_records(self, namespace: str, session_id: str,
-                          records: list[dict[str, Any]]) -> None:
+                          records: list[dict[str, Any]],
+                          retention_days: float | None = None) -> None:
         """Append compression records, in order, in one round trip (the last MAX_RECORDS of
         a session are kept)."""
         key = self.prefix(namespace, session_id) + ":rec"
@@ -665,7 +668,8 @@ class RedisStore:
             pipe = self.client.pipeline(transaction=False)
             pipe.rpush(key, *(orjson.dumps(r) for r in records))
             pipe.ltrim(key, -MAX_RECORDS, -1)
-            _expire_with_session(pipe, self.prefix(namespace, session_id), key)
+            _expire_with_session(pipe, self.prefix(namespace, session_id),
+                                 self._ttl_ms(retention_days), key)
             await pipe.execute()
 
         await self._call("record", run)
@@ -684,14 +688,15 @@ class RedisStore:
         return [orjson.loads(p) for p in found or []]
 
     async def put_summary(self, namespace: str, session_id: str, name: str,
-                          value: str) -> bool:
+                          value: str, retention_days: float | None = None) -> bool:
         """Store a summary (or its lateness) under what it covers; the first one stays."""
         key = self.prefix(namespace, session_id) + ":sum"
 
         async def run() -> bool:
             pipe = self.client.pipeline(transaction=False)
             pipe.hsetnx(key, name, value)
-            _expire_with_session(pipe, self.prefix(namespace, session_id), key)
+            _expire_with_session(pipe, self.prefix(namespace, session_id),
+                                 self._ttl_ms(retention_days), key)
             return bool((await pipe.execute())[0])
 
         return bool(await self._call("summary", run))
@@ -930,9 +935,10 @@ def _count(point: Any, key: str) -> int:
     return v if isinstance(v, int) else 0
 
 
-def _expire_with_session(pipe: Any, prefix: str, *keys: str) -> None:
-    """Queue: ``keys`` (of the session at ``prefix``) expire when the session does."""
-    pipe.eval(EXPIRE_WITH_SESSION_LUA, 1 + len(keys), prefix + ":meta", *keys)
+def _expire_with_session(pipe: Any, prefix: str, ttl_ms: int, *keys: str) -> None:
+    """Queue: ``keys`` (of the session at ``prefix``) expire when the session does (in
+    ``ttl_ms``, its retention, while it has not synced yet)."""
+    pipe.eval(EXPIRE_WITH_SESSION_LUA, 1 + len(keys), prefix + ":meta", *keys, ttl_ms)
 
 
 def _tokens_field(it: Prepared) -> str:

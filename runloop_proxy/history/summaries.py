@@ -266,6 +266,7 @@ class Job:
     # the upstream as the config had it when ``auth`` was taken: a summary made after a
     # reload moved it is not sent (the key was given for the old one)
     spec: UpstreamSpec | None = None
+    retention_days: float | None = None  # the tenant's: what it writes expires with it
 
     @classmethod
     def of(cls, turn: Turn) -> Job:
@@ -273,7 +274,8 @@ class Job:
         assert c.namespace is not None
         return cls(turn.policy, c.namespace, c.tenant.name, c.label, turn.model,
                    c.tenant.upstream, c.upstream_auth, c.drop_headers,
-                   c.upstream.spec if c.upstream is not None else None)
+                   c.upstream.spec if c.upstream is not None else None,
+                   c.tenant.retention_days)
 
 
 @dataclass(frozen=True)
@@ -358,7 +360,8 @@ class SummaryService:
             uses_model(policy) and stands_in(entries[field(e, cover[e])])))
         if e in cover and field(e, cover[e]) not in entries:
             self.state.metrics.summaries.labels(turn.caller.label, "late").inc()
-            self.state.spawn(self._late(ns, session.id, field(e, cover[e])))
+            self.state.spawn(self._late(ns, session.id, field(e, cover[e]),
+                                        turn.caller.tenant.retention_days))
         nxt = (e // policy.omission_batch + 1) * policy.omission_batch  # an age may stop off it
         closed = sum(1 for lp in loops if lp.final_position is not None)
         pressed = window.budget is not None \
@@ -438,10 +441,11 @@ class SummaryService:
         if p.e in cover and name(p.e, cover[p.e]) not in entries:
             self._spawn(p.job, session_id, p.messages, p.keys, loops, cover, p.e, entries)
 
-    async def _late(self, ns: str, session_id: str, name: str) -> None:
+    async def _late(self, ns: str, session_id: str, name: str,
+                    retention: float | None) -> None:
         assert self.state.store is not None
         try:
-            await self.state.store.put_summary(ns, session_id, name, LATE)
+            await self.state.store.put_summary(ns, session_id, name, LATE, retention)
         except StoreError:
             pass
 
@@ -509,22 +513,24 @@ class SummaryService:
             if policy.summary_model != "extractive":
                 record["input_bytes"] = usage.get("input_bytes")
                 await store.put_summary(ns, session_id, model_field(e, cover),
-                                        orjson.dumps(record).decode())
-            await self._put(ns, session_id, field(e, cover), record)
+                                        orjson.dumps(record).decode(), job.retention_days)
+            await self._put(ns, session_id, field(e, cover), record, job.retention_days)
             await store.unlock_summary(ns, session_id)
         except StoreError:
             return None
         return text
 
-    async def _put(self, ns: str, session_id: str, name: str, record: dict[str, Any]) -> bool:
+    async def _put(self, ns: str, session_id: str, name: str, record: dict[str, Any],
+                   retention: float | None) -> bool:
         """Store a summary and its compression record; whether it came first (``in_time``:
         neither it nor its lateness was there yet)."""
         store = self.state.store
         assert store is not None
-        in_time = await store.put_summary(ns, session_id, name, orjson.dumps(record).decode())
+        in_time = await store.put_summary(ns, session_id, name, orjson.dumps(record).decode(),
+                                          retention)
         await store.add_record(ns, session_id, {"kind": "summary", "ts": int(
             time.time() * 1000), **record, "summary_chars": len(record["text"]),
-            "in_time": in_time})
+            "in_time": in_time}, retention)
         return in_time
 
     def keep_inline(self, turn: Turn, session: Session, made: Made) -> None:
@@ -541,7 +547,8 @@ class SummaryService:
 
         async def put() -> None:
             try:
-                if await self._put(ns, session.id, made.name, made.record):
+                if await self._put(ns, session.id, made.name, made.record,
+                                   turn.caller.tenant.retention_days):
                     # a model's summary its event came before: the digest stands in for it
                     self.state.metrics.summaries.labels(label, "late" if covered
                                                         else "ok").inc()
@@ -621,7 +628,7 @@ class SummaryService:
             return out, 0
         e = max(ready)
         await store.put_summary(job.namespace, session_id, omit_field(e, cover[e]),
-                                str(len(messages)))
+                                str(len(messages)), job.retention_days)
         return out, e
 
 

@@ -362,7 +362,8 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
         # the reply, in the lineage the request carries (what the next request's window
         # splices by: never what it trimmed, see shaping._chains_at)
         at = store.chains(ns, session.id, [*history.prepared, *answer])[-1]
-        state.spawn(_keep_internal(store, ns, session.id, at, kept))
+        state.spawn(_keep_internal(store, ns, session.id, at, kept,
+                                   turn.caller.tenant.retention_days))
     retention = turn.caller.tenant.retention_days
     # the prompt as sent and as forwarded (the inspector's chart), written with the turn,
     # and what the inspector rebuilds its window from: the messages it carried, its frame
@@ -422,9 +423,9 @@ def _keep_anchor(state: AppState, turn: Turn, store: RedisStore, ns: str, key: s
 
 
 async def _keep_internal(store: RedisStore, namespace: str, session_id: str, at: str,
-                         kept: dict[str, Any]) -> None:
+                         kept: dict[str, Any], retention: float | None) -> None:
     try:
-        await store.add_internal(namespace, session_id, at, kept)
+        await store.add_internal(namespace, session_id, at, kept, retention)
     except StoreError as exc:
         log.warning("proxy tool exchange not stored", extra={"error": str(exc)})
 

@@ -255,14 +255,16 @@ def log_events(state: AppState, turn: Turn, session: Session, window: Window) ->
         log.info("compaction", extra={"tenant": turn.caller.tenant.name, "model": turn.model,
                                       "session": session.id, **record})
     if records and state.store is not None and turn.caller.namespace is not None:
-        state.spawn(_store_records(state, turn.caller.namespace, session.id, records))
+        state.spawn(_store_records(state, turn.caller.namespace, session.id, records,
+                                   turn.caller.tenant.retention_days))
 
 
 async def _store_records(state: AppState, namespace: str, session_id: str,
-                         records: list[dict[str, Any]]) -> None:
-    """A request's records, in the order its window took the steps (one round trip)."""
+                         records: list[dict[str, Any]], retention: float | None) -> None:
+    """A request's records, in the order its window took the steps (one round trip): they
+    expire with the session, or (a request refused or cut: no sync) after its retention."""
     assert state.store is not None
     try:
-        await state.store.add_records(namespace, session_id, records)
+        await state.store.add_records(namespace, session_id, records, retention)
     except StoreError as exc:
         log.warning("compression record not stored", extra={"error": str(exc)})
