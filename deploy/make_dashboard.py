@@ -27,12 +27,57 @@ def quantile(q: float, metric: str, by: str = "", sel: str = T) -> str:
             f"(rate({metric}_bucket{{{sel}}}[{R}])))")
 
 
+def over_range(metric: str, sel: str = T) -> str:
+    return f"sum(increase({metric}{{{sel}}}[$__range]))"
+
+
+BILL = "runloop_prompt_bill_usd_total"
+CLIENT_BILL = f'{T},side="client"'
+FORWARDED_BILL = f'{T},side="forwarded"'
+# "> 0": with nothing sent the share is no data, not 100% (1 - 0 / a clamped 0)
+BILL_SAVED = (f"1 - {over_range(BILL, FORWARDED_BILL)} / ({over_range(BILL, CLIENT_BILL)} > 0)")
+
 ROWS: list[tuple[str, list[dict[str, Any]]]] = [
+    ("Headline: what the proxy saved (the dashboard's time range)", [
+        {"title": "Bill saved", "unit": "percentunit", "type": "stat",
+         "description": "The headline: the share of the provider's bill for prompts saved, at "
+                        "its prices with its prompt cache, against the same requests sent "
+                        "uncompressed (the figure the demo, replay and the inspector show).",
+         "targets": [(BILL_SAVED, "bill saved")]},
+        {"title": "Money saved", "unit": "currencyUSD", "type": "stat",
+         "description": "The same difference in US dollars: the prompts' bill as sent minus "
+                        "as forwarded, both at the provider's cache prices.",
+         "targets": [(f"{over_range(BILL, CLIENT_BILL)} - {over_range(BILL, FORWARDED_BILL)}",
+                      "money saved")]},
+        {"title": "Prompt tokens saved (secondary)", "unit": "percentunit", "type": "stat",
+         "description": "Raw prompt tokens the window removed, no cache: a secondary figure, "
+                        "not the bill.",
+         "targets": [(f"1 - {over_range('runloop_prompt_tokens_forwarded_total')} / "
+                      f"({over_range('runloop_prompt_tokens_client_total')} > 0)",
+                      "prompt tokens saved")]},
+        {"title": "Requests answered", "unit": "short", "type": "stat",
+         "description": "Conversation requests answered 2xx in the range.",
+         "targets": [(f'sum(increase(runloop_requests_total{{{T},status=~"2.."}}[$__range]))',
+                      "requests")]},
+    ]),
+    ("Money", [
+        {"title": "Prompt bill: as sent vs as forwarded", "unit": "currencyUSD",
+         "description": "USD per hour the prompts cost at the provider's cache prices, as "
+                        "the clients sent them and as the proxy forwarded them.",
+         "targets": [(f"3600 * sum(rate({BILL}{{{CLIENT_BILL}}}[{R}]))", "as sent (USD/h)"),
+                     (f"3600 * sum(rate({BILL}{{{FORWARDED_BILL}}}[{R}]))",
+                      "as forwarded (USD/h)")]},
+        {"title": "Upstream bill by kind", "unit": "currencyUSD",
+         "description": "USD per hour the upstream's reported usage costs, by kind (input, "
+                        "cached input, cache writes, output).",
+         "targets": [(f"3600 * {rate('runloop_upstream_cost_usd_total', by='kind')}",
+                      "{{kind}} (USD/h)")]},
+    ]),
     ("Traffic", [
         {"title": "Requests per second by status", "unit": "reqps",
          "description": "Conversation requests (chat completions and Responses) answered, "
                         "by HTTP status.",
-         "targets": [(rate("runloop_requests_total", by="status"), "{{status}}")]},
+         "targets": [(rate("runloop_requests_total", by="status"), "status {{status}}")]},
         {"title": "Error rate", "unit": "percentunit",
          "description": "Share of conversation requests that did not answer 2xx "
                         "(upstream errors passed through included).",
@@ -43,7 +88,8 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
          "description": "Requests by stream flag.",
          "targets": [(rate("runloop_requests_total", by="stream"), "stream={{stream}}")]},
         {"title": "In-flight requests", "unit": "short",
-         "description": "Requests being served right now (all endpoints).",
+         "description": "Requests being served right now (the scrapes and probes reading "
+                        "it left out).",
          "targets": [("sum(runloop_in_flight_requests)", "in flight")]},
     ]),
     ("Latency split", [
@@ -67,9 +113,11 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
          "targets": [(rate("runloop_prompt_tokens_client_total"), "client"),
                      (rate("runloop_prompt_tokens_forwarded_total"), "forwarded")]},
         {"title": "Savings", "unit": "percentunit",
-         "description": "Share of prompt tokens the window removed.",
+         "description": "Share of prompt tokens the window removed (raw tokens; the bill "
+                        "saved is the headline above). No data while nothing is sent.",
          "targets": [(f'1 - {rate("runloop_prompt_tokens_forwarded_total")} / '
-                      f'clamp_min({rate("runloop_prompt_tokens_client_total")}, 1)', "saved")]},
+                      f'({rate("runloop_prompt_tokens_client_total")} > 0)',
+                      "prompt tokens saved")]},
         {"title": "Saved tokens per tenant", "unit": "short",
          "description": "Prompt tokens saved, per tenant, per second.",
          "targets": [(rate("runloop_prompt_tokens_saved_total", by="tenant"), "{{tenant}}")]},
@@ -120,7 +168,7 @@ ROWS: list[tuple[str, list[dict[str, Any]]]] = [
         {"title": "Store latency", "unit": "s",
          "description": "Redis round trips by operation (p99).",
          "targets": [(f"histogram_quantile(0.99, sum by (le, op) "
-                      f"(rate(runloop_store_latency_seconds_bucket[{R}])))", "{{op}}")]},
+                      f"(rate(runloop_store_latency_seconds_bucket[{R}])))", "p99 {{op}}")]},
         {"title": "Config reloads", "unit": "short",
          "description": "Reloads by outcome (error: a broken edit, the last good config kept).",
          "targets": [(f"sum by (outcome) (increase(runloop_config_reloads_total[{R}])) "
@@ -148,15 +196,22 @@ def build() -> dict[str, Any]:
         y += 1
         width = 24 // len(row)
         for k, p in enumerate(row):
+            kind = p.get("type", "timeseries")
+            options: dict[str, Any] = {"legend": {"displayMode": "list",
+                                                  "placement": "bottom"}} \
+                if kind == "timeseries" else {
+                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                    "colorMode": "value", "graphMode": "none", "textMode": "value"}
             panels.append({
-                "type": "timeseries", "id": pid, "title": p["title"],
+                "type": kind, "id": pid, "title": p["title"],
                 "description": p["description"],
                 "datasource": {"type": "prometheus", "uid": "${datasource}"},
                 "gridPos": {"h": 8, "w": width, "x": k * width, "y": y},
                 "fieldConfig": {"defaults": {"unit": p["unit"]}, "overrides": []},
-                "options": {"legend": {"displayMode": "list", "placement": "bottom"}},
+                "options": options,
                 "targets": [{"refId": chr(ord("A") + i), "expr": expr, "legendFormat": legend,
-                             "datasource": {"type": "prometheus", "uid": "${datasource}"}}
+                             "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                             **({"instant": True} if kind == "stat" else {})}
                             for i, (expr, legend) in enumerate(p["targets"])]})
             pid += 1
         y += 8

@@ -121,6 +121,9 @@ class FastPath:
                 return
             await self.app(scope, receive, send)
             return
+        if scope["path"] in PROBES:  # a scrape or a probe: not a request being served,
+            await self.app(scope, receive, send)  # nor counted in the gauge it reads
+            return
         in_flight = self.state.runloop.metrics.in_flight
         in_flight.inc()
         if area(scope) is not None:
@@ -156,6 +159,9 @@ def no_store(send: Send) -> Send:
                                               (b"pragma", b"no-cache")]}
         await send(message)
     return sending
+
+
+PROBES = frozenset({"/metrics", "/healthz", "/readyz"})
 
 
 def app_from_env() -> FastPath:

@@ -14,8 +14,8 @@ V = TypeVar("V")
 ENTRY_OVERHEAD = 120  # a dict slot, the key tuple, the value's box: roughly, in CPython
 
 # each cache's share of server.cache_mb
-SHARES = {"carries": 0.26, "recent": 0.19, "memo": 0.15, "cuts": 0.08, "tokens": 0.10,
-          "chains": 0.10, "first_seen": 0.02, "sessions": 0.05, "masks": 0.03,
+SHARES = {"carries": 0.26, "recent": 0.185, "bills": 0.005, "memo": 0.15, "cuts": 0.08,
+          "tokens": 0.10, "chains": 0.10, "first_seen": 0.02, "sessions": 0.05, "masks": 0.03,
           "factors": 0.015, "windows": 0.005}
 
 

@@ -16,11 +16,11 @@ a new chain, cached nothing. The raw token saving (``raw_saved``) is shown besid
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from .pricing import Block, BreakpointCache, PrefixCache, Price, PriceTable, Provider
+from .pricing import Bill, Block, BreakpointCache, PrefixCache, Price, PriceTable, Provider
 
 HEADLINE = "bill saved"
 MONEY = "money saved"
@@ -102,22 +102,35 @@ def usd(amount: float) -> str:
 
 
 @dataclass
-class _Chain:
-    """One side's prompts in a provider's cache: each prompt that grew extends the last."""
+class Chain:
+    """One side's prompts in a provider's cache: each prompt that grew extends the last.
 
-    cache: PrefixCache | BreakpointCache
-    blocks: list[Block] = field(default_factory=list)
+    What the next prompt is billed depends on the last prompt alone (its tokens and when it
+    was sent: its prefix is the one entry the cache can serve), so a chain keeps just that,
+    and each bill is the provider's cache (``pricing``) seeded with the last prompt."""
+
+    new_cache: Callable[[], PrefixCache | BreakpointCache]
     last: int = 0
+    at: float | None = None
+    started: bool = False
 
     def bill(self, tokens: int, price: Price, at: float | None) -> float:
-        if tokens < self.last or not self.blocks:
-            self.blocks, self.last = [], 0
-        self.blocks.append(Block(f"{len(self.blocks)}:{tokens}", tokens - self.last))
-        self.last = tokens
-        cache = self.cache
-        bill = cache.bill(self.blocks, [len(self.blocks)], at) \
-            if isinstance(cache, BreakpointCache) else cache.bill(self.blocks, at)
+        cache = self.new_cache()
+        blocks = [Block("next", tokens)]
+        if self.started and tokens >= self.last:
+            prev = Block("last", self.last)
+            _bill(cache, [prev], self.at)  # the cache as the last prompt left it
+            blocks = [prev, Block("next", tokens - self.last)]
+        bill = _bill(cache, blocks, at)
+        self.last, self.at, self.started = tokens, at, True
         return price.cost(bill)
+
+
+def _bill(cache: PrefixCache | BreakpointCache, blocks: list[Block], at: float | None) -> Bill:
+    """A prompt billed with a breakpoint at its end (where agents put it) or by its prefix."""
+    if isinstance(cache, BreakpointCache):
+        return cache.bill(blocks, [len(blocks)], at)
+    return cache.bill(blocks, at)
 
 
 class Meter:
@@ -125,7 +138,7 @@ class Meter:
 
     def __init__(self, providers: Sequence[Provider]):
         self.providers = providers  # the first that prices a request's model prices it
-        self._chains: dict[str, tuple[_Chain, _Chain]] = {}  # per provider
+        self._chains: dict[str, tuple[Chain, Chain]] = {}  # per provider
         self.total = Savings()
 
     def _find(self, model: str) -> tuple[Provider, Price] | None:
@@ -146,8 +159,8 @@ class Meter:
             spec, price = found
             chains = self._chains.get(spec.name)
             if chains is None:
-                chains = self._chains[spec.name] = (_Chain(spec.new_cache()),
-                                                    _Chain(spec.new_cache()))
+                chains = self._chains[spec.name] = (Chain(spec.new_cache),
+                                                    Chain(spec.new_cache))
             one = Savings(1, client, forwarded, chains[0].bill(client, price, at),
                           chains[1].bill(forwarded, price, at))
         self.total = self.total + one

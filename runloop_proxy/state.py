@@ -11,6 +11,7 @@ from typing import Any
 
 from starlette.requests import HTTPConnection
 
+from . import savings
 from .caches import SHARES, ByteLRU
 from .config import ProxyConfig, Settings, config_mtimes, load_config, redact_url
 from .conversation.messages import Message
@@ -26,12 +27,15 @@ from .pipeline.shares import Shares
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
 from .pipeline.upstream import UpstreamClient
 from .pipeline.values import Recent
+from .pricing import PriceTable, Provider
+from .savings import Meter, Savings
 from .tasks import once
 from .window.builder import Carry
 
 log = logs.get("state")
 RELOAD_POLL_S = 2.0
 FIRST_SEEN_ENTRY_BYTES = 320  # a session, a position, a message hash and a timestamp
+BILL_ENTRY_BYTES = 1400  # a session's Meter, its chains and totals (tracemalloc: 1.13 KB), a key
 CLOSE_STALE_AFTER_S = 60.0
 
 
@@ -63,6 +67,11 @@ class AppState:
         # (namespace, session) -> its last request, hashed and counted (pipeline/reconcile.py)
         self.recent: ByteLRU[tuple[str, str], Recent] = ByteLRU(share("recent"),
                                                                 lambda k, v: v.size)
+        # (namespace, session) -> its prompts' bills, both sides (savings.py): what the
+        # dashboard's headline adds up; a session evicted starts its chains again
+        self.bills: ByteLRU[tuple[str, str], Meter] = ByteLRU(share("bills"),
+                                                              lambda k, v: BILL_ENTRY_BYTES)
+        self._bill_prices: tuple[Any, list[Provider]] | None = None
         self.tokens.resize(share("tokens"), share("factors"))
         # (scope, model) -> the window its upstream's overflow error said (pipeline/limits.py)
         self.windows = LearnedWindows(share("windows"))
@@ -74,6 +83,25 @@ class AppState:
                               server.tenant_share, self._refused)
         self.summaries = SummaryService(self)
         self.metrics.prices = self.config.prices
+
+    def bill(self, namespace: str, session_id: str, label: str, model: str,
+             tokens: tuple[int, int], at: float) -> Savings:
+        """A recorded request's prompt priced on both sides (``savings``), counted in
+        runloop_prompt_bill_usd_total under its tenant and model."""
+        prices = self.config.prices
+        if self._bill_prices is None or self._bill_prices[0] is not prices:
+            self._bill_prices = (prices, savings.providers(prices or PriceTable.load()))
+        key = (namespace, session_id)
+        meter = self.bills.get(key)
+        if meter is None:
+            meter = Meter(self._bill_prices[1])
+        one = meter.add(model, tokens[0], tokens[1], at)
+        self.bills[key] = meter
+        if one.priced:
+            b = self.metrics.bound(label, self.metrics.model_label(label, model))
+            b.bill_client.inc(one.client_usd)
+            b.bill_forwarded.inc(one.forwarded_usd)
+        return one
 
     def _refused(self, resource: str, reason: str) -> None:
         """A request refused for a bounded resource: counted (the log line is its

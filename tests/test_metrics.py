@@ -26,6 +26,7 @@ from .conftest import ProxyServer, free_port
 from .test_tools import CLIENT_TOOLS, long_session, recalling_responder
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+BILL = "runloop_prompt_bill_usd_total"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "runloop-proxy.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 
@@ -42,7 +43,8 @@ def alert_exprs() -> list[tuple[str, str]]:
 
 
 def concrete(expr: str) -> str:
-    return expr.replace("$__rate_interval", "1m").replace('"$tenant"', '".*"')
+    return expr.replace("$__rate_interval", "1m").replace("$__range", "10m") \
+        .replace('"$tenant"', '".*"')
 
 
 def drive_traffic(proxy: ProxyServer, upstream: ScriptedUpstream) -> int:
@@ -100,6 +102,13 @@ def test_every_panel_and_alert_evaluates_against_a_live_proxy(
         # before any traffic, every series the panels read already exists (at 0)
         _wait(lambda: value('sum(runloop_requests_total{status="500"})') == 0)
         assert value('sum(runloop_degraded_requests_total{reason="store"})') == 0
+        # idle: the shares say "no data", not 100% (1 - 0 / a clamped 0): once a rate exists
+        _wait(lambda: value("sum(rate(runloop_prompt_tokens_client_total[1m]))") == 0)
+        _wait(lambda: value(f"sum(increase({BILL}[10m]))") == 0)
+        idle = dict(dashboard_exprs())
+        for title in ("Savings", "Bill saved", "Prompt tokens saved (secondary)"):
+            r = httpx.get(f"{api}/query", params={"query": concrete(idle[title])}).json()
+            assert r["status"] == "success" and r["data"]["result"] == [], (title, r)
         # traffic in two waves, so rates over the last minute see changes between scrapes
         saved = drive_traffic(proxy, upstream)
         time.sleep(2.5)
@@ -255,10 +264,16 @@ def test_several_workers_add_up_their_metrics(upstream: ScriptedUpstream, redis_
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(mp), "RUNLOOP_REDIS_URL": redis_url}
     proc = subprocess.Popen([sys.executable, "-m", "runloop_proxy.cli", "serve", "--upstream",
                              upstream.url, "--port", str(port), "--workers", "2"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        _wait(lambda: httpx.get(base + "/healthz", timeout=1).status_code == 200)
+        # ready when serve says so (it asked its own /healthz), however long two workers take
+        # to start on a loaded machine: no fixed wait (30 s was too short under load)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        while line and "is ready at" not in line:
+            line = proc.stdout.readline()
+        assert line, "serve ended before it was ready"
         with httpx.Client(timeout=10) as http:  # new connections: both workers get some
             for i in range(12):
                 http.post(base + "/v1/chat/completions", headers={"Connection": "close"},
@@ -435,3 +450,84 @@ def metric_sum(proxy: ProxyServer, name: str, **labels: str) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+def _samples(text: str, name: str, **labels: str) -> float:
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith((name + "{", name + " ")) and all(w in ln for w in want))
+
+
+def test_requests_refused_as_invalid_are_counted_and_logged(
+        make_proxy: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """Bug class: a refused request that leaves no trace (the error rate read 0 with 59 400s
+    behind it). Planted: finish returning early again for a request never identified (every
+    count red), the tenant not noted before the body is read (the tenant's label red)."""
+    proxy = make_proxy()
+    key = {"Authorization": "Bearer sk-invalid-4093" + "x" * 40}
+    bad = [("/v1/chat/completions", b"{not json"), ("/v1/chat/completions", b'{"messages": []}'),
+           ("/v1/responses", b'{"input": "no model"}'),
+           ("/v1/messages", b'{"model": "claude-sonnet-4-5", "max_tokens": 5}')]
+    with caplog.at_level("INFO", logger="runloop.request"), httpx.Client(base_url=proxy.base) as c:
+        statuses = [c.post(path, content=body, headers={**key, "Content-Type":
+                                                        "application/json"}).status_code
+                    for path, body in bad]
+    assert statuses == [400, 400, 400, 400]
+    text = httpx.get(proxy.base + "/metrics").text
+    assert _samples(text, "runloop_requests_total", status="400") == 4
+    assert _samples(text, "runloop_requests_total", status="400", api="chat") == 2
+    assert _samples(text, "runloop_requests_total", status="400", model="other") == 4
+    tenants = {ln.split('tenant="')[1].split('"')[0] for ln in text.splitlines()
+               if ln.startswith("runloop_requests_total{") and 'status="400"' in ln}
+    assert len(tenants) == 1 and tenants != {"unauthenticated"}, tenants
+    logged = [r for r in caplog.records if getattr(r, "status", None) == 400]
+    assert len(logged) == 4 and all(getattr(r, "error", None) for r in logged)
+
+
+def test_the_in_flight_gauge_does_not_count_the_scrape_reading_it(make_proxy: Any) -> None:
+    """Planted: the probes counted again (red: the scrape read 1)."""
+    proxy = make_proxy()
+    for _ in range(3):
+        text = httpx.get(proxy.base + "/metrics").text
+        assert _samples(text, "runloop_in_flight_requests") == 0, text
+
+
+def test_the_dashboard_s_bill_saved_is_the_inspector_s_for_the_same_session(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """The headline's counters add up to what ``savings`` makes of the session's stored points
+    (the inspector's figure), to the cent's millionth. Bug class: the live figure priced
+    apart from the stored one. Planted: a session's chains not kept between its requests
+    (each billed as a new chain: red), the forwarded side billed with the client's tokens
+    (red)."""
+    from runloop_proxy import savings
+    from runloop_proxy.ops.demo import TOOLS, sample_conversation
+    from runloop_proxy.pricing import PriceTable
+
+    admin = "admin-" + "5e3a" * 8
+    proxy = make_proxy(admin_key=admin, summary_model="extractive")
+    conversation = sample_conversation(4)
+    answers = iter([m for m in conversation if m.get("role") == "assistant"])
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        m = next(answers, {"content": "done"})
+        return {"content": m.get("content"), "tool_calls": [
+            {"id": c["id"], "name": c["function"]["name"],
+             "arguments": c["function"]["arguments"]} for c in m.get("tool_calls") or []]}
+    upstream.responder = respond
+    sid = "support-demo-2026-12-02"
+    with httpx.Client(base_url=proxy.base, timeout=60, headers={
+            "Authorization": "Bearer sk-proj-bill" + "q" * 40, "X-Session-Id": sid}) as c:
+        for i, m in enumerate(conversation):
+            if m.get("role") == "assistant":
+                r = c.post("/v1/chat/completions", json={
+                    "model": "gpt-4o-mini", "messages": conversation[:i], "tools": TOOLS})
+                assert r.status_code == 200, r.text
+    proxy.settle()
+    view = httpx.get(f"{proxy.base}/admin/sessions/{sid}", params={"points": "1"},
+                     headers={"Authorization": f"Bearer {admin}"}).json()
+    stored = savings.of_points(view["points"], PriceTable.load())
+    assert stored.requests == 12 and stored.bill_saved is not None and stored.bill_saved > 0.3
+    text = httpx.get(proxy.base + "/metrics").text
+    live = (_samples(text, BILL, side="client"), _samples(text, BILL, side="forwarded"))
+    assert live == (pytest.approx(stored.client_usd, rel=1e-9),
+                    pytest.approx(stored.forwarded_usd, rel=1e-9))

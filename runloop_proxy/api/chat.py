@@ -26,6 +26,7 @@ async def chat_completions(request: Request) -> ASGIResponse:
 
 async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
     caller = authenticate(state, request)
+    rlog.authenticated(caller.tenant.name, caller.label)
     raw, body = await read_request(state, request, validate_chat_request)
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
     headers = list(request.headers.items())

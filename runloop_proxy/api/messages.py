@@ -42,6 +42,7 @@ async def count_tokens(request: Request) -> ASGIResponse:
 async def _turn(state: AppState, request: Request, rlog: RequestLog,
                 counting: bool = False) -> Turn:
     caller = authenticate(state, request)
+    rlog.authenticated(caller.tenant.name, caller.label)
     raw, (body, messages, tools) = await read_request(
         state, request, lambda parsed: _checked(parsed, counting))
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))

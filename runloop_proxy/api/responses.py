@@ -32,6 +32,7 @@ async def responses(request: Request) -> ASGIResponse:
 
 async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
     caller = authenticate(state, request)
+    rlog.authenticated(caller.tenant.name, caller.label)
     raw, (body, messages) = await read_request(state, request, checked)
     return turn_of(caller, body, raw, messages, list(request.headers.items()), rlog)
 

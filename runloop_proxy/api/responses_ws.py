@@ -182,6 +182,7 @@ class Connection:
 
         async def make_turn() -> Turn:
             caller = authenticate(state, self.ws)  # at each event: a reload, a revoked key
+            rlog.authenticated(caller.tenant.name, caller.label)
             create, raw, (body, messages) = await self._expanded(event, size)
             made.append(create)
             if not create.generate:

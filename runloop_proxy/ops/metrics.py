@@ -81,6 +81,10 @@ class Metrics:
         self.cost = Counter("runloop_upstream_cost_usd_total",
                             "Upstream-reported usage priced as the provider bills it (USD; "
                             "the price table, prices.toml)", [*tm, "kind"], registry=r)
+        self.prompt_bill = Counter(
+            "runloop_prompt_bill_usd_total", "Each request's prompt priced at the provider's "
+            "prices with its prompt cache, side=client (as sent) or forwarded: the headline "
+            "'bill saved' is 1 - forwarded / client (savings.py)", [*tm, "side"], registry=r)
         self.compactions = Counter("runloop_compaction_events_total",
                                    "Window compaction events", [*tm, "kind"], registry=r)
         self.recalls = Counter("runloop_recalls_total", "Proxy-owned tool calls answered",
@@ -196,6 +200,8 @@ class BoundMetrics:
         self.usage_completion = m.usage_tokens.labels(*tm, "completion")
         self.usage_cached = m.usage_tokens.labels(*tm, "cached_prompt")
         self.cost = {kind: m.cost.labels(*tm, kind) for kind in COST_KINDS}
+        self.bill_client = m.prompt_bill.labels(*tm, "client")
+        self.bill_forwarded = m.prompt_bill.labels(*tm, "forwarded")
         self.requests: dict[tuple[int, str, str], Any] = {}
         self._requests = m.requests
         self._tm = tm

@@ -8,9 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ..ops import logs
-from ..ops.metrics import BoundMetrics, Metrics
+from ..ops.metrics import OTHER_MODEL, BoundMetrics, Metrics
 
 log = logs.get("request")
+UNAUTHENTICATED = "unauthenticated"  # the tenant label of a request refused for its key
 CLIENT_CLOSED = 499  # nginx's "client closed request", for logs and metrics
 
 LOGGED_MODEL_CHARS = 64  # of a client's name (a model's, a field's) in a log line
@@ -59,6 +60,11 @@ class RequestLog:
         told, self._at_end = self._at_end, []
         for fn in told:
             fn()
+
+    def authenticated(self, tenant: str, label: str) -> None:
+        """Whose request it is, known before its body is read: a request refused then (a
+        400) is counted under its tenant, with the model ``other``."""
+        self.tenant, self.label = tenant, label
 
     def identify(self, tenant: str, label: str, model: str, stream: bool) -> None:
         self.tenant, self.label, self.stream = tenant, label, stream
@@ -111,7 +117,10 @@ class RequestLog:
         self.status = status
         self.ended()
         if not self.identified:
-            return  # refused before its tenant was known (a bad key): nothing to label it by
+            # refused before its body was read (invalid JSON, a missing model: a 400), or
+            # before its key was (a 401): counted and logged all the same, under its tenant
+            # when known, the model "other"
+            self._bound = self.metrics.bound(self.label or UNAUTHENTICATED, OTHER_MODEL)
         b = self.bound
         elapsed = time.perf_counter() - self.started
         if self.stream and self.upstream_called_at is not None:

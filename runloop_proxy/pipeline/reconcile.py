@@ -370,6 +370,9 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
     point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1],
              **request_point(state, turn, history, frame),
              **({"usage": usage} if usage else {})} if tokens is not None else None
+    if point is not None and tokens is not None:  # the dashboard's headline, as the point's
+        state.bill(ns, session.id, turn.caller.label, str(point.get("model") or ""), tokens,
+                   point["ts"] / 1000)
     size = 0
     if (turn.large or history.large) and history.appended is None:
         # a conversation's chain hashes are made once and then grown: a large new one's are
