@@ -279,7 +279,8 @@ def _generator() -> ModuleType:
 def test_the_reference_pages_are_current() -> None:
     """The configuration and policy pages are what the config model renders now: a field
     added, renamed or given another default without `python docs/gen_reference.py` fails
-    here. Planted: a changed default of Policy.max_run_loops, a field without description."""
+    here. Planted: a changed default of Policy.max_run_loops, a field without description, a
+    changed help string of `demo --once` (the command-line page)."""
     gen = _generator()
     assert gen.problems() == []
     for path, text in gen.pages().items():
@@ -297,6 +298,18 @@ def test_the_reference_names_every_field_of_the_model() -> None:
                            ("upstream", config.UpstreamSpec), ("tenant", config.TenantSpec)):
         for name in model.model_fields:
             assert f'<a id="{section}-{name}"></a>`{name}`' in reference
+
+
+def test_the_command_line_page_names_every_command() -> None:
+    """A command added to the CLI shows in the hand-written overview too (the reference
+    page is generated; this one is not)."""
+    from runloop_proxy import cli
+
+    commands = next(a for a in cli.build_parser()._actions
+                    if isinstance(a, argparse._SubParsersAction))
+    overview = (DOCS / "cli.md").read_text()
+    missing = [n for n in commands.choices if f"`runloop-proxy {n}" not in overview]
+    assert not missing, f"docs/cli.md's table does not name {missing}"
 
 
 def _nav_files(node: Any) -> Iterator[str]:
