@@ -314,3 +314,38 @@ def test_a_sessions_writes_are_outstanding_until_written_given_up_or_carried() -
         await queue.stop()
 
     asyncio.run(go())
+
+
+def test_a_refused_jobs_wait_doubles_at_each_refusal_up_to_its_bound() -> None:
+    """What one job waits after each refusal, exactly: ``BACKOFF_S`` x 2^n after its n-th,
+    never past ``BACKOFF_MAX_S``, and its attempts counted — twelve refusals in a row, the
+    wait read from the job (the clock read around each call bounds it; nothing waits).
+    The rate test above cannot see this: while every write is refused one probe a
+    doubling interval stands in for each job's own wait.
+
+    Bug class: a retry's state that does not advance (found by a planted bug the suite let
+    through: the attempt not counted, the wait never doubling). Planted too: the doubling
+    from attempts - 1 past the first (each wait half what it says)."""
+    import time
+
+    from runloop_proxy.history.writes import BACKOFF_MAX_S, BACKOFF_S, Job, WriteBehind
+
+    queue = WriteBehind(_never_run, lambda job, reply: True, lambda: 0.0, 3_600.0,
+                        lambda job, why: None)
+    job = Job("t", "sess-refused", [], None, append=True, deadline=time.monotonic() + 3_600)
+    waits = []
+    for n in range(1, 13):
+        queue._queue.clear()
+        before = time.monotonic()
+        queue._requeue(job, "OOM command not allowed", backoff=True)
+        after = time.monotonic()
+        want = min(BACKOFF_MAX_S, BACKOFF_S * 2 ** n)
+        assert before + want <= job.not_before <= after + want, (n, job.not_before - before)
+        assert job.attempts == n and queue._queue == [job]
+        waits.append(want)
+    assert waits[:3] == [BACKOFF_S * 2, BACKOFF_S * 4, BACKOFF_S * 8]
+    assert waits[-1] == BACKOFF_MAX_S
+
+
+async def _never_run(batch: list[object]) -> list[object]:
+    raise AssertionError("nothing is sent in this test")
