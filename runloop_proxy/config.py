@@ -211,7 +211,12 @@ class ServerSection(_Strict):
         "or an error), in all, at once; past it a request gets a 503")
     tenant_share: float = Field(
         0.5, gt=0, le=1, description="the share of each bounded resource (an upstream's "
-        "max_connections, held_answers_mb) one tenant may hold; past it, a 429")
+        "max_connections, held_answers_mb, summary_calls) one tenant may hold; past it, a 429")
+    summary_calls: int = Field(
+        32, ge=1, le=4096, description="model summary calls in flight at once, in all (a "
+        "tenant_share each tenant); more wait their turn. Each upstream keeps this many "
+        "connections beside max_connections for them, so a tenant's own requests never wait "
+        "for summaries")
 
     @model_validator(mode="after")
     def _one_answer_fits_a_share(self) -> ServerSection:

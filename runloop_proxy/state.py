@@ -143,7 +143,7 @@ class AppState:
                 typed = config.passthrough is not None and name == config.passthrough.upstream
                 client = UpstreamClient(name, spec, redact_url(spec.url) if typed else None,
                                         self.masks, config.server.tenant_share, self.answers,
-                                        self._refused)
+                                        self._refused, config.server.summary_calls)
                 await client.start()
             new[name] = client
         self.config, self.upstreams = config, new

@@ -206,6 +206,7 @@ FIXED_BUDGETS = {
     "state.summaries.paused_until": "history/summaries.py BACKOFF_BYTES",
     "state.summaries.pending": "history/summaries.py PENDING_BYTES",
     "state.summaries.wanted": "history/summaries.py PENDING_BYTES",
+    "state.summaries.waiting": "history/summaries.py PENDING_BYTES",
 }
 
 

@@ -683,3 +683,74 @@ def test_the_scripted_upstream_knows_the_proxys_summary_calls() -> None:
         assert "- turn 3: where is order 3" in answer and "#W3000" in answer
         assert len(answer) <= 40 * 4
     assert not is_summary_call({"messages": [{"role": "user", "content": "where is order 3"}]})
+
+
+def test_summary_calls_are_bounded_per_tenant_and_never_hold_its_requests(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Ten sessions each due a model summary while the model is held (a gate): at most the
+    tenant's share of ``server.summary_calls`` (4 x 0.5 = 2) are in flight, the other eight
+    wait their turn (counted as deferred and as share refusals, never failures) and are all
+    made once calls end; and the tenant's own requests go on being answered while its
+    summaries hold connections to an upstream of max_connections = 2 (summaries get
+    connections of their own beside those).
+
+    Bug class: background calls unbounded by tenant and sharing the user's pool. Red with
+    the connector's room for summaries removed (the probe request waits behind the held
+    summaries and times out), and with no share taken for a summary call (ten in flight
+    fill the upstream's connections: the probe times out too)."""
+    in_flight: list[int] = []
+
+    def summary(body: dict[str, Any]) -> dict[str, Any]:
+        in_flight.append(upstream.summary_calls - upstream.summaries_answered)
+        return {"content": "MODEL: orders tracked"}
+
+    upstream.responder = model(summary)
+    upstream.summary_gate = gate = threading.Event()
+    root = write_config(tmp_path / "cfg", upstream.url, extra_global="summary_calls = 4\n",
+                        acme_policy='max_run_loops = 0\nomit_batch = 1\n'
+                                    'summary_model = "gpt-4o-mini-2024-07-18"\n'
+                                    'summary_timeout_s = 120\n')
+    runloop = root / "runloop.toml"
+    runloop.write_text(runloop.read_text().replace("max_retries = 0\n",
+                                                   "max_retries = 0\nmax_connections = 2\n"))
+    proxy = make_proxy(config_dir=str(root))
+    try:
+        def turn(session: str, k: int) -> str:
+            c = openai.OpenAI(base_url=proxy.url, api_key=ACME_KEY, max_retries=0,
+                              timeout=45, default_headers={"X-Session-Id": session})
+            msgs: list[Any] = [{"role": "system", "content": "You track orders."},
+                               {"role": "user", "content": f"where is order {k}"}]
+            while True:
+                m = c.chat.completions.create(model="gpt-4o-mini-2024-07-18", messages=msgs,
+                                              tools=TOOLS).choices[0].message  # type: ignore[arg-type]
+                msgs.append(m.model_dump(exclude_none=True))
+                if not m.tool_calls:
+                    return str(m.content)
+                msgs += [{"role": "tool", "tool_call_id": call.id,
+                          "content": f"#W{k}000 shipped via carrier-{k}7"}
+                         for call in m.tool_calls]
+
+        for k in range(1, 11):
+            assert turn(f"bounded-{k}", k).startswith("order")
+            proxy.settle()
+        until(lambda: upstream.summary_calls == 2, what="the tenant's share of calls held")
+        # the tenant's own request, with two summaries holding connections: answered
+        assert turn("bounded-probe", 11).startswith("order")
+        assert upstream.summary_calls == 2  # the others wait their turn
+
+        def count(name: str, labels: str) -> float:
+            for line in httpx.get(proxy.base + "/metrics").text.splitlines():
+                if line.startswith(f"{name}{{{labels}}}"):
+                    return float(line.split()[-1])
+            return 0.0
+
+        assert count("runloop_summaries_total", 'outcome="deferred",tenant="acme"') >= 8
+        assert count("runloop_share_refusals_total",
+                     'reason="tenant",resource="summary calls"') >= 8
+        assert count("runloop_summaries_total", 'outcome="error",tenant="acme"') == 0
+        gate.set()
+        until(lambda: upstream.summaries_answered >= 11, timeout=60,
+              what="every waiting session's summary made")
+        assert max(in_flight) <= 2, in_flight
+    finally:
+        gate.set()

@@ -41,9 +41,10 @@ from ..caches import ByteLRU
 from ..config import Policy, UpstreamSpec
 from ..conversation.messages import Message, message_text, text_of, tool_calls_of
 from ..conversation.runloops import RunLoop, preamble_end, segment
-from ..errors import StoreError
+from ..errors import ProxyFull, StoreError, TenantOverShare
 from ..ops import logs
 from ..pipeline.offload import is_large, offload
+from ..pipeline.shares import Shares
 from ..window.builder import Compactions, Summaries, batch_omission
 from ..window.digest import VERSION as EXTRACTIVE
 from ..window.digest import roll
@@ -100,6 +101,7 @@ PENDING_BYTES = 8 << 20  # the summaries waiting for a reply, over all sessions
 BACKOFF_BYTES = 1 << 20  # the failure counts and pauses of summaries, over all callers
 OMIT = "omit:"  # a compaction's field: omit:<e>:<cover> -> the request point it applies from
 MODEL = "model:"  # a model's summary of the first e loops: model:<e>:<cover> -> its record
+WAKE_SCAN = 64  # waiting sessions looked at when a call ends (the oldest first)
 CALL_BATCHES = 2  # a model call adds at most this many batches of loops: its input is bounded
 DIGEST_LABEL = "Turns {first}–{last}, not yet summarised:"  # before a digest in a model's place
 
@@ -267,6 +269,7 @@ class Job:
     # reload moved it is not sent (the key was given for the old one)
     spec: UpstreamSpec | None = None
     retention_days: float | None = None  # the tenant's: what it writes expires with it
+    holder: str = ""  # who holds a share of the summary calls (``Caller.holder``)
 
     @classmethod
     def of(cls, turn: Turn) -> Job:
@@ -275,7 +278,7 @@ class Job:
         return cls(turn.policy, c.namespace, c.tenant.name, c.label, turn.model,
                    c.tenant.upstream, c.upstream_auth, c.drop_headers,
                    c.upstream.spec if c.upstream is not None else None,
-                   c.tenant.retention_days)
+                   c.tenant.retention_days, c.holder)
 
 
 @dataclass(frozen=True)
@@ -323,6 +326,14 @@ class SummaryService:
         # newest one wanted meanwhile (made when it is done)
         self.running: dict[tuple[str, str], int] = {}
         self.wanted: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
+            PENDING_BYTES, lambda k, v: 256 + 64 * len(v.keys))
+        # model calls in flight: a process bound and a share of it per tenant
+        # (``server.summary_calls``, ``tenant_share``); a session past them waits its turn
+        # in ``waiting`` (oldest first), never a failure
+        server = state.config.server
+        self.calls = Shares("summary calls", server.summary_calls, server.tenant_share,
+                            getattr(state, "_refused", None))
+        self.waiting: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
             PENDING_BYTES, lambda k, v: 256 + 64 * len(v.keys))
 
     async def stored(self, turn: Turn, session: Session) -> dict[str, str]:
@@ -411,20 +422,50 @@ class SummaryService:
                 self.wanted[at] = _Pending(job, messages, keys, e, entries)
             return
         self.running[at] = e
-        self.state.spawn(self._run(job, session_id, messages, loops, cover, e, entries))
+        self.state.spawn(self._run(job, session_id, messages, keys, loops, cover, e, entries))
 
-    async def _run(self, job: Job, session_id: str, messages: list[Message],
+    async def _run(self, job: Job, session_id: str, messages: list[Message], keys: list[str],
                    loops: Sequence[RunLoop], cover: dict[int, str], e: int,
                    entries: dict[str, str]) -> None:
         at = (job.namespace, session_id)
+        held = uses_model(job.policy)
+        if held:
+            try:
+                self.calls.take(job.holder, 1, "summary calls")
+            except (TenantOverShare, ProxyFull):
+                # its tenant (or the process) has its share of calls in flight: it waits
+                # its turn, and the newest cover wanted meanwhile replaces it
+                self.running.pop(at, None)
+                p = self.wanted.pop(at, None)
+                self.waiting[at] = p if p is not None and p.e > e else _Pending(
+                    job, messages, keys, e, entries)
+                self.state.metrics.summaries.labels(job.label, "deferred").inc()
+                return
         try:
             await self.make(job, session_id, messages, loops, e, cover[e],
                             base_of(job.policy, entries, cover, e), entries)
         finally:
+            if held:
+                self.calls.give(job.holder)
             self.running.pop(at, None)
             nxt = self.wanted.pop(at, None)
             if nxt is not None and nxt.e > e:
                 self.state.spawn(self._again(session_id, nxt))
+            elif held:
+                self._wake()
+
+    def _wake(self) -> None:
+        """A call ended: the oldest waiting session whose tenant has room in its share is
+        made next (one per call ended)."""
+        for at in list(self.waiting)[:WAKE_SCAN]:
+            p = self.waiting.get(at)
+            if p is None or at in self.running:
+                continue
+            if self.calls.held(p.job.holder) < self.calls.per_holder \
+                    and self.calls.in_use < self.calls.total:
+                del self.waiting[at]
+                self.state.spawn(self._again(at[1], p))
+                return
 
     async def _again(self, session_id: str, p: _Pending) -> None:
         """The newest summary wanted while another was made: rolled from what is stored now

@@ -31,7 +31,7 @@ COMPACTION_KINDS = ("past_loop_reduction", "in_loop_elision", "in_loop_drop", "l
                     "summary", "hard_truncation", "rejection")
 RECALL_OUTCOMES = {"recall_tool_call": ("hit", "not_found", "bad_arguments", "store_error"),
                    "search_history": ("hit", "miss", "bad_arguments")}
-SUMMARY_OUTCOMES = ("ok", "error", "timeout", "backoff", "late")
+SUMMARY_OUTCOMES = ("ok", "error", "timeout", "backoff", "late", "deferred")
 COST_KINDS = ("input", "cached_input", "cache_write", "output")
 STORE_OPS = ("sync", "read", "ping", "record", "internal", "anchor", "recall", "search",
              "list", "write_lost", "too_large", "summary")

@@ -301,7 +301,8 @@ class UpstreamClient:
     def __init__(self, name: str, spec: UpstreamSpec, shown: str | None = None,
                  masks: MaskTables | None = None, tenant_share: float = 1.0,
                  answers: Shares | None = None,
-                 refused: Callable[[str, str], None] | None = None):
+                 refused: Callable[[str, str], None] | None = None,
+                 summary_connections: int = 0):
         self.name = name
         self.spec = spec
         self.shown = shown or name  # what an error calls it
@@ -313,6 +314,9 @@ class UpstreamClient:
         self.connections = Shares(f"connections to {self.shown}", spec.max_connections,
                                   tenant_share, refused)
         self.answers = answers
+        # connections beside max_connections for the summaries (``server.summary_calls``,
+        # bounded in history/summaries.py): a tenant's requests never wait behind them
+        self.summary_connections = summary_connections
         self._session: aiohttp.ClientSession | None = None
         self._open = 0  # answers given and not yet closed
         self._last_used = time.monotonic()
@@ -321,7 +325,8 @@ class UpstreamClient:
         timeout = aiohttp.ClientTimeout(total=self.spec.total_timeout,
                                         sock_connect=self.spec.connect_timeout,
                                         sock_read=self.spec.read_timeout)
-        connector = aiohttp.TCPConnector(limit=self.spec.max_connections, limit_per_host=0,
+        connector = aiohttp.TCPConnector(limit=self.spec.max_connections
+                                         + self.summary_connections, limit_per_host=0,
                                          ttl_dns_cache=300, keepalive_timeout=30)
         self._session = aiohttp.ClientSession(
             timeout=timeout, connector=connector, auto_decompress=False,
