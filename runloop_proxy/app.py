@@ -114,6 +114,8 @@ class FastPath:
         return orjson.dumps(error_shape(path)(status, body, None))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            once_v1(scope)
         if scope["type"] != "http":
             if scope["type"] == "websocket" and area(scope) is not None:
                 # the admin area serves no websocket: refused before the router sees it
@@ -145,6 +147,22 @@ class FastPath:
             await response(scope, receive, send)
         finally:
             in_flight.dec()
+
+
+DOUBLED = "/v1/v1"
+
+
+def once_v1(scope: Scope) -> None:
+    """A base URL given with ``/v1`` at its end where the client adds its own
+    (``ANTHROPIC_BASE_URL=http://host/v1``: Claude Code then asks for ``/v1/v1/messages`` and
+    reports an "issue with the selected model"): the path is read with one ``/v1``, for
+    every API and route, before anything else sees it."""
+    path = scope.get("path", "")
+    if path == DOUBLED or path.startswith(DOUBLED + "/"):
+        scope["path"] = path[3:]
+        raw = scope.get("raw_path")
+        if isinstance(raw, bytes) and raw.startswith(DOUBLED.encode()):
+            scope["raw_path"] = raw[3:]
 
 
 def no_store(send: Send) -> Send:

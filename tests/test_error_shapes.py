@@ -113,8 +113,8 @@ def test_an_unknown_path_outside_v1_is_openai_shaped(proxy: Any) -> None:
     ("/chat/completions", "did you mean /v1/chat/completions?"),
     ("/responses", "did you mean /v1/responses?"),
     ("/messages", "did you mean /v1/messages?"),
-    ("/v1/v1/messages", "the Anthropic SDKs add /v1 themselves"),
-    ("/v1/v1/chat/completions", "ends in /v1 twice"),
+    ("/v1/v1/v1/messages", "the Anthropic SDKs add /v1 themselves"),
+    ("/v1/v1/v1/chat/completions", "ends in /v1 twice"),
 ])
 def test_a_base_url_off_by_v1_is_told_so(proxy: Any, upstream: ScriptedUpstream, path: str,
                                          hint: str) -> None:
@@ -122,9 +122,10 @@ def test_a_base_url_off_by_v1_is_told_so(proxy: Any, upstream: ScriptedUpstream,
     with it (then /v1/v1/messages went upstream with the client's key), got a bare 404. Each
     is a 404 that says what to change, answered by the proxy, in the shape of the API the
     client speaks (a newcomer's Claude Code with /v1 in its base URL read an OpenAI-shaped
-    404 as "the model may not exist")."""
+    404 as "the model may not exist"). A base URL ending in /v1 once too often is served
+    (tests/test_base_url.py); twice too often, told so."""
     r = httpx.post(proxy.base + path, json={}, headers={"Authorization": "Bearer sk-x"})
-    check(r, "/v1/messages" if path == "/v1/v1/messages" else path, 404)
+    check(r, "/v1/messages" if path.endswith("/v1/messages") else path, 404)
     assert hint in r.json()["error"]["message"]
     assert not upstream.other and not upstream.requests
 

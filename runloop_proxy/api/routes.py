@@ -117,8 +117,9 @@ def body_references(content_type: str, encoding: str, raw: bytes, limit: int) ->
 
 def base_url_hint(path: str) -> str:
     """What a client that asked for ``path`` likely has wrong in its base URL (a known API
-    path without ``/v1``: an OpenAI SDK's base URL without it; ``/v1/v1/``: an Anthropic
-    SDK's with it), said after a 404; "" when nothing."""
+    path without ``/v1``: an OpenAI SDK's base URL without it; ``/v1/v1/`` left after the
+    front took one doubled ``/v1`` off (``app.once_v1``): a base URL with ``/v1`` twice),
+    said after a 404; "" when nothing."""
     if path.startswith("/v1/v1/"):
         return (" (the base URL ends in /v1 twice: the Anthropic SDKs add /v1 themselves, "
                 "so theirs is http://HOST:PORT without it)")
