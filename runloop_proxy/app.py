@@ -131,7 +131,7 @@ class FastPath:
         if area(scope) is not None:
             send = no_store(send)
         try:
-            refused = refusal(self.state.runloop, scope)
+            refused = await refusal(self.state.runloop, scope)
             if refused is not None:
                 await refused(scope, receive, send)
                 return

@@ -5,6 +5,7 @@ the modules that use it: this module sits below them all."""
 from __future__ import annotations
 
 import asyncio
+import secrets
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,7 +16,7 @@ from . import savings
 from .caches import SHARES, ByteLRU
 from .config import ProxyConfig, Settings, config_mtimes, load_config, redact_url
 from .conversation.messages import Message
-from .errors import ConfigError
+from .errors import ConfigError, StoreError
 from .history.embedded import EmbeddedRedis
 from .history.store import RedisStore
 from .history.summaries import SummaryService
@@ -34,6 +35,7 @@ from .window.builder import Carry
 
 log = logs.get("state")
 RELOAD_POLL_S = 2.0
+ADMIN_LOGIN_S = 12 * 3600  # an inspector login's life
 FIRST_SEEN_ENTRY_BYTES = 320  # a session, a position, a message hash and a timestamp
 BILL_ENTRY_BYTES = 1400  # a session's Meter, its chains and totals (tracemalloc: 1.13 KB), a key
 CLOSE_STALE_AFTER_S = 60.0
@@ -50,6 +52,8 @@ class AppState:
     embedded: EmbeddedRedis | None = None
     background: set[asyncio.Task[object]] = field(default_factory=set)
     loop: asyncio.AbstractEventLoop | None = None  # the one the app runs on (set at startup)
+    # the admin's logins' epoch when there is no store to keep it in (one replica's own)
+    local_logins: str = field(default_factory=lambda: secrets.token_hex(16))
 
     def __post_init__(self) -> None:
         # every per-process cache, bounded in bytes: its share of server.cache_mb
@@ -160,7 +164,22 @@ class AppState:
             None, self.tokens.warm, [*WARM_ENCODINGS, *_configured_encodings(config)])
         log.info("encodings loaded", extra={"encodings": self.tokens.encoding_names()})
 
+    async def logins(self, ttl_ms: int, start: bool = False) -> str | None:
+        """The epoch every admin login cookie is signed with (``RedisStore.logins_epoch``;
+        this process's own without a store); None when none holds. Raises StoreError: a
+        caller fails closed."""
+        if self.store is None:
+            return self.local_logins
+        return await self.store.logins_epoch(ttl_ms, start)
+
+    async def end_logins(self, ttl_ms: int) -> None:
+        """End every admin login made so far (a logout, an admin key rotated)."""
+        self.local_logins = secrets.token_hex(16)
+        if self.store is not None:
+            await self.store.end_logins(ttl_ms)
+
     async def reload(self, reason: str) -> bool:
+        before = self.config.server.admin_key
         try:
             config = load_config(self.settings)
         except ConfigError as exc:
@@ -174,6 +193,13 @@ class AppState:
         self.init_metrics()
         self.metrics.config_reloads.labels("ok").inc()
         log.info("config reloaded", extra={"reason": reason, "tenants": len(config.tenants)})
+        if config.server.admin_key != before:  # a rotated key ends the logins it made
+            try:
+                await self.end_logins(ADMIN_LOGIN_S * 1000)
+            except StoreError as exc:
+                log.error("admin key rotated, but the logins it made could not be ended: "
+                          "the old key's cookies fail on every replica that reloaded",
+                          extra={"error": str(exc)})
         return True
 
     async def watch_config(self) -> None:

@@ -103,8 +103,8 @@ def test_compact_now_refuses_every_cross_site_shape(inspected: ProxyServer) -> N
     the origin compared by host alone, the token made from the admin key alone (one login's
     token good for every other), a token accepted by its prefix."""
     port, sid = inspected.port, named_key("order-desk-7")
-    exp = int(time.time()) + 3600
-    mine, other = (f"{e}.{sign(ADMIN_KEY, f'ui:{e}')}" for e in (exp, exp + 1))
+    mine, other = (httpx.post(inspected.base + "/admin/ui/login", data={
+        "key": ADMIN_KEY}).cookies["rl_admin"] for _ in range(2))  # two logins
 
     def post(cookie: str, form: dict[str, str], origin: str | None) -> httpx.Response:
         headers = {"Cookie": f"rl_admin={cookie}", **({"Origin": origin} if origin else {})}

@@ -25,8 +25,8 @@ import pytest
 from starlette.routing import BaseRoute, Mount, Route, WebSocketRoute
 
 from runloop_proxy.api.routes import ALL_METHODS, CONVERSATIONS
+from runloop_proxy.ops import inspector_shell as shell
 from runloop_proxy.ops.gate import OPEN
-from runloop_proxy.ops.inspector_shell import sign
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer
@@ -153,6 +153,7 @@ class Sweep:
     def __init__(self, proxy: ProxyServer, upstream: ScriptedUpstream, make_proxy: Any):
         self.proxy, self.upstream = proxy, upstream
         self.cookie = login_cookie(proxy, ADMIN_KEY)
+        self.epoch = lambda: proxy.run(proxy.state.logins(1000))
         # valid logins elsewhere: a proxy whose admin key is a wrong one, one whose admin key
         # is the tenant's proxy key (what a tenant could sign with)
         self.foreign = {name: login_cookie(make_proxy(admin_key=key), key)
@@ -239,8 +240,9 @@ def refusing(sweep: Sweep, access: Access) -> list[Credential]:
                  # signed by the admin key itself, its time over (a planted-bug survivor:
                  # an expiry not checked let a login cookie work for good)
                  Credential("an expired login cookie the admin key signed", {},
-                            {"rl_admin": f"{int(time.time()) - 1}."
-                                         f"{sign(ADMIN_KEY, f'ui:{int(time.time()) - 1}')}"})]
+                            {"rl_admin": shell.login_cookie(
+                                ADMIN_KEY, int(time.time()) - 1, "0" * shell.NONCE_CHARS,
+                                sweep.epoch())})]
     if access is Access.TENANT:
         keys = [Credential("no key", {}, {}), Credential("a wrong key", bearer(WRONG_KEY), {}),
                 Credential("the admin key", bearer(ADMIN_KEY), {}),
@@ -535,12 +537,14 @@ def test_a_handler_that_checks_nothing_is_still_closed(make_proxy: Any) -> None:
     credential, and nothing else with a wrong one; the admin key reaches it on the API's
     paths, the login cookie on the inspector's (so the refusals are the gate's doing)."""
     proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY)
+    login = login_cookie(proxy, ADMIN_KEY)  # before a route in front of the login's
     proxy.app.app.router.routes.insert(0, Route("/{rest:path}", Leaky()))
     proxy.app.app.router.routes.insert(0, Mount("/admin/raw", app=Leaky()))
     proxy.app.app.router.routes.insert(0, Mount("/ws", app=Leaky()))  # websockets' control
     exp = int(time.time()) + 600
-    cookie = {"rl_admin": f"{exp}.{sign(ADMIN_KEY, f'ui:{exp}')}"}
-    foreign = f"{exp}.{sign(WRONG_KEY, f'ui:{exp}')}"
+    cookie = {"rl_admin": login}
+    epoch = proxy.run(proxy.state.logins(1000))  # everything right but the key
+    foreign = shell.login_cookie(WRONG_KEY, exp, "0" * shell.NONCE_CHARS, epoch)
     paths = admin_paths(proxy.app) + ["/admin/raw", "/admin/raw/x", "/admin/ui/raw"]
     reached: set[tuple[str, str]] = set()
     with httpx.Client(timeout=30, follow_redirects=False) as c:

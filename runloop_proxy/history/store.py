@@ -36,6 +36,7 @@ import contextlib
 import functools
 import hashlib
 import re
+import secrets
 import time
 import uuid
 from collections import OrderedDict
@@ -327,6 +328,26 @@ class RedisStore:
     def _window_key(self, scope: str, model: str) -> str:
         digest = hashlib.sha256(f"{scope}\0{model}".encode()).hexdigest()[:32]
         return f"{self.cfg.key_prefix}:w:{digest}"
+
+    def _logins_key(self) -> str:
+        return f"{self.cfg.key_prefix}:admin:logins"
+
+    async def logins_epoch(self, ttl_ms: int, start: bool = False) -> str | None:
+        """The admin's logins' epoch, which every login cookie is signed with (so every
+        replica agrees which logins hold): None when none holds. ``start``: begin one if
+        none holds; either way it is kept ``ttl_ms`` more (a login's life), never for good."""
+        key = self._logins_key()
+        if start:
+            await self._call("logins", lambda: self.client.set(
+                key, secrets.token_hex(16), nx=True, px=ttl_ms))
+            await self._call("logins", lambda: self.client.pexpire(key, ttl_ms))
+        raw = await self._call("logins", lambda: self.client.get(key))
+        return bytes(raw).decode("ascii", "replace") if raw else None
+
+    async def end_logins(self, ttl_ms: int) -> None:
+        """Every login made so far ends: a new epoch no cookie was signed with."""
+        await self._call("logins", lambda: self.client.set(
+            self._logins_key(), secrets.token_hex(16), px=ttl_ms))
 
     async def learned_window(self, scope: str, model: str) -> int | None:
         """The window an upstream's overflow error said ``model`` has, for callers of

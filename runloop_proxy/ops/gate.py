@@ -27,7 +27,7 @@ from ..api.http import error_response
 from ..errors import ClientError
 from ..state import AppState
 from .admin import check_admin_key
-from .inspector_shell import BASE, cookie_ok
+from .inspector_shell import BASE, login_ok
 
 ADMIN = "/admin"
 # what anyone may ask of the inspector: exact method and path, nothing below them
@@ -56,7 +56,7 @@ def _area(path: str) -> str | None:
     return "inspector" if folded == BASE or folded.startswith(BASE + "/") else "api"
 
 
-def refusal(state: AppState, scope: Scope) -> Response | None:
+async def refusal(state: AppState, scope: Scope) -> Response | None:
     """The answer a request under /admin gets instead of its handler; None to let it pass
     (a request elsewhere, an open one, or one with the right credential)."""
     where = area(scope)
@@ -64,7 +64,7 @@ def refusal(state: AppState, scope: Scope) -> Response | None:
         return None
     path, request = route_path(scope), Request(scope)
     if where == "inspector":
-        if (scope.get("method"), path) in OPEN or cookie_ok(state, request) is not None:
+        if (scope.get("method"), path) in OPEN or await login_ok(state, request) is not None:
             return None
         return RedirectResponse(f"{BASE}/login", 303)
     try:

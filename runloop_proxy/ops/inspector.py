@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hmac
+import secrets
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -35,13 +36,15 @@ from .inspector_session import session
 from .inspector_shell import (
     BASE,
     COOKIE,
+    NONCE_CHARS,
     VALID_S,
     csrf_token,
     error,
     guard,
     link,
+    login_cookie,
+    login_ok,
     page,
-    sign,
     tenant_name,
     when,
 )
@@ -79,17 +82,35 @@ async def login(request: Request) -> Response:
     given = params.form_text(form, "key")
     if not admin_key_matches(key, given):
         return _login("That is not the admin key.", 401)
-    exp = str(int(time.time()) + VALID_S)
+    try:
+        epoch = await state.logins(VALID_S * 1000, start=True)
+    except StoreError:
+        epoch = None
+    if epoch is None:  # no epoch, no login: a cookie no replica could check
+        return _login("The store is unavailable, so no login can be kept; try again.", 503)
+    exp = int(time.time()) + VALID_S
     resp = RedirectResponse(BASE, 303)
-    resp.set_cookie(COOKIE, f"{exp}.{sign(key, f'ui:{exp}')}", max_age=VALID_S,
-                    path="/admin/ui", httponly=True, samesite="strict",
+    resp.set_cookie(COOKIE, login_cookie(key, exp, secrets.token_hex(NONCE_CHARS // 2), epoch),
+                    max_age=VALID_S, path="/admin/ui", httponly=True, samesite="strict",
                     secure=request.url.scheme == "https")
     return resp
 
 
 async def logout(request: Request) -> Response:
+    """Ends every login made before it, on every replica (the logins' epoch moves on), when
+    it comes from a login: a copy of the cookie taken before opens nothing after. Anyone
+    else's logout only drops their own cookie."""
+    state = state_of(request)
     resp = RedirectResponse(f"{BASE}/login", 303)
     resp.delete_cookie(COOKIE, path="/admin/ui")
+    if await login_ok(state, request) is not None:
+        try:
+            await state.end_logins(VALID_S * 1000)
+        except StoreError:
+            failed = page("not logged out", "<p class='err'>The store is unavailable, so the "
+                          "logins could not be ended; try again.</p>", 503, user=False)
+            failed.delete_cookie(COOKIE, path="/admin/ui")
+            return failed
     return resp
 
 
@@ -102,7 +123,7 @@ async def _form(request: Request) -> dict[str, str]:
 
 
 async def sessions(request: Request) -> Response:
-    guarded = guard(request)
+    guarded = await guard(request)
     if isinstance(guarded, Response):
         return guarded
     state, _ = guarded
@@ -159,7 +180,7 @@ async def sessions(request: Request) -> Response:
 
 
 async def compact_now(request: Request) -> Response:
-    guarded = guard(request)
+    guarded = await guard(request)
     if isinstance(guarded, Response):
         return guarded
     state, cookie = guarded

@@ -17,14 +17,17 @@ from starlette.responses import HTMLResponse, RedirectResponse, Response
 from ..conversation.identity import name_of, stored_id
 from ..errors import ProxyError, StoreError
 from ..history.store import SessionView
-from ..state import AppState, state_of
-from . import params
+from ..state import ADMIN_LOGIN_S, AppState, state_of
+from . import logs, params
 from .admin import admin_key_of, tenant_of_session
 from .views import tenant_label
 
 COOKIE = "rl_admin"
 BASE = "/admin/ui"
-VALID_S = 12 * 3600
+VALID_S = ADMIN_LOGIN_S
+NONCE_CHARS = 32
+HEX = frozenset("0123456789abcdef")
+log = logs.get("inspector")
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
 header{background:#1d2330;color:#fff;padding:10px 20px}header a{color:#cfe0ff}
@@ -49,10 +52,20 @@ def sign(key: str, text: str) -> str:
     return hmac.new(key.encode(), text.encode(), hashlib.sha256).hexdigest()
 
 
-def cookie_ok(state: AppState, request: Request) -> str | None:
-    """The login cookie when it is valid."""
+def login_cookie(key: str, exp: int, nonce: str, epoch: str) -> str:
+    """A login's cookie: its expiry, its own nonce (no two logins share a cookie, nor the
+    CSRF token made from it), signed with the admin key and the logins' epoch."""
+    return f"{exp}.{nonce}.{sign(key, f'ui:{exp}:{nonce}:{epoch}')}"
+
+
+async def login_ok(state: AppState, request: Request) -> str | None:
+    """The login cookie when it is valid: signed by the admin key of now, its time not
+    over, and made in the logins' epoch of now (a logout or a rotated admin key began a
+    new one, on every replica: it is kept in the store). Fails closed: with the epoch
+    unreadable, no login holds."""
     value = request.cookies.get(COOKIE, "")
-    exp, _, sig = value.partition(".")
+    exp, nonce, sig = (value.split(".") + ["", ""])[:3] if value.count(".") == 2 \
+        else ("", "", "")
     try:
         key = admin_key_of(state)
     except ProxyError:
@@ -61,7 +74,17 @@ def cookie_ok(state: AppState, request: Request) -> str | None:
     # string of 4,300 digits with an error (the gate answered a cookie of 5,000 a 500)
     if not (0 < len(exp) <= 12 and exp.isascii() and exp.isdigit()) or int(exp) < time.time():
         return None
-    return value if hmac.compare_digest(sig, sign(key, f"ui:{exp}")) else None
+    if not (len(nonce) == NONCE_CHARS and all(c in HEX for c in nonce)):
+        return None
+    try:
+        epoch = await state.logins(VALID_S * 1000)
+    except StoreError as exc:
+        log.error("admin login refused: the logins' epoch cannot be read",
+                  extra={"error": str(exc)})
+        return None
+    if epoch is None:
+        return None
+    return value if hmac.compare_digest(sig, sign(key, f"ui:{exp}:{nonce}:{epoch}")) else None
 
 
 def csrf_token(state: AppState, cookie: str) -> str:
@@ -100,10 +123,10 @@ def tenant_name(state: AppState, namespace: str) -> str:
     return tenant_label(namespace, namespace in state.config.tenants)
 
 
-def guard(request: Request) -> tuple[AppState, str] | Response:
+async def guard(request: Request) -> tuple[AppState, str] | Response:
     """The app state and the login cookie; else where to go instead."""
     state = state_of(request)
-    cookie = cookie_ok(state, request)
+    cookie = await login_ok(state, request)
     if cookie is None:
         return RedirectResponse(f"{BASE}/login", 303)
     if state.store is None:
@@ -114,7 +137,7 @@ def guard(request: Request) -> tuple[AppState, str] | Response:
 async def viewed(request: Request) -> tuple[AppState, str, str, str, SessionView] | Response:
     """A page about one stored session (``?id=``, ``?tenant=``): the login checked, the
     session read; else the page that says why not."""
-    guarded = guard(request)
+    guarded = await guard(request)
     if isinstance(guarded, Response):
         return guarded
     state, cookie = guarded
