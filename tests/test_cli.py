@@ -184,6 +184,8 @@ def test_demo_prints_an_inspector_address_that_answers(redis_url: str, tmp_path:
         said = re.search(HEADLINE, text)
         assert said, text
         assert said.group(0) in page.text, page.text[:3000]
+        listed = c.get(found.group(1))  # the sessions page: its one session's, the same
+        assert f"The 1 session listed: <b>{said.group(0)}</b>" in listed.text, listed.text
         replayed = cli("replay", "--sample", "--no-progress", timeout=300)
         assert replayed.returncode == 0, replayed.stderr[-2000:]
         assert f"  {said.group(0)}: gpt-4o-mini at openai's prices" in replayed.stdout, \

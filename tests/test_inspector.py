@@ -518,3 +518,34 @@ def test_a_small_default_context_window_still_answers_hi(
     message = str(err.value)
     assert "4096-token context less 1024 reserved for the output" in message
     assert "margin" in message and "for the messages" in message
+
+
+def _selected(text: str) -> list[str]:
+    return re.findall(r"<option value='([^']*)' selected>", text)
+
+
+def test_the_sessions_page_stays_on_the_tenant_chosen_and_prices_its_sessions(
+        inspected: ProxyServer) -> None:
+    """Bug class: a choice the landing page forgets, a list whose figures are not the
+    sessions'. Planted: the cookie not read (the second landing red), the listed total made
+    of the page's first session only (the totals check red)."""
+    from runloop_proxy import savings
+    from runloop_proxy.pricing import PriceTable
+
+    c = logged_in(inspected)
+    assert _selected(c.get("/admin/ui?tenant=globex").text) == ["globex"]
+    assert _selected(c.get("/admin/ui").text) == ["globex"]  # the landing page stays there
+    acme = c.get("/admin/ui?tenant=acme").text
+    assert _selected(acme) == ["acme"] and _selected(c.get("/admin/ui").text) == ["acme"]
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    points = []
+    for sid in ("order-desk-7", "markup"):
+        view = httpx.get(f"{inspected.base}/admin/sessions/{sid}",
+                         params={"tenant": "acme", "points": "1"}, headers=admin).json()
+        points.append(savings.of_points(view["points"], PriceTable.load()))
+    total = sum(points, savings.Savings())
+    assert total.priced and total.requests >= 10
+    assert f"The 2 sessions listed: <b>{html.escape(total.headline())}</b>" in acme, acme
+    for one in points:  # each row: its bill saved and money saved
+        assert f"{savings.percent(one.bill_saved or 0)}</td><td class='num'>" \
+               f"{savings.usd(one.money_saved)}</td>" in acme

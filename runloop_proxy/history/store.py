@@ -124,6 +124,7 @@ class Overview:
     requests: int
     client: int
     forwarded: int
+    points: tuple[dict[str, Any], ...] = ()  # the requests' points (what prices them)
 
 
 @dataclass
@@ -923,7 +924,9 @@ class RedisStore:
             points = [orjson.loads(r) for r in raw or []]
             out.append(Overview(int(length or 0), len(points),
                                 sum(_count(p, "client") for p in points),
-                                sum(_count(p, "forwarded") for p in points)))
+                                sum(_count(p, "forwarded") for p in points),
+                                tuple({k: p.get(k) for k in ("ts", "model", "client",
+                                                             "forwarded")} for p in points)))
         return out
 
     async def namespaces(self) -> list[tuple[str, int]]:
