@@ -49,7 +49,7 @@ def type_name(annotation: Any) -> str:
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):
         names = [type_name(a) for a in args if a is not type(None)]
-        return " or ".join(names) + (" (or unset)" if type(None) in args else "")
+        return " or ".join(names) + (" or unset" if type(None) in args else "")
     if origin is typing.Literal:
         return " \\| ".join(f'`"{a}"`' for a in args)
     if origin is tuple:
@@ -64,14 +64,14 @@ def type_name(annotation: Any) -> str:
         annotation, getattr(annotation, "__name__", str(annotation)))
 
 
-def default_text(field: FieldInfo) -> str:
+def default_text(name: str, field: FieldInfo) -> str:
     if field.is_required():
         return "required"
     value = field.default
     if value is PydanticUndefined or value is None:
         return "unset"
     if isinstance(value, BaseModel):
-        return "see below"
+        return "see [Policy reference](policy.md)" if name == "policy" else "its fields' defaults"
     if isinstance(value, enum.Enum):
         value = value.value
     if isinstance(value, bool):
@@ -83,7 +83,8 @@ def default_text(field: FieldInfo) -> str:
     if isinstance(value, dict):
         return "`{}`" if not value else f"`{value}`"
     if isinstance(value, int) and value >= 10_000:
-        return f"`{value}` ({value:,})" if value % 1024 else f"`{value}` ({_binary(value)})"
+        sized = name.endswith("_bytes") and value % 1024 == 0
+        return f"`{value}` ({_binary(value) if sized else f'{value:,}'})"
     return f"`{value}`"
 
 
@@ -138,7 +139,7 @@ def table(section: str, skip: tuple[str, ...] = ()) -> str:
         kind = type_name(field.annotation) + (f" ({bounds})" if bounds else "")
         text = text.replace("|", "\\|")
         rows.append(f"| <a id=\"{section}-{name}\"></a>`{name}` | {kind} | "
-                    f"{default_text(field)} | {text} |")
+                    f"{default_text(name, field)} | {text} |")
     return "\n".join(rows) + "\n"
 
 
