@@ -554,9 +554,14 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
         if settings.redis_url else gfile.store
     upstreams = dict(gfile.upstreams)
     if settings.upstream:
+        # a new URL for the file's default upstream: its other fields stay (timeouts,
+        # retries, connections, format), its key does not (written for another URL)
+        file_default = gfile.upstreams.get("default")
+        kept = file_default.model_dump(exclude={"url", "api_key"}) if file_default else {}
         upstreams["default"] = _validate(UpstreamSpec, {
-            "url": settings.upstream, **({"format": settings.upstream_format}
-                                         if settings.upstream_format else {})}, "--upstream")
+            **kept, "url": settings.upstream, **({"format": settings.upstream_format}
+                                                 if settings.upstream_format else {})},
+            "--upstream")
     defaults = dict(gfile.defaults)
     if settings.context_window:
         defaults["default_context_window"] = settings.context_window
