@@ -71,7 +71,16 @@ class Sweep:
            ) -> httpx.Response:
         self.http.cookies.set("rl_admin", self.cookie)
         r = self.http.request(method, path, params=query, data=form or None)
-        self.http.cookies.clear()  # a logout must not log the sweep out
+        self.http.cookies.clear()
+        if r.status_code == 303 and path.rstrip("/").endswith("/logout"):
+            # a logout ends every login made before it: the sweep logs in again, and the
+            # form token is the new login's
+            login = self.http.post("/admin/ui/login", data={"key": ADMIN_KEY})
+            self.cookie = login.cookies["rl_admin"]
+            self.http.cookies.clear()
+            page = self.ui("GET", "/admin/ui/session", {"id": "swept"}, {}).text
+            csrf = re.search(r"name='csrf' value='([0-9a-f]+)'", page)
+            self.valid["csrf"] = csrf.group(1) if csrf else ""
         return r
 
     def send(self, route: Route, values: dict[str, str]) -> httpx.Response:
