@@ -206,6 +206,36 @@ def test_body_over_limit_is_413(make_proxy: object, upstream: ScriptedUpstream, 
     assert not upstream.requests and not upstream.other
 
 
+@pytest.mark.parametrize("how", ["declared", "chunked"])
+@pytest.mark.parametrize("over", [0, 1])
+def test_the_body_bound_holds_at_its_exact_value(make_proxy: Any, upstream: ScriptedUpstream,
+                                                 request: pytest.FixtureRequest, how: str,
+                                                 over: int) -> None:
+    """A body of exactly ``max_body_bytes`` (drawn per test) is served, one byte more is a
+    413 naming the limit, declared or chunked.
+
+    Bug class: a bound off at its boundary. Planted: ``>=`` for ``>`` on the chunked count
+    (the exact size refused); the declared length compared with the limit less one."""
+    from .distinct import Distinct
+
+    limit = Distinct(request.node.nodeid).size(4_500, 9_000)
+    proxy = make_proxy(server={"max_body_bytes": limit})
+    head = {"model": "gpt-4o-mini-2024-07-18", "messages": [{"role": "user", "content": ""}]}
+    pad = limit + over - len(orjson.dumps(head))
+    body = orjson.dumps({**head, "messages": [{"role": "user", "content": "x" * pad}]})
+    assert len(body) == limit + over
+    content: Any = body if how == "declared" else iter([body[:limit // 2], body[limit // 2:]])
+    r = httpx.post(proxy.url + "/chat/completions", content=content, timeout=30,
+                   headers={"Authorization": "Bearer sk-a", "Content-Type": "application/json"})
+    if over:
+        assert r.status_code == 413 and f"the limit of {limit}" in r.json()["error"]["message"]
+        assert not upstream.requests
+    else:
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["choices"][0]["message"]["content"]
+        assert len(upstream.requests) == 1
+
+
 def test_a_declared_body_over_the_limit_is_refused_before_it_is_sent(make_proxy: object
                                                                       ) -> None:
     """A Content-Length over the limit is answered at once, from the headers: a client
