@@ -83,8 +83,11 @@ def default_text(name: str, field: FieldInfo) -> str:
     if isinstance(value, dict):
         return "`{}`" if not value else f"`{value}`"
     if isinstance(value, int) and value >= 10_000:
-        sized = name.endswith("_bytes") and value % 1024 == 0
-        return f"`{value}` ({_binary(value) if sized else f'{value:,}'})"
+        if name.endswith("_bytes") and value % 1024 == 0:
+            return f"`{value}` ({_binary(value)})"
+        if name.endswith("_s") and value % 86_400 == 0:
+            return f"`{value}` ({value // 86_400} days)"
+        return f"`{value}` ({value:,})"
     return f"`{value}`"
 
 
