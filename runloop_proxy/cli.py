@@ -310,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the embedded Redis keeps its data (default .runloop-demo)")
     d.add_argument("--admin-key", default=None, help="default: a random one, printed")
     d.add_argument("--once", action="store_true", help="stop after printing")
+    from .ops.doctor import add_parser as doctor_parser
     from .ops.export import add_parser as export_parser
     from .ops.init import add_parser as init_parser
     from .ops.wrap import add_parser as wrap_parser
@@ -317,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     wrap_parser(sub)
     init_parser(sub)
     export_parser(sub)
+    doctor_parser(sub)
     return parser
 
 
@@ -324,6 +326,12 @@ def cmd_wrap(args: argparse.Namespace) -> int:
     from .ops.wrap import run_wrap
 
     return run_wrap(args)
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .ops.doctor import run_doctor
+
+    return run_doctor(args)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -349,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     handlers = {"serve": cmd_serve, "check-config": cmd_check_config, "inspect": cmd_inspect,
                 "replay": cmd_replay, "demo": cmd_demo, "wrap": cmd_wrap,
-                "init": cmd_init, "export": cmd_export}
+                "init": cmd_init, "export": cmd_export,
+                "doctor": cmd_doctor}
     try:
         return handlers[args.command](args)
     except BrokenPipeError:
