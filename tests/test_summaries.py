@@ -573,6 +573,34 @@ def test_a_loop_is_dated_in_its_own_conversation_not_by_the_same_words_elsewhere
     assert marker(upstream.requests[-1]) is not None
 
 
+def test_a_loops_date_survives_a_restart(tmp_path: Path, make_proxy: Any,
+                                        upstream: ScriptedUpstream) -> None:
+    """Bug class: what decides a window kept in one process only. A loop's first-seen date
+    lived in the process: a restart dated every loop anew, and loops omitted by age came
+    back into view (212 -> 814 tokens forwarded). Red with the dates never written to
+    Redis (``_store_dates`` not spawned); a second bug of the class planted: the dates
+    written but not read back on load (``_known_dates`` not called)."""
+    upstream.responder = model()
+    root = write_config(tmp_path / "c", upstream.url, acme_policy=(
+        'max_run_loops = 8\nomit_batch = 4\nmax_time_range_s = 3.3\n'))
+    before = make_proxy(config_dir=str(root))
+    converse(before, "restarted", 2)  # dates loops 1 and 2
+    assert all(marker(b) is None for b in upstream.requests)
+    before.settle()
+    until(lambda: not before.state.background, what="the dates written behind the answers")
+    before.stop()
+    time.sleep(3.6)  # loop 1 is old now
+    # a new process on the same Redis (the same key prefix)
+    after = make_proxy(config_dir=str(root),
+                       store={"key_prefix": before.state.config.store.key_prefix})
+    upstream.requests.clear()
+    converse(after, "restarted", 3)
+    last = upstream.requests[-1]
+    assert marker(last) is not None, "the restart brought the aged loop back"
+    users = [m["content"] for m in last["messages"] if m["role"] == "user"]
+    assert "where is order 2" not in users and users[-1] == "where is order 3"
+
+
 def test_after_an_omission_by_age_a_model_summary_is_still_made_ahead(
         tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """An omission by age stops off the batch (2 loops, batch 3); the next batch's summary is

@@ -99,7 +99,7 @@ local counts = {}
 for i = 1, #hs, 32 do
   counts[#counts + 1] = redis.call('HGET', KEYS[2], string.sub(hs, i, i + 31)) or false
 end
-return {redis.call('HGETALL', KEYS[1]), counts}
+return {redis.call('HGETALL', KEYS[1]), counts, redis.call('HGETALL', KEYS[3])}
 """
 
 # A key written outside SYNC/APPEND (records, the proxy's tool rounds, summaries) expires with

@@ -113,6 +113,9 @@ class Loaded:
     internal: dict[str, Any]
     counts: dict[str, int]
     stored: int = 0  # how many of the messages asked about, from the first, the session holds
+    # when the session's loops were first seen (``put_dates``): an omission by age survives
+    # a restart, and holds on any replica
+    dates: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -760,8 +763,8 @@ class RedisStore:
         exchanges, the token counts of these messages made with ``encoding``, and how many
         of them, from the first, the session holds (an earlier request carried them)."""
         p = self.prefix(namespace, session_id)
-        internal, found = await self._call("read", lambda: self._load(
-            keys=[p + ":int", p + ":tok"], args=["".join(hashes)]))
+        internal, found, dated = await self._call("read", lambda: self._load(
+            keys=[p + ":int", p + ":tok", p + ":seen"], args=["".join(hashes)]))
         counts: dict[str, int] = {}
         for h, v in zip(hashes, found, strict=True):
             if v is not None:
@@ -769,7 +772,25 @@ class RedisStore:
                 if enc == encoding and n.isdigit():
                     counts[h] = int(n)
         held = next((i for i, v in enumerate(found) if v is None), len(found))
-        return Loaded(_pairs(internal), counts, held)
+        dates = {_s(dated[i]): int(dated[i + 1]) for i in range(0, len(dated) - 1, 2)
+                 if bytes(dated[i + 1]).isdigit()}
+        return Loaded(_pairs(internal), counts, held, dates)
+
+    async def put_dates(self, namespace: str, session_id: str, dates: list[tuple[str, int]],
+                        retention_days: float | None = None) -> None:
+        """Keep when messages of the session were first seen (``framing.FirstSeen``: a
+        position and its message's key, the first date kept), expiring with the session."""
+        key = self.prefix(namespace, session_id) + ":seen"
+
+        async def run() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for name, ms in dates:
+                pipe.hsetnx(key, name, ms)
+            _expire_with_session(pipe, self.prefix(namespace, session_id),
+                                 self._ttl_ms(retention_days), key)
+            await pipe.execute()
+
+        await self._call("record", run)
 
     async def head(self, namespace: str, session_id: str) -> list[tuple[str, Message]]:
         """The head branch: (content hash, message) in order."""

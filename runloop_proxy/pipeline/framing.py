@@ -210,6 +210,10 @@ class FirstSeen:
                  dating: bool = True):
         self.seen, self.keys, self.now, self.scope = seen, keys, now, scope
         self.dating = dating
+        # the positions dated by this request, as the store keeps them (``position\0key``,
+        # the date): written behind, read back by a replica that has not seen the session
+        # (after a restart, the loops' dates are the first request's, not the restart's)
+        self.new: list[tuple[str, int]] = []
 
     def __getitem__(self, position: int) -> int | None:
         return self.date(position)
@@ -218,8 +222,10 @@ class FirstSeen:
         """When the message at ``position`` was first seen, now if not before: in this
         conversation, at this position. (Keyed by the text alone, another session's "yes"
         of a week ago made this session's new "yes" old, and its loop was omitted at once.)"""
-        key = f"{self.scope}\0{position}\0{self.keys[position]}"
+        name = f"{position}\0{self.keys[position]}"
+        key = f"{self.scope}\0{name}"
         t = self.seen.get(key)
         if t is None and self.dating:
             t = self.seen[key] = self.now
+            self.new.append((name, t))
         return t

@@ -152,6 +152,7 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
                                            turn.caller.tenant.encoding_for(turn.model))
             loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name)
             state.tokens.prime(enc, loaded.counts)
+            _known_dates(state, ns, session.id, loaded.dates)
             internal = loaded.internal
             if new_from is None:
                 new_from = loaded.stored
@@ -169,6 +170,17 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
         log.warning("store unavailable: passing through uncompressed",
                     extra={"tenant": turn.caller.tenant.name, "error": str(exc)})
         return session, History(messages, await counted_all(), degraded="store")
+
+
+def _known_dates(state: AppState, ns: str, session_id: str, dates: dict[str, int]) -> None:
+    """The session's loop dates as Redis keeps them, into this replica's (the earlier of
+    the two wins: a loop is as old as the first request that opened it)."""
+    scope = f"{ns}\0{session_id}"
+    for name, ms in dates.items():
+        key = f"{scope}\0{name}"
+        held = state.first_seen.get(key)
+        if held is None or ms < held:
+            state.first_seen[key] = ms
 
 
 async def _server_history(state: AppState, turn: Turn, session: Session, store: RedisStore,

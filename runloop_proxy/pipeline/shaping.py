@@ -43,15 +43,20 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         history.messages, keys, _chains_at(state, turn, session, history), history.internal)
     tools = ProxyTools.for_request(turn.chat_tools)
     stored = await state.summaries.stored(turn, session)
+    dated: list[tuple[str, int]] = []
     try:
         window, made = await offload(turn.large or history.large, lambda: compute_window(
-            state, turn, session, history, spliced, spliced_keys, protected, frame, stored))
+            state, turn, session, history, spliced, spliced_keys, protected, frame, stored,
+            dated))
     except Exception:  # noqa: BLE001 - a window bug must not cost the user this call
         log.exception("window failed: passing the request through uncompressed",
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
         rlog.degraded = "window"
         state.metrics.degraded.labels(turn.caller.label, "window").inc()
         return await _untouched(state, turn, history, frame, rlog)
+    if dated and state.store is not None and turn.caller.namespace is not None:
+        state.spawn(_store_dates(state, turn.caller.namespace, session.id, dated,
+                                 turn.caller.tenant.retention_days))
     if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
         _after(state, turn, session, spliced, spliced_keys, window, stored, made, rlog)
     tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
@@ -188,7 +193,8 @@ async def _converted(turn: Turn, large: bool, messages: list[Message],
 
 def compute_window(state: AppState, turn: Turn, session: Session, history: History,
                    messages: list[Message], keys: list[str], protected: frozenset[str],
-                   frame: Frame, stored: dict[str, str] | None = None
+                   frame: Frame, stored: dict[str, str] | None = None,
+                   dated: list[tuple[str, int]] | None = None
                    ) -> tuple[Window, Made | None]:
     """The window for this request (``framing.window_in``, which the inspector's rebuild
     calls too), grown from the session's last window when it can be; and the extractive
@@ -212,6 +218,8 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
                              _first_new(messages, history))
     if window.carry is not None:
         state.carries[carried] = window.carry
+    if dated is not None:
+        dated += stamps.new
     return window, made
 
 
@@ -257,6 +265,17 @@ def log_events(state: AppState, turn: Turn, session: Session, window: Window) ->
     if records and state.store is not None and turn.caller.namespace is not None:
         state.spawn(_store_records(state, turn.caller.namespace, session.id, records,
                                    turn.caller.tenant.retention_days))
+
+
+async def _store_dates(state: AppState, namespace: str, session_id: str,
+                       dated: list[tuple[str, int]], retention: float | None) -> None:
+    """When this request first saw its loops (``FirstSeen.new``), for every replica and
+    the next process: a loop's age is its first request's."""
+    assert state.store is not None
+    try:
+        await state.store.put_dates(namespace, session_id, dated, retention)
+    except StoreError as exc:
+        log.warning("loop dates not stored", extra={"error": str(exc)})
 
 
 async def _store_records(state: AppState, namespace: str, session_id: str,
