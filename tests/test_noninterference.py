@@ -340,7 +340,7 @@ def test_a_stranger_in_her_session_changes_nothing_she_is_sent(
 
 
 _IDS = re.compile(rb'"(?:id|call_id|tool_use_id)"\s*:\s*'
-                  rb'"(?:chatcmpl|resp|msg|rs|fc|ctc|toolu)_[0-9]+"')
+                  rb'"(?:chatcmpl|resp|msg|rs|fc|ctc|toolu)-?_?[0-9A-Za-z]+"')
 
 
 def _normal(body: bytes) -> bytes:

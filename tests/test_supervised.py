@@ -25,6 +25,7 @@ import redis
 
 from runloop_proxy.config import StoreSection
 from runloop_proxy.history.store import RedisStore, prepare
+from runloop_proxy.history.writes import Job, WriteBehind
 from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream
 
@@ -303,3 +304,64 @@ def test_masters_killed_while_traffic_flows(make_proxy: Any,
         stop.set()
         for n in nodes:
             n.cleanup()
+
+
+def test_a_stop_while_redis_refuses_writes_logs_and_counts_what_is_lost(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Acknowledged but lost, said: a stop while Redis refuses every write (out of memory)
+    gives up the queued turns — each one logged and counted
+    (``runloop_store_errors_total{op="write_lost"}``) and one line with the totals. Red with
+    the stop dropping the queue silently (10 queued turns gone, no log line, no metric); a
+    second bug of the class planted: the batch being sent when the stop came left out of
+    the count."""
+    server = RedisServer().start()
+    try:
+        client = redis.Redis.from_url(server.url)
+
+        async def go() -> Metrics:
+            metrics = Metrics()
+            store = RedisStore(server.url, StoreSection(key_prefix="sv-stop-",
+                                                        write_retry_s=75.0), metrics)
+            await store.start()
+            await store.sync("t", "s-warm", [prepare({"role": "user", "content": "warm"})])
+            client.config_set("maxmemory", "1")  # every write now answers OOM
+            for k in range(10):
+                store.submit("t", f"s-lost-{k}", [
+                    prepare({"role": "user", "content": f"turn {k}"}),
+                    prepare({"role": "assistant", "content": f"answer {k}"}, reply=True)])
+            until_refused = time.monotonic() + 10
+            while metrics.store_errors.labels("sync")._value.get() < 1 \
+                    and time.monotonic() < until_refused:
+                await asyncio.sleep(0.02)
+            await store.close()  # drain gives up after its 5 s, then the stop
+            return metrics
+
+        with caplog.at_level(logging.WARNING):
+            metrics = asyncio.run(go())
+        assert metrics.store_errors.labels("write_lost")._value.get() == 10
+        totals = [r for r in caplog.records if "not stored" in r.getMessage()
+                  and r.levelno == logging.ERROR]
+        assert len(totals) == 1 and "10 jobs, 20 messages lost" in totals[0].getMessage()
+        assert sum(r.getMessage() == "history not stored" for r in caplog.records) == 10
+        assert metrics.write_queue._value.get() == 0
+    finally:
+        server.cleanup()
+
+    async def cut_short() -> list[str]:  # a stop while a batch is being sent
+        lost: list[str] = []
+        hang = asyncio.Event()
+
+        async def run(batch: list[Job]) -> list[Any]:
+            await hang.wait()  # Redis never answers
+            return []
+
+        wb = WriteBehind(run, lambda job, reply: True, lambda: 0.0, 75.0,
+                         lambda job, why: lost.append(job.session_id))
+        wb.start()
+        wb.submit(Job("t", "s-in-flight", [prepare({"role": "user", "content": "x"})], None))
+        while not wb.pending or wb._queue:
+            await asyncio.sleep(0.01)
+        await wb.stop()
+        return lost
+
+    assert asyncio.run(cut_short()) == ["s-in-flight"]

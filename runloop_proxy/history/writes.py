@@ -133,6 +133,7 @@ class WriteBehind:
         self.bytes = 0
         self._queued: dict[tuple[str, str], Job] = {}  # the newest sync job per session
         self._in_flight = 0
+        self._sending: list[Job] = []  # the batch being sent (a stop may cut it short)
         # per session, its jobs not yet written nor given up (queued, waiting, being sent),
         # and a write about to be submitted (``reserve``): a turn still being counted
         self._open: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -165,6 +166,23 @@ class WriteBehind:
             except TimeoutError:
                 log.warning("write-behind flusher did not stop; leaving it",
                             extra={"jobs": len(self._queue)})
+        self._unwritten_at_stop()
+
+    def _unwritten_at_stop(self) -> None:
+        """What a stop leaves unwritten (Redis refusing writes, or away): every job given up
+        as lost (each logged and counted, ``on_lost``), and one line with the totals — the
+        turns were answered, and are not in the history."""
+        left = [*self._sending, *self._queue]
+        self._sending, self._queue = [], []
+        if not left:
+            return
+        messages = sum(len(job.items) for job in left)
+        log.error("stopping with history writes not stored: %d jobs, %d messages lost",
+                  len(left), messages, extra={"jobs": len(left), "messages": messages})
+        for job in left:
+            self._drop(job, "the proxy stopped before Redis took it")
+        self.bytes = 0
+        self._depth(0)
 
     @property
     def pending(self) -> int:
@@ -311,9 +329,11 @@ class WriteBehind:
                     if self._queued.get(job.key) is job:
                         del self._queued[job.key]
                 self._in_flight = len(batch)
+                self._sending = batch
                 self._depth(len(self._queue))
                 try:
                     await self._flush(batch)
+                    self._sending = []  # (cancelled by a stop, it is the stop's to count)
                 finally:
                     self._in_flight = 0
 
