@@ -245,24 +245,29 @@ def test_masters_killed_while_traffic_flows(make_proxy: Any,
                    for s in range(6)] + [threading.Thread(target=server_history)]
         for t in threads:
             t.start()
+        def answered(n: int) -> None:
+            """Wait for ``n`` more requests to be answered (the traffic's own pace, however
+            loaded the machine: no step is timed)."""
+            target = len(statuses) + n
+            until(lambda: len(statuses) >= target, timeout=120, what=f"{n} more answers")
+
         try:
-            time.sleep(1.0)
+            answered(7)
             for node in (nodes[1], nodes[2], nodes[0]):
-                node.stop()  # SIGKILL
-                time.sleep(1.2)
+                node.stop()  # SIGKILL, while the traffic goes on
+                answered(7)
                 node.start()
                 _converged(nodes)
-                time.sleep(0.8)
+                answered(7)
         finally:
             stop.set()
             for t in threads:
                 t.join(120)
         assert all(not t.is_alive() for t in threads)
         codes = {code for _, code in statuses}
-        assert 500 not in codes and codes <= {200, 503}, sorted(codes)
+        assert 500 not in codes and codes <= {200, 503}, statuses
         assert all(code == 200 for s, code in statuses if s != "sv-server"), \
-            "a client-history request failed instead of failing open"
-        assert sum(code == 200 for s, code in statuses if s.startswith("sv-c")) >= 12
+            f"a client-history request failed instead of failing open: {statuses}"
         assert sum(s.value for m in proxy.metrics.store_errors.collect() for s in m.samples
                    if s.name.endswith("_total")) > 0, "the outage was not counted"
 
@@ -288,7 +293,7 @@ def test_masters_killed_while_traffic_flows(make_proxy: Any,
         # and the session is served: nothing of it stays outstanding
         r = post("sv-server", [{"role": "user", "content": "after the outage"}],
                  **{"X-Runloop-History": "server"})
-        assert r.status_code == 200, r.text
+        assert r.status_code == 200, (r.status_code, r.text)
         # the next turn of every session brings what degraded turns left out: all stored
         for session, history in histories.items():
             asked = [*history, {"role": "user", "content": "after the outage"}]
