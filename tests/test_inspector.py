@@ -549,3 +549,28 @@ def test_the_sessions_page_stays_on_the_tenant_chosen_and_prices_its_sessions(
     for one in points:  # each row: its bill saved and money saved
         assert f"{savings.percent(one.bill_saved or 0)}</td><td class='num'>" \
                f"{savings.usd(one.money_saved)}</td>" in acme
+
+
+@pytest.mark.parametrize(("forwarded", "marked"), [
+    ([1200, 2400, 3600], []),
+    ([1200, 2400, 900, 1800, 700], [2, 4]),
+    ([5000, 5000, 4999], [2]),
+    ([800], []),
+])
+def test_the_chart_marks_each_request_where_the_window_compacted(
+        forwarded: list[int], marked: list[int]) -> None:
+    """Bug class: a mark off by one request. Planted: the shrink compared with the client's
+    prompt (the second row red), the mark drawn at the request before (the titles red)."""
+    from runloop_proxy.ops.inspector_chart import chart, compactions
+
+    points = [{"ts": 1_796_000_000_000 + k, "client": 9000 + 1000 * k, "forwarded": f}
+              for k, f in enumerate(forwarded)]
+    assert compactions(points) == marked
+    svg = chart(points)
+    titles = re.findall(r"<line class='compaction'[^>]*><title>request (\d+): the window "
+                        r"compacted, forwarded ([\d,]+) → ([\d,]+) tokens</title>", svg)
+    assert [(int(r), b, a) for r, b, a in titles] == [
+        (i + 1, f"{forwarded[i - 1]:,}", f"{forwarded[i]:,}") for i in marked]
+    assert ("window compacted</text>" in svg) == bool(marked)
+    if marked:
+        assert f"The window compacted at {len(marked)} request" in svg

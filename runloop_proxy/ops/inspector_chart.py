@@ -45,6 +45,17 @@ def request_ticks(n: int) -> list[int]:
     return ticks
 
 
+MARK = "#b45309"  # a compaction's mark
+MARKS_LISTED = 12
+
+
+def compactions(points: list[dict[str, int]]) -> list[int]:
+    """The requests (indexes) whose forwarded prompt shrank from the one before: where the
+    window compacted (and, for the provider's cache, a new chain started: ``savings``)."""
+    return [i for i in range(1, len(points))
+            if points[i]["forwarded"] < points[i - 1]["forwarded"]]
+
+
 def chart(points: list[dict[str, int]]) -> str:
     """The chart, or a line saying there is nothing to chart yet."""
     points = [p for p in points if isinstance(p.get("client"), int)
@@ -79,6 +90,13 @@ def chart(points: list[dict[str, int]]) -> str:
                    f"y='{TOP + PLOT_H + 18}' text-anchor='middle'>{i + 1}</text>")
     out.append(f"<text x='{LEFT + PLOT_W // 2}' y='{HEIGHT - 6}' text-anchor='middle'>"
                f"request (oldest first)</text>")
+    marks = compactions(points)
+    for i in marks:  # where the window compacted: the forwarded prompt shrank
+        before, after = points[i - 1]["forwarded"], points[i]["forwarded"]
+        out.append(f"<line class='compaction' x1='{x(i):.1f}' y1='{TOP}' x2='{x(i):.1f}' "
+                   f"y2='{TOP + PLOT_H}' stroke='{MARK}' stroke-width='1.5' "
+                   f"stroke-dasharray='4 3'><title>request {i + 1}: the window compacted, "
+                   f"forwarded {before:,} → {after:,} tokens</title></line>")
     for key, colour, label, at in (("client", CLIENT, "sent by the client", LEFT),
                                    ("forwarded", FORWARDED, "forwarded upstream", LEFT + 190)):
         out.append(f"<polyline fill='none' stroke='{colour}' stroke-width='2.5' "
@@ -86,10 +104,20 @@ def chart(points: list[dict[str, int]]) -> str:
                    f"<line x1='{at}' y1='12' x2='{at + 26}' y2='12' stroke='{colour}' "
                    f"stroke-width='3'/><text x='{at + 32}' y='16'>{label}</text>")
     out.append("</svg>")
+    if marks:
+        out.insert(-1, f"<line x1='{LEFT + 380}' y1='12' x2='{LEFT + 406}' y2='12' "
+                       f"stroke='{MARK}' stroke-width='1.5' stroke-dasharray='4 3'/>"
+                       f"<text x='{LEFT + 412}' y='16'>window compacted</text>")
     last = points[-1]
     out.append(f"<p class='muted'>{n} request{'s' if n != 1 else ''} · the last: client "
                f"{tokens(last['client'])} tokens, forwarded {tokens(last['forwarded'])} "
                f"({saving(last['client'], last['forwarded'])} saved). Whole prompts as the "
                f"proxy counts them (messages, tool schemas, reply priming; forwarded "
                f"includes the proxy's own tools when it added them).</p>")
+    if marks:
+        out.append(f"<p class='muted'>The window compacted at {len(marks)} request"
+                   f"{'s' if len(marks) != 1 else ''} (dashed: "
+                   f"{', '.join(str(i + 1) for i in marks[:MARKS_LISTED])}"
+                   f"{' …' if len(marks) > MARKS_LISTED else ''}): the forwarded prompt shrank "
+                   f"there.</p>")
     return "".join(out)
