@@ -106,6 +106,26 @@ def test_what_still_makes_another_message(other: list[dict[str, Any]]) -> None:
     assert match_hash(changed) not in (match_hash(base), match_hash(result))
 
 
+def test_a_system_turn_in_marked_blocks_then_as_a_string_is_one_turn() -> None:
+    """Claude Code 2.1.332 sends its environment as a system turn: a marked text block while
+    it is the newest, a string once the mark moved on (the session forked at it)."""
+    env = "# Environment\nYou have been invoked in the following environment:"
+    first = to_messages([{"role": "user", "content": "hi"},
+                         {"role": "system", "content": [
+                             {"type": "text", "text": env, "cache_control": EPHEMERAL}]}])
+    later = to_messages([{"role": "user", "content": "hi"},
+                         {"role": "system", "content": env}])
+    plain = to_messages([{"role": "user", "content": "hi"},
+                         {"role": "system", "content": [{"type": "text", "text": env}]}])
+    assert match_hash(first[1]) == match_hash(later[1]) == match_hash(plain[1])
+    assert prepare(first[1]).match == prepare(later[1]).match
+    assert fingerprint("ns", (), to_messages([], [{"type": "text", "text": env}])) == \
+        fingerprint("ns", (), to_messages([], env))
+    other = to_messages([{"role": "system", "content": [
+        {"type": "text", "text": env}, {"type": "image", "source": {}}]}])
+    assert match_hash(other[0]) != match_hash(later[1])
+
+
 def test_quoting_a_mark_in_text_is_text() -> None:
     """A message whose text names ``"cache_control"`` holds no mark: its match is its
     content hash, as for any other message."""

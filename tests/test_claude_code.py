@@ -1,11 +1,13 @@
-"""Claude Code, the real one (npm ``@anthropic-ai/claude-code``), headless through the proxy over
-the Messages API: the scripted model drives it over several turns into its own Bash tool,
+"""Claude Code, the real one (npm ``@anthropic-ai/claude-code``, the release ``VERSION``
+pins; ``RUNLOOP_CLAUDE_CODE_VERSION`` runs another, as CI does npm's newest), headless
+through the proxy over the Messages API: the scripted model drives it over several turns into its own Bash tool,
 reading files large enough to be cut; its session is the one it names, the window compresses
 it, the model recalls a cut result in a round Claude Code never sees, and every turn finishes.
 Skipped where npm or the package is not available (the install needs the npm registry)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -21,7 +23,9 @@ from runloop_proxy.scripted import ScriptedUpstream
 from .conftest import ProxyServer
 from .npm import npm_bin
 
-VERSION = "2.1.331"
+# the release CI is gated on; RUNLOOP_CLAUDE_CODE_VERSION runs another (CI runs npm's newest
+# too, loudly, never failing the run)
+VERSION = os.environ.get("RUNLOOP_CLAUDE_CODE_VERSION") or "2.1.332"
 ADMIN = "admin-0123456789abcdef"
 KEY = "cc-proxy-key-0123456789"
 MODEL = "claude-sonnet-4-6"
@@ -53,13 +57,14 @@ def claude_proxy(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
 
 
 def run_claude(claude: str, proxy: ProxyServer, home: Path, work: Path, prompt: str,
-               *more: str, model: str = MODEL, **env_vars: str) -> list[dict[str, Any]]:
+               *more: str, model: str | None = MODEL, **env_vars: str) -> list[dict[str, Any]]:
     env = {**os.environ, "HOME": str(home), "ANTHROPIC_BASE_URL": proxy.base,
            "ANTHROPIC_API_KEY": KEY, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
            "DISABLE_TELEMETRY": "1", "DISABLE_AUTOUPDATER": "1", "DISABLE_ERROR_REPORTING": "1",
            "IS_SANDBOX": "1", **env_vars}  # IS_SANDBOX: root may skip permission prompts
     r = subprocess.run([claude, "-p", prompt, "--output-format", "stream-json", "--verbose",
-                        "--model", model, "--dangerously-skip-permissions", *more],
+                        *(("--model", model) if model else ()),
+                        "--dangerously-skip-permissions", *more],
                        cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:] + r.stdout[-2000:]
     return [orjson.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
@@ -190,6 +195,57 @@ def test_claude_code_runs_through_the_proxy_compressed_and_recalled(
         "tenant": "dev", "tool": "recall_tool_call", "outcome": "hit"}) == 1
     assert any(b["messages"][-1]["content"][0].get("tool_use_id") == RECALL_ID
                for b in upstream.requests if isinstance(b["messages"][-1]["content"], list))
+
+
+def test_the_newest_defaults_through_a_default_proxy_are_one_session_one_branch(
+        claude_bin: str, make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """Claude Code with its own default model (2.1.332: ``claude-opus-5-5``, which the proxy
+    does not know, with ``max_tokens`` 128,000) through ``serve``'s default configuration:
+    three turns, the second ``--continue``, the third ``--resume`` by the session's id; no
+    request refused, every turn answered, one stored session with one branch (Claude Code
+    moves its cache mark every request), and the proxy's tools in none of Claude Code's
+    transcripts. Red with the mark counted as content (a branch per request) and the
+    environment's system turn, sent in a marked block and then as a string, read as two
+    turns (a fork at it). (The guessed window's refusal is tests/test_windows.py's: with the
+    family's 200,000 this session fits even with the reserve taken whole.)"""
+    proxy = make_proxy(admin_key=ADMIN)
+    work, home = workspace(tmp_path)
+    upstream.responder = model
+    outputs = []
+    session = None
+    for turn in range(FILES // PER_TURN):
+        more: tuple[str, ...] = ()
+        if turn == 1:
+            more = ("--continue",)
+        elif turn == 2:
+            assert session is not None
+            more = ("--resume", session)
+        out = run_claude(claude_bin, proxy, home, work,
+                         f"turn {turn}: read logs {turn * PER_TURN} to "
+                         f"{(turn + 1) * PER_TURN - 1}", *more, model=None)
+        outputs.append(out)
+        session = next(e["session_id"] for e in out if e.get("session_id"))
+    finals = [[e for e in out if e.get("type") == "result"][-1] for out in outputs]
+    assert [f["subtype"] for f in finals] == ["success"] * len(finals), finals
+    assert finals[-1]["result"].startswith(f"turn {len(finals) - 1} done")
+    main = [b for b in upstream.requests if len(b.get("tools") or []) > 2]
+    models = {b["model"] for b in main}
+    print(f"Claude Code {VERSION}: model {models}, max_tokens "
+          f"{sorted({b.get('max_tokens') for b in main})}, {len(main)} main requests")
+    assert all(b.get("max_tokens") for b in main)
+    proxy.settle()
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    tenant = "pt-" + hashlib.sha256(KEY.encode()).hexdigest()[:16]
+    listed = httpx.get(f"{proxy.base}/admin/sessions", headers=auth,
+                       params={"tenant": tenant}).json()["sessions"]
+    named = [s for s in listed if not s["session_id"].startswith("fp-")]
+    assert len(named) == 1, listed  # side requests (titles, checks) are fingerprinted apart
+    view = httpx.get(f"{proxy.base}/admin/sessions/{named[0]['session_id']}", headers=auth,
+                     params={"tenant": tenant, "messages": "1"}).json()
+    assert len(view["branches"]) == 1, view["branches"]
+    transcripts = "\n".join(p.read_text() for p in (home / ".claude").rglob("*.jsonl"))
+    assert transcripts and "recall_tool_call" not in transcripts \
+        and "search_history" not in transcripts
 
 
 # -- the bridge: Claude Code on a model that speaks chat completions ---------------------------

@@ -176,11 +176,23 @@ def marked(body: bytes) -> bool:
 
 def unmarked_hash(msg: Message, body: bytes | None = None) -> str:
     """The content hash of ``msg`` without its cache marks (``body``: its canonical JSON,
-    when known)."""
+    when known); a system message's plain text blocks read as its text."""
     body = canonical_json(msg) if body is None else body
-    if not marked(body):
+    system = msg.get("role") in ("system", "developer") and "blocks" in msg
+    if not marked(body) and not system:
         return content_hash(body)
-    return message_hash(unmarked(msg))
+    form = unmarked(msg)
+    if system and _plain_text(form.get("blocks")):
+        # a system turn in text blocks is its text (Claude Code sends its environment turn
+        # in a marked block, then, the mark moved on, as a string)
+        form = {k: v for k, v in form.items() if k != "blocks"}
+    return message_hash(form)
+
+
+def _plain_text(blocks: Any) -> bool:
+    return isinstance(blocks, list) and all(
+        isinstance(b, dict) and b.get("type") == "text" and set(b) <= {"type", "text"}
+        for b in blocks)
 
 
 def match_hash(msg: Message, content_key: str | None = None, body: bytes | None = None) -> str:
@@ -188,7 +200,8 @@ def match_hash(msg: Message, content_key: str | None = None, body: bytes | None 
     ``body``, the content hash and canonical JSON when known, serve every message but an
     assistant's."""
     if msg.get("role") != "assistant":
-        if content_key is not None and body is not None and not marked(body):
+        if content_key is not None and body is not None and not marked(body) \
+                and "blocks" not in msg:
             return content_key
         return unmarked_hash(msg, body)
     calls = [[c.get("id"), (c.get("function") or {}).get("name"),
