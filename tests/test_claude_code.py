@@ -1,9 +1,10 @@
-"""Claude Code, the real one (npm ``@anthropic-ai/claude-code``, the release ``VERSION``
-pins; ``RUNLOOP_CLAUDE_CODE_VERSION`` runs another, as CI does npm's newest), headless
-through the proxy over the Messages API: the scripted model drives it over several turns
-into its own Bash tool, reading files large enough to be cut; its session is the one it names, the window compresses
-it, the model recalls a cut result in a round Claude Code never sees, and every turn finishes.
-Skipped where npm or the package is not available (the install needs the npm registry)."""
+"""Claude Code, the real one (npm ``@anthropic-ai/claude-code``, the release ``VERSION`` pins;
+``RUNLOOP_CLAUDE_CODE_VERSION`` runs another, as CI does npm's newest), headless through the
+proxy over the Messages API: the scripted model drives it over several turns into its own
+Bash tool, reading files large enough to be cut; its session is the one it names, the window
+compresses it, the model recalls a cut result in a round Claude Code never sees, and every
+turn finishes. Skipped where npm or the package is not available (the install needs the npm
+registry)."""
 
 from __future__ import annotations
 
