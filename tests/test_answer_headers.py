@@ -11,7 +11,9 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import orjson
 import pytest
+from websockets.sync.client import connect
 
 from runloop_proxy.pipeline.upstream import answer_header, connection_named
 from runloop_proxy.scripted import ScriptedUpstream
@@ -226,3 +228,28 @@ def test_which_answer_headers_a_caller_reads(name: str, shared: bool, alone: boo
     assert answer_header(name) is shared
     assert answer_header(name, own_limits=True) is alone
     assert answer_header(name, own_key=True, own_limits=True) is own
+
+
+@pytest.mark.parametrize("who", ["shared", "alone", "passthrough"])
+def test_a_sockets_error_event_tells_only_what_an_answer_would(
+        proxies: dict[str, tuple[ProxyServer, str]], upstream: ScriptedUpstream,
+        who: str) -> None:
+    """Over the Responses WebSocket an upstream's 429 becomes an error event carrying its
+    headers (where Codex and the SDK read Retry-After): the same allow-list as an HTTP
+    answer's. Red with the account's organization and project relayed to every caller."""
+    proxy, key = proxies[who]
+    upstream.answer_headers = ACCOUNT + LIMITS + KEPT + NEVER
+    upstream.push({"status": 429, "body": {"error": {
+        "message": "Rate limit reached for requests", "type": "requests", "param": None,
+        "code": "rate_limit_exceeded"}}})
+    url = proxy.base.replace("http://", "ws://") + "/v1/responses"
+    with connect(url, additional_headers={"Authorization": f"Bearer {key}"}) as ws:
+        ws.send(orjson.dumps({"type": "response.create", "model": MODEL,
+                              "input": "socket"}).decode())
+        err = orjson.loads(ws.recv(timeout=30))
+    assert err["type"] == "error" and err["status"] == 429, err
+    got = set(err["headers"])
+    sent = {k for k, _ in ACCOUNT + LIMITS + KEPT + NEVER}
+    want = {k for k, _ in KEPT} | ({k for k, _ in ACCOUNT} if who == "passthrough" else set()) \
+        | ({k for k, _ in LIMITS} if who != "shared" else set())
+    assert got & sent == want and err["headers"]["retry-after-ms"] == "1731"
