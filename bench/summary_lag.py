@@ -74,17 +74,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def longest(trace: Path) -> dict[str, Any]:
-    """The recorded conversation with the most user turns (run loops)."""
-    best: tuple[int, dict[str, Any]] | None = None
+def longest(trace: Path, chain: int = 1) -> dict[str, Any]:
+    """The recorded conversations with the most user turns (run loops), the ``chain``
+    longest one after another as one session (the first's system prompt and tools; a
+    customer who comes back with another task)."""
+    found: list[tuple[int, int, dict[str, Any]]] = []
     with trace.open() as f:
-        for line in f:
+        for n, line in enumerate(f):
             conv = json.loads(line)
             users = sum(1 for m in conv.get("messages") or [] if m.get("role") == "user")
-            if best is None or users > best[0]:
-                best = (users, conv)
-    assert best is not None, f"{trace} holds no conversation"
-    return best[1]
+            found.append((users, -n, conv))
+    assert found, f"{trace} holds no conversation"
+    picked = [c for _, _, c in sorted(found, key=lambda t: t[:2], reverse=True)[:chain]]
+    msgs = list(picked[0]["messages"])
+    for conv in picked[1:]:
+        msgs += [m for m in conv["messages"] if m.get("role") != "system"]
+    return {"id": "+".join(str(c.get("id")) for c in picked), "messages": msgs,
+            "tools": picked[0].get("tools")}
 
 
 def as_reply(m: dict[str, Any]) -> dict[str, Any]:
@@ -201,12 +207,15 @@ def main() -> int:
     parser.add_argument("--gap", type=float, default=1.0,
                         help="seconds between a reply and the next request (agent speed)")
     parser.add_argument("--loops", type=int, default=0, help="replay only the first N loops")
+    parser.add_argument("--chain", type=int, default=3,
+                        help="the N longest recorded conversations as one session")
     parser.add_argument("--smoke", action="store_true",
                         help="short: 12 loops, delays 0 and 0.5 s, 0.1 s apart")
     args = parser.parse_args()
     if args.smoke:
-        args.delays, args.gap, args.loops = [0, 0.5], 0.1, 12
-    conv = longest(args.trace) if args.trace is not None else made_up(args.loops or 30)
+        args.delays, args.gap, args.loops, args.chain = [0, 0.5], 0.1, 12, 1
+    conv = longest(args.trace, args.chain) if args.trace is not None \
+        else made_up(args.loops or 30)
     if args.loops:
         users = [i for i, m in enumerate(conv["messages"]) if m.get("role") == "user"]
         if len(users) > args.loops:
@@ -232,6 +241,12 @@ def main() -> int:
             up.latency = Latency(summary=delay)
             windows, calls, started = replay(base, up, conv, f"lag-{delay:g}-{time.time_ns()}",
                                              args.gap)
+            # the calls still thinking answer before the next delay's run (theirs else)
+            # (and those a finished one starts: quiet for 2 s)
+            deadline, quiet = time.monotonic() + delay + 60, 0.0
+            while quiet < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                quiet = quiet + 0.2 if up.summaries_answered == up.summary_calls else 0.0
             shown = [(s, i) for i, b in enumerate(windows)
                      if (s := shown_summary(b)) is not None]
             covered = sum(1 for s, _ in shown if s)
