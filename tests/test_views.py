@@ -141,3 +141,25 @@ def test_a_single_request_is_drawn() -> None:
     svg = chart([{"client": 71_600, "forwarded": 631}])
     strokes = re.findall(r"points='([^']*)'", svg)
     assert len(strokes) == 2 and all(len(s.split()) == 2 for s in strokes)
+
+
+@pytest.mark.parametrize(("n", "shown", "more"), [(0, 0, None), (1, 1, None), (6, 6, None),
+                                                  (7, 7, None), (8, 6, 2), (3000, 6, 2994)])
+def test_a_long_list_is_folded_past_six_saying_how_many_more(n: int, shown: int,
+                                                             more: int | None) -> None:
+    """Bug class: a list that buries the page, or hides items without saying so. Planted:
+    the fold's count of the items shown instead of the rest (the 8 and 3,000 rows red)."""
+    from runloop_proxy.ops.views import folded
+
+    items = [f"<a href='/m?pos={k}'>call_{k:04d}</a>" for k in range(n)]
+    out = folded(items)
+    if n == 0:
+        assert out == "—"
+        return
+    head, _, tail = out.partition("<details>")
+    assert head.count("<a ") == shown
+    if more is None:
+        assert not tail
+    else:
+        assert tail.startswith(f"<summary>{more:,} more</summary>") and tail.count("<a ") == more
+    assert [int(k) for k in re.findall(r"call_(\d{4})", out)] == list(range(n))  # all, in order

@@ -30,7 +30,7 @@ from .inspector_chart import chart
 from .inspector_message import message_html
 from .inspector_shell import BASE, csrf_token, error, link, page, tenant_name, viewed, when
 from .inspector_window import DEFAULT_MODEL, Rebuilt, rebuild
-from .views import branch_origin, describe, loop_span, saving, tokens
+from .views import branch_origin, describe, folded, loop_span, saving, tokens
 
 SUMMARY_NOTE = f"{TAG} {SUMMARY_HEAD}"  # the message the window shows a summary in
 MARKER = "Earlier turns are not shown"
@@ -174,7 +174,7 @@ def _loops(tenant: str, sid: str, messages: list[Message], loops: list[RunLoop],
         final = messages[lp.final_position] if lp.final_position is not None else None
         out.append(f"<tr class='{fate}'><td>{lp.index}</td><td>"
                    f"{escape(preview(users[0] if users else None))}</td><td>"
-                   f"{'<br>'.join(results) or '—'}</td><td>{escape(preview(final))}</td>"
+                   f"{folded(results)}</td><td>{escape(preview(final))}</td>"
                    f"<td>{FATES[fate]}</td></tr>")
     out.append("</table>")
     return "".join(out)

@@ -28,6 +28,21 @@ def tokens(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else "—"
 
 
+FOLD_AFTER = 6  # items of a long list shown before the rest is folded
+
+
+def folded(items: Sequence[str], sep: str = "<br>", shown: int = FOLD_AFTER) -> str:
+    """HTML items (escaped by the caller) joined by ``sep``; past ``shown`` of them the rest
+    folded under a ``<details>`` that says how many ("—" for none)."""
+    if not items:
+        return "—"
+    if len(items) <= shown + 1:  # folding one away saves nothing
+        return sep.join(items)
+    rest = items[shown:]
+    return (sep.join(items[:shown]) + f"<details><summary>{len(rest):,} more</summary>"
+            + sep.join(rest) + "</details>")
+
+
 def saving(client: int, forwarded: int) -> str:
     """What forwarding saved of what the client sent, in percent ("—" for nothing sent); a
     prompt that grew (the proxy's tools added) says by how much."""
