@@ -20,9 +20,10 @@ from runloop_proxy.api.routes import CONVERSATIONS
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer
+from .keys import anthropic_key
 
 MODEL = "claude-sonnet-4-6"
-KEY = "sk-ant-test-key"
+KEY = anthropic_key(11)  # 108 characters, as Anthropic's
 ADMIN = "admin-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 TENANT = "pt-" + hashlib.sha256(KEY.encode()).hexdigest()[:16]

@@ -22,10 +22,11 @@ import pytest
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, serve_command
+from .keys import openai_project_key
 from .test_anthropic import BASH, PNG, asked, big, coding_turns
 
 MODEL = "gpt-4o"
-KEY = "sk-openai-client-key"
+KEY = openai_project_key(12)  # 164 characters, as OpenAI's project keys
 ADMIN = "admin-0123456789abcdef"
 TENANT = "pt-" + hashlib.sha256(KEY.encode()).hexdigest()[:16]
 CHAT_BASH = {"type": "function", "function": {

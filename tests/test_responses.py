@@ -18,10 +18,12 @@ from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, until
+from .keys import openai_project_key
 
 ADMIN = "admin-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
-TENANT = "pt-" + hashlib.sha256(b"sk-resp").hexdigest()[:16]  # a pass-through tenant
+KEY = openai_project_key(13)
+TENANT = "pt-" + hashlib.sha256(KEY.encode()).hexdigest()[:16]  # a pass-through tenant
 TOOLS = [{"type": "function", "name": "shell", "description": "run a command",
           "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}]
 # what a big tool output looks like to an agent: Unicode, runs of spaces, CRLF
@@ -36,7 +38,7 @@ for _ in range(80):
 
 def sdk(proxy: ProxyServer, session: str | None = None) -> openai.OpenAI:
     headers = {"X-Session-Id": session} if session else None
-    return openai.OpenAI(base_url=proxy.url, api_key="sk-resp", max_retries=0,
+    return openai.OpenAI(base_url=proxy.url, api_key=KEY, max_retries=0,
                          default_headers=headers)
 
 
@@ -251,7 +253,7 @@ def test_chained_requests_pass_through_untouched_and_are_counted(
                         "input": [{"role": "user", "content": "what number?"}],
                         "tools": TOOLS})
     r = httpx.post(proxy.url + "/responses", content=raw, headers={
-        "Content-Type": "application/json", "Authorization": "Bearer sk-resp"})
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
     assert r.status_code == 200, r.text
     assert upstream.raw_bodies[-1] == raw  # no window, no tools of the proxy's
     metrics = httpx.get(proxy.base + "/metrics").text

@@ -20,10 +20,13 @@ from runloop_proxy.errors import InvalidRequest
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, free_port
+from .keys import openai_project_key
+
+CLIENT_KEY = openai_project_key(14)
 
 
 def client(proxy: ProxyServer, **kw: object) -> openai.OpenAI:
-    return openai.OpenAI(base_url=proxy.url, api_key="sk-test-client-key", max_retries=0, **kw)
+    return openai.OpenAI(base_url=proxy.url, api_key=CLIENT_KEY, max_retries=0, **kw)
 
 
 def test_sync_completion_passes_through(proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
@@ -33,7 +36,7 @@ def test_sync_completion_passes_through(proxy: ProxyServer, upstream: ScriptedUp
     assert resp.choices[0].message.content == "hello there"
     assert resp.usage is not None and resp.usage.total_tokens > 0
     # the client's own key reaches the upstream in pass-through mode
-    assert upstream.headers[-1]["authorization"] == "Bearer sk-test-client-key"
+    assert upstream.headers[-1]["authorization"] == f"Bearer {CLIENT_KEY}"
 
 
 def test_unknown_fields_and_options_pass_through_byte_identical(
@@ -494,7 +497,7 @@ def raw_request(proxy: ProxyServer, method: str, path: str, body: bytes | None =
     conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
     try:
         conn.request(method, path, body=body, headers={
-            "Authorization": "Bearer sk-test-client-key", **(headers or {})})
+            "Authorization": f"Bearer {CLIENT_KEY}", **(headers or {})})
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -513,7 +516,7 @@ def test_pass_through_paths_never_leave_v1_upstream(proxy: ProxyServer,
     assert status == 404  # the scripted upstream has no such file; it saw the request:
     method, path, headers, _ = upstream.other[-1]
     assert (method, path) == ("GET", "/v1/files/file-1/content?purpose=x%2Fy")
-    assert headers["authorization"] == "Bearer sk-test-client-key"
+    assert headers["authorization"] == f"Bearer {CLIENT_KEY}"
 
 
 def test_a_compressed_pass_through_body_keeps_its_encoding(proxy: ProxyServer,
