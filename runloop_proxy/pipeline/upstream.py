@@ -99,14 +99,13 @@ class UpstreamResponse:
     in the pieces aiohttp decompresses, each bounded. A body cut short (a broken connection, a
     read timeout) raises, so a relay can end its own answer as cut and never as whole."""
 
-    def __init__(self, resp: aiohttp.ClientResponse, started: float, raw: bool = False,
+    def __init__(self, resp: aiohttp.ClientResponse, raw: bool = False,
                  on_close: Callable[[], None] | None = None, masks: MaskTable | None = None,
                  held: Held | None = None):
         self._resp = resp
         self.held = held or Held(None, "")  # the answer's bytes read whole, as they are held
         self._on_close = on_close  # told once, at the first close
         self.status = resp.status
-        self.started = started
         self.first_byte_at: float | None = None
         # the credentials the request carried, masked in the answer whatever the path it
         # takes to a client (an upstream refusing a key quotes it: a tenant read the
@@ -391,7 +390,6 @@ class UpstreamClient:
         masks = await self.masks.made(values)
         attempt = 0
         while True:
-            started = time.perf_counter()
             try:
                 if not raw:
                     headers = CIMultiDict(headers)
@@ -427,7 +425,7 @@ class UpstreamClient:
                 if closed is not None:
                     closed()
 
-            return UpstreamResponse(resp, started, raw, answered, masks)
+            return UpstreamResponse(resp, raw, answered, masks)
 
     def _backoff(self, attempt: int, retry_after: str | None) -> float:
         if retry_after is not None:
