@@ -574,3 +574,50 @@ def test_the_chart_marks_each_request_where_the_window_compacted(
     assert ("window compacted</text>" in svg) == bool(marked)
     if marked:
         assert f"The window compacted at {len(marked)} request" in svg
+
+
+def test_a_message_page_says_what_the_window_did_with_it(inspected: ProxyServer) -> None:
+    """The message page and the session page agree: an elided result with its recall ref, a
+    message of an omitted loop, the opening kept. Bug class: a message's fate read from
+    another message. Planted: the elided lookup ignoring the position (red here and in the
+    table below)."""
+    c = logged_in(inspected)
+    page = c.get("/admin/ui/session", params={"tenant": "acme", "id": "order-desk-7"}).text
+    cut = re.search(r"href='(/admin/ui/message\?[^']+)'>[^<]*</a>[^<]*— elided, ref "
+                    r"<code>([^<]+)</code>", page)
+    if cut:  # the last window elided a result of this session's
+        msg = c.get(html.unescape(cut.group(1))).text
+        assert "<dt>in the last request's window</dt><dd>elided: the window showed a stub" \
+            in msg
+        assert f"by its recall ref <code>{cut.group(2)}</code>" in msg
+    omitted = re.search(r"<tr class='omitted'><td>(\d+)</td>.*?href='(/admin/ui/message\?"
+                        r"[^']+)'", page, re.S)
+    assert omitted, "no omitted loop with a tool result"
+    msg = c.get(html.unescape(omitted.group(2))).text
+    assert f"omitted (behind the marker) (run loop {omitted.group(1)})" in msg, msg[-3000:]
+    first = c.get("/admin/ui/message", params={"tenant": "acme", "id": "order-desk-7",
+                                               "pos": 0}).text
+    assert "kept in full (before the first run loop" in first
+
+
+def test_window_fate_names_an_elided_message_s_recall_ref() -> None:
+    from types import SimpleNamespace
+
+    from runloop_proxy.ops.inspector_message import window_fate
+    from runloop_proxy.window.plan import Elided
+
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_8f2", "type": "function",
+                     "function": {"name": "get_order", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_8f2", "content": "x" * 900},
+                {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    window = SimpleNamespace(elided=[Elided("r7c21", "call_8f2", "get_order", 231, 3)],
+                             omitted_loops=0, reduced_loops=0)
+    rebuilt = SimpleNamespace(window=window, messages=messages)
+    said = window_fate(rebuilt, messages, 3)  # type: ignore[arg-type]
+    assert said.startswith("elided: the window showed a stub in its place (231 tokens")
+    assert "recall ref <code>r7c21</code>" in said
+    assert window_fate(rebuilt, messages, 2).startswith("kept in full")  # type: ignore[arg-type]
+    assert window_fate(rebuilt, messages, 0).startswith(  # type: ignore[arg-type]
+        "kept in full (before the first run loop")

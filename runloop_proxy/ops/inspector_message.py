@@ -4,6 +4,7 @@ indented), the calls it makes with their arguments indented, and whatever else i
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from html import escape
 from typing import Any
 
@@ -14,11 +15,13 @@ from starlette.responses import Response
 from ..conversation.identity import name_of
 from ..conversation.messages import Message, message_text, tool_calls_of
 from ..conversation.runloops import segment
+from ..errors import StoreError
 from ..history.store import SessionView
 from ..pipeline.offload import offload
 from ..pipeline.tools import spliced_stored
 from . import params
 from .inspector_shell import error, link, page, viewed
+from .inspector_window import FATES, Rebuilt, fate, rebuild, spec_of
 from .views import pretty
 
 SHOWN = {"role", "content", "name", "tool_call_id", "tool_calls", "refusal"}
@@ -83,13 +86,44 @@ async def message(request: Request) -> Response:
     seen = await viewed(request)
     if isinstance(seen, Response):
         return seen
-    _, _, tenant, sid, view = seen
+    state, _, tenant, sid, view = seen
     pos = params.integer(request, "pos", -1)
+    assert state.store is not None
+    try:
+        points = await state.store.points(tenant, sid)
+        stored = await state.store.summaries(tenant, sid)
+    except StoreError:
+        points, stored = None, {}  # the page without what the window did
+
+    def fate_of(messages: list[Message]) -> str | None:
+        if points is None:
+            return None
+        spec, _ = spec_of(state, tenant)
+        return window_fate(rebuild(state, spec, tenant, sid, view, points, stored),
+                           messages, pos)
     # splicing and segmenting a large session is the work of a large request: off the loop
-    return await offload(view.large, lambda: _page(tenant, sid, view, pos))
+    return await offload(view.large, lambda: _page(tenant, sid, view, pos, fate_of))
 
 
-def _page(tenant: str, sid: str, view: SessionView, pos: int) -> Response:
+def window_fate(rebuilt: Rebuilt, messages: list[Message], pos: int) -> str:
+    """What the last request's window did with message ``pos`` (HTML): elided with its
+    recall ref, or its loop's fate; before the first loop, in full."""
+    cut = next((e for e in rebuilt.window.elided if e.position == pos), None)
+    if cut is not None:
+        return (f"elided: the window showed a stub in its place ({cut.tokens:,} tokens "
+                f"left out); the model gets it back whole by its recall ref "
+                f"<code>{escape(cut.ref)}</code>")
+    if pos >= len(rebuilt.messages):
+        return "not in it: the message came after the last request"
+    loop = next((lp for lp in segment(messages) if pos in lp.positions), None)
+    if loop is None:
+        return "kept in full (before the first run loop: the system prompt and the opening)"
+    said = FATES[fate(loop, rebuilt)]
+    return f"{'kept ' if said.startswith('in full') else ''}{said} (run loop {loop.index})"
+
+
+def _page(tenant: str, sid: str, view: SessionView, pos: int,
+          fate_of: Callable[[list[Message]], str | None] = lambda m: None) -> Response:
     messages = spliced_stored(view.messages, view.internal)[0]
     if not 0 <= pos < len(messages):
         return error("not found", "No such message.", 404)
@@ -106,6 +140,9 @@ def _page(tenant: str, sid: str, view: SessionView, pos: int) -> Response:
     facts = [("role", escape(str(m.get("role")))),
              ("position", f"{pos} of {len(messages)}"
               + (f", in run loop {loop}" if loop is not None else ", before the first run loop"))]
+    told = fate_of(messages)
+    if told is not None:
+        facts.append(("in the last request's window", told))
     if m.get("name"):
         facts.append(("name", f"<code>{escape(str(m.get('name')))}</code>"))
     if m.get("tool_call_id"):

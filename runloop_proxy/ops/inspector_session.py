@@ -29,26 +29,14 @@ from ..window.forms import SUMMARY_HEAD, TAG
 from .inspector_chart import chart
 from .inspector_message import message_html
 from .inspector_shell import BASE, csrf_token, error, link, page, tenant_name, viewed, when
-from .inspector_window import DEFAULT_MODEL, Rebuilt, rebuild
+from .inspector_window import DEFAULT_MODEL, FATES, Rebuilt, rebuild, spec_of
+from .inspector_window import fate as loop_fate
 from .views import branch_origin, describe, folded, loop_span, saving, tokens
 
 SUMMARY_NOTE = f"{TAG} {SUMMARY_HEAD}"  # the message the window shows a summary in
 MARKER = "Earlier turns are not shown"
 RECORDS_SHOWN = 50
 ROUNDS_SHOWN = 20
-FATES = {"omitted": "omitted (behind the marker)", "reduced": "reduced to question and answer",
-         "whole": "in full", "open": "in full (the open loop)"}
-
-
-def spec_of(state: AppState, tenant: str) -> tuple[TenantSpec, str]:
-    """The tenant's config, and a note when the namespace's own is gone (its sessions are
-    still stored): then another tenant's stands in for the rebuild."""
-    spec = state.config.spec_of_namespace(tenant)
-    if spec is not None:
-        return spec, ""
-    spec = next(iter(state.config.tenants.values()))
-    return spec, (f"<p class='muted'>No tenant of this name is configured any more: the "
-                  f"window below is rebuilt with tenant {escape(spec.name)}'s policy.</p>")
 
 
 async def session(request: Request) -> Response:
@@ -141,15 +129,6 @@ def _window(rebuilt: Rebuilt, requests: int) -> str:
     return "".join(out)
 
 
-def _fate(lp: RunLoop, rebuilt: Rebuilt) -> str:
-    w = rebuilt.window
-    if lp.index < w.omitted_loops:
-        return "omitted"
-    if lp.index < w.omitted_loops + w.reduced_loops:
-        return "reduced"
-    return "open" if lp.status.value == "open" or lp.end >= len(rebuilt.messages) else "whole"
-
-
 def _loops(tenant: str, sid: str, messages: list[Message], loops: list[RunLoop],
            rebuilt: Rebuilt) -> str:
     elided = {e.position: e for e in rebuilt.window.elided}
@@ -158,7 +137,7 @@ def _loops(tenant: str, sid: str, messages: list[Message], loops: list[RunLoop],
     out = ["<table><tr><th>loop</th><th>the user asked</th><th>tool results</th>"
            "<th>the final reply</th><th>in the last request's window</th></tr>"]
     for lp in loops:
-        fate = _fate(lp, rebuilt)
+        fate = loop_fate(lp, rebuilt)
         results = []
         for i in lp.positions:
             m = messages[i]

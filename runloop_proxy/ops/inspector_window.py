@@ -8,15 +8,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from html import escape
 from typing import Any
 
 from ..config import TenantSpec
 from ..conversation.messages import Message
+from ..conversation.runloops import RunLoop
 from ..history.store import SessionView
 from ..pipeline.framing import FirstSeen, Frame, prompt_tokens, sends_proxy_tools, window_in
 from ..pipeline.tools import spliced_stored
 from ..state import AppState
 from ..window.builder import Window
+
+FATES = {"omitted": "omitted (behind the marker)", "reduced": "reduced to question and answer",
+         "whole": "in full", "open": "in full (the open loop)"}
 
 DEFAULT_MODEL = "gpt-4o"  # for a session whose requests kept no frame
 
@@ -76,3 +81,24 @@ def rebuild(state: AppState, spec: TenantSpec, namespace: str, session_id: str,
     client, forwarded = prompt_tokens(state, spec, frame, window.tokens_in, window.tokens_out,
                                       with_tools)
     return Rebuilt(window, messages, client, forwarded, frame, point)
+
+
+def spec_of(state: AppState, tenant: str) -> tuple[TenantSpec, str]:
+    """The tenant's config, and a note when the namespace's own is gone (its sessions are
+    still stored): then another tenant's stands in for the rebuild."""
+    spec = state.config.spec_of_namespace(tenant)
+    if spec is not None:
+        return spec, ""
+    spec = next(iter(state.config.tenants.values()))
+    return spec, (f"<p class='muted'>No tenant of this name is configured any more: the "
+                  f"window below is rebuilt with tenant {escape(spec.name)}'s policy.</p>")
+
+
+def fate(lp: RunLoop, rebuilt: Rebuilt) -> str:
+    """What the last request's window did with a run loop (a key of ``FATES``)."""
+    w = rebuilt.window
+    if lp.index < w.omitted_loops:
+        return "omitted"
+    if lp.index < w.omitted_loops + w.reduced_loops:
+        return "reduced"
+    return "open" if lp.status.value == "open" or lp.end >= len(rebuilt.messages) else "whole"
