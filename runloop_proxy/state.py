@@ -112,14 +112,16 @@ class AppState:
         error's, where it is answered)."""
         self.metrics.share_refusals.labels(resource.split(" to ")[0], reason).inc()
 
-    def spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, object]) -> asyncio.Future[Any]:
         """Run work off the request path, supervised (``tasks.once``: an exception logged
         with its traceback and counted); keep a reference so it is not collected
-        mid-flight."""
+        mid-flight. The task, for a caller that must see it end (a server-history turn
+        waits for its write: ``relay.kept``)."""
         name = getattr(coro, "__qualname__", None) or "background"
         task = asyncio.ensure_future(once(name, coro, self.background_failed))
         self.background.add(task)
         task.add_done_callback(self.background.discard)
+        return task
 
     def background_failed(self, name: str) -> None:
         self.metrics.background_failures.labels(name).inc()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import orjson
@@ -33,6 +33,13 @@ from .values import Answer, Caller, History, Outgoing, Turn
 from .wire import Reply, Wire
 
 log = logs.get("relay")
+# server history: an answer ends only once its turn is in Redis, waiting at most this long
+# (then it ends saying so); every replica reads the session from Redis, and the client may
+# send the next turn to any of them the moment it has this answer
+DURABLE_WAIT_S = 2.0
+# what a stream says, before its end, when its server-history turn is not in Redis yet
+# (an SSE comment: the SDKs skip it; the turn is queued and written when Redis takes it)
+NOT_STORED_EVENT = b": X-Runloop-Degraded: history (this turn is not stored yet)\n\n"
 
 
 async def forward(state: AppState, turn: Turn, body: bytes | dict[str, Any],
@@ -86,7 +93,9 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
             return Answer(resp.status, headers,
                           stream=_passed_through(state, turn, session, history, resp, rlog))
         raw = await read(state, resp, rlog)
-        _answered(state, turn, session, history, rlog, _parsed_reply(turn.wire, raw), False)
+        if not await _answered(state, turn, session, history, rlog,
+                               _parsed_reply(turn.wire, raw), False):
+            headers["X-Runloop-Degraded"] = "history"
         rlog.finish(resp.status)
         return Answer(resp.status, headers, raw)
     raw = await read(state, resp, rlog)
@@ -97,21 +106,56 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
         _count_calls(state, turn, rounds)
     _calibrate(state, turn, rlog, outcome.first)
     rlog.usage(outcome.usage)
-    state.spawn(record(state, turn, session, history, outcome.shown, outcome.kept,
-                       answer_id=outcome.id, tokens=rlog.prompt_tokens, frame=rlog.frame,
-                       usage=rlog.billed, chain=outcome.chain))
+    if not await kept(state, turn, session, history, record(
+            state, turn, session, history, outcome.shown, outcome.kept,
+            answer_id=outcome.id, tokens=rlog.prompt_tokens, frame=rlog.frame,
+            usage=rlog.billed, chain=outcome.chain)):
+        headers["X-Runloop-Degraded"] = "history"
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps(data))
 
 
-def _answered(state: AppState, turn: Turn, session: Session, history: History,
-              rlog: RequestLog, reply: Reply | None, large: bool) -> None:
-    """An answer relayed unchanged: learn from its usage and record it."""
+async def _answered(state: AppState, turn: Turn, session: Session, history: History,
+                    rlog: RequestLog, reply: Reply | None, large: bool) -> bool:
+    """An answer relayed unchanged: learn from its usage and record it (``kept``)."""
     _calibrate(state, turn, rlog, reply.usage if reply else None)
     rlog.usage(reply.usage if reply else None)
-    state.spawn(record(state, turn, session, history, reply.message if reply else None, None,
-                       large, reply.id if reply else None, rlog.prompt_tokens, rlog.frame,
-                       usage=rlog.billed))
+    return await kept(state, turn, session, history, record(
+        state, turn, session, history, reply.message if reply else None, None, large,
+        reply.id if reply else None, rlog.prompt_tokens, rlog.frame, usage=rlog.billed))
+
+
+def durable(turn: Turn, history: History) -> bool:
+    """Whether this turn's answer ends only once the turn is in Redis: server history, whose
+    conversation lives in Redis alone (any replica may serve its next turn, and a replica
+    killed after the answer must not have lost it)."""
+    return turn.server_history and history.appended is not None and not history.degraded
+
+
+async def kept(state: AppState, turn: Turn, session: Session, history: History,
+               recording: Coroutine[Any, Any, None]) -> bool:
+    """Record a turn (``reconcile.record``): behind the answer — or, for server history
+    (``durable``), before its end: the answer waits (at most DURABLE_WAIT_S) until Redis
+    holds the turn. False when it does not yet: Redis refusing writes or slow (the turn stays
+    queued and is written when Redis takes it); the caller's answer says so. The recording
+    runs on if the client goes away meanwhile (the upstream answered: the turn is kept)."""
+    task = state.spawn(recording)
+    store, ns = state.store, turn.caller.namespace
+    if not durable(turn, history) or store is None or ns is None:
+        return True
+    try:
+        async with asyncio.timeout(DURABLE_WAIT_S):
+            await asyncio.shield(task)  # the turn queued (``record`` catches what it raises)
+        if not store.refusing_writes and \
+                await store.written(ns, session.id, DURABLE_WAIT_S):
+            return True
+    except TimeoutError:
+        pass
+    state.metrics.degraded.labels(turn.caller.label, "history").inc()
+    log.warning("server-history turn not stored before its answer ended: queued, written "
+                "when Redis takes it", extra={"tenant": turn.caller.tenant.name,
+                                               "session": session.id})
+    return False
 
 
 async def _passed_through(state: AppState, turn: Turn, session: Session, history: History,
@@ -120,20 +164,30 @@ async def _passed_through(state: AppState, turn: Turn, session: Session, history
     store would keep it (beyond, it is relayed and not recorded: a log line says so)."""
     status = resp.status
     limit = state.config.store.max_message_bytes
-    kept: list[bytes] = []
+    held: list[bytes] = []
     size = 0
+    # server history: the last chunk waits for the turn's write (``kept``), so the answer
+    # is not whole at the client before its turn is in Redis
+    last: bytes | None = None
+    behind = durable(turn, history)
     try:
         async for chunk in resp.iter_chunks():
-            yield chunk
+            if not behind:
+                yield chunk
+            elif last is not None:
+                yield last
+            last = chunk
             size += len(chunk)
             if size <= limit:
-                kept.append(chunk)
+                held.append(chunk)
         if size > limit:
             _too_large_to_record(state, turn, size)
         else:
-            raw = b"".join(kept)
+            raw = b"".join(held)
             reply = await offload(is_large(size), lambda: _parsed_reply(turn.wire, raw))
-            _answered(state, turn, session, history, rlog, reply, is_large(size))
+            await _answered(state, turn, session, history, rlog, reply, is_large(size))
+        if behind and last is not None:
+            yield last  # (a JSON body: a note of its own cannot go in it)
     except UpstreamError as exc:
         # the connection broke mid-answer: the client's body must end cut, never as whole
         status = exc.status
@@ -263,16 +317,33 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                 observer.feed(ev)
                 return ()
 
+            behind = durable(turn, history)
+            recorded = False
             async for chunk in resp.iter_chunks():
                 rlog.first_byte()
-                yield chunk
+                if not behind:
+                    yield chunk
                 if decoder is not None:
                     try:
                         await events(decoder, chunk, observe)
                     except UpstreamTooLarge:
                         decoder = None  # an event past what the store keeps: relayed only
                         _too_large_to_record(state, turn)
-            if decoder is not None:
+                if behind:
+                    # server history: the chunk that ends the answer goes to the client
+                    # once its turn is in Redis (or with a note that it is not yet)
+                    if decoder is not None and not recorded and observer.ended \
+                            and observer.failure is None:
+                        for ev in decoder.flush():
+                            observer.feed(ev)
+                        recorded = True
+                        if not await _answered(state, turn, session, history, rlog,
+                                               observer.reply(), False):
+                            yield NOT_STORED_EVENT
+                    yield chunk
+            if recorded:
+                pass
+            elif decoder is not None:
                 for ev in decoder.flush():
                     observer.feed(ev)
                 if observer.failure is not None:
@@ -284,22 +355,35 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                         "error": observer.failure.log_text})
                 elif not observer.ended:
                     raise UpstreamBadReply("the upstream's stream ended before its answer did")
-                else:
-                    _answered(state, turn, session, history, rlog, observer.reply(), False)
+                elif not await _answered(state, turn, session, history, rlog,
+                                         observer.reply(), False):
+                    yield NOT_STORED_EVENT
         else:
             rounds = _rounds(state, turn, session, history, out, rlog)
+            # server history: each piece goes one behind, so the last (the answer's end)
+            # waits for the turn's write
+            behind = durable(turn, history)
+            last: bytes | None = None
             try:
                 async for piece in answer_stream(rounds, resp, turn.body, outcomes.append):
                     rlog.first_byte()
-                    yield piece
+                    if not behind:
+                        yield piece
+                        continue
+                    if last is not None:
+                        yield last
+                    last = piece
             finally:
                 _count_calls(state, turn, rounds)
             _calibrate(state, turn, rlog, outcomes[0].first)
             rlog.usage(outcomes[0].usage)
-            state.spawn(record(state, turn, session, history, outcomes[0].shown,
-                               outcomes[0].kept, answer_id=outcomes[0].id,
-                               tokens=rlog.prompt_tokens, frame=rlog.frame,
-                               usage=rlog.billed, chain=outcomes[0].chain))
+            if not await kept(state, turn, session, history, record(
+                    state, turn, session, history, outcomes[0].shown, outcomes[0].kept,
+                    answer_id=outcomes[0].id, tokens=rlog.prompt_tokens, frame=rlog.frame,
+                    usage=rlog.billed, chain=outcomes[0].chain)):
+                yield NOT_STORED_EVENT
+            if last is not None:
+                yield last
     except UpstreamError as exc:
         status = exc.status
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,

@@ -1,0 +1,162 @@
+"""Server history across replicas: two ``runloop-proxy serve`` processes on one Redis.
+
+A server-history session's conversation lives in Redis alone, and a client (or a load
+balancer) may send its next turn to any replica the moment it has an answer. Each replica
+used to wait only for its own outstanding writes, so a turn answered by one replica was
+still queued there when the next turn reached the other: 4-6 of 180 JSON requests, 15-31
+of 180 streamed ones went upstream without the turn before, and histories were stored out
+of order. An answer of a server-history turn now ends only once Redis holds the turn
+(``relay.kept``), so whatever replica reads the session next reads it whole.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import serve_command
+from .keys import openai_project_key
+
+SESSIONS = 6
+TURNS = 10
+MODEL = "gpt-4o-mini-2024-07-18"
+
+
+def _ask(client: openai.OpenAI, text: str, stream: bool) -> str:
+    if not stream:
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": text}])
+        return answer.choices[0].message.content or ""
+    got = []
+    for chunk in client.chat.completions.create(
+            model=MODEL, stream=True, messages=[{"role": "user", "content": text}]):
+        if chunk.choices and chunk.choices[0].delta.content:
+            got.append(chunk.choices[0].delta.content)
+    return "".join(got)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
+def test_every_turn_reaches_the_upstream_whatever_replica_answered_the_last(
+        stream: bool, upstream: ScriptedUpstream, redis_url: str, tmp_path: Path) -> None:
+    """Bug class: a session's outstanding write known to one process only (the next turn,
+    sent to another replica, read Redis before the write landed). Planted: the answer's end
+    not waiting for the turn's write (``durable`` False: the turn written behind, as
+    before) — red, 2 of 60 JSON and 4 of 60 streamed requests sent upstream without the
+    turn before. The second bug of the class (the stream's end sent before the write) is
+    planted in the test below, where the write's latency is injected."""
+    key = openai_project_key(40)
+    with serve_command(upstream.url, redis_url, tmp_path / "a", [], {}) as (a, _), \
+            serve_command(upstream.url, redis_url, tmp_path / "b", [], {}) as (b, _):
+        replicas = [a + "/v1", b + "/v1"]
+        tag = "json" if not stream else "sse"
+        names = [f"replica-{tag}-{n:02d}" for n in range(SESSIONS)]
+        failures: list[str] = []
+
+        def converse(name: str) -> None:
+            clients = [openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60,
+                                     default_headers={"X-Session-Id": name,
+                                                      "X-Runloop-History": "server"})
+                       for url in replicas]
+            try:
+                for turn in range(TURNS):
+                    text = f"{name} turn {turn}"
+                    got = _ask(clients[turn % 2], text, stream)
+                    if got != f"echo: {text}":
+                        failures.append(f"{name} turn {turn}: answered {got!r}")
+            except Exception as exc:  # noqa: BLE001 - said in the assertion below
+                failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            finally:
+                for c in clients:
+                    c.close()
+
+        threads = [threading.Thread(target=converse, args=(n,)) for n in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not failures, failures
+
+        def sent_for(name: str) -> list[list[Any]]:
+            return [[m.get("content") for m in body["messages"]]
+                    for body in list(upstream.requests)
+                    if body.get("messages")
+                    and body["messages"][0].get("content") == f"{name} turn 0"]
+
+        missing = []
+        for name in names:
+            requests = sorted(sent_for(name), key=len)
+            assert len(requests) == TURNS, (name, [len(r) for r in requests])
+            for turn, contents in enumerate(requests):
+                want: list[str] = []
+                for earlier in range(turn):
+                    want += [f"{name} turn {earlier}", f"echo: {name} turn {earlier}"]
+                want.append(f"{name} turn {turn}")
+                if contents != want:
+                    missing.append((name, turn, contents))
+        assert not missing, f"{len(missing)} of {SESSIONS * TURNS} requests went upstream " \
+                            f"without every earlier turn in order: {missing[:3]}"
+
+        # what Redis holds, read through the other replica: every turn, in order
+        for n, name in enumerate(names):
+            c = openai.OpenAI(base_url=replicas[n % 2], api_key=key, max_retries=0,
+                              timeout=60, default_headers={"X-Session-Id": name,
+                                                           "X-Runloop-History": "server"})
+            assert _ask(c, f"{name} last", stream) == f"echo: {name} last"
+            c.close()
+            last = sent_for(name)[-1]
+            assert last == [x for t in range(TURNS) for x in
+                            (f"{name} turn {t}", f"echo: {name} turn {t}")] + [f"{name} last"]
+
+
+WRITE_DELAY_S = 0.35  # every history write of both replicas reaches Redis this late
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
+def test_a_slow_write_is_waited_for_by_the_answer_not_by_luck(
+        stream: bool, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """The same property with the write's latency injected, not hoped for: two replicas
+    (each its own store and write-behind queue) on one Redis, every write of either reaching
+    Redis WRITE_DELAY_S late, turns alternating. Red on the second turn with the answer's
+    end not waiting for the write (planted: ``durable`` False), JSON and streamed; and, the
+    second bug of the class, with the wait made after the stream's ending chunk was sent
+    (planted: that chunk yielded before ``kept``) — red on the second turn too."""
+    import asyncio
+
+    from .conftest import ProxyServer
+
+    first: ProxyServer = make_proxy()
+    second = ProxyServer(first.settings, first.config).start()
+    try:
+        for replica in (first, second):
+            writes = replica.state.store.writes
+            run = writes._run
+
+            async def slow(batch: Any, run: Any = run) -> Any:
+                await asyncio.sleep(WRITE_DELAY_S)
+                return await run(batch)
+
+            writes._run = slow
+        key = openai_project_key(41)
+        name = "slow-write-" + ("sse" if stream else "json")
+        clients = [openai.OpenAI(base_url=p.url, api_key=key, max_retries=0, timeout=60,
+                                 default_headers={"X-Session-Id": name,
+                                                  "X-Runloop-History": "server"})
+                   for p in (first, second)]
+        for turn in range(6):
+            seen = len(upstream.requests)
+            assert _ask(clients[turn % 2], f"{name} {turn}", stream) == f"echo: {name} {turn}"
+            assert len(upstream.requests) == seen + 1
+            sent = [m["content"] for m in upstream.requests[-1]["messages"]]
+            assert sent == [x for t in range(turn) for x in
+                            (f"{name} {t}", f"echo: {name} {t}")] + [f"{name} {turn}"], \
+                (turn, sent)
+        for c in clients:
+            c.close()
+    finally:
+        second.stop()
