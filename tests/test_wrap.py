@@ -292,3 +292,21 @@ def test_codex_set_to_another_provider_is_said(tmp_path: Path,
     assert said is not None and "'azure'" in said and "-c model_provider=openai" in said
     assert codex_elsewhere(["-c", "model_provider=openai", "exec", "hi"]) is None
     assert (tmp_path / "config.toml").read_text() == 'model_provider = "azure"\n'
+
+
+def test_claude_code_keeps_tool_search_through_the_proxy(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Claude Code turns tool search off for a base URL that is not Anthropic's unless
+    ENABLE_TOOL_SEARCH is set: wrap sets it for the agent's process, the user's own value
+    first; Codex's environment is left alone. Red with the switch not set."""
+    from runloop_proxy.ops.wrap import AGENTS, Proxy, launch
+
+    proxy = Proxy("http://127.0.0.1:48123", 4242, "https://api.anthropic.com", None, True)
+    monkeypatch.delenv("ENABLE_TOOL_SEARCH", raising=False)
+    args, env = launch(AGENTS["claude"], proxy, ["-p", "hi"])
+    assert args == ["-p", "hi"] and env["ANTHROPIC_BASE_URL"] == "http://127.0.0.1:48123"
+    assert env["ENABLE_TOOL_SEARCH"] == "true"
+    monkeypatch.setenv("ENABLE_TOOL_SEARCH", "auto:5")
+    assert launch(AGENTS["claude"], proxy, [])[1]["ENABLE_TOOL_SEARCH"] == "auto:5"
+    monkeypatch.delenv("ENABLE_TOOL_SEARCH")
+    assert "ENABLE_TOOL_SEARCH" not in launch(AGENTS["codex"], proxy, [])[1]

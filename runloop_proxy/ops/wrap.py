@@ -74,6 +74,11 @@ class WrapError(Exception):
     """What stops a wrap before its agent runs: one line for the user."""
 
 
+# what Claude Code keeps for Anthropic's own URL, switched on for the proxy (the user's own
+# setting wins); what differs beside is in the docs (Claude Code through the proxy)
+CLAUDE_FIRST_PARTY = {"ENABLE_TOOL_SEARCH": "true"}
+
+
 @dataclass(frozen=True)
 class Proxy:
     url: str  # http://127.0.0.1:PORT, no /v1
@@ -175,6 +180,11 @@ def launch(agent: Agent, proxy: Proxy, agent_args: list[str]
     env = dict(os.environ)
     if agent.name == "claude":
         env["ANTHROPIC_BASE_URL"] = proxy.url  # Claude Code adds /v1/messages itself
+        # Claude Code turns tool search off for a base URL not Anthropic's own unless this
+        # is set (2.1.332); through the proxy its requests reach Anthropic as it sent them
+        # (the beta header, deferred tools, the search's blocks), so it keeps what it had
+        for name, value in CLAUDE_FIRST_PARTY.items():
+            env.setdefault(name, value)
         return agent_args, env
     # Codex: its built-in provider's base URL for this run only (its login is kept)
     return ["-c", f'openai_base_url="{proxy.url}/v1"', *agent_args], env
