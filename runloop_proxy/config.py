@@ -140,6 +140,19 @@ class Policy(_Strict):
                               "the end of the request besides, at most four in all")
     summary_timeout_s: float = Field(30, gt=0)
     summary_backoff_s: float = Field(300, ge=0, description="pause after 3 failures in a row")
+    shadow_rate: float = Field(
+        0.0, ge=0, le=1, description="share of the requests the proxy compressed that it also "
+                                     "sends as the client sent them, after the client's answer, "
+                                     "to compare the two next steps (0: shadow mode off)")
+    shadow_daily_tokens: int | None = Field(
+        None, ge=1, description="tokens (input and output) the shadow calls may spend per UTC "
+                                "day; reached, they stop until the next day (unset: no cap)")
+    shadow_daily_usd: float | None = Field(
+        None, gt=0, description="money (US dollars, at the price table's rates) the shadow "
+                                "calls may spend per UTC day (unset: no cap)")
+    shadow_text_threshold: float = Field(
+        0.8, gt=0, le=1, description="two final texts (no tool call, no refusal) agree when "
+                                     "their normalised word-level similarity is at least this")
 
     @property
     def omission_batch(self) -> int:
