@@ -6,18 +6,22 @@ they say. Each kills a mutant the sampled mutation run found surviving
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
 import redis
 
+from runloop_proxy.config import ServerSection
 from runloop_proxy.history import store as store_mod
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, RedisServer, until
 
 ADMIN = "admin-0123456789abcdef"
+# what a summary service reads of its host's config: the summary calls' bounds
+_CONFIG = SimpleNamespace(server=ServerSection())
 
 
 def errors(proxy: ProxyServer) -> float:
@@ -107,7 +111,7 @@ def test_summaries_back_off_after_three_failures_in_a_row_every_time() -> None:
     from runloop_proxy.history.summaries import FAILURES_BEFORE_BACKOFF, SummaryService
     from runloop_proxy.ops.metrics import Metrics
 
-    service = SummaryService(SimpleNamespace(metrics=Metrics()))  # type: ignore[arg-type]
+    service = SummaryService(SimpleNamespace(metrics=Metrics(), config=_CONFIG))  # type: ignore[arg-type]
     pauses = []
     for _ in range(3 * FAILURES_BEFORE_BACKOFF):
         before = service.paused_until.get("acme")
@@ -134,7 +138,7 @@ def test_one_callers_failing_summaries_pause_no_other_callers() -> None:
         return False  # another replica makes it: the call ends there
 
     service = SummaryService(SimpleNamespace(  # type: ignore[arg-type]
-        metrics=Metrics(), store=SimpleNamespace(lock_summary=lock_summary)))
+        metrics=Metrics(), store=SimpleNamespace(lock_summary=lock_summary), config=_CONFIG))
     policy = Policy(summary_model="m-sum")
     for _ in range(FAILURES_BEFORE_BACKOFF):
         service._failed("pt-alice", "passthrough", "error", 300.0)
@@ -165,7 +169,7 @@ def test_a_summary_made_clears_the_failures_before_it() -> None:
     store = SimpleNamespace(lock_summary=yes, unlock_summary=yes, put_summary=yes,
                             add_record=yes)
     service = SummaryService(SimpleNamespace(  # type: ignore[arg-type]
-        metrics=Metrics(), store=store, tokens=TokenCounter()))
+        metrics=Metrics(), store=store, tokens=TokenCounter(), config=_CONFIG))
     job = Job(Policy(summary_model="extractive"), "pt-a", "passthrough", "passthrough",
               "gpt-4o", "default", None)
     for _ in range(FAILURES_BEFORE_BACKOFF - 1):
