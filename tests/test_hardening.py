@@ -430,7 +430,8 @@ def test_a_stream_is_in_flight_until_it_ends_and_a_disconnect_is_a_499(
     until(lambda: metric(proxy, "runloop_requests_total", status="499", stream="true") == 1,
           what="the disconnect counted as 499")
     assert metric(proxy, "runloop_requests_total", status="200", stream="true") == 0
-    assert metric(proxy, "runloop_in_flight_requests") == 0  # the stream ended; the scrape is not counted
+    # the stream ended; the scrape is not counted
+    assert metric(proxy, "runloop_in_flight_requests") == 0
 
 
 def test_an_unexpected_error_is_a_counted_openai_shaped_500(

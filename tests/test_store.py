@@ -380,7 +380,8 @@ def test_admin_needs_key_and_is_tenant_scoped(aproxy: ProxyServer, make_proxy: A
     other = "pt-" + hashlib.sha256(b"sk-other").hexdigest()[:16]
     hidden = admin(aproxy, "/admin/sessions/s-secret", tenant=other, messages="1")
     assert hidden.status_code == 404 and "private" not in hidden.text
-    assert hidden.json()["error"]["message"] == f"no session 's-secret' for tenant '{other}'"  # as the client named it
+    # as the client named it
+    assert hidden.json()["error"]["message"] == f"no session 's-secret' for tenant '{other}'"
     # no admin key configured: the admin API does not exist
     plain = make_proxy()
     off = httpx.get(plain.base + "/admin/sessions/s-secret",
