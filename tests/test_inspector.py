@@ -604,7 +604,7 @@ def test_window_fate_names_an_elided_message_s_recall_ref() -> None:
     from types import SimpleNamespace
 
     from runloop_proxy.ops.inspector_message import window_fate
-    from runloop_proxy.window.plan import Elided
+    from runloop_proxy.window.plan import Dropped, Elided
 
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q1"},
                 {"role": "assistant", "content": None, "tool_calls": [
@@ -613,7 +613,7 @@ def test_window_fate_names_an_elided_message_s_recall_ref() -> None:
                 {"role": "tool", "tool_call_id": "call_8f2", "content": "x" * 900},
                 {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
     window = SimpleNamespace(elided=[Elided("r7c21", "call_8f2", "get_order", 231, 3)],
-                             omitted_loops=0, reduced_loops=0)
+                             omitted_loops=0, reduced_loops=0, dropped=Dropped())
     rebuilt = SimpleNamespace(window=window, messages=messages)
     said = window_fate(rebuilt, messages, 3)  # type: ignore[arg-type]
     assert said.startswith("elided: the window showed a stub in its place (231 tokens")
@@ -621,3 +621,111 @@ def test_window_fate_names_an_elided_message_s_recall_ref() -> None:
     assert window_fate(rebuilt, messages, 2).startswith("kept in full")  # type: ignore[arg-type]
     assert window_fate(rebuilt, messages, 0).startswith(  # type: ignore[arg-type]
         "kept in full (before the first run loop")
+
+
+def _listing(k: int) -> str:
+    return "\n".join(f"src/mod_{k}/file_{i}.py: {i * 37} lines, last touched by commit "
+                     f"{k:02d}{i:03d}ab" for i in range(24))
+
+
+def _dropped_in(window: list[dict[str, Any]]) -> int:
+    """The tool exchanges a forwarded window of the long loop left out: those its note on
+    the question says are not shown."""
+    found = re.search(r"The first (\d+) tool exchange\(s\) after this message",
+                      "\n".join(str(m.get("content")) for m in window if m.get("role") == "user"))
+    return int(found.group(1)) if found else 0
+
+
+def test_the_inspector_counts_and_places_the_exchanges_dropped_inside_the_open_loop(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """One long run loop through a model with a small window: the proxy elides the loop's
+    old results, then drops whole exchanges behind a note. What went upstream, the admin
+    API's records and the inspector's page agree: the records' figures are the forwarded
+    window's (its messages, the exchanges dropped, the results each elision took), the page
+    says how many exchanges were dropped and where, marks each dropped result in the loop
+    table (its size in tokens, not characters), and does not call the open loop "in full".
+    Bug class: a figure that says less than the window did (planted: the elision record's
+    count left at 0 beside its tokens; the loop's fate read without its drops; and, of the
+    unit, the tool-result column counting characters)."""
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY, context_window=8192)
+    sdk = openai.OpenAI(base_url=proxy.url, api_key=KEY, max_retries=0,
+                        default_headers={"X-Session-Id": "long-loop"})
+    tools = [{"type": "function", "function": {"name": "shell", "parameters": {
+        "type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You audit repositories."},
+        {"role": "user", "content": "Audit every module of the repository, one by one."}]
+    calls = 34
+    for k in range(calls):
+        cid = f"call_{k:02d}{'9f3a' * 5}"
+        upstream.push({"content": f"Module {k} next: listing it to see its files and owners "
+                                  f"before reading any of them closely. " * 3,
+                       "tool_calls": [{"id": cid, "name": "shell",
+                                       "arguments": {"cmd": f"ls -l src/mod_{k}"}}]})
+        answer = sdk.chat.completions.create(model="my-local-model", messages=messages,  # type: ignore[arg-type]
+                                             tools=tools)  # type: ignore[arg-type]
+        messages.append(answer.choices[0].message.model_dump(exclude_none=True))
+        messages.append({"role": "tool", "tool_call_id": cid, "content": _listing(k)})
+    upstream.push({"content": "All modules audited."})
+    sdk.chat.completions.create(model="my-local-model", messages=messages,  # type: ignore[arg-type]
+                                tools=tools)  # type: ignore[arg-type]
+    went = upstream.requests[-1]["messages"]
+    proxy.settle()
+
+    view = httpx.get(f"{proxy.base}/admin/sessions/long-loop", params={"tenant": TENANT},
+                     headers={"Authorization": f"Bearer {ADMIN_KEY}"}).json()
+    recs = view["compression_records"]
+    drops = [r for r in recs if r["kind"] == "in_loop_drop"]
+    assert drops, [r["kind"] for r in recs]
+    assert len(upstream.requests) == calls + 1
+    # what went upstream, by the length the client sent: request k carried 2 + 2k messages
+    sent = {2 + 2 * k: r["messages"] for k, r in enumerate(upstream.requests)}
+
+    def taken(window: list[dict[str, Any]]) -> tuple[int, int]:
+        """The exchanges a forwarded window dropped, and the results it shows elided."""
+        elided = sum(1 for m in window if m.get("role") == "tool"
+                     and not str(m.get("content")).startswith("src/mod_"))
+        return _dropped_in(window), elided
+
+    for r in recs:  # each record's figures are those of the window that went upstream
+        window = sent[r["messages_before"]]
+        exchanges, elided = taken(window)
+        assert r["messages_after"] == len(window), r
+        assert (r["dropped_exchanges"], r["dropped_messages"], r["elided"]) == \
+            (exchanges, 2 * exchanges, elided), r
+        if r["kind"] == "in_loop_elision":  # what it took, never 0 beside its tokens
+            assert r["results_elided"] > 0 and r["tokens_after"] < r["tokens_before"], r
+        if r["kind"] == "in_loop_drop":
+            assert r["exchanges_dropped"] > 0, r
+            assert r["messages_dropped"] == 2 * r["exchanges_dropped"], r
+    dropped, elided_shown = taken(went)
+    assert dropped > 0 and len(went) == len(messages) - 2 * dropped
+    # every result elided was elided by some step: still shown elided, or dropped since
+    assert sum(r.get("results_elided", 0) for r in recs) >= elided_shown + dropped
+
+    page = logged_in(proxy).get("/admin/ui/session", params={
+        "id": "long-loop", "tenant": TENANT}).text
+    said = re.search(r"(\d+) tool exchanges? \((\d+) messages, ([\d,]+) tokens elided\) "
+                     r"dropped inside loop 0, messages (\d+)–(\d+)", page)
+    assert said, page
+    assert int(said.group(1)) == dropped and int(said.group(2)) == 2 * dropped
+    assert (int(said.group(4)), int(said.group(5))) == (2, 1 + 2 * dropped)
+    assert f"{elided_shown} tool result{'s' if elided_shown != 1 else ''} elided" in page
+    table = page[page.index("<th>the final reply</th>"):page.index("<h2>Summaries")]
+    assert "in full (the open loop)" not in table
+    also = f", {elided_shown} tool result{'s' if elided_shown != 1 else ''} elided" \
+        if elided_shown else ""
+    assert f"the open loop: {dropped} tool exchanges dropped ({2 * dropped} messages){also}" \
+        f"</td>" in table
+    assert table.count(" — dropped") == dropped
+    assert " chars" not in table
+    first = re.search(r"href='(/admin/ui/message\?[^']+)'>[^<]*</a>[^<]*— dropped", table)
+    assert first, table
+    msg = logged_in(proxy).get(html.unescape(first.group(1))).text
+    assert (f"<dd>dropped: one of {dropped} tool exchanges (messages 2–{1 + 2 * dropped}) "
+            f"left out whole") in msg
+    sizes = [int(n.replace(",", "")) for n in re.findall(r"shell, ([\d,]+) tokens", table)]
+    assert len(sizes) == calls and all(150 < n < 1500 for n in sizes), sizes
+    records = page[page.index("<h2>Compression records"):page.index("<h2>Branches")]
+    assert f"{drops[-1]['exchanges_dropped']} tool exchange" in records
+    assert "tool results elided" in records or "tool result elided" in records

@@ -1601,3 +1601,41 @@ def test_no_compaction_event_leaves_the_window_larger(
             assert e.tokens_after < e.tokens_before, e
         else:
             assert e.tokens_after <= e.tokens_before, e
+
+
+def test_a_drop_and_the_elision_before_it_say_what_they_took() -> None:
+    """The window names the exchanges it dropped inside the open loop (positions, how many,
+    their tokens) and each step counts what it took in its own unit: the elision its tool
+    results (still counted once a later drop leaves them out whole), the drop its exchanges
+    and their messages. Bug class: a figure counted in the wrong unit (planted: the drop's
+    exchanges counted as its messages; the drop event's messages counted as exchanges)."""
+    msgs: list[Message] = [S, U(tag="task")]
+    for k in range(60):
+        msgs += [A(f"c{k}", n=20, args=20), T(f"c{k}", 60)]
+    keys = [message_hash(m) for m in msgs]
+    # every request point's steps recorded, as for a request that brings all its turns
+    w = build_window(msgs, keys, [OPS.count(m) for m in msgs],
+                     Policy(keep_recent_tool_results=2, clear_at_least=0), Budget(100_000, 900),
+                     OPS, record_from=0)
+    d = w.dropped
+    shown_calls = [c["id"] for m in w.messages for c in m.get("tool_calls") or []]
+    assert d.exchanges == 60 - len(shown_calls) and d.exchanges > 0
+    assert d.positions == tuple(range(2, 2 + 2 * d.exchanges))
+    assert len(w.messages) == len(msgs) - len(d.positions)
+    # their tokens as the window would have shown them: every one elided by then
+    short = {e.position for e in w.elided}
+    assert not short & set(d.positions)
+    kinds = [e.kind for e in w.events]
+    assert CompactionKind.DROP in kinds and CompactionKind.ELISION in kinds
+    drops = [e for e in w.events if e.kind is CompactionKind.DROP]
+    assert sum(e.items for e in drops) == d.exchanges
+    assert sum(e.messages for e in drops) == len(d.positions)
+    assert all(e.messages == 2 * e.items for e in drops)  # a call and its result each
+    elisions = [e for e in w.events if e.kind is CompactionKind.ELISION]
+    # every result elided is either still shown elided or was dropped after
+    assert sum(e.items for e in elisions) == len(w.elided) + d.exchanges
+    assert all(e.items > 0 for e in elisions)
+    assert all(e.items == 0 and e.messages == 0 for e in w.events
+               if e.kind not in (CompactionKind.DROP, CompactionKind.ELISION))
+    # the drop's tokens: what the window's figure lost to it, less its note
+    assert d.tokens > 0 and w.tokens_out < w.tokens_in - d.tokens + 200

@@ -115,6 +115,11 @@ def window_fate(rebuilt: Rebuilt, messages: list[Message], pos: int) -> str:
                 f"<code>{escape(cut.ref)}</code>")
     if pos >= len(rebuilt.messages):
         return "not in it: the message came after the last request"
+    d = rebuilt.window.dropped
+    if pos in d.positions:
+        return (f"dropped: one of {d.exchanges:,} tool exchanges (messages "
+                f"{d.positions[0]}–{d.positions[-1]}) left out whole inside the open loop, "
+                f"behind a note naming their calls; recall_tool_call returns any result")
     loop = next((lp for lp in segment(messages) if pos in lp.positions), None)
     if loop is None:
         return "kept in full (before the first run loop: the system prompt and the opening)"

@@ -121,6 +121,16 @@ def _window(rebuilt: Rebuilt, requests: int) -> str:
                f"behind a marker, {w.reduced_loops} reduced to question and answer, "
                f"{len(w.elided)} tool result{'s' if len(w.elided) != 1 else ''} "
                f"elided{kept}.</p>")
+    d = w.dropped
+    if d.positions:
+        loop = next((lp.index for lp in segment(rebuilt.messages)
+                     if d.positions[0] in lp.positions), None)
+        where = f"inside loop {loop}" if loop is not None else "inside the open loop"
+        out.append(f"<p>{d.exchanges} tool exchange{'s' if d.exchanges != 1 else ''} "
+                   f"({len(d.positions)} messages, {tokens(d.tokens)} tokens elided) "
+                   f"dropped {where}, messages {d.positions[0]}–{d.positions[-1]}: a note "
+                   f"on the question before them names their calls, and recall_tool_call "
+                   f"returns any of them.</p>")
     marker = "\n".join(t for t in map(message_text, w.messages)
                        if MARKER in t or t.startswith(SUMMARY_NOTE))
     if marker:
@@ -129,9 +139,28 @@ def _window(rebuilt: Rebuilt, requests: int) -> str:
     return "".join(out)
 
 
+def _taken(lp: RunLoop, rebuilt: Rebuilt, fate: str) -> str:
+    """A loop's fate in words, with what the window took out of it when shown in full:
+    the exchanges dropped and the results elided."""
+    if fate not in ("open", "whole"):
+        return FATES[fate]
+    dropped = rebuilt.dropped_in(lp.positions)
+    exchanges = sum(1 for i in dropped if rebuilt.messages[i].get("role") == "assistant")
+    inside = set(lp.positions)
+    elided = sum(1 for e in rebuilt.window.elided if e.position in inside)
+    parts = ([f"{exchanges} tool exchange{'s' if exchanges != 1 else ''} dropped "
+              f"({len(dropped)} messages)"] if dropped else []) + (
+        [f"{elided} tool result{'s' if elided != 1 else ''} elided"] if elided else [])
+    if not parts:
+        return FATES[fate]
+    head = "the open loop" if fate == "open" else "shown"
+    return f"{head}: {', '.join(parts)}"
+
+
 def _loops(tenant: str, sid: str, messages: list[Message], loops: list[RunLoop],
            rebuilt: Rebuilt) -> str:
     elided = {e.position: e for e in rebuilt.window.elided}
+    dropped = set(rebuilt.window.dropped.positions)
     names = {str(c.get("id")): str((c.get("function") or {}).get("name"))
              for m in messages for c in tool_calls_of(m)}
     out = ["<table><tr><th>loop</th><th>the user asked</th><th>tool results</th>"
@@ -145,16 +174,17 @@ def _loops(tenant: str, sid: str, messages: list[Message], loops: list[RunLoop],
                 continue
             cid = str(m.get("tool_call_id"))
             cut = elided.get(i)
-            ref = f" — elided, ref <code>{escape(cut.ref)}</code>" if cut else ""
+            ref = f" — elided, ref <code>{escape(cut.ref)}</code>" if cut else \
+                " — dropped" if i in dropped else ""
             results.append(f"<a href='{link('/message', tenant=tenant, id=sid, pos=i)}'>"
                            f"{escape(cid)}</a> {escape(names.get(cid, 'tool'))}, "
-                           f"{len(message_text(m)):,} chars{ref}")
+                           f"{tokens(rebuilt.count(m))} tokens{ref}")
         users = [messages[i] for i in lp.user_positions]
         final = messages[lp.final_position] if lp.final_position is not None else None
         out.append(f"<tr class='{fate}'><td>{lp.index}</td><td>"
                    f"{escape(preview(users[0] if users else None))}</td><td>"
                    f"{folded(results)}</td><td>{escape(preview(final))}</td>"
-                   f"<td>{FATES[fate]}</td></tr>")
+                   f"<td>{escape(_taken(lp, rebuilt, fate))}</td></tr>")
     out.append("</table>")
     return "".join(out)
 

@@ -7,6 +7,7 @@ proxy's window stage calls — so the figures and the loops it shows are what we
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from html import escape
 from typing import Any
@@ -37,6 +38,13 @@ class Rebuilt:
     frame: Frame
     point: dict[str, Any] | None  # the request's point, when one kept its frame
     chained: bool = False  # it chained on previous_response_id: passed through untouched
+    # a message's tokens as the proxy counted them for this request (its model's encoding)
+    count: Callable[[Message], int] = lambda m: 0
+
+    def dropped_in(self, positions: Iterable[int]) -> list[int]:
+        """Which of ``positions`` the window left out whole (a drop inside the open loop)."""
+        dropped = set(self.window.dropped.positions)
+        return [i for i in positions if i in dropped]
 
 
 def last_request(view: SessionView, point: dict[str, Any] | None) -> list[Message]:
@@ -64,11 +72,14 @@ def rebuild(state: AppState, spec: TenantSpec, namespace: str, session_id: str,
     messages, keys, protected = spliced_stored(last_request(view, point), view.internal)
     enc, _ = state.tokens.encoding(frame.model, spec.encoding_for(frame.model))
     counts = [state.tokens.message(enc, m, k) for m, k in zip(messages, keys, strict=True)]
+
+    def count(m: Message) -> int:
+        return state.tokens.message(enc, m)
     if point is not None and point.get("chained"):
         n = sum(counts)
         client, forwarded = prompt_tokens(state, spec, frame, n, n, False)
         return Rebuilt(Window(messages, False, True, n, n), messages, client, forwarded,
-                       frame, point, chained=True)
+                       frame, point, chained=True, count=count)
     now = point["ts"] if point is not None and isinstance(point.get("ts"), int) \
         else int(time.time() * 1000)
     # when this replica first saw each loop, as the request read it (never dated here)
@@ -80,7 +91,7 @@ def rebuild(state: AppState, spec: TenantSpec, namespace: str, session_id: str,
     _, with_tools = sends_proxy_tools(spec, frame, window, bool(view.internal))
     client, forwarded = prompt_tokens(state, spec, frame, window.tokens_in, window.tokens_out,
                                       with_tools)
-    return Rebuilt(window, messages, client, forwarded, frame, point)
+    return Rebuilt(window, messages, client, forwarded, frame, point, count=count)
 
 
 def spec_of(state: AppState, tenant: str) -> tuple[TenantSpec, str]:

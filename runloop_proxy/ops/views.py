@@ -97,9 +97,20 @@ def describe(rec: Mapping[str, Any]) -> Described:
                          "—", f"{tokens(rec.get('length'))} messages; past max_branches, "
                          "least recently used")
     label = KINDS[CompactionKind(kind)] if kind in set(CompactionKind) else kind
+    results, exchanges, messages = (rec.get(k) for k in (
+        "results_elided", "exchanges_dropped", "messages_dropped"))
+    if kind == CompactionKind.ELISION and _count(results):
+        label = f"{results:,} tool result{'s' if results != 1 else ''} elided"
+    elif kind == CompactionKind.DROP and _count(exchanges):
+        label = (f"{exchanges:,} tool exchange{'s' if exchanges != 1 else ''} dropped"
+                 + (f" ({messages:,} messages)" if _count(messages) else ""))
     return Described(label, _at(rec.get("at_message")),
                      f"{tokens(rec.get('tokens_before'))} → {tokens(rec.get('tokens_after'))}",
                      str(rec.get("reason") or ""))
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _at(position: Any) -> str:

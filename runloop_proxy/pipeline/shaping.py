@@ -14,7 +14,7 @@ from ..errors import ContextLengthExceeded, StoreError
 from ..history.summaries import Made
 from ..ops import logs
 from ..state import AppState
-from ..window.builder import Note, Window
+from ..window.builder import CompactionKind, Event, Note, Window
 from .accounting import RequestLog
 from .framing import FirstSeen, Frame, prompt_tokens, sends_proxy_tools, window_in
 from .offload import offload
@@ -241,7 +241,9 @@ def log_events(state: AppState, turn: Turn, session: Session, window: Window) ->
     now = int(time.time() * 1000)
     frame = {"messages_before": len(turn.messages), "messages_after": len(window.messages),
              "elided": len(window.elided), "reduced_loops": window.reduced_loops,
-             "omitted_loops": window.omitted_loops}
+             "omitted_loops": window.omitted_loops,
+             "dropped_exchanges": window.dropped.exchanges,
+             "dropped_messages": len(window.dropped.positions)}
     events = window.events
     records = []
     if len(events) > STEPS_KEPT:
@@ -258,13 +260,24 @@ def log_events(state: AppState, turn: Turn, session: Session, window: Window) ->
         # request point ``at_message`` (a request that brings several turns takes several)
         records.append({"ts": now, "kind": event.kind.value, "reason": event.reason,
                         "tokens_before": event.tokens_before,
-                        "tokens_after": event.tokens_after, "at_message": event.at, **frame})
+                        "tokens_after": event.tokens_after, "at_message": event.at,
+                        **_taken(event), **frame})
     for record in records:
         log.info("compaction", extra={"tenant": turn.caller.tenant.name, "model": turn.model,
                                       "session": session.id, **record})
     if records and state.store is not None and turn.caller.namespace is not None:
         state.spawn(_store_records(state, turn.caller.namespace, session.id, records,
                                    turn.caller.tenant.retention_days))
+
+
+def _taken(event: Event) -> dict[str, int]:
+    """What a step took out, in its own unit, beside the window's figures (an elision's
+    results stay counted when a later drop leaves them out whole)."""
+    if event.kind is CompactionKind.ELISION:
+        return {"results_elided": event.items}
+    if event.kind is CompactionKind.DROP:
+        return {"exchanges_dropped": event.items, "messages_dropped": event.messages}
+    return {}
 
 
 async def _store_dates(state: AppState, namespace: str, session_id: str,

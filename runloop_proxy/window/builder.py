@@ -34,6 +34,7 @@ from .forms import (
 )
 from .plan import CompactionKind as CompactionKind  # the window's types, re-exported
 from .plan import Compactions as Compactions
+from .plan import Dropped as Dropped
 from .plan import Elided as Elided
 from .plan import Event as Event
 from .plan import Stamps as Stamps
@@ -63,6 +64,8 @@ class Window:
     carry: Carry | None = field(default=None, compare=False, repr=False)
     budget: Budget | None = field(default=None, compare=False, repr=False)
     note: Note | None = None
+    # the tool exchanges of the open region left out whole (in_loop_drop), by position
+    dropped: Dropped = Dropped()
 
     def offers_tools(self, policy: Policy, client_tools: bool) -> bool:
         """Whether the request goes out with the proxy's tools: when something was left out,
@@ -243,7 +246,7 @@ def build_window(messages: list[Message], keys: list[str], counts: list[int], po
                   tokens_out if changed else tokens_in, tuple(elided),
                   replay.plan.reduced_upto - replay.plan.omit_upto, replay.plan.omit_upto,
                   tuple(events), next_carry, budget,
-                  _note(out, conv, replay) if changed else None)
+                  _note(out, conv, replay) if changed else None, replay.dropped())
 
 
 def _note(out: list[Message], conv: Conversation, replay: _Replay) -> Note | None:

@@ -56,13 +56,29 @@ class Elided:
 
 @dataclass(frozen=True)
 class Event:
-    """A step of the window at one request point: ``at`` messages preceded it."""
+    """A step of the window at one request point: ``at`` messages preceded it. ``items``:
+    what the step took out, counted in its own unit — tool results an elision elided,
+    tool exchanges a drop left out (``messages``: the messages those were); 0 for the
+    other steps."""
 
     kind: CompactionKind
     tokens_before: int
     tokens_after: int
     reason: str
     at: int
+    items: int = 0
+    messages: int = 0
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """The tool exchanges of the open region a window leaves out whole (``in_loop_drop``):
+    their message positions, how many exchanges those are, and the tokens they held as
+    the window would otherwise have shown them (elided)."""
+
+    positions: tuple[int, ...] = ()
+    exchanges: int = 0
+    tokens: int = 0
 
 
 @dataclass
@@ -251,10 +267,15 @@ class _Replay:
         exchanges already elided made the window 2-3 tokens larger with its note). The one
         rule every lever goes through (``_optional`` adds when it pays)."""
         state, before = self.snapshot(), self.tokens(p)
+        took = self.taken()
         if not move():
             return False
         if self.tokens(p) < before:
-            self._event(record, kind, before, p, why)
+            now = self.taken()
+            self._event(record, kind, before, p, why,
+                        *((now[0] - took[0], 0) if kind is CompactionKind.ELISION else
+                          (now[1] - took[1], now[2] - took[2])
+                          if kind is CompactionKind.DROP else (0, 0)))
             return True
         self.resume(state)
         return False
@@ -372,9 +393,34 @@ class _Replay:
             plan.drop_from = plan.drop_upto = 0
         return moved
 
-    def _event(self, record: bool, kind: CompactionKind, before: int, p: int, why: str) -> None:
+    def _event(self, record: bool, kind: CompactionKind, before: int, p: int, why: str,
+               items: int = 0, messages: int = 0) -> None:
         if record:
-            self.plan.events.append(Event(kind, before, self.tokens(p), why, p))
+            self.plan.events.append(Event(kind, before, self.tokens(p), why, p, items,
+                                          messages))
+
+    def taken(self) -> tuple[int, int, int]:
+        """What the plan takes out of the open region: tool results elided (dropped ones
+        included: they were elided first), tool exchanges dropped, and their messages."""
+        c, plan = self.c, self.plan
+        fs = self.full_start()
+        lo = bisect.bisect_left(c.tool_positions, fs)
+        hi = bisect.bisect_left(c.tool_positions, max(fs, plan.elide_upto))
+        results = sum(1 for i in c.tool_positions[lo:hi] if c.short[i] is not None)
+        d = self.dropped()
+        return results, d.exchanges, len(d.positions)
+
+    def dropped(self) -> Dropped:
+        """The exchanges the plan leaves out whole (none when it drops nothing)."""
+        c, plan = self.c, self.plan
+        if plan.drop_upto <= plan.drop_from:
+            return Dropped()
+        exchanges, g = 0, plan.drop_from
+        while g < plan.drop_upto and g in c.group_end:
+            g = c.group_end[g]
+            exchanges += 1
+        return Dropped(tuple(range(plan.drop_from, plan.drop_upto)), exchanges,
+                       c.shown(plan.drop_from, plan.drop_upto))
 
     def render(self) -> tuple[list[Message], list[Elided], bool]:
         c, plan = self.c, self.plan
