@@ -24,6 +24,7 @@ from .ops import logs
 from .ops.metrics import Metrics
 from .pipeline.limits import LearnedWindows
 from .pipeline.masking import MaskTables
+from .pipeline.shadow import ShadowBook
 from .pipeline.shares import Shares
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
 from .pipeline.upstream import UpstreamClient
@@ -86,6 +87,7 @@ class AppState:
         self.answers = Shares("room for answers read whole", server.held_answers_mb << 20,
                               server.tenant_share, self._refused)
         self.summaries = SummaryService(self)
+        self.shadows = ShadowBook()  # shadow comparisons and spend, per tenant (today's)
         self.metrics.prices = self.config.prices
 
     def bill(self, namespace: str, session_id: str, label: str, model: str,

@@ -62,6 +62,7 @@ ACCESS: dict[tuple[str, str], Access] = {
     ("GET", "/metrics"): Access.PUBLIC,
     ("GET", "/admin/tenants"): Access.ADMIN,
     ("GET", "/admin/sessions"): Access.ADMIN,
+    ("GET", "/admin/shadow"): Access.ADMIN,
     ("POST", "/admin/sessions/{session_id:path}/compact"): Access.ADMIN,
     ("GET", "/admin/sessions/{session_id:path}"): Access.ADMIN,
     ("GET", "/admin/ui"): Access.INSPECTOR,
@@ -294,7 +295,8 @@ def check_allowed(sweep: Sweep, method: str, path: str, access: Access,
         return
     assert r.status_code < 400, f"{where}: {r.status_code} {r.text[:300]}"
     if access is Access.ADMIN:
-        assert "acme" in r.text and (path == "/admin/tenants" or SESSION in r.text), where
+        assert "acme" in r.text and (path in ("/admin/tenants", "/admin/shadow")
+                                     or SESSION in r.text), where
     elif access is Access.INSPECTOR and method == "GET":
         assert r.status_code == 200 and (SESSION in r.text), where
     elif access is Access.INSPECTOR:  # compact now: done, back to the session's page

@@ -242,3 +242,9 @@ def test_step_of_a_conversation_message() -> None:
                    "name": "read_file", "arguments": '{ "path" : "a.py" }'}}]}
     from runloop_proxy.pipeline.shadow import step_of_message
     assert step_of_message(message) == Step((_read("a.py"),), text="Reading it.")
+
+
+def test_the_metrics_levers_are_the_pipelines() -> None:
+    from runloop_proxy.ops.metrics import SHADOW_LEVERS
+    from runloop_proxy.pipeline.shadow import ANY, LEVERS
+    assert SHADOW_LEVERS == (*LEVERS, ANY)

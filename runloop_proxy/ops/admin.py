@@ -25,6 +25,7 @@ from ..errors import (
 from ..history.store import SessionView
 from ..history.summaries import MODEL, OMIT, Job
 from ..pipeline.offload import offload
+from ..pipeline.shadowing import today
 from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
 from . import params
@@ -252,8 +253,29 @@ async def admin_sessions(request: Request) -> Response:
                                        for s, t in rows]})
 
 
+@shaped_errors
+async def admin_shadow(request: Request) -> Response:
+    """A tenant's shadow comparisons today: its policy's rate and caps, what the calls cost,
+    agreement by lever (and ``any``), the requests sampled and not shadowed by reason, and
+    the last comparisons (a disagreement with the two next steps side by side)."""
+    state = state_of(request)
+    name = _admin(state, request)
+    tenant = state.config.tenants.get(name)
+    if tenant is None:
+        raise NotFound(f"no tenant {name!r} configured")
+    policy = tenant.policy
+    capped = not state.shadows.allows(name, today(), policy.shadow_daily_tokens,
+                                      policy.shadow_daily_usd)
+    return json_response({
+        "tenant": name, "shadow_rate": policy.shadow_rate,
+        "daily_tokens": policy.shadow_daily_tokens, "daily_usd": policy.shadow_daily_usd,
+        "text_threshold": policy.shadow_text_threshold, "capped": capped,
+        **state.shadows.report(name, today())})
+
+
 def admin_routes() -> list[BaseRoute]:
     return [Route("/admin/tenants", admin_tenants, methods=["GET"]),
+            Route("/admin/shadow", admin_shadow, methods=["GET"]),
             Route("/admin/sessions", admin_sessions, methods=["GET"]),
             Route("/admin/sessions/{session_id:path}/compact", admin_compact, methods=["POST"]),
             Route("/admin/sessions/{session_id:path}", admin_session, methods=["GET"])]

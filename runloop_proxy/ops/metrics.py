@@ -33,6 +33,8 @@ RECALL_OUTCOMES = {"recall_tool_call": ("hit", "not_found", "bad_arguments", "st
                    "search_history": ("hit", "miss", "bad_arguments")}
 SUMMARY_OUTCOMES = ("ok", "error", "timeout", "backoff", "late", "deferred")
 COST_KINDS = ("input", "cached_input", "cache_write", "output")
+# the levers a shadow comparison is counted under (pipeline/shadow.py LEVERS, and "any")
+SHADOW_LEVERS = ("past_loops", "elided", "dropped", "omission", "summary", "hard_limit", "any")
 STORE_OPS = ("sync", "read", "ping", "record", "internal", "anchor", "recall", "search",
              "list", "write_lost", "too_large", "summary")
 
@@ -120,6 +122,22 @@ class Metrics:
                                        registry=r)
         self.config_reloads = Counter("runloop_config_reloads_total", "Config reloads",
                                       ["outcome"], registry=r)
+        self.shadow_comparisons = Counter(
+            "runloop_shadow_comparisons_total", "Shadow comparisons of a compressed request's "
+            "next step with the full one's, by lever active on the window (lever=any: every "
+            "comparison once) and outcome (agree, differ, error)",
+            ["tenant", "lever", "outcome"], registry=r)
+        self.shadow_tokens = Counter("runloop_shadow_tokens_total",
+                                     "Tokens (input and output) the shadow calls used",
+                                     ["tenant"], registry=r)
+        self.shadow_cost = Counter("runloop_shadow_cost_usd_total",
+                                   "What the shadow calls cost (USD, the price table)",
+                                   ["tenant"], registry=r)
+        self.shadow_skipped = Counter(
+            "runloop_shadow_skipped_total", "Requests sampled for a shadow call and not "
+            "shadowed: reason=cap (the daily cap reached), busy (the tenant holds half its "
+            "upstream connections), unsupported (bridged, chained, server history)",
+            ["tenant", "reason"], registry=r)
         self.store_latency = Histogram("runloop_store_latency_seconds",
                                        "Store round-trips on the request path", ["op"],
                                        buckets=_OVERHEAD, registry=r)
@@ -152,6 +170,13 @@ class Metrics:
             self.rejections.labels(tenant, OTHER_MODEL)
             for reason in ("store", "window"):
                 self.degraded.labels(tenant, reason)
+            for lever in SHADOW_LEVERS:
+                for outcome in ("agree", "differ", "error"):
+                    self.shadow_comparisons.labels(tenant, lever, outcome)
+            self.shadow_tokens.labels(tenant)
+            self.shadow_cost.labels(tenant)
+            for reason in ("cap", "busy", "unsupported"):
+                self.shadow_skipped.labels(tenant, reason)
 
     def bound(self, tenant: str, model: str) -> BoundMetrics:
         """The per-(tenant, model) children, resolved once (labels() is not free)."""

@@ -25,6 +25,7 @@ from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
 from .offload import events, is_large, offload
 from .reconcile import record
+from .shadowing import shadow_after
 from .sse import SSEDecoder, SSEEvent
 from .toolloop import Outcome, Rounds, answer_json, answer_stream
 from .tools import MAX_CALLS, ProxyTools, ToolRunner
@@ -93,9 +94,10 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
             return Answer(resp.status, headers,
                           stream=_passed_through(state, turn, session, history, resp, rlog))
         raw = await read(state, resp, rlog)
-        if not await _answered(state, turn, session, history, rlog,
-                               _parsed_reply(turn.wire, raw), False):
+        reply = _parsed_reply(turn.wire, raw)
+        if not await _answered(state, turn, session, history, rlog, reply, False):
             headers["X-Runloop-Degraded"] = "history"
+        shadow_after(state, turn, out, rlog, reply.message if reply else None)
         rlog.finish(resp.status)
         return Answer(resp.status, headers, raw)
     raw = await read(state, resp, rlog)
@@ -111,6 +113,7 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
             answer_id=outcome.id, tokens=rlog.prompt_tokens, frame=rlog.frame,
             usage=rlog.billed, chain=outcome.chain)):
         headers["X-Runloop-Degraded"] = "history"
+    shadow_after(state, turn, out, rlog, outcome.shown)
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps(data))
 
@@ -337,9 +340,11 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                         for ev in decoder.flush():
                             observer.feed(ev)
                         recorded = True
+                        reply = observer.reply()
                         if not await _answered(state, turn, session, history, rlog,
-                                               observer.reply(), False):
+                                               reply, False):
                             yield NOT_STORED_EVENT
+                        shadow_after(state, turn, out, rlog, reply.message if reply else None)
                     yield chunk
             if recorded:
                 pass
@@ -355,9 +360,11 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                         "error": observer.failure.log_text})
                 elif not observer.ended:
                     raise UpstreamBadReply("the upstream's stream ended before its answer did")
-                elif not await _answered(state, turn, session, history, rlog,
-                                         observer.reply(), False):
-                    yield NOT_STORED_EVENT
+                else:
+                    reply = observer.reply()
+                    if not await _answered(state, turn, session, history, rlog, reply, False):
+                        yield NOT_STORED_EVENT
+                    shadow_after(state, turn, out, rlog, reply.message if reply else None)
         else:
             rounds = _rounds(state, turn, session, history, out, rlog)
             # server history: each piece goes one behind, so the last (the answer's end)
@@ -382,6 +389,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                     answer_id=outcomes[0].id, tokens=rlog.prompt_tokens, frame=rlog.frame,
                     usage=rlog.billed, chain=outcomes[0].chain)):
                 yield NOT_STORED_EVENT
+            shadow_after(state, turn, out, rlog, outcomes[0].shown)
             if last is not None:
                 yield last
     except UpstreamError as exc:

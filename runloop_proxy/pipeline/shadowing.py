@@ -1,0 +1,154 @@
+"""Shadow calls: for a sampled share (``policy.shadow_rate``) of the requests the proxy
+compressed, the request is sent once more as the client sent it, and the two answers' next
+steps compared (shadow.py).
+
+The call goes after the client's answer (when its request is done), in the background, with
+the tenant's upstream, key and headers as the request itself went, the body the client sent
+with ``stream`` off; it is never streamed to anyone and never recorded as a turn. It holds one
+of the tenant's upstream connections, and goes only while the tenant holds less than half of
+its share of them, so it never takes room the tenant's own requests need. Its tokens and
+money count against the tenant's daily cap (``shadow_daily_tokens``, ``shadow_daily_usd``);
+once reached, no more go that day (a log line and ``runloop_shadow_skipped_total{reason=
+"cap"}`` say so). A failed shadow call is counted as an error and logged; the client's
+request was done before it began."""
+
+from __future__ import annotations
+
+import datetime
+import random
+from typing import Any
+
+import orjson
+
+from ..conversation.messages import Message
+from ..errors import ProxyFull, TenantOverShare, UpstreamError
+from ..ops import logs
+from ..state import AppState
+from .accounting import RequestLog, prompt_usage
+from .shadow import ANY, Basis, Outcome, Record, compare, levers_of, sampled, step_of_message
+from .values import Outgoing, Turn
+
+log = logs.get("shadow")
+_draws = random.SystemRandom()
+
+
+def today() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
+
+
+def shadow_after(state: AppState, turn: Turn, out: Outgoing, rlog: RequestLog,
+                 shown: Message | None, draw: float | None = None) -> None:
+    """Decide whether this answered request is shadowed, and if so send its shadow call once
+    the request is done. ``shown``: the answer the client got, in the conversation model."""
+    policy = turn.policy
+    window = out.window
+    if policy.shadow_rate <= 0 or shown is None or window is None or not window.changed \
+            or turn.counting:
+        return
+    if not sampled(policy.shadow_rate, _draws.random() if draw is None else draw):
+        return
+    tenant, label, day = turn.caller.tenant.name, turn.caller.label, today()
+    reason = _not_now(state, turn, day)
+    if reason is not None:
+        state.shadows.skip(tenant, day, reason)
+        state.metrics.shadow_skipped.labels(label, reason).inc()
+        log.info("shadow call skipped", extra={"tenant": tenant, "session": rlog.session,
+                                               "reason": reason})
+        return
+    levers = levers_of(window.reduced_loops, len(window.elided), window.omitted_loops,
+                       (e.kind.value for e in window.events))
+    session, model = rlog.session, turn.model
+
+    def go() -> None:
+        state.spawn(shadow_call(state, turn, levers, shown, session, model, day))
+
+    rlog.at_end(go)
+
+
+def _not_now(state: AppState, turn: Turn, today: str) -> str | None:
+    """Why a sampled request gets no shadow call, or None."""
+    if turn.wire.translates or turn.chained or turn.server_history:
+        return "unsupported"  # the body as sent is not what the upstream can read alone
+    policy = turn.policy
+    if not state.shadows.allows(turn.caller.tenant.name, today, policy.shadow_daily_tokens,
+                                policy.shadow_daily_usd):
+        return "cap"
+    holder = turn.caller.holder
+    if holder is not None:
+        connections = turn.caller.client(state.upstreams).connections
+        if connections.held(holder) >= connections.per_holder // 2:
+            return "busy"
+    return None
+
+
+def shadow_body(turn: Turn) -> bytes:
+    """The request as the client sent it, answered whole: ``stream`` (and what only a stream
+    reads) off; every other field, the client's seed and sampling parameters, as sent."""
+    body: dict[str, Any] = dict(turn.body)
+    body.pop("stream_options", None)
+    if body.get("stream"):
+        body["stream"] = False
+    if turn.wire.api.startswith("responses"):
+        body["store"] = False  # no stored response upstream: the shadow is never a turn
+    return orjson.dumps(body)
+
+
+async def shadow_call(state: AppState, turn: Turn, levers: tuple[str, ...], shown: Message,
+                      session: str | None, model: str, today: str) -> Record:
+    """The shadow call, its comparison, and its record (book, metrics, log line)."""
+    label, policy = turn.caller.label, turn.policy
+    tokens, usd, error = 0, None, None
+    full_step = None
+    try:
+        resp = await turn.caller.client(state.upstreams).request(
+            "POST", turn.wire.upstream_path, turn.caller.upstream_headers(turn.headers),
+            shadow_body(turn), holder=turn.caller.holder)
+        try:
+            raw = await resp.read(state.config.server.max_answer_bytes)
+        finally:
+            resp.close()
+        if resp.status >= 400:
+            raise UpstreamError(f"the shadow call was answered {resp.status}",
+                                status=resp.status)
+        reply = turn.wire.parse(orjson.loads(raw))
+        if reply.usage:
+            prompt, _ = prompt_usage(reply.usage)
+            completion = reply.usage.get("completion_tokens", reply.usage.get("output_tokens"))
+            tokens = prompt + (completion if isinstance(completion, int) else 0)
+            price = state.metrics.price(model)
+            if price is not None:
+                usd = sum(price.usage_cost(reply.usage).values())
+        full_step = step_of_message(reply.message)
+    except (UpstreamError, TenantOverShare, ProxyFull, orjson.JSONDecodeError) as exc:
+        error = getattr(exc, "log_text", None) or str(exc) or type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - a shadow call never breaks anything: counted
+        log.exception("shadow call failed", extra={"tenant": turn.caller.tenant.name})
+        error = type(exc).__name__
+    compressed_step = step_of_message(shown)
+    if full_step is None:
+        record = Record(turn.caller.tenant.name, session, model, levers, Outcome.ERROR, None,
+                        None, tokens, usd, error)
+    else:
+        verdict = compare(compressed_step, full_step, policy.shadow_text_threshold)
+        differ = verdict.outcome is Outcome.DIFFER
+        record = Record(turn.caller.tenant.name, session, model, levers, verdict.outcome,
+                        verdict.basis, verdict.similarity, tokens, usd, None,
+                        compressed_step if differ else None, full_step if differ else None)
+    state.shadows.add(record, today)
+    _count(state, label, record)
+    log.info("shadow comparison", extra={
+        "tenant": record.tenant, "session": session, "model": model,
+        "levers": ",".join(levers) or "none", "outcome": record.outcome.value,
+        "basis": record.basis.value if isinstance(record.basis, Basis) else None,
+        "similarity": record.similarity, "shadow_tokens": tokens, "shadow_usd": usd,
+        "error": error})
+    return record
+
+
+def _count(state: AppState, label: str, record: Record) -> None:
+    m = state.metrics
+    for lever in (*record.levers, ANY):
+        m.shadow_comparisons.labels(label, lever, record.outcome.value).inc()
+    m.shadow_tokens.labels(label).inc(record.tokens)
+    if record.usd:
+        m.shadow_cost.labels(label).inc(record.usd)
