@@ -194,6 +194,10 @@ class RedisStore:
                                   metrics.write_queue.set, self._refused,
                                   lambda name: metrics.background_failures.labels(name).inc())
         self._refused_logged = 0.0
+        # the proxy's tool exchanges this replica is writing, until Redis holds them: its
+        # next request of the session splices them whatever the write's timing (a window's
+        # shape must not depend on when a background write landed)
+        self._writing_internal: dict[tuple[str, str], dict[str, Any]] = {}
         # anchors this replica set, until Redis holds them (a few hundred bytes each)
         self._anchors: ByteLRU[tuple[str, str], str] = ByteLRU(
             ANCHORS_BYTES, lambda k, v: 200 + len(k[0]) + len(k[1]) + len(v))
@@ -660,11 +664,19 @@ class RedisStore:
         """Keep a proxy-owned tool exchange, to splice around ``anchor`` (the chain hash at
         the message the client saw: that message, in that lineage) in later windows."""
         p = self.prefix(namespace, session_id)
-
-        # the hash and the log a replica's sync reads on from, written together (scripts)
-        logged, gen, fresh = await self._call("internal", lambda: self._add_internal(
-            keys=[p + ":meta"], args=[p, anchor, orjson.dumps(entry), new_generation(),
-                                          self._ttl_ms(retention_days)]))
+        key = (namespace, session_id)
+        self._writing_internal.setdefault(key, {})[anchor] = entry
+        try:
+            # the hash and the log a replica's sync reads on from, written together
+            logged, gen, fresh = await self._call("internal", lambda: self._add_internal(
+                keys=[p + ":meta"], args=[p, anchor, orjson.dumps(entry), new_generation(),
+                                              self._ttl_ms(retention_days)]))
+        finally:
+            writing = self._writing_internal.get(key)
+            if writing is not None:
+                writing.pop(anchor, None)
+                if not writing:
+                    del self._writing_internal[key]
         cached = self._sessions.get((namespace, session_id))
         if cached is not None and cached.internal is not None:
             if int(fresh) and not cached.internal and not cached.gen and int(logged) == 1:
@@ -751,6 +763,14 @@ class RedisStore:
             px=self._ttl_ms(retention_days)))
 
     # -- reads ----------------------------------------------------------------------------
+
+    def with_writing(self, namespace: str, session_id: str,
+                     internal: dict[str, Any]) -> dict[str, Any]:
+        """``internal`` (the exchanges a request read) with those this replica is still
+        writing (``add_internal`` in flight): what its next request splices does not depend
+        on whether the write has landed."""
+        writing = self._writing_internal.get((namespace, session_id))
+        return {**internal, **writing} if writing else internal
 
     def cached_internal(self, namespace: str, session_id: str) -> dict[str, Any] | None:
         """The proxy's tool exchanges of a session this replica has seen, None if cold."""

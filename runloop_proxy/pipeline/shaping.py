@@ -39,8 +39,11 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         # a chained request's conversation lives upstream: what it carries is counted
         return await _untouched(state, turn, history, frame, rlog)
     keys = [p.hash for p in history.prepared]
+    internal = history.internal
+    if state.store is not None and turn.caller.namespace is not None:
+        internal = state.store.with_writing(turn.caller.namespace, session.id, internal)
     spliced, spliced_keys, protected = splice_internal(
-        history.messages, keys, _chains_at(state, turn, session, history), history.internal)
+        history.messages, keys, _chains_at(state, turn, session, history, internal), internal)
     tools = ProxyTools.for_request(turn.chat_tools)
     stored = await state.summaries.stored(turn, session)
     dated: list[tuple[str, int]] = []
@@ -141,12 +144,13 @@ def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message]
         state.metrics.compactions.labels(tl, ml, kind).inc(n)
 
 
-def _chains_at(state: AppState, turn: Turn, session: Session, history: History) -> list[str]:
+def _chains_at(state: AppState, turn: Turn, session: Session, history: History,
+               internal: dict[str, Any]) -> list[str]:
     """The chain hash at each message (what the proxy's stored exchanges are keyed by: a
     message in its lineage), computed only when there is something to splice. The lineage
     is what the request carries, from its first message: an exchange kept after a prefix
     the request does not send (what a trimmed history left out) is never spliced in."""
-    if not history.internal or state.store is None or turn.caller.namespace is None:
+    if not internal or state.store is None or turn.caller.namespace is None:
         return [""] * len(history.messages)
     chains = state.store.chains(turn.caller.namespace, session.id, history.prepared)
     return chains[1:]
