@@ -375,6 +375,22 @@ def test_rolling_summary_input_stays_bounded_over_40_turns(
     assert appended and all("Later turns:" in s["text"] for s in appended)
     by_end = {s["loops"][1]: s["text"] for s in stored}
     assert all(s["text"].startswith(by_end[s["loops"][0]] + "\n") for s in appended)
+    from runloop_proxy.window.digest import identifiers
+
+    # a merge that condensed the summary before it says what it no longer holds, within
+    # the budget (planted: the merge stored as the model wrote it — red here)
+    merged = [s for s in stored if not s.get("appended") and s["loops"][0] in by_end]
+    assert merged
+    for s in merged:
+        answer = s["text"].split("\nNot held in this summary")[0]
+        kept = set(identifiers(answer))
+        lost = [i for i in dict.fromkeys(identifiers(by_end[s["loops"][0]])) if i not in kept]
+        assert lost and s["not_held"]["identifiers_lost"] == len(lost), s
+        assert s["not_held"]["identifiers"] == lost and s["not_held"]["loops"] is None
+        note = s["text"].split("\n")[-1]
+        assert note.startswith("Not held in this summary (search_history finds them")
+        named = [i for i in identifiers(note) if i in lost]
+        assert named == lost[:len(named)] and (len(named) == len(lost) or "more" in note)
     # and the manual trigger has nothing left to make
     made = httpx.post(proxy.base + "/admin/sessions/sum-40/compact", headers=ADMIN).json()
     # (the last two batches were not due yet: they would be made one loop before their event)

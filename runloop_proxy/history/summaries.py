@@ -47,7 +47,7 @@ from ..pipeline.offload import is_large, offload
 from ..pipeline.shares import Shares
 from ..window.builder import Compactions, Summaries, batch_omission
 from ..window.digest import VERSION as EXTRACTIVE
-from ..window.digest import roll
+from ..window.digest import identifiers, roll
 
 EXTRACTIVE_MODEL = "extractive"  # policy.summary_model's name for the digest
 
@@ -251,6 +251,71 @@ def loops_text(messages: Sequence[Message], loops: Sequence[RunLoop]) -> str:
             text = text[: LOOP_CHARS // 2] + "\n…\n" + text[-LOOP_CHARS // 2:]
         parts.append(f"[turn {lp.index + 1}]\n{text}")
     return "\n\n".join(parts)
+
+
+NOT_HELD = ("Not held in this summary ({search} finds them, {recall} returns any tool "
+            "result):")
+NOT_HELD_IDS = 200  # of the identifiers a summary no longer holds, kept in its record
+
+
+def not_held(text: str, previous: str | None, sources: Sequence[str],
+             skipped: tuple[int, int] | None, budget: int, count: Callable[[str], int],
+             search: str = "search_history", recall: str = "recall_tool_call"
+             ) -> tuple[str, list[str]]:
+    """A model's summary as stored: within ``budget`` tokens (its text cut at a line when
+    the model wrote more), and saying what it no longer holds — the loops the call was
+    not given (``skipped``: first and last, 0-based) and the identifiers of ``previous``
+    (when it was condensed, not appended to) and of ``sources`` (the skipped loops' text)
+    it lacks, as many as fit, then how many more (what the model left out of the loops it
+    was given is its own reading of them, not said). ``budget`` holds the note's head
+    (``summary_max_tokens`` is at least 64). Returns the text and every identifier lost."""
+    held = set(identifiers(text))
+    lost: list[str] = []
+    seen: set[str] = set()
+    condensed = previous is not None and not text.startswith(previous)
+    for src in ([previous] if condensed and previous else []) + list(sources):
+        for ident in identifiers(src):
+            if ident not in held and ident not in seen:
+                seen.add(ident)
+                lost.append(ident)
+    if not lost and skipped is None:
+        return _cut(text, budget, count), lost
+    loops = (f"loop {skipped[0]}" if skipped[0] == skipped[1] else
+             f"loops {skipped[0]}–{skipped[1]}") if skipped is not None else ""
+    head = NOT_HELD.format(search=search, recall=recall)
+
+    def note(k: int) -> str:
+        parts = [f"{loops} (the call was not given them)"] if loops else []
+        if lost:
+            more = len(lost) - k
+            ids = " ".join(lost[:k])
+            parts.append(f"identifiers {ids}" + (f" and {more} more" if more else "")
+                         if k else f"{more} identifiers")
+        return f"{head} {'; '.join(parts)}"
+
+    body = _cut(text, max(1, budget - count("\n" + note(0))), count)
+    lo, hi = 0, len(lost)
+    while lo < hi:  # the most identifiers that fit
+        mid = (lo + hi + 1) // 2
+        if count(f"{body}\n{note(mid)}") <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return f"{body}\n{note(lo)}", lost
+
+
+def _cut(text: str, budget: int, count: Callable[[str], int]) -> str:
+    """``text`` within ``budget`` tokens: whole lines while they fit, else its first words."""
+    if count(text) <= budget:
+        return text
+    lines = text.split("\n")
+    while len(lines) > 1 and count("\n".join(lines)) > budget:
+        lines.pop()
+    out = "\n".join(lines)
+    words = out.split(" ")
+    while len(words) > 1 and count(" ".join(words)) > budget:
+        words = words[: max(1, len(words) * 3 // 4)]
+    return " ".join(words)
 
 
 @dataclass(frozen=True)
@@ -511,16 +576,19 @@ class SummaryService:
         started = time.perf_counter()
         prev_e, prev_text = _rolled_from(entries, previous)
         new = loops[prev_e:e]
+        skipped: Sequence[RunLoop] = ()
         if policy.summary_model != "extractive":
-            new = new[-CALL_BATCHES * policy.omission_batch:]  # bounded by the policy
+            bound = CALL_BATCHES * policy.omission_batch  # a call's input: by the policy
+            skipped, new = new[:-bound] if len(new) > bound else (), new[-bound:]
         enc, _ = self.state.tokens.encoding(job.model, None)
 
         def count(text: str) -> int:
             return self.state.tokens.text(enc, text)
         # what the new loops hold is read whole (their tool results too): off the event loop
         # when it is large, as a large request is — this runs beside every other request
-        large = is_large(sum(len(message_text(m)) for lp in new
+        large = is_large(sum(len(message_text(m)) for lp in (*skipped, *new)
                              for m in messages[lp.start:lp.end]))
+        lost: list[str] = []
         try:
             if policy.summary_model == "extractive":
                 text = await offload(large, lambda: digest(policy, prev_text, messages, new,
@@ -532,6 +600,13 @@ class SummaryService:
                 async with asyncio.timeout(policy.summary_timeout_s):  # never swallows
                     text, usage = await self._llm(job, prev_text, turns, count)  # a cancel
                 summarizer = f"{policy.summary_model} ({PROMPT_VERSION})"
+                # what it no longer holds is said, and the whole stays in its budget
+                span = (skipped[0].index, skipped[-1].index) if skipped else None
+                answer = text
+                text, lost = await offload(large, lambda: not_held(
+                    answer, prev_text, [message_text(m) for lp in skipped
+                                        for m in messages[lp.start:lp.end]],
+                    span, policy.summary_max_tokens, count))
         except Exception as exc:  # noqa: BLE001 - a summary failure never reaches a client
             outcome = "timeout" if isinstance(exc, TimeoutError) else "error"
             self._failed(ns, tl, outcome, policy.summary_backoff_s)
@@ -550,6 +625,10 @@ class SummaryService:
             if n:
                 metrics.summary_tokens.labels(tl, kind).inc(n)
         record = _record(text, summarizer, prev_e, e, prev_text, usage, ms)
+        if policy.summary_model != "extractive" and (lost or skipped):
+            record["not_held"] = {"loops": [skipped[0].index, skipped[-1].index]
+                                  if skipped else None, "identifiers": lost[:NOT_HELD_IDS],
+                                  "identifiers_lost": len(lost)}
         try:
             if policy.summary_model != "extractive":
                 record["input_bytes"] = usage.get("input_bytes")

@@ -212,7 +212,7 @@ def _summaries(state: AppState, spec: TenantSpec, tenant: str, sid: str,
             took = f" · {latency} ms" if isinstance(latency, (int, float)) else ""
             kind = "the model's summary (windows take the newest from their next " \
                 "omission on) · " if model else ""
-            out.append(f"<p>{kind}{span} · by "
+            out.append(f"<p>{kind}{span}{escape(_not_held(s))} · by "
                        f"{escape(str(s.get('summarizer') or 'the summariser'))}"
                        f"{took}</p><pre>{escape(str(s.get('text', '')))}</pre>")
     if spec.policy.summary_model:
@@ -225,6 +225,20 @@ def _summaries(state: AppState, spec: TenantSpec, tenant: str, sid: str,
     elif len(out) == 1:
         out.append("<p class='muted'>Summaries are off for this tenant (summary_model).</p>")
     return "".join(out)
+
+
+def _not_held(record: dict[str, Any]) -> str:
+    """What a model's summary does not hold of the loops its field names (said in its
+    text too): the loops its call was not given, the identifiers it lost."""
+    gone = record.get("not_held")
+    if not isinstance(gone, dict):
+        return ""
+    loops, n = gone.get("loops"), gone.get("identifiers_lost")
+    parts = [f"{loop_span(loops)} not held"] if isinstance(loops, list) and len(loops) == 2 \
+        else []
+    if isinstance(n, int) and n:
+        parts.append(f"{n:,} identifier{'s' if n != 1 else ''} not held")
+    return f" ({', '.join(parts)}: search_history finds them)" if parts else ""
 
 
 def _count(name: str) -> int:
