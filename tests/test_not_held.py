@@ -90,3 +90,23 @@ def test_every_lost_identifier_is_named_or_counted_within_the_budget(
                      r"(\d+) identifiers", note)
     counted = int(next(g for g in more.groups() if g)) if more else 0
     assert named <= set(lost) and len(named) + counted == len(lost), note
+
+
+@pytest.mark.parametrize(("record", "heading"), [
+    ({"not_held": {"loops": [2, 5], "identifiers": ["#W3000"], "identifiers_lost": 14}},
+     " (loops 2–5 not held, 14 identifiers not held: search_history finds them)"),
+    ({"not_held": {"loops": [3, 3], "identifiers": [], "identifiers_lost": 0}},
+     " (loop 3 not held: search_history finds them)"),
+    ({"not_held": {"loops": None, "identifiers": ["#W1000"], "identifiers_lost": 1}},
+     " (1 identifier not held: search_history finds them)"),
+    ({}, ""),
+    ({"not_held": "garbage"}, ""),
+])
+def test_the_inspectors_summary_heading_names_what_it_does_not_hold(
+        record: dict[str, object], heading: str) -> None:
+    """A summary's label names what it covers and what it does not (bug class: a label
+    claiming more than the summary holds; planted: the skipped loops left out of the
+    heading, and the identifier count read from the list kept, capped at 200)."""
+    from runloop_proxy.ops.inspector_session import _not_held
+
+    assert _not_held(record) == heading
