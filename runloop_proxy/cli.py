@@ -297,6 +297,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "stands in for its text")
     r.add_argument("--set", action="append", metavar="FIELD=VALUE",
                    help="override a policy field for this run (repeatable)")
+    r.add_argument("--judge-upstream", default=None, metavar="URL",
+                   help="ask a real model (an OpenAI-compatible server's base URL, e.g. "
+                        "https://api.openai.com/v1 or a local vLLM / llama.cpp) the next step "
+                        "with the full and the compressed window, and print agreement by lever")
+    r.add_argument("--judge-model", default=None, metavar="M", help="with --judge-upstream")
+    r.add_argument("--judge-sample", type=int, default=50, metavar="N",
+                   help="with --judge-upstream: request points judged (default 50)")
+    r.add_argument("--judge-seed", type=int, default=0, help="the sample's seed (default 0)")
+    r.add_argument("--judge-key", default=os.environ.get("RUNLOOP_JUDGE_KEY"),
+                   help="the judge's key (default: $RUNLOOP_JUDGE_KEY)")
+    r.add_argument("--judge-output", default=None, metavar="FILE",
+                   help="judged points, one JSON line each, appended as judged; a run given "
+                        "the same file again skips what it holds (resumable)")
     r.add_argument("--json", action="store_true", help="print the report as JSON")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     demo = ("start a scripted upstream and the proxy, replay a sample agent session through "

@@ -33,6 +33,8 @@ from ..errors import ConfigError, InvalidRequest
 from ..pipeline.accounting import prompt_usage
 from ..pricing import PriceTable, Provider
 from ..savings import Meter
+from ..window.builder import Window
+from .replay_judge import Judge, JudgeError, agreement, progress, report_lines, sample_points
 from .replay_offline import CACHED_PRICE, Replayer
 from .replay_report import Run, as_json, report
 from .replay_tally import SEPARATE, Tally
@@ -412,8 +414,16 @@ def run_replay(args: argparse.Namespace) -> int:
     if args.direct and not args.proxy:
         print("--direct compares against a proxy: give --proxy as well", file=sys.stderr)
         return 2
+    judge_args = getattr(args, "judge_upstream", None)
+    if judge_args and (args.proxy or not args.judge_model):
+        print("--judge-upstream replays offline and needs --judge-model", file=sys.stderr)
+        return 2
     tally = Tally()
     replayer = Replayer(tenant, model, args.context, args.summary_cost, provider)
+    judged: list[dict[str, Any]] = []
+    judge = Judge(judge_args, args.judge_model, args.judge_key,
+                  Path(args.judge_output) if args.judge_output else None) if judge_args else None
+    points = sample_points(convs, args.judge_sample, args.judge_seed) if judge else set()
     http = HttpReplay(args, replayer) if args.proxy else None
     summary_before = http.summary_tokens() if http is not None else 0
     show = not args.no_progress and not args.json and sys.stderr.isatty()
@@ -424,6 +434,17 @@ def run_replay(args: argparse.Namespace) -> int:
             try:
                 if http is not None:
                     http.conversation(conv, k, one)
+                elif judge is not None:
+                    def seen(i: int, req: list[Message], window: Window,
+                             k: int = k, conv: dict[str, Any] = conv) -> None:
+                        if (k, i) in points and judge is not None:
+                            judged.append(judge.judge(
+                                f"{conv.get('id') or k}:{i}", req, window,
+                                conv.get("tools") or None,
+                                tenant.policy.shadow_text_threshold))
+                            if show or not args.json:
+                                progress(len(judged), len(points))
+                    replayer.conversation(conv, one, seen)
                 else:
                     replayer.conversation(conv, one)
             except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
@@ -439,10 +460,12 @@ def run_replay(args: argparse.Namespace) -> int:
     except Unreachable as exc:
         print(exc, file=sys.stderr)
         return 1
-    except (ReplayError, OSError) as exc:
+    except (ReplayError, JudgeError, OSError) as exc:
         print(f"replay stopped: {exc}", file=sys.stderr)
         return 1
     finally:
+        if judge is not None:
+            judge.close()
         if http is not None:
             # the proxy's summary calls, by the upstream's usage, count as forwarded: net
             spent = http.summary_tokens() - summary_before
@@ -453,8 +476,14 @@ def run_replay(args: argparse.Namespace) -> int:
     measured = http is None or (http.direct is not None and http.cached > 0)
     run = Run(path, len(convs), model, replayer, tenant.policy, provider, args.half,
               http is not None, measured, round(time.monotonic() - started, 2))
+    by_lever = agreement(judged) if judge is not None else None
     if args.json:
-        print(orjson.dumps(as_json(run, tally), option=orjson.OPT_INDENT_2).decode())
+        data = as_json(run, tally)
+        if by_lever is not None:
+            data["judge"] = {"model": args.judge_model, "by_lever": by_lever}
+        print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
     else:
         print("\n".join(report(run, tally, args.worst)))
+        if by_lever is not None:
+            print("\n".join(report_lines(by_lever, args.judge_model)))
     return 0

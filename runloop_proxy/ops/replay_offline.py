@@ -162,7 +162,10 @@ class Replayer:
         return sum(self.counter.message(self.enc, m) for m in messages) \
             + self.counter.tools(self.enc, tools) + REPLY_PRIMING
 
-    def conversation(self, conv: dict[str, Any], tally: Tally) -> None:
+    def conversation(self, conv: dict[str, Any], tally: Tally,
+                     seen: Callable[[int, list[Message], Window], None] | None = None) -> None:
+        """Replay one conversation into ``tally``; ``seen`` is told each request point's
+        messages as the client sent them and the window built for them."""
         messages: list[Message] = conv["messages"]
         tools = conv.get("tools") or None
         tools_tokens = self.counter.tools(self.enc, tools)
@@ -231,6 +234,8 @@ class Replayer:
                                   tool_names=names, client_tools=bool(tools), carry=carry,
                                   summaries=ahead.upto(i, tally, pressed))
             carry = window.carry
+            if seen is not None:
+                seen(i, req, window)
             pressed = window.tokens_out > policy.target * budget.working
             client_total = sum(rcounts) + tools_tokens + REPLY_PRIMING
             with_tools = window.offers_tools(policy, bool(tools))

@@ -222,16 +222,17 @@ def within_cap(spend: Spend, today: str, daily_tokens: int | None,
 
 # --- levers, and what the process keeps of its comparisons ----------------------------------
 
-LEVERS = ("past_loops", "elided", "dropped", "omission", "summary", "hard_limit")
+LEVERS = ("past_loops", "elided", "dropped", "omission", "summary", "hard_limit", "other")
 ANY = "any"  # the lever label every comparison is counted under besides its own levers
 RECENT = 50  # comparisons kept per tenant for the admin API (the differing ones first to go last)
 
 
 def levers_of(reduced_loops: int, elided: int, omitted_loops: int,
-              kinds: Iterable[str]) -> tuple[str, ...]:
+              kinds: Iterable[str], changed: bool = True) -> tuple[str, ...]:
     """The levers active on a request's window, in ``LEVERS`` order: past loops reduced,
     tool results elided, whole exchanges dropped, loops omitted, a summary in view, the hard
-    limit (from the window's counts and the kinds of its compaction events)."""
+    limit (from the window's counts and the kinds of its compaction events); ``other`` for
+    a window changed by none of them (a tool result cut to its share of the budget)."""
     kinds = set(kinds)
     on = {"past_loops": reduced_loops > 0 or "past_loop_reduction" in kinds,
           "elided": elided > 0 or "in_loop_elision" in kinds,
@@ -239,6 +240,7 @@ def levers_of(reduced_loops: int, elided: int, omitted_loops: int,
           "omission": omitted_loops > 0 or "loop_omission" in kinds,
           "summary": "summary" in kinds,
           "hard_limit": "hard_truncation" in kinds}
+    on["other"] = changed and not any(on.values())
     return tuple(lever for lever in LEVERS if on[lever])
 
 

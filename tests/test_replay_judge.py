@@ -1,0 +1,114 @@
+"""`replay --judge-upstream`: the shadow comparison on recorded conversations, with the
+scripted upstream as a judge model that answers from what its window holds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from runloop_proxy.ops.replay_judge import agreement, sample_points, wilson
+from runloop_proxy.scripted import ScriptedUpstream
+from tests.test_shadow_calls import PADDING, decides_from_its_window
+
+JUDGE_MODEL = "qwen3-32b-2025-04-29"
+
+
+@pytest.mark.parametrize(("agree", "n", "low", "high"), [
+    (0, 0, 0.0, 1.0),
+    (8, 10, 0.4902, 0.9433),
+    (50, 100, 0.4038, 0.5962),
+    (0, 12, 0.0, 0.2425),
+    (37, 37, 0.9059, 1.0),  # n / (n + z²)
+])
+def test_wilson_interval(agree: int, n: int, low: float, high: float) -> None:
+    """Known Wilson 95% intervals. Bug class: the wrong interval. Planted: the normal (Wald)
+    interval (red), and z=1.645 (a 90% interval: red)."""
+    got = wilson(agree, n)
+    assert got == pytest.approx((low, high), abs=1e-4)
+
+
+def test_sampled_points_are_fixed_by_the_seed_and_never_the_first_message() -> None:
+    convs = [{"messages": [{"role": "assistant"}, {"role": "user"}, {"role": "assistant"},
+                           {"role": "user"}, {"role": "assistant"}]}] * 3
+    a, b = sample_points(convs, 4, 11), sample_points(convs, 4, 11)
+    assert a == b and len(a) == 4 and all(i in (2, 4) for _, i in a)
+    assert len(sample_points(convs, 99, 11)) == 6  # every point there is
+
+
+def test_agreement_by_lever_leaves_errors_out() -> None:
+    rows = [{"levers": ["omission"], "outcome": "agree"},
+            {"levers": ["omission", "summary"], "outcome": "differ"},
+            {"levers": [], "outcome": "error"}]
+    got = agreement(rows)
+    assert (got["omission"]["agree"], got["omission"]["n"]) == (1, 2)
+    assert (got["any"]["agree"], got["any"]["n"]) == (1, 2)
+    assert got["summary"]["rate"] == 0.0
+    assert "elided" not in got
+
+
+def _conv(cid: str, final: str) -> dict[str, Any]:
+    return {"id": cid, "messages": [
+        {"role": "system", "content": "You are the support agent of a parcel shop."},
+        {"role": "user", "content": "Look up my last order please."},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_Lk3xQ9", "type": "function",
+             "function": {"name": "lookup_order", "arguments": '{"customer": "C-20931"}'}}]},
+        {"role": "tool", "tool_call_id": "call_Lk3xQ9",
+         "content": f"{PADDING} Order ORD-7731 shipped 2026-03-02 via DHL. {PADDING}"},
+        {"role": "assistant", "content": final},
+        {"role": "user", "content": "And what is its number again?"},
+        {"role": "assistant", "content": "Your order number is ORD-7731."}]}
+
+
+def _run(path: Path, upstream: ScriptedUpstream, out: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "runloop_proxy.cli", "replay", str(path), "--json",
+         "--set", "reduce_at_least=8", "--set", "names_kept=0", "--set", "soft_budget_tokens=1024",
+         "--judge-upstream", upstream.url, "--judge-model", JUDGE_MODEL,
+         "--judge-sample", "100", "--judge-output", str(out)],
+        capture_output=True, text=True, timeout=600)
+
+
+def test_the_judge_measures_what_a_window_hid_and_resumes(
+        tmp_path: Path, upstream: ScriptedUpstream) -> None:
+    """One conversation whose reduced past loop hid the order id (a disagreement at its last
+    point), one whose final answer kept it (an agreement); every point judged twice (full,
+    compressed) and written as judged; run again on the same output file, nothing is asked
+    again; a line cut by an interruption is judged again. Bug class: a comparison of the
+    wrong windows. Planted: the compressed side asked with the full messages (all agree:
+    red), and the output file not read back (asked again: red)."""
+    upstream.responder = decides_from_its_window
+    path = tmp_path / "convs.jsonl"
+    path.write_bytes(orjson.dumps(_conv("conv-hidden", "Your last order has shipped.")) + b"\n"
+                     + orjson.dumps(_conv("conv-kept", "Your order ORD-7731 has shipped."))
+                     + b"\n")
+    out = tmp_path / "judged.jsonl"
+    r = _run(path, upstream, out)
+    assert r.returncode == 0, r.stderr
+    judge = orjson.loads(r.stdout)["judge"]
+    assert judge["model"] == JUDGE_MODEL
+    rows = {row["point"]: row for row in map(orjson.loads, out.read_bytes().splitlines())}
+    assert set(rows) == {"conv-hidden:2", "conv-hidden:4", "conv-hidden:6",
+                         "conv-kept:2", "conv-kept:4", "conv-kept:6"}
+    # the tool result, cut to its share of the budget, lost the id from the second point on
+    assert {p: (r["outcome"], r["levers"]) for p, r in rows.items()} == {
+        "conv-hidden:2": ("agree", []), "conv-hidden:4": ("differ", ["other"]),
+        "conv-hidden:6": ("differ", ["other"]), "conv-kept:2": ("agree", []),
+        "conv-kept:4": ("differ", ["other"]), "conv-kept:6": ("agree", ["other"])}
+    assert judge["by_lever"]["other"] == {"n": 4, "agree": 1, "rate": 0.25,
+                                          "low": 0.0456, "high": 0.6994}
+    assert judge["by_lever"]["any"]["n"] == 6
+    asked = len(upstream.requests)
+    assert asked == 12 and all(b["model"] == JUDGE_MODEL and b["temperature"] == 0
+                               for b in upstream.requests)
+    assert _run(path, upstream, out).returncode == 0
+    assert len(upstream.requests) == asked  # resumed: nothing asked again
+    lines = out.read_bytes().splitlines()
+    out.write_bytes(b"\n".join(lines[:-1]) + b"\n" + lines[-1][:10])  # cut mid-line
+    assert _run(path, upstream, out).returncode == 0
+    assert len(upstream.requests) == asked + 2
