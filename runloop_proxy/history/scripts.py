@@ -106,6 +106,16 @@ return {redis.call('HGETALL', KEYS[1]), counts, redis.call('HGETALL', KEYS[3])}
 # its session: KEYS[1] is the session's meta, whose remaining time the others get. Before the
 # session's first sync there is none (and a request refused or cut never syncs): then the
 # session's retention, ARGV[1] ms; the first sync's touch sets every key's again.
+# When a session's messages were first seen (``store.put_dates``): ARGV[1] packs the
+# request's new ``name\tms`` pairs a line each (packed in one string off the event loop: a
+# command per date cost the loop a hundred calls a message); the first date of a name wins.
+PUT_DATES_LUA = r"""
+for name, ms in string.gmatch(ARGV[1], "([^\t\n]+)\t([^\n]+)") do
+  redis.call('HSETNX', KEYS[1], name, ms)
+end
+return 0
+"""
+
 EXPIRE_WITH_SESSION_LUA = r"""
 local t = redis.call('PTTL', KEYS[1])
 if t <= 0 then t = tonumber(ARGV[1]) end

@@ -60,7 +60,14 @@ from ..errors import StoreError, StoreLimitExceeded
 from ..ops import logs
 from ..ops.metrics import Metrics
 from ..pipeline.offload import is_large, offload
-from .scripts import ADD_INTERNAL_LUA, APPEND_LUA, EXPIRE_WITH_SESSION_LUA, LOAD_LUA, SYNC_LUA
+from .scripts import (
+    ADD_INTERNAL_LUA,
+    APPEND_LUA,
+    EXPIRE_WITH_SESSION_LUA,
+    LOAD_LUA,
+    PUT_DATES_LUA,
+    SYNC_LUA,
+)
 from .writes import (
     Job,
     Prepared,
@@ -796,16 +803,17 @@ class RedisStore:
                  if bytes(dated[i + 1]).isdigit()}
         return Loaded(_pairs(internal), counts, held, dates)
 
-    async def put_dates(self, namespace: str, session_id: str, dates: list[tuple[str, int]],
+    async def put_dates(self, namespace: str, session_id: str, packed: str,
                         retention_days: float | None = None) -> None:
-        """Keep when messages of the session were first seen (``framing.FirstSeen``: a
-        position and its message's key, the first date kept), expiring with the session."""
+        """Keep when messages of the session were first seen (``framing.FirstSeen.packed``:
+        a position and its message's key with its date, a line each; the first date kept),
+        expiring with the session. One argument whatever the count: the event loop packs
+        nothing (a large request's dates were packed with its window, off the loop)."""
         key = self.prefix(namespace, session_id) + ":seen"
 
         async def run() -> None:
             pipe = self.client.pipeline(transaction=False)
-            for name, ms in dates:
-                pipe.hsetnx(key, name, ms)
+            pipe.eval(PUT_DATES_LUA, 1, key, packed)
             _expire_with_session(pipe, self.prefix(namespace, session_id),
                                  self._ttl_ms(retention_days), key)
             await pipe.execute()

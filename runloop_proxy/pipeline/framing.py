@@ -218,6 +218,11 @@ class FirstSeen:
     def __getitem__(self, position: int) -> int | None:
         return self.date(position)
 
+    def packed(self) -> str:
+        """The positions this request dated, as ``store.put_dates`` takes them: one string
+        (``name\tms`` a line), made where the window is (off the loop for a large request)."""
+        return "\n".join([f"{name}\t{ms}" for name, ms in self.new])
+
     def date(self, position: int) -> int | None:
         """When the message at ``position`` was first seen, now if not before: in this
         conversation, at this position. (Keyed by the text alone, another session's "yes"

@@ -46,7 +46,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         history.messages, keys, _chains_at(state, turn, session, history, internal), internal)
     tools = ProxyTools.for_request(turn.chat_tools)
     stored = await state.summaries.stored(turn, session)
-    dated: list[tuple[str, int]] = []
+    dated: list[str] = []  # the dates this request saw first, packed (FirstSeen.packed)
     try:
         window, made = await offload(turn.large or history.large, lambda: compute_window(
             state, turn, session, history, spliced, spliced_keys, protected, frame, stored,
@@ -58,7 +58,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         state.metrics.degraded.labels(turn.caller.label, "window").inc()
         return await _untouched(state, turn, history, frame, rlog)
     if dated and state.store is not None and turn.caller.namespace is not None:
-        state.spawn(_store_dates(state, turn.caller.namespace, session.id, dated,
+        state.spawn(_store_dates(state, turn.caller.namespace, session.id, dated[0],
                                  turn.caller.tenant.retention_days))
     if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
         _after(state, turn, session, spliced, spliced_keys, window, stored, made, rlog)
@@ -198,7 +198,7 @@ async def _converted(turn: Turn, large: bool, messages: list[Message],
 def compute_window(state: AppState, turn: Turn, session: Session, history: History,
                    messages: list[Message], keys: list[str], protected: frozenset[str],
                    frame: Frame, stored: dict[str, str] | None = None,
-                   dated: list[tuple[str, int]] | None = None
+                   dated: list[str] | None = None
                    ) -> tuple[Window, Made | None]:
     """The window for this request (``framing.window_in``, which the inspector's rebuild
     calls too), grown from the session's last window when it can be; and the extractive
@@ -222,8 +222,8 @@ def compute_window(state: AppState, turn: Turn, session: Session, history: Histo
                              _first_new(messages, history))
     if window.carry is not None:
         state.carries[carried] = window.carry
-    if dated is not None:
-        dated += stamps.new
+    if dated is not None and stamps.new:
+        dated.append(stamps.packed())
     return window, made
 
 
@@ -285,7 +285,7 @@ def _taken(event: Event) -> dict[str, int]:
 
 
 async def _store_dates(state: AppState, namespace: str, session_id: str,
-                       dated: list[tuple[str, int]], retention: float | None) -> None:
+                       dated: str, retention: float | None) -> None:
     """When this request first saw its loops (``FirstSeen.new``), for every replica and
     the next process: a loop's age is its first request's."""
     assert state.store is not None
