@@ -96,7 +96,7 @@ def test_hidden_information_is_a_measured_disagreement(
     The shadow call carries nothing the client's request did not: its body is the client's
     (stream off), its key the tenant's upstream key. Bug class: the shadow compared with
     itself. Planted: the shadow step taken from the client's answer (an agreement: red), and
-    the shadow's spend not added to the ledger (red)."""
+    the shadow's spend not added to the ledger (red), the inspector's section left empty (red)."""
     proxy = shadowing("shadow_rate = 1.0\n")
     got = _ask(proxy, "Your last order has shipped.")
     assert got == "I cannot find an order number anywhere in this conversation."
@@ -121,6 +121,14 @@ def test_hidden_information_is_a_measured_disagreement(
         "model": MODEL, "tools": TOOLS, "seed": 4417, "temperature": 0}
     assert upstream.headers[1]["authorization"] == f"Bearer {UPSTREAM_KEY}"
     assert CLIENT_KEY not in str(upstream.headers[1])
+    # the inspector's session page: the two next steps side by side
+    ui = httpx.Client(base_url=proxy.base)
+    assert ui.post("/admin/ui/login", data={"key": ADMIN_KEY}).status_code == 303
+    page = ui.get("/admin/ui/session", params={"tenant": "parcels",
+                                                "id": rec["session"]}).text
+    shadow_part = page.split("<h2>Shadow comparisons</h2>", 1)[1]
+    assert "Your order number is ORD-7731." in shadow_part and got in shadow_part
+    assert "<td>differ</td><td>past_loops</td><td>text</td>" in shadow_part
 
 
 def test_information_kept_is_an_agreement(shadowing: Any, upstream: ScriptedUpstream) -> None:

@@ -21,6 +21,7 @@ from ..errors import StoreError
 from ..history.store import SessionView
 from ..history.summaries import MODEL, OMIT
 from ..pipeline.offload import offload
+from ..pipeline.shadow import Step
 from ..pipeline.tools import spliced_stored
 from ..pricing import PriceTable
 from ..savings import Savings
@@ -71,6 +72,7 @@ def _body(state: AppState, cookie: str, tenant: str, sid: str, view: SessionView
            _window(rebuilt, len(points)), note, _loops(tenant, sid, messages, loops, rebuilt),
            _summaries(state, spec, tenant, sid, stored, cookie),
            _rounds(tenant, sid, view, messages), _records(view, rebuilt),
+           _shadows(state, tenant, sid),
            _branches(view)]
     return "".join(out)
 
@@ -299,6 +301,35 @@ def _records(view: SessionView, rebuilt: Rebuilt) -> str:
         out.append(f"<tr><td>{when(rec.get('ts'))}</td><td>{escape(d.what)}</td><td>"
                    f"{escape(d.where)}</td><td class='num'>{escape(d.tokens)}</td><td>"
                    f"{escape(d.why)}</td></tr>")
+    out.append("</table>")
+    return "".join(out)
+
+
+def _step_html(step: Step | None) -> str:
+    if step is None:
+        return ""
+    calls = "".join(f"<div><code>{escape(t.name)}({escape(t.arguments)})</code></div>"
+                    for t in step.tools)
+    refusal = "<div><b>refused</b></div>" if step.refusal else ""
+    return f"{calls}{refusal}<div>{escape(step.text)}</div>"
+
+
+def _shadows(state: AppState, tenant: str, sid: str) -> str:
+    """This session's shadow comparisons (policy.shadow_rate), a disagreement's two next
+    steps side by side: the compressed request's and the full one's."""
+    recs = state.shadows.of_session(tenant, sid)
+    if not recs:
+        return ""
+    out = ["<h2>Shadow comparisons</h2><table><tr><th>outcome</th><th>levers</th><th>basis"
+           "</th><th class='num'>similarity</th><th class='num'>tokens</th><th>compressed "
+           "window's next step</th><th>full window's next step</th></tr>"]
+    for r in recs:
+        sim = "" if r.similarity is None else f"{r.similarity:.2f}"
+        basis = r.basis.value if r.basis is not None else escape(r.error or "")
+        out.append(f"<tr><td>{r.outcome.value}</td><td>{escape(', '.join(r.levers))}</td>"
+                   f"<td>{basis}</td><td class='num'>{sim}</td><td class='num'>{r.tokens}"
+                   f"</td><td>{_step_html(r.compressed)}</td><td>{_step_html(r.full)}</td>"
+                   "</tr>")
     out.append("</table>")
     return "".join(out)
 

@@ -312,6 +312,12 @@ class ShadowBook:
             t.recent.append(record)
             del t.recent[:-RECENT]
 
+    def of_session(self, tenant: str, session: str) -> list[Record]:
+        """The recent comparisons of one session, oldest first."""
+        with self._lock:
+            t = self._tenants.get(tenant)
+            return [r for r in t.recent if r.session == session] if t is not None else []
+
     def report(self, tenant: str, today: str) -> dict[str, Any]:
         """A tenant's figures: today's spend, agreement by lever, the recent comparisons."""
         with self._lock:
