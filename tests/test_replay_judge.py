@@ -13,7 +13,7 @@ import pytest
 
 from runloop_proxy.ops.replay_judge import agreement, sample_points, wilson
 from runloop_proxy.scripted import ScriptedUpstream
-from tests.test_shadow_calls import PADDING, decides_from_its_window
+from tests.parcels import FOUND, HIDDEN, KEPT, conversation, decides_from_its_window
 
 JUDGE_MODEL = "qwen3-32b-2025-04-29"
 
@@ -52,17 +52,8 @@ def test_agreement_by_lever_leaves_errors_out() -> None:
 
 
 def _conv(cid: str, final: str) -> dict[str, Any]:
-    return {"id": cid, "messages": [
-        {"role": "system", "content": "You are the support agent of a parcel shop."},
-        {"role": "user", "content": "Look up my last order please."},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_Lk3xQ9", "type": "function",
-             "function": {"name": "lookup_order", "arguments": '{"customer": "C-20931"}'}}]},
-        {"role": "tool", "tool_call_id": "call_Lk3xQ9",
-         "content": f"{PADDING} Order ORD-7731 shipped 2026-03-02 via DHL. {PADDING}"},
-        {"role": "assistant", "content": final},
-        {"role": "user", "content": "And what is its number again?"},
-        {"role": "assistant", "content": "Your order number is ORD-7731."}]}
+    return {"id": cid, "messages": [*conversation(final), {"role": "assistant",
+                                                           "content": FOUND}]}
 
 
 def _run(path: Path, upstream: ScriptedUpstream, out: Path) -> subprocess.CompletedProcess[str]:
@@ -84,8 +75,8 @@ def test_the_judge_measures_what_a_window_hid_and_resumes(
     red), and the output file not read back (asked again: red)."""
     upstream.responder = decides_from_its_window
     path = tmp_path / "convs.jsonl"
-    path.write_bytes(orjson.dumps(_conv("conv-hidden", "Your last order has shipped.")) + b"\n"
-                     + orjson.dumps(_conv("conv-kept", "Your order ORD-7731 has shipped."))
+    path.write_bytes(orjson.dumps(_conv("conv-hidden", HIDDEN)) + b"\n"
+                     + orjson.dumps(_conv("conv-kept", KEPT))
                      + b"\n")
     out = tmp_path / "judged.jsonl"
     r = _run(path, upstream, out)

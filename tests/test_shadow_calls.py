@@ -3,63 +3,51 @@ that decides from what its window holds, the openai SDK as the client, a real Re
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
 import openai
+import orjson
 import pytest
+from websockets.sync.client import connect
 
 from runloop_proxy.scripted import ScriptedUpstream
 from tests.conftest import ProxyServer, until
-from tests.keys import openai_project_key
+from tests.keys import anthropic_key, openai_project_key
+from tests.parcels import (
+    ANTHROPIC_TOOLS,
+    CHAT_TOOLS,
+    FOUND,
+    HIDDEN,
+    KEPT,
+    NOT_FOUND,
+    RESPONSES_TOOLS,
+    RESULT,
+    SYSTEM,
+    anthropic_turns,
+    conversation,
+    decides_from_its_window,
+    response_items,
+)
 
 MODEL = "gpt-4.1-mini-2025-04-14"
 CLIENT_KEY = openai_project_key(7)
 UPSTREAM_KEY = openai_project_key(8)
 ADMIN_KEY = "adm-" + "k" * 40
-ORDER = re.compile(r"ORD-\d{4}")
-PADDING = "Carrier events: departed facility, arrived at hub, out for delivery. " * 60
-
-
-def decides_from_its_window(body: dict[str, Any]) -> dict[str, Any]:
-    """A model that answers with the order id it can see, or says it sees none."""
-    seen = ORDER.findall(" ".join(str(m.get("content") or "") for m in body["messages"]))
-    if seen:
-        return {"content": f"Your order number is {seen[-1]}."}
-    return {"content": "I cannot find an order number anywhere in this conversation."}
-
-
-def _conversation(final: str) -> list[dict[str, Any]]:
-    """A past loop whose tool result (large, so its loop is reduced) holds the order id,
-    then a new question about it."""
-    return [
-        {"role": "system", "content": "You are the support agent of a parcel shop."},
-        {"role": "user", "content": "Look up my last order please."},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_Lk3xQ9", "type": "function",
-             "function": {"name": "lookup_order", "arguments": '{"customer": "C-20931"}'}}]},
-        {"role": "tool", "tool_call_id": "call_Lk3xQ9",
-         "content": f"Order ORD-7731 shipped 2026-03-02 via DHL. {PADDING}"},
-        {"role": "assistant", "content": final},
-        {"role": "user", "content": "And what is its number again?"},
-    ]
-
-
-TOOLS = [{"type": "function", "function": {
-    "name": "lookup_order", "description": "Look up a customer's last order",
-    "parameters": {"type": "object", "properties": {"customer": {"type": "string"}}}}}]
 
 
 @pytest.fixture
 def shadowing(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> Any:
-    def make(policy: str) -> ProxyServer:
+    def make(policy: str, upstream_format: str = "any",
+             upstream_key: str = UPSTREAM_KEY) -> ProxyServer:
         root = tmp_path / f"cfg{len(list(tmp_path.iterdir()))}"
         (root / "tenants").mkdir(parents=True)
         (root / "runloop.toml").write_text(
             f'[server]\nadmin_key = "{ADMIN_KEY}"\n'
-            f'[upstreams.main]\nurl = "{upstream.url}"\napi_key = "{UPSTREAM_KEY}"\n'
+            f'[upstreams.main]\nurl = "{upstream.url}"\napi_key = "{upstream_key}"\n'
+            f'format = "{upstream_format}"\n'
             f'max_retries = 0\n[defaults]\nupstream = "main"\n')
         (root / "tenants" / "parcels.toml").write_text(
             f'keys = ["{CLIENT_KEY}"]\n[policy]\nreduce_at_least = 8\nnames_kept = 0\n'
@@ -71,8 +59,8 @@ def shadowing(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> An
 
 def _ask(proxy: ProxyServer, final: str, **kw: Any) -> str:
     client = openai.OpenAI(base_url=proxy.url, api_key=CLIENT_KEY, max_retries=0)
-    answer = client.chat.completions.create(model=MODEL, messages=_conversation(final),  # type: ignore[arg-type]
-                                            tools=TOOLS, seed=4417, temperature=0, **kw)
+    answer = client.chat.completions.create(model=MODEL, messages=conversation(final),  # type: ignore[arg-type]
+                                            tools=CHAT_TOOLS, seed=4417, temperature=0, **kw)
     return answer.choices[0].message.content or ""
 
 
@@ -98,8 +86,8 @@ def test_hidden_information_is_a_measured_disagreement(
     itself. Planted: the shadow step taken from the client's answer (an agreement: red), and
     the shadow's spend not added to the ledger (red), the inspector's section left empty (red)."""
     proxy = shadowing("shadow_rate = 1.0\n")
-    got = _ask(proxy, "Your last order has shipped.")
-    assert got == "I cannot find an order number anywhere in this conversation."
+    got = _ask(proxy, HIDDEN)
+    assert got == NOT_FOUND
     until(lambda: _report(proxy)["by_lever"].get("any"), what="the shadow comparison")
     report = _report(proxy)
     assert report["by_lever"]["any"] == {"agree": 0, "differ": 1, "error": 0}
@@ -107,7 +95,7 @@ def test_hidden_information_is_a_measured_disagreement(
     (rec,) = report["recent"]
     assert (rec["outcome"], rec["basis"], rec["levers"]) == ("differ", "text", ["past_loops"])
     assert rec["compressed"]["text"] == got
-    assert rec["full"]["text"] == "Your order number is ORD-7731."
+    assert rec["full"]["text"] == FOUND
     assert rec["tokens"] > 1_000 and report["tokens"] == rec["tokens"]
     assert _metric(proxy, "runloop_shadow_comparisons_total", tenant="parcels",
                    lever="past_loops", outcome="differ") == 1
@@ -116,9 +104,9 @@ def test_hidden_information_is_a_measured_disagreement(
     assert len(upstream.requests) == 2
     compressed, shadow = upstream.requests
     assert "ORD-7731" not in str(compressed["messages"])
-    assert shadow["messages"] == _conversation("Your last order has shipped.")
+    assert shadow["messages"] == conversation(HIDDEN)
     assert {k: v for k, v in shadow.items() if k != "messages"} == {
-        "model": MODEL, "tools": TOOLS, "seed": 4417, "temperature": 0}
+        "model": MODEL, "tools": CHAT_TOOLS, "seed": 4417, "temperature": 0}
     assert upstream.headers[1]["authorization"] == f"Bearer {UPSTREAM_KEY}"
     assert CLIENT_KEY not in str(upstream.headers[1])
     # the inspector's session page: the two next steps side by side
@@ -127,7 +115,7 @@ def test_hidden_information_is_a_measured_disagreement(
     page = ui.get("/admin/ui/session", params={"tenant": "parcels",
                                                 "id": rec["session"]}).text
     shadow_part = page.split("<h2>Shadow comparisons</h2>", 1)[1]
-    assert "Your order number is ORD-7731." in shadow_part and got in shadow_part
+    assert FOUND in shadow_part and got in shadow_part
     assert "<td>differ</td><td>past_loops</td><td>text</td>" in shadow_part
 
 
@@ -138,10 +126,10 @@ def test_information_kept_is_an_agreement(shadowing: Any, upstream: ScriptedUpst
     proxy = shadowing("shadow_rate = 1.0\n")
     client = openai.OpenAI(base_url=proxy.url, api_key=CLIENT_KEY, max_retries=0)
     stream = client.chat.completions.create(
-        model=MODEL, messages=_conversation("Your order ORD-7731 has shipped."),  # type: ignore[arg-type]
-        tools=TOOLS, stream=True, stream_options={"include_usage": True})
+        model=MODEL, messages=conversation(KEPT),  # type: ignore[arg-type]
+        tools=CHAT_TOOLS, stream=True, stream_options={"include_usage": True})
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    assert text == "Your order number is ORD-7731."
+    assert text == FOUND
     until(lambda: _report(proxy)["by_lever"].get("any"), what="the shadow comparison")
     report = _report(proxy)
     assert report["by_lever"]["any"] == {"agree": 1, "differ": 0, "error": 0}
@@ -154,7 +142,7 @@ def test_shadow_mode_is_off_by_default(shadowing: Any, upstream: ScriptedUpstrea
     """Default policy: one upstream call, nothing recorded. Planted: shadow_rate's default 1
     (red)."""
     proxy = shadowing("")
-    _ask(proxy, "Your last order has shipped.")
+    _ask(proxy, HIDDEN)
     proxy.settle()
     assert len(upstream.requests) == 1
     assert _report(proxy)["by_lever"] == {}
@@ -166,10 +154,10 @@ def test_the_daily_cap_stops_the_calls_and_says_so(
     sampled request is not shadowed, counted as reason=cap, and the admin API says capped.
     Planted: the spend not added to the ledger (a second shadow call: red)."""
     proxy = shadowing("shadow_rate = 1.0\nshadow_daily_tokens = 1000\n")
-    _ask(proxy, "Your last order has shipped.")
+    _ask(proxy, HIDDEN)
     until(lambda: _report(proxy)["by_lever"].get("any"), what="the first comparison")
     assert _report(proxy)["capped"] is True
-    _ask(proxy, "Your last order has shipped.")
+    _ask(proxy, HIDDEN)
     until(lambda: _metric(proxy, "runloop_shadow_skipped_total", tenant="parcels",
                           reason="cap") == 1, what="the capped request counted")
     proxy.settle()
@@ -183,12 +171,158 @@ def test_a_failed_shadow_call_never_touches_the_clients_request(
     own; the comparison is counted as an error. Planted: the shadow error raised out of the
     background task (the comparison is never recorded: red)."""
     proxy = shadowing("shadow_rate = 1.0\n")
-    upstream.push({"content": "I cannot find an order number anywhere in this conversation."},
+    upstream.push({"content": NOT_FOUND},
                   {"status": 500, "body": {"error": {"message": "overloaded",
                                                      "type": "server_error"}}})
-    assert _ask(proxy, "Your last order has shipped.") == \
-        "I cannot find an order number anywhere in this conversation."
+    assert _ask(proxy, HIDDEN) == \
+        NOT_FOUND
     until(lambda: _report(proxy)["by_lever"].get("any"), what="the failed comparison")
     report = _report(proxy)
     assert report["by_lever"]["any"] == {"agree": 0, "differ": 0, "error": 1}
     assert "500" in report["recent"][0]["error"]
+
+
+# --- every path a compressed request takes ------------------------------------------------
+#
+# On each, the request as the upstream would have had it uncompressed is what a tenant
+# with compression off sends for the same requests (``shaping._as_sent``): the shadow
+# call's body is checked against that proxy's, field for field.
+
+CLAUDE = "claude-sonnet-4-6"
+SESSION = "parcels-ticket-4471"
+
+
+def _shadowed(shadowing: Any, upstream: ScriptedUpstream, send: Any, **kw: Any
+              ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``send(proxy)`` through a shadowing proxy, then through one with compression off:
+    the comparison recorded, the shadow call's body, the uncompressed proxy's last body."""
+    proxy = shadowing("shadow_rate = 1.0\n", **kw)
+    send(proxy)
+    until(lambda: _report(proxy)["by_lever"].get("any"), what="the shadow comparison")
+    (rec,) = _report(proxy)["recent"]
+    shadow = upstream.requests[-1]
+    plain = shadowing("enabled = false\nshadow_rate = 1.0\n", **kw)
+    send(plain)
+    plain.settle()
+    return rec, shadow, upstream.requests[-1]
+
+
+def _whole(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+
+
+def test_a_responses_request_is_shadowed_as_sent_with_store_off(
+        shadowing: Any, upstream: ScriptedUpstream) -> None:
+    """The Responses API, streamed: the client's answer (its window reduced the past loop)
+    sees no order, the shadow call — the client's body, whole, ``store`` false — names it.
+    Planted: ``store`` left as the client set it (red)."""
+    def send(proxy: ProxyServer) -> None:
+        client = openai.OpenAI(base_url=proxy.url, api_key=CLIENT_KEY, max_retries=0)
+        with client.responses.stream(model=MODEL, instructions=SYSTEM, store=True,
+                                     input=response_items(HIDDEN),  # type: ignore[arg-type]
+                                     tools=RESPONSES_TOOLS) as stream:  # type: ignore[arg-type]
+            assert stream.get_final_response().output_text in (NOT_FOUND, FOUND)
+    rec, shadow, plain = _shadowed(shadowing, upstream, send)
+    assert (rec["outcome"], rec["compressed"]["text"], rec["full"]["text"]) == \
+        ("differ", NOT_FOUND, FOUND)
+    assert (shadow["store"], shadow["stream"]) == (False, False)
+    assert _whole(shadow) == {**_whole(plain), "store": False}
+    assert shadow["input"] == response_items(HIDDEN)
+
+
+def test_a_messages_request_to_anthropic_is_shadowed_with_its_key(
+        shadowing: Any, upstream: ScriptedUpstream) -> None:
+    """The Messages API to an Anthropic upstream: the shadow call is the client's body
+    (system, turns, tools, max_tokens) with the tenant's upstream key as x-api-key.
+    Planted: the shadow sent with a Bearer Authorization in place of x-api-key (red)."""
+    key = anthropic_key(31)
+
+    def send(proxy: ProxyServer) -> None:
+        client = anthropic.Anthropic(base_url=proxy.base, api_key=CLIENT_KEY, max_retries=0)
+        client.messages.create(model=CLAUDE, max_tokens=1536, system=SYSTEM,
+                               messages=anthropic_turns(HIDDEN),  # type: ignore[arg-type]
+                               tools=ANTHROPIC_TOOLS)  # type: ignore[arg-type]
+    rec, shadow, plain = _shadowed(shadowing, upstream, send, upstream_format="anthropic",
+                                   upstream_key=key)
+    assert (rec["outcome"], rec["compressed"]["text"], rec["full"]["text"]) == \
+        ("differ", NOT_FOUND, FOUND)
+    assert _whole(shadow) == _whole(plain)
+    assert shadow["messages"] == anthropic_turns(HIDDEN) and shadow["system"] == SYSTEM
+    assert upstream.headers[-2]["x-api-key"] == key  # the shadow's, before the plain one's
+    assert "authorization" not in upstream.headers[-2]
+
+
+def test_a_bridged_messages_request_is_shadowed_in_the_upstreams_api(
+        shadowing: Any, upstream: ScriptedUpstream) -> None:
+    """The bridge (a Messages client, a chat-completions upstream): the shadow call is the
+    client's request translated as an uncompressed one is — chat completions with the whole
+    conversation, the tool result in full. Before, such requests were skipped. Planted:
+    the client's Messages body sent as it came (red: not the chat body)."""
+    def send(proxy: ProxyServer) -> None:
+        client = anthropic.Anthropic(base_url=proxy.base, api_key=CLIENT_KEY, max_retries=0)
+        client.messages.create(model=MODEL, max_tokens=1536, system=SYSTEM,
+                               messages=anthropic_turns(HIDDEN),  # type: ignore[arg-type]
+                               tools=ANTHROPIC_TOOLS, stream=False)  # type: ignore[arg-type]
+    rec, shadow, plain = _shadowed(shadowing, upstream, send, upstream_format="chat")
+    assert (rec["outcome"], rec["compressed"]["text"], rec["full"]["text"]) == \
+        ("differ", NOT_FOUND, FOUND)
+    assert _whole(shadow) == _whole(plain)
+    assert shadow["messages"][0] == {"role": "system", "content": SYSTEM}
+    assert [m["content"] for m in shadow["messages"] if m["role"] == "tool"] == [RESULT]
+
+
+def test_a_server_history_request_is_shadowed_with_the_stored_conversation(
+        shadowing: Any, upstream: ScriptedUpstream) -> None:
+    """Server-history mode: the client sends only its question; the shadow call carries the
+    stored conversation before it, as the upstream would have had it uncompressed. Before,
+    such requests were skipped. Planted: the body as the client sent it (only the question:
+    an agreement, red), and the request's own messages converted in place of the stored
+    conversation (red)."""
+    def send(proxy: ProxyServer) -> None:
+        client = openai.OpenAI(base_url=proxy.url, api_key=CLIENT_KEY, max_retries=0,
+                               default_headers={"X-Session-Id": SESSION,
+                                                "X-Runloop-History": "server"})
+        upstream.push({"content": HIDDEN})
+        client.chat.completions.create(model=MODEL, messages=conversation(HIDDEN)[:4],  # type: ignore[arg-type]
+                                       tools=CHAT_TOOLS)
+        proxy.settle()
+        client.chat.completions.create(model=MODEL, messages=conversation(HIDDEN)[5:],  # type: ignore[arg-type]
+                                       tools=CHAT_TOOLS)
+    rec, shadow, plain = _shadowed(shadowing, upstream, send)
+    assert (rec["outcome"], rec["compressed"]["text"], rec["full"]["text"]) == \
+        ("differ", NOT_FOUND, FOUND)
+    assert _whole(shadow) == _whole(plain)
+    assert [(m["role"], m.get("content")) for m in shadow["messages"]] == \
+        [(m["role"], m.get("content")) for m in conversation(HIDDEN)]
+
+
+def test_a_socket_turn_going_on_from_its_response_is_shadowed_whole(
+        shadowing: Any, upstream: ScriptedUpstream) -> None:
+    """Over the WebSocket a turn names the connection's last response and sends only its
+    question; the proxy expands it into the whole conversation, and the shadow call carries
+    that (no previous_response_id, store and stream off). Planted: the socket's turns
+    skipped (``rlog.api == "responses_ws"``: red, never shadowed)."""
+    proxy = shadowing("shadow_rate = 1.0\n")
+    url = proxy.base.replace("http://", "ws://") + "/v1/responses"
+    upstream.push({"content": HIDDEN})
+    with connect(url, additional_headers={"Authorization": f"Bearer {CLIENT_KEY}"},
+                 open_timeout=10) as ws:
+        def turn(**body: Any) -> dict[str, Any]:
+            ws.send(orjson.dumps({"type": "response.create", "model": MODEL, "store": False,
+                                  "instructions": SYSTEM, "tools": RESPONSES_TOOLS,
+                                  **body}).decode())
+            while True:
+                event = orjson.loads(ws.recv(timeout=30))
+                if event["type"] in ("response.completed", "error"):
+                    return event  # type: ignore[no-any-return]
+        first = turn(input=response_items(HIDDEN)[:3])["response"]
+        second = turn(input=response_items(HIDDEN)[4:], previous_response_id=first["id"])
+    assert second["response"]["output"][0]["content"][0]["text"] == NOT_FOUND
+    until(lambda: _report(proxy)["by_lever"].get("any"), what="the shadow comparison")
+    (rec,) = _report(proxy)["recent"]
+    assert (rec["outcome"], rec["full"]["text"]) == ("differ", FOUND)
+    shadow = upstream.requests[-1]
+    assert shadow["input"] == [*response_items(HIDDEN)[:3], *first["output"],
+                               *response_items(HIDDEN)[4:]]
+    assert "previous_response_id" not in shadow
+    assert (shadow["store"], shadow["stream"]) == (False, False)

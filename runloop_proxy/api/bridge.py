@@ -51,13 +51,16 @@ class BridgeWire:
         self.chat = ChatWire()
         self.native = MessagesWire()
         self.dropped: set[str] = set()  # what the chat bodies left out (for a log line)
+        self.told = 0  # how many of them a log line has named
 
     def outgoing(self, body: dict[str, Any], messages: list[Message],
                  extra_tools: list[dict[str, Any]], note: Note | None = None
                  ) -> dict[str, Any]:
         out = self.chat.outgoing(chat_request(body, self.dropped),
                                  to_chat(messages, self.dropped), extra_tools)
-        if self.dropped:  # once a request: its later rounds are next_round's
+        if len(self.dropped) > self.told:  # once a request (its later rounds are
+            # next_round's; a shadow call converts the same body again)
+            self.told = len(self.dropped)
             # a log line is bounded whatever a client sent: the first few names, and a count
             names = sorted(self.dropped)
             log.info("bridge: dropped what chat completions cannot carry",

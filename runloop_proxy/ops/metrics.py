@@ -137,7 +137,7 @@ class Metrics:
         self.shadow_skipped = Counter(
             "runloop_shadow_skipped_total", "Requests sampled for a shadow call and not "
             "shadowed: reason=cap (the daily cap reached), busy (the tenant holds half its "
-            "upstream connections), unsupported (bridged, chained, server history)",
+            "upstream connections)",
             ["tenant", "reason"], registry=r)
         self.store_latency = Histogram("runloop_store_latency_seconds",
                                        "Store round-trips on the request path", ["op"],
@@ -176,7 +176,7 @@ class Metrics:
                     self.shadow_comparisons.labels(tenant, lever, outcome)
             self.shadow_tokens.labels(tenant)
             self.shadow_cost.labels(tenant)
-            for reason in ("cap", "busy", "unsupported"):
+            for reason in ("cap", "busy"):
                 self.shadow_skipped.labels(tenant, reason)
 
     def bound(self, tenant: str, model: str) -> BoundMetrics:

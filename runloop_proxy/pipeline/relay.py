@@ -97,7 +97,7 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
         reply = _parsed_reply(turn.wire, raw)
         if not await _answered(state, turn, session, history, rlog, reply, False):
             headers["X-Runloop-Degraded"] = "history"
-        shadow_after(state, turn, out, rlog, reply.message if reply else None)
+        shadow_after(state, turn, history, out, rlog, reply.message if reply else None)
         rlog.finish(resp.status)
         return Answer(resp.status, headers, raw)
     raw = await read(state, resp, rlog)
@@ -113,7 +113,7 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
             answer_id=outcome.id, tokens=rlog.prompt_tokens, frame=rlog.frame,
             usage=rlog.billed, chain=outcome.chain)):
         headers["X-Runloop-Degraded"] = "history"
-    shadow_after(state, turn, out, rlog, outcome.shown)
+    shadow_after(state, turn, history, out, rlog, outcome.shown)
     rlog.finish(200)
     return Answer(200, headers, orjson.dumps(data))
 
@@ -344,7 +344,8 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                         if not await _answered(state, turn, session, history, rlog,
                                                reply, False):
                             yield NOT_STORED_EVENT
-                        shadow_after(state, turn, out, rlog, reply.message if reply else None)
+                        shadow_after(state, turn, history, out, rlog,
+                                     reply.message if reply else None)
                     yield chunk
             if recorded:
                 pass
@@ -364,7 +365,8 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                     reply = observer.reply()
                     if not await _answered(state, turn, session, history, rlog, reply, False):
                         yield NOT_STORED_EVENT
-                    shadow_after(state, turn, out, rlog, reply.message if reply else None)
+                    shadow_after(state, turn, history, out, rlog,
+                                 reply.message if reply else None)
         else:
             rounds = _rounds(state, turn, session, history, out, rlog)
             # server history: each piece goes one behind, so the last (the answer's end)
@@ -389,7 +391,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                     answer_id=outcomes[0].id, tokens=rlog.prompt_tokens, frame=rlog.frame,
                     usage=rlog.billed, chain=outcomes[0].chain)):
                 yield NOT_STORED_EVENT
-            shadow_after(state, turn, out, rlog, outcomes[0].shown)
+            shadow_after(state, turn, history, out, rlog, outcomes[0].shown)
             if last is not None:
                 yield last
     except UpstreamError as exc:

@@ -3,8 +3,13 @@ compressed, the request is sent once more as the client sent it, and the two ans
 steps compared (shadow.py).
 
 The call goes after the client's answer (when its request is done), in the background, with
-the tenant's upstream, key and headers as the request itself went, the body the client sent
-with ``stream`` off; it is never streamed to anyone and never recorded as a turn. It holds one
+the tenant's upstream, key and headers as the request itself went, and the body the upstream
+would have had uncompressed (the client's; in server-history mode with the stored
+conversation; bridged, in the upstream's API) with ``stream`` off; it is never streamed to
+anyone and never recorded as a turn. Every API and path shadows alike: a Responses request
+chained on a ``previous_response_id`` the upstream keeps is never compressed (its
+conversation is upstream), so it has nothing to compare; one over a socket that goes on from
+the connection's own response is expanded into the whole conversation first. It holds one
 of the tenant's upstream connections, and goes only while the tenant holds less than half of
 its share of them, so it never takes room the tenant's own requests need. Its tokens and
 money count against the tenant's daily cap (``shadow_daily_tokens``, ``shadow_daily_usd``);
@@ -25,8 +30,9 @@ from ..errors import ProxyFull, TenantOverShare, UpstreamError
 from ..ops import logs
 from ..state import AppState
 from .accounting import RequestLog, prompt_usage
+from .offload import offload
 from .shadow import ANY, Basis, Outcome, Record, compare, levers_of, sampled, step_of_message
-from .values import Outgoing, Turn
+from .values import History, Outgoing, Turn
 
 log = logs.get("shadow")
 _draws = random.SystemRandom()
@@ -36,10 +42,12 @@ def today() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d")
 
 
-def shadow_after(state: AppState, turn: Turn, out: Outgoing, rlog: RequestLog,
-                 shown: Message | None, draw: float | None = None) -> None:
+def shadow_after(state: AppState, turn: Turn, history: History, out: Outgoing,
+                 rlog: RequestLog, shown: Message | None, draw: float | None = None) -> None:
     """Decide whether this answered request is shadowed, and if so send its shadow call once
-    the request is done. ``shown``: the answer the client got, in the conversation model."""
+    the request is done. ``shown``: the answer the client got, in the conversation model;
+    ``history``: the conversation the request stands for (in server-history mode, the
+    stored one with the new messages)."""
     policy = turn.policy
     window = out.window
     if policy.shadow_rate <= 0 or shown is None or window is None or not window.changed \
@@ -60,15 +68,13 @@ def shadow_after(state: AppState, turn: Turn, out: Outgoing, rlog: RequestLog,
     session, model = rlog.session, turn.model
 
     def go() -> None:
-        state.spawn(shadow_call(state, turn, levers, shown, session, model, day))
+        state.spawn(shadow_call(state, turn, history, levers, shown, session, model, day))
 
     rlog.at_end(go)
 
 
 def _not_now(state: AppState, turn: Turn, today: str) -> str | None:
     """Why a sampled request gets no shadow call, or None."""
-    if turn.wire.translates or turn.chained or turn.server_history:
-        return "unsupported"  # the body as sent is not what the upstream can read alone
     policy = turn.policy
     if not state.shadows.allows(turn.caller.tenant.name, today, policy.shadow_daily_tokens,
                                 policy.shadow_daily_usd):
@@ -81,10 +87,14 @@ def _not_now(state: AppState, turn: Turn, today: str) -> str | None:
     return None
 
 
-def shadow_body(turn: Turn) -> bytes:
-    """The request as the client sent it, answered whole: ``stream`` (and what only a stream
-    reads) off; every other field, the client's seed and sampling parameters, as sent."""
-    body: dict[str, Any] = dict(turn.body)
+def shadow_body(turn: Turn, history: History) -> bytes:
+    """The request as the upstream would have had it without the proxy's window, answered
+    whole: the client's body; in server-history mode with the stored conversation, and for
+    an upstream of another API (the bridge) in its API — as ``shaping._as_sent`` sends an
+    unchanged request. ``stream`` (and what only a stream reads) off; every other field,
+    the client's seed and sampling parameters, as sent."""
+    body: dict[str, Any] = turn.wire.outgoing(turn.body, history.messages, []) \
+        if turn.server_history or turn.wire.translates else dict(turn.body)
     body.pop("stream_options", None)
     if body.get("stream"):
         body["stream"] = False
@@ -93,16 +103,18 @@ def shadow_body(turn: Turn) -> bytes:
     return orjson.dumps(body)
 
 
-async def shadow_call(state: AppState, turn: Turn, levers: tuple[str, ...], shown: Message,
-                      session: str | None, model: str, today: str) -> Record:
+async def shadow_call(state: AppState, turn: Turn, history: History, levers: tuple[str, ...],
+                      shown: Message, session: str | None, model: str, today: str) -> Record:
     """The shadow call, its comparison, and its record (book, metrics, log line)."""
     label, policy = turn.caller.label, turn.policy
     tokens, usd, error = 0, None, None
     full_step = None
     try:
+        # a whole stored conversation is converted off the event loop, as the window's is
+        body = await offload(turn.large or history.large, lambda: shadow_body(turn, history))
         resp = await turn.caller.client(state.upstreams).request(
             "POST", turn.wire.upstream_path, turn.caller.upstream_headers(turn.headers),
-            shadow_body(turn), holder=turn.caller.holder)
+            body, holder=turn.caller.holder)
         try:
             raw = await resp.read(state.config.server.max_answer_bytes)
         finally:
