@@ -419,7 +419,7 @@ def request_point(state: AppState, turn: Turn, history: History,
     recalibrated the model since) — or that it chained on a response upstream."""
     if frame is None:
         frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools,
-                         turn.caller.scope).point()
+                         turn.caller.scope, turn.long_context).point()
     out: dict[str, Any] = {"messages": len(history.messages), **frame}
     if history.earlier:
         out["earlier"] = [history.earlier_at, len(history.earlier)]
