@@ -150,9 +150,14 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
             session, earlier, large = await _continuation(turn, session, store, ns)
             enc, _ = state.tokens.encoding(turn.model,
                                            turn.caller.tenant.encoding_for(turn.model))
-            loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name)
-            state.tokens.prime(enc, loaded.counts)
-            _known_dates(state, ns, session.id, loaded.dates)
+            loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name,
+                                      large)
+
+            def primed() -> None:  # an entry each: off the loop for a large session
+                state.tokens.prime(enc, loaded.counts)
+                _known_dates(state, ns, session.id, loaded.dates)
+
+            await offload(large, primed)
             internal = loaded.internal
             if new_from is None:
                 new_from = loaded.stored
