@@ -54,7 +54,8 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
             redis_url = state.embedded.start()
         budget = config.server.cache_mb << 20
         state.store = RedisStore(redis_url, config.store, state.metrics,
-                                 (int(budget * SHARES["sessions"]), int(budget * SHARES["chains"])))
+                                 {name: int(budget * SHARES[name])
+                                  for name in ("sessions", "chains", "anchors", "indexed")})
         await state.store.start()
         await state.store.ping()
         loop = asyncio.get_running_loop()

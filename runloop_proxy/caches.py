@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, Generic, TypeVar
 
 K = TypeVar("K")
 V = TypeVar("V")
 ENTRY_OVERHEAD = 120  # a dict slot, the key tuple, the value's box: roughly, in CPython
+MESSAGE_OVERHEAD = 400  # a parsed message's dict, its role and keys (tracemalloc: ~370 B)
 
-# each cache's share of server.cache_mb
-SHARES = {"carries": 0.26, "recent": 0.185, "bills": 0.005, "memo": 0.15, "cuts": 0.08,
-          "tokens": 0.10, "chains": 0.10, "first_seen": 0.02, "sessions": 0.05, "masks": 0.03,
-          "factors": 0.015, "windows": 0.005}
+# each cache's share of server.cache_mb (they add up to the whole, no more)
+SHARES = {"carries": 0.23, "recent": 0.16, "bills": 0.005, "memo": 0.14, "cuts": 0.075,
+          "tokens": 0.095, "chains": 0.09, "first_seen": 0.02, "sessions": 0.05, "masks": 0.03,
+          "factors": 0.015, "windows": 0.005, "summaries": 0.06, "anchors": 0.005,
+          "indexed": 0.01, "models": 0.005}
 
 
 def approx_size(obj: Any, budget: int = 1 << 16) -> int:
@@ -39,6 +41,26 @@ def approx_size(obj: Any, budget: int = 1 << 16) -> int:
         else:
             total += 28
     return total
+
+
+def message_bytes(m: Mapping[str, Any]) -> int:
+    """The bytes a message's texts take in memory (1 a character for ASCII, else up to 4)."""
+    content = m.get("content")
+    texts = [content] if isinstance(content, str) else [
+        p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) \
+        else []
+    texts += [(c.get("function") or {}).get("arguments") for c in m.get("tool_calls") or []
+              if isinstance(c, dict)]
+    return sum(len(t) * (1 if t.isascii() else 4) for t in texts if isinstance(t, str))
+
+
+def messages_bytes(messages: Iterable[Mapping[str, Any]]) -> int:
+    """What a list of messages holds: their texts, and a few hundred bytes of dicts each."""
+    n, held = 0, 0
+    for m in messages:
+        n += 1
+        held += message_bytes(m)
+    return held + n * MESSAGE_OVERHEAD
 
 
 class ByteLRU(MutableMapping[K, V], Generic[K, V]):

@@ -13,9 +13,8 @@ from typing import Any
 from starlette.requests import HTTPConnection
 
 from . import savings
-from .caches import SHARES, ByteLRU
+from .caches import SHARES, ByteLRU, message_bytes
 from .config import ProxyConfig, Settings, config_mtimes, load_config, redact_url
-from .conversation.messages import Message
 from .errors import ConfigError, StoreError
 from .history.embedded import EmbeddedRedis
 from .history.store import RedisStore
@@ -77,7 +76,7 @@ class AppState:
         self.bills: ByteLRU[tuple[str, str], Meter] = ByteLRU(share("bills"),
                                                               lambda k, v: BILL_ENTRY_BYTES)
         self._bill_prices: tuple[Any, list[Provider]] | None = None
-        self.tokens.resize(share("tokens"), share("factors"))
+        self.tokens.resize(share("tokens"), share("factors"), share("models"))
         # (scope, model) -> the window its upstream's overflow error said (pipeline/limits.py)
         self.windows = LearnedWindows(share("windows"))
         # the tables that mask the credentials of a request in its answer (upstream.py)
@@ -223,18 +222,7 @@ def carry_size(key: tuple[str, str], carry: Carry) -> int:
     2 MB of spaces passed for 64 KB) — and a few hundred bytes of derived facts per
     message."""
     conv = carry.conv
-    return max(conv.prefix[-1] * 4, sum(map(_held, conv.messages))) + conv.n * 600
-
-
-def _held(m: Message) -> int:
-    """The bytes a message's texts take in memory (1 a character for ASCII, else up to 4)."""
-    content = m.get("content")
-    texts = [content] if isinstance(content, str) else [
-        p.get("text") for p in content if isinstance(p, dict)] if isinstance(content, list) \
-        else []
-    texts += [(c.get("function") or {}).get("arguments") for c in m.get("tool_calls") or []
-              if isinstance(c, dict)]
-    return sum(len(t) * (1 if t.isascii() else 4) for t in texts if isinstance(t, str))
+    return max(conv.prefix[-1] * 4, sum(map(message_bytes, conv.messages))) + conv.n * 600
 
 
 def state_of(request: HTTPConnection) -> AppState:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import random
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -90,10 +91,7 @@ def test_clearing_empties_it_and_its_byte_count() -> None:
 # What may grow with the number of distinct strings clients send (models, keys, sessions),
 # each with the bound that holds it. Everything else a process keeps per client string is
 # a ByteLRU, bounded in bytes by construction.
-COUNT_CAPPED = {
-    "state.store._indexed": "SESSION_CACHE_SIZE sessions (history.store)",
-    "state.tokens._by_model": "MODELS_KEPT model names (pipeline.tokens)",
-}
+COUNT_CAPPED: dict[str, str] = {}
 
 
 def _sizes(root: object) -> dict[str, int]:
@@ -200,14 +198,7 @@ def test_every_module_level_cache_is_known_and_none_is_bounded_by_count_alone() 
 
 # The caches whose budget is not yet a share of cache_mb, each fixed (bytes) where it is
 # made, and who holds it. Every other ByteLRU a proxy reaches grows with cache_mb.
-FIXED_BUDGETS = {
-    "state.store._anchors": "history/store.py ANCHORS_BYTES",
-    "state.summaries.failures": "history/summaries.py BACKOFF_BYTES",
-    "state.summaries.paused_until": "history/summaries.py BACKOFF_BYTES",
-    "state.summaries.pending": "history/summaries.py PENDING_BYTES",
-    "state.summaries.wanted": "history/summaries.py PENDING_BYTES",
-    "state.summaries.waiting": "history/summaries.py PENDING_BYTES",
-}
+FIXED_BUDGETS: dict[str, str] = {}
 
 
 def _budgets(root: object) -> dict[str, int]:
@@ -231,8 +222,9 @@ def _budgets(root: object) -> dict[str, int]:
 
 def test_the_caches_a_proxy_keeps_share_cache_mb(make_proxy: Any) -> None:
     """Every ByteLRU a proxy reaches is sized from server.cache_mb (it grows with it) and
-    together they fit in it, but for the fixed ones named above. Planted, red: the mask
-    tables given a fixed 64 MB; the shares adding up to more than the whole."""
+    together they fit in it, but for the fixed ones named above (none now). Planted, red:
+    the mask tables given a fixed 64 MB; the shares adding up to more than the whole; the
+    store's anchors at a fixed 2 MB again."""
     small = _budgets(make_proxy(server={"cache_mb": 16}).state)
     large = _budgets(make_proxy(server={"cache_mb": 64}).state)
     assert small.keys() == large.keys()
@@ -242,6 +234,128 @@ def test_the_caches_a_proxy_keeps_share_cache_mb(make_proxy: Any) -> None:
         assert sum(n for p, n in budget.items() if p not in fixed) <= mb << 20
     assert "state.masks._kept" in small
     assert sum(SHARES.values()) <= 1.0
+
+
+def _text(n: int, tag: str) -> str:
+    """``n`` characters of hex ids (as tool results are full of), distinct for each tag."""
+    return (tag + " " + random.Random(tag).randbytes(n // 2 + 1).hex())[:n]
+
+
+def _pending(i: int) -> Any:
+    """A summary waiting for its session's reply: the session's 40 messages of 4 KB (tool
+    results of distinct ids, as an agent's are), its keys, a stored summary."""
+    from runloop_proxy.history.summaries import _Pending
+
+    messages = [{"role": ("user", "assistant", "tool")[k % 3], "content": _text(4096, f"{i}.{k}")}
+                for k in range(40)]
+    keys = [f"{i:06d}{k:058d}" for k in range(40)]
+    return _Pending.of(Any, messages, keys, 8, {f"omit:8:{i}": _text(2000, str(i))})
+
+
+SESSION = "sess_" + "7" * 123  # a session id as long as a plain one may be (128 characters)
+NAMESPACE = "pt-" + "c" * 61  # a pass-through caller's namespace: its key's digest
+
+# Every cache the proxy keeps whose bytes its own formula counts (rather than approx_size's
+# walk of the value), with entries of the largest realistic kind, distinct each time: what
+# the formula says must be what tracemalloc sees.
+FILLS: dict[str, Any] = {
+    "state.summaries.pending": lambda i: ((NAMESPACE, f"{SESSION}{i}"), _pending(i)),
+    "state.summaries.wanted": lambda i: ((NAMESPACE, f"{SESSION}{i}"), _pending(i)),
+    "state.summaries.waiting": lambda i: ((NAMESPACE, f"{SESSION}{i}"), _pending(i)),
+    "state.summaries.failures": lambda i: (f"{NAMESPACE}{i}", i),
+    "state.summaries.paused_until": lambda i: (f"{NAMESPACE}{i}", i + 0.5),
+    "state.store._anchors": lambda i: ((NAMESPACE, f"{i:064x}"), f"{SESSION}{i}"),
+    "state.store._indexed": lambda i: ((NAMESPACE, f"{SESSION}{i}"), i + 0.25),
+    "state.tokens._by_model": lambda i: ((f"claude-sonnet-4-5-20250929-ft-{i:034d}", None),
+                                         (None, False)),
+    "state.tokens._factors": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"),
+                                        1.0 + i / 1e6),
+    "state.first_seen": lambda i: (f"{NAMESPACE}\0{SESSION}\0{i:064x}", 1764650000000 + i),
+    "state.windows._known": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"), 128_000),
+    "state.windows._asked": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"),
+                                       i + 0.75),
+}
+
+
+def _reach(state: Any, path: str) -> Any:
+    o = state
+    for name in path.split(".")[1:]:
+        o = getattr(o, name)
+    return o
+
+
+@pytest.mark.parametrize("path", sorted(FILLS))
+def test_what_a_cache_counts_is_what_it_holds(make_proxy: Any, path: str) -> None:
+    """Filled with large distinct entries to three times its budget, a cache holds (as
+    tracemalloc sees it) no more than 1.5 times the bytes it counts, and those within its
+    budget: a cache's share of cache_mb bounds the process only if its count is honest.
+    Bug caught: the summaries waiting for a reply counted at 64 bytes a key, not the
+    session's messages they hold (a 160 KB session passed for 3 KB: ~50 times its budget
+    held: 32 MB for a 0.5 MB budget, red). Planted too, red: the store's anchors counted at
+    a fixed 200 bytes, without their keys and session ids."""
+    import gc
+    import tracemalloc
+
+    cache = _reach(make_proxy(server={"cache_mb": 16}).state, path)
+    fill = FILLS[path]
+    first = fill(0)
+    probe: ByteLRU[Any, Any] = ByteLRU(1 << 30, cache._size)
+    probe[first[0]] = first[1]
+    entries = 3 * cache.max_bytes // probe.bytes + 3
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(entries):
+            key, value = fill(i + 1)
+            cache[key] = value
+            del key, value
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert 0 < cache.bytes <= cache.max_bytes and len(cache) < entries
+    assert held <= 1.5 * cache.bytes + (64 << 10), \
+        f"{path}: holds {held} bytes, counts {cache.bytes} ({len(cache)} of {entries})"
+
+
+# The others, and the test that checks their count against tracemalloc.
+ELSEWHERE = {
+    "state.carries": "test_hardening.py::test_what_the_caches_hold_is_what_they_are_allowed",
+    "state.recent": "test_hardening.py::test_what_the_caches_hold_is_what_they_are_allowed",
+    "state.store._sessions": "test_hardening.py::test_what_the_caches_hold_is_what_the…",
+    "state.store._chains": "test_hardening.py::test_what_the_caches_hold_is_what_the…",
+    "state.tokens._cache": "test_hardening.py::test_what_the_caches_hold_is_what_the…",
+    "state.masks._kept": "test_masking.py (a 60 KB credential's tables, tracemalloc)",
+    "state.bills": "savings.Meter measured: BILL_ENTRY_BYTES (state.py)",
+}
+
+
+def _formulas(root: object) -> set[str]:
+    """Every ByteLRU reachable from ``root`` whose bytes a size function of its own counts
+    (not the default walk of the value), by path."""
+    default = ByteLRU(1)._size.__qualname__
+    out: set[str] = set()
+    seen: set[int] = set()
+    stack: list[tuple[str, object, int]] = [("state", root, 0)]
+    while stack:
+        path, o, depth = stack.pop()
+        if id(o) in seen or depth > 6:
+            continue
+        seen.add(id(o))
+        if isinstance(o, ByteLRU):
+            if o._size.__qualname__ != default:
+                out.add(path)
+        elif type(o).__module__.startswith("runloop_proxy") and hasattr(o, "__dict__"):
+            stack += [(f"{path}.{k}", v, depth + 1) for k, v in vars(o).items()]
+    return out
+
+
+def test_every_cache_counted_by_a_formula_is_filled_somewhere(make_proxy: Any) -> None:
+    """A new cache with a size function of its own fails here until its count is checked
+    against what it holds (in FILLS above, or a test named in ELSEWHERE)."""
+    found = _formulas(make_proxy().state)
+    assert found == set(FILLS) | set(ELSEWHERE), sorted(found ^ (set(FILLS) | set(ELSEWHERE)))
 
 
 class _ByteLRUAgainstAList(RuleBasedStateMachine):

@@ -402,8 +402,8 @@ def test_a_run_cut_into_spans_counts_within_a_token_a_span(kind: str) -> None:
 def test_a_models_encoding_is_resolved_once_and_the_models_kept_are_bounded(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each model name is resolved to its encoding once while it is kept (a mutation smoke's
-    survivor: a memo emptied at every call passed every test), and at most MODELS_KEPT
-    names are kept (clients name them), the oldest leaving first."""
+    survivor: a memo emptied at every call passed every test), and the names kept are
+    bounded in bytes (clients name them: a share of cache_mb), the oldest leaving first."""
     from runloop_proxy.pipeline import tokens as tokens_module
 
     counter = tokens_module.TokenCounter()
@@ -415,7 +415,8 @@ def test_a_models_encoding_is_resolved_once_and_the_models_kept_are_bounded(
         return real(model, override)
 
     monkeypatch.setattr(counter, "_resolve", resolve)
-    monkeypatch.setattr(tokens_module, "MODELS_KEPT", 3)
+    # room for the three names below and no fourth (an entry: MODEL_ENTRY_BYTES + its name)
+    counter.resize(1 << 20, None, 3 * tokens_module.MODEL_ENTRY_BYTES + 40)
     for _ in range(5):
         for model in ("gpt-4o", "gpt-4o-mini", "house-model"):
             counter.encoding(model)

@@ -39,8 +39,7 @@ import re
 import secrets
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +52,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ..caches import ByteLRU, approx_size
-from ..config import StoreSection
+from ..caches import SHARES, ByteLRU, approx_size
+from ..config import ServerSection, StoreSection
 from ..conversation.messages import Message, kept_json
 from ..errors import StoreError, StoreLimitExceeded
 from ..ops import logs
@@ -81,8 +80,6 @@ from .writes import (
 __all__ = ["Prepared", "RedisStore", "prepare"]
 log = logs.get("store")
 _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,160}")
-SESSION_CACHE_SIZE = 50_000
-ANCHORS_BYTES = 2 << 20  # the anchors noted locally (note_anchor), newest kept
 MAX_POINTS = 500
 LARGE_JOB = 2_000  # messages in a write job whose arguments are made off the event loop
 MAX_RECORDS = 1_000
@@ -168,8 +165,9 @@ class RedisStore:
     """Redis-backed history. Every failure becomes StoreError; the caller fails open."""
 
     def __init__(self, url: str, cfg: StoreSection, metrics: Metrics,
-                 cache_bytes: tuple[int, int] = (32 << 20, 32 << 20)):
-        """``cache_bytes``: what the session cache and the chain cache may hold."""
+                 cache_bytes: Mapping[str, int] | None = None):
+        """``cache_bytes``: what each of its caches may hold, by its name in ``SHARES``
+        (sessions, chains, anchors, indexed); unnamed, its share of the default cache_mb."""
         self.cfg = cfg
         self.metrics = metrics
         timeout = cfg.timeout_s
@@ -188,11 +186,17 @@ class RedisStore:
         self._append = self.client.register_script(APPEND_LUA)
         self._load = self.client.register_script(LOAD_LUA)
         self._add_internal = self.client.register_script(ADD_INTERNAL_LUA)
+        budgets = cache_bytes or {}
+
+        def share(name: str) -> int:
+            return budgets.get(name) or int((ServerSection().cache_mb << 20) * SHARES[name])
         self._sessions: ByteLRU[tuple[str, str], _Cached] = ByteLRU(
-            cache_bytes[0], lambda k, v: 300 + approx_size(v.internal))
+            share("sessions"), lambda k, v: 300 + approx_size(v.internal))
         self._chains: ByteLRU[tuple[str, str], tuple[list[str], list[str]]] = ByteLRU(
-            cache_bytes[1], lambda k, v: 200 + 190 * len(v[0]))
-        self._indexed: OrderedDict[tuple[str, str], float] = OrderedDict()
+            share("chains"), lambda k, v: 200 + 190 * len(v[0]))
+        # (namespace, session) -> when this replica last listed it (``_index_due``)
+        self._indexed: ByteLRU[tuple[str, str], float] = ByteLRU(
+            share("indexed"), lambda k, v: 200 + len(k[0]) + len(k[1]))
         self._down_until = 0.0
         self._probe: asyncio.Task[None] | None = None
         self._scripts_loaded = False
@@ -207,7 +211,7 @@ class RedisStore:
         self._writing_internal: dict[tuple[str, str], dict[str, Any]] = {}
         # anchors this replica set, until Redis holds them (a few hundred bytes each)
         self._anchors: ByteLRU[tuple[str, str], str] = ByteLRU(
-            ANCHORS_BYTES, lambda k, v: 200 + len(k[0]) + len(k[1]) + len(v))
+            share("anchors"), lambda k, v: 200 + len(k[0]) + len(k[1]) + len(v))
 
     # -- health ---------------------------------------------------------------------------
 
@@ -626,12 +630,10 @@ class RedisStore:
         once a minute per session); marks it done."""
         now = time.monotonic()
         key = (namespace, session_id)
-        if now - self._indexed.get(key, -INDEX_EVERY_S) < INDEX_EVERY_S:
+        last = self._indexed.get(key)
+        if last is not None and now - last < INDEX_EVERY_S:
             return False
         self._indexed[key] = now
-        self._indexed.move_to_end(key)
-        if len(self._indexed) > SESSION_CACHE_SIZE:
-            self._indexed.popitem(last=False)
         return True
 
     def _index(self, pipe: Any, job: Job) -> None:

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 import xxhash
 
-from ..caches import ByteLRU
+from ..caches import SHARES, ByteLRU, messages_bytes
 from ..config import Policy, UpstreamSpec
 from ..conversation.messages import Message, message_text, text_of, tool_calls_of
 from ..conversation.runloops import RunLoop, preamble_end, segment
@@ -97,8 +97,11 @@ LOOP_CHARS = 6_000  # of each loop's text in a summary call: its input stays bou
 FAILURES_BEFORE_BACKOFF = 3
 SUMMARY_ANSWER_BYTES = 4 << 20  # a summary model's answer, at most (it asks for ~1k tokens)
 LATE = "late"
-PENDING_BYTES = 8 << 20  # the summaries waiting for a reply, over all sessions
-BACKOFF_BYTES = 1 << 20  # the failure counts and pauses of summaries, over all callers
+# the summaries' share of server.cache_mb (SHARES["summaries"]), split between the summaries
+# to make (pending, wanted, waiting: each holds its session's messages) and the failure
+# counts and pauses; a session larger than its part waits for its next request instead
+SUMMARY_PARTS = {"pending": 0.5, "wanted": 0.2, "waiting": 0.2, "failures": 0.05,
+                 "paused_until": 0.05}
 OMIT = "omit:"  # a compaction's field: omit:<e>:<cover> -> the request point it applies from
 MODEL = "model:"  # a model's summary of the first e loops: model:<e>:<cover> -> its record
 WAKE_SCAN = 64  # waiting sessions looked at when a call ends (the oldest first)
@@ -355,6 +358,16 @@ class _Pending:
     keys: list[str]
     e: int
     entries: dict[str, str]
+    # what it holds, in bytes: the session's messages above all (counted once when made;
+    # a pending summary may outlive every other reference to them)
+    size: int = 0
+
+    @classmethod
+    def of(cls, job: Job, messages: list[Message], keys: list[str], e: int,
+           entries: dict[str, str]) -> _Pending:
+        held = messages_bytes(messages) + 160 * len(keys) \
+            + sum(100 + len(k) + len(v) for k, v in entries.items())
+        return cls(job, messages, keys, e, entries, 256 + held)
 
 
 class Host(Protocol):
@@ -381,17 +394,21 @@ class SummaryService:
         # failures and pauses per caller (``Job.namespace``: a tenant, a pass-through key):
         # one key that cannot use the summary model pauses no other's summaries. Bounded:
         # pass-through keys are clients'
-        self.failures: ByteLRU[str, int] = ByteLRU(BACKOFF_BYTES, lambda k, v: 100 + len(k))
-        self.paused_until: ByteLRU[str, float] = ByteLRU(BACKOFF_BYTES,
+        budget = (state.config.server.cache_mb << 20) * SHARES["summaries"]
+
+        def part(name: str) -> int:
+            return int(budget * SUMMARY_PARTS[name])
+        self.failures: ByteLRU[str, int] = ByteLRU(part("failures"), lambda k, v: 100 + len(k))
+        self.paused_until: ByteLRU[str, float] = ByteLRU(part("paused_until"),
                                                           lambda k, v: 100 + len(k))
         # per session, a summary the reply to its last request will make due (bounded)
         self.pending: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
-            PENDING_BYTES, lambda k, v: 256 + 64 * len(v.keys))
+            part("pending"), lambda k, v: v.size)
         # per session, the loop count of the summary being made in this process, and the
         # newest one wanted meanwhile (made when it is done)
         self.running: dict[tuple[str, str], int] = {}
         self.wanted: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
-            PENDING_BYTES, lambda k, v: 256 + 64 * len(v.keys))
+            part("wanted"), lambda k, v: v.size)
         # model calls in flight: a process bound and a share of it per tenant
         # (``server.summary_calls``, ``tenant_share``); a session past them waits its turn
         # in ``waiting`` (oldest first), never a failure
@@ -399,7 +416,7 @@ class SummaryService:
         self.calls = Shares("summary calls", server.summary_calls, server.tenant_share,
                             getattr(state, "_refused", None))
         self.waiting: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
-            PENDING_BYTES, lambda k, v: 256 + 64 * len(v.keys))
+            part("waiting"), lambda k, v: v.size)
 
     async def stored(self, turn: Turn, session: Session) -> dict[str, str]:
         """What the store holds for the session (fail-open: nothing)."""
@@ -458,7 +475,7 @@ class SummaryService:
             # the reply to this request closes the last loop the summary needs, and its event
             # may come with the very next request (max_run_loops below the batch): start it
             # as soon as the reply is in (``replied``), while the user reads and types
-            self.pending[(ns, session.id)] = _Pending(Job.of(turn), messages, keys, nxt,
+            self.pending[(ns, session.id)] = _Pending.of(Job.of(turn), messages, keys, nxt,
                                                       entries)
         return missing
 
@@ -484,7 +501,7 @@ class SummaryService:
         if at in self.running:
             held = self.wanted.get(at)
             if held is None or held.e <= e:
-                self.wanted[at] = _Pending(job, messages, keys, e, entries)
+                self.wanted[at] = _Pending.of(job, messages, keys, e, entries)
             return
         self.running[at] = e
         self.state.spawn(self._run(job, session_id, messages, keys, loops, cover, e, entries))
@@ -502,7 +519,7 @@ class SummaryService:
                 # its turn, and the newest cover wanted meanwhile replaces it
                 self.running.pop(at, None)
                 p = self.wanted.pop(at, None)
-                self.waiting[at] = p if p is not None and p.e > e else _Pending(
+                self.waiting[at] = p if p is not None and p.e > e else _Pending.of(
                     job, messages, keys, e, entries)
                 self.state.metrics.summaries.labels(job.label, "deferred").inc()
                 return

@@ -46,7 +46,7 @@ IMAGE_PART_TOKENS = 765
 MEDIA_PARTS = ("image_url", "input_image", "input_audio", "image", "document")
 FRAME = 100_264  # stands for the chat format's framing tokens (cl100k's <|im_start|>)
 TOOLS_OVERHEAD = 6  # the system turn the tools section rides in
-MODELS_KEPT = 4096  # model names resolved to encodings, at most (clients name them)
+MODEL_ENTRY_BYTES = 300  # a resolved model: the key tuple, its box, the (encoding, exact) pair
 COUNT_ENTRY_BYTES = 260  # a cached count: the key tuple, two strings, an int, a slot
 EXACT_CHARS = 65_536  # texts up to this long are counted exactly
 SAMPLE_CHARS = 16_384  # longer ones: estimated from this much of their head and of their tail
@@ -78,7 +78,10 @@ class TokenCounter:
 
     def __init__(self, cache_bytes: int = 64 << 20):
         self._encodings: dict[str, tiktoken.Encoding | None] = {}
-        self._by_model: dict[tuple[str, str | None], tuple[tiktoken.Encoding, bool]] = {}
+        # (model, override) -> its encoding (one of the few the process loads: ``_shipped``,
+        # the fallback) and whether it is exact; bounded in bytes, model names are clients'
+        self._by_model: ByteLRU[tuple[str, str | None], tuple[tiktoken.Encoding, bool]] = \
+            ByteLRU(1 << 20, lambda k, v: MODEL_ENTRY_BYTES + len(k[0]) + len(k[1] or ""))
         # (encoding, content hash) -> count: entries of one size, so bytes bound the count
         self._cache: ByteLRU[tuple[str, str], int] = ByteLRU(
             cache_bytes, lambda k, v: COUNT_ENTRY_BYTES)
@@ -87,10 +90,13 @@ class TokenCounter:
         self._factors: ByteLRU[tuple[str, str], float] = ByteLRU(
             4 << 20, lambda k, v: 200 + len(k[0]) + len(k[1]))
 
-    def resize(self, cache_bytes: int, factor_bytes: int | None = None) -> None:
+    def resize(self, cache_bytes: int, factor_bytes: int | None = None,
+               model_bytes: int | None = None) -> None:
         self._cache.max_bytes = cache_bytes
         if factor_bytes is not None:
             self._factors.max_bytes = factor_bytes
+        if model_bytes is not None:
+            self._by_model.max_bytes = model_bytes
 
     def encoding(self, model: str, override: str | None = None) -> tuple[tiktoken.Encoding, bool]:
         """The model's encoding and whether it is exact (else: fallback + calibration)."""
@@ -98,8 +104,6 @@ class TokenCounter:
         hit = self._by_model.get(key)
         if hit is None:
             hit = self._by_model[key] = self._resolve(model, override)
-            if len(self._by_model) > MODELS_KEPT:  # model names come from clients
-                self._by_model.pop(next(iter(self._by_model)))
         return hit
 
     def _resolve(self, model: str, override: str | None) -> tuple[tiktoken.Encoding, bool]:
