@@ -3,6 +3,7 @@ words with no raw field, savings, tenants, and the chart's axes."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from html.parser import HTMLParser
 from typing import Any
@@ -64,8 +65,38 @@ def test_saving(client: int, forwarded: int, said: str) -> None:
 
 def test_a_pass_through_namespace_says_what_it_is() -> None:
     assert tenant_label("acme", True) == "acme"
-    assert tenant_label("pt-60de2c1f4a5b6c7d", False) == "pass-through key pt-60de2c1f4a5b6c7d"
+    assert tenant_label("pt-60de2c1f4a5b6c7d", False) == "pass-through caller sunny-toucan"
+    assert tenant_label("pt-60de2c1f4a5b6c7d", False, "api.openai.com") == \
+        "pass-through caller sunny-toucan via api.openai.com"
     assert tenant_label("pt-configured", True) == "pt-configured"
+
+
+def test_a_callers_name_is_readable_stable_and_shows_nothing_of_its_keys() -> None:
+    """A pass-through caller (and a forwarding tenant's caller) is named by two words picked
+    by a hash of its namespace: the same name every time, different callers apart, and no
+    run of its keys or of the namespace's hash in it. Bug class: a name made of key
+    material. Planted: the hash's first six digits as the name (red: the hash's run), the
+    name of old, "pass-through key pt-<hash>" (red: the words and the hash)."""
+    from runloop_proxy.api.http import namespace_of
+    from runloop_proxy.ops.views import ADJECTIVES, ANIMALS
+
+    names = set()
+    for i in range(200):
+        key = "sk-proj-" + "".join(hashlib.sha256(f"{i}:{k}".encode()).hexdigest()
+                                   for k in range(3))[:156]
+        ns = namespace_of([key])
+        assert ns is not None and len(key) == 164
+        label = tenant_label(ns, False, "api.openai.com")
+        assert label == tenant_label(ns, False, "api.openai.com")
+        words = label.removeprefix("pass-through caller ").removesuffix(" via api.openai.com")
+        adjective, animal = words.split("-")
+        assert adjective in ADJECTIVES and animal in ANIMALS, label
+        for text, run in ((key[8:], 6), (ns.removeprefix("pt-"), 4)):
+            assert not any(text[k:k + run] in label for k in range(len(text) - run + 1)), label
+        forwarded = tenant_label(f"acme+{ns.removeprefix('pt-')}", True)
+        assert forwarded.startswith("acme, caller ") and ns[3:7] not in forwarded
+        names.add(words)
+    assert len(names) >= 185  # 4,096 names: a few of 200 callers may share one
 
 
 @pytest.mark.parametrize(("top", "axis"), [

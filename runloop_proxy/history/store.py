@@ -132,6 +132,8 @@ class Overview:
     client: int
     forwarded: int
     points: tuple[dict[str, Any], ...] = ()  # the requests' points (what prices them)
+    created_ms: int = 0  # when the session was first stored (0: not known)
+    updated_ms: int = 0  # when it was last stored (the list's own time lags up to a minute)
 
 
 @dataclass
@@ -960,19 +962,20 @@ class RedisStore:
             pipe = self.client.pipeline(transaction=False)
             for sid in session_ids:
                 p = self.prefix(namespace, sid)
-                pipe.hget(p + ":meta", "len")
+                pipe.hmget(p + ":meta", "len", "created", "updated")
                 pipe.lrange(p + ":req", 0, -1)
             return list(await pipe.execute()) if session_ids else []
 
         replies = await self._call("list", run)
         out = []
-        for length, raw in zip(replies[::2], replies[1::2], strict=True):
+        for (length, created, updated), raw in zip(replies[::2], replies[1::2], strict=True):
             points = [orjson.loads(r) for r in raw or []]
             out.append(Overview(int(length or 0), len(points),
                                 sum(_count(p, "client") for p in points),
                                 sum(_count(p, "forwarded") for p in points),
                                 tuple({k: p.get(k) for k in ("ts", "model", "client",
-                                                             "forwarded")} for p in points)))
+                                                             "forwarded")} for p in points),
+                                int(created or 0), int(updated or 0)))
         return out
 
     async def namespaces(self) -> list[tuple[str, int]]:

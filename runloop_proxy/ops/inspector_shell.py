@@ -120,7 +120,13 @@ def when(ms: Any) -> str:
 
 
 def tenant_name(state: AppState, namespace: str) -> str:
-    return tenant_label(namespace, namespace in state.config.tenants)
+    """A namespace as the pages name it (``views.tenant_label``); a pass-through caller's
+    with the host its calls go to (the host alone: a URL may carry a user and password)."""
+    cfg, host = state.config, ""
+    if cfg.passthrough is not None and cfg.passthrough.upstream in cfg.upstreams:
+        host = urllib.parse.urlsplit(cfg.upstreams[cfg.passthrough.upstream].url).hostname \
+            or ""
+    return tenant_label(namespace, namespace in cfg.tenants, host)
 
 
 async def guard(request: Request) -> tuple[AppState, str] | Response:

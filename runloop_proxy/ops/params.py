@@ -14,12 +14,13 @@ from typing import NamedTuple
 from starlette.requests import Request
 
 from ..errors import InvalidRequest
+from .listing import ORDERS, SORTS, WITHIN_MS
 
 _DIGITS = re.compile(r"[0-9]{1,12}")  # ASCII digits only: str.isdigit() takes "²" and "٣"
 
 
 class Field(NamedTuple):
-    kind: str  # "int", "text" or "flag"
+    kind: str  # "int", "text", "flag" or "choice" (one of CHOICES[name])
     low: int = 0  # int: the least value; text: the least length
     high: int = 0  # int: the greatest value; text: the greatest length
 
@@ -35,12 +36,18 @@ FIELDS: dict[str, Field] = {
     "pos": Field("int", 0, 10_000_000),
     "messages": Field("flag"),
     "points": Field("flag"),
+    "model": Field("text", 0, 256),
+    "sort": Field("choice"),
+    "order": Field("choice"),
+    "within": Field("choice"),
     # path parameters
     "session_id": Field("text", 1, 4096),
     # form fields
     "key": Field("text", 0, 1024),
     "csrf": Field("text", 0, 128),
 }
+CHOICES: dict[str, tuple[str, ...]] = {
+    "sort": tuple(SORTS), "order": ORDERS, "within": ("", *WITHIN_MS)}
 FLAGS = {"1": True, "true": True, "0": False, "false": False, "": False}
 
 
@@ -93,6 +100,19 @@ def flag(request: Request, name: str) -> bool:
     if raw not in FLAGS:
         raise InvalidRequest(f"{name} must be one of 1, true, 0, false", param=name)
     return FLAGS[raw]
+
+
+def choice(request: Request, name: str, default: str) -> str:
+    """A query parameter that is one of its declared choices (``default`` when absent)."""
+    if _field(name).kind != "choice":
+        raise KeyError(f"parameter {name!r} is not a choice")
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    if raw not in CHOICES[name]:
+        shown = ", ".join(c or "(empty)" for c in CHOICES[name])
+        raise InvalidRequest(f"{name} must be one of {shown}", param=name)
+    return raw
 
 
 def path(request: Request, name: str) -> str:

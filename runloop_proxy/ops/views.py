@@ -4,6 +4,7 @@ escapes for HTML)."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -126,16 +127,45 @@ def record_line(rec: Mapping[str, Any]) -> str:
     return f"{d.what}{where}{amount}{why}"
 
 
-def tenant_label(namespace: str, configured: bool) -> str:
+# a pass-through caller's readable name: two words picked by a hash of its namespace (itself
+# a hash of its keys), so the same caller reads the same everywhere and nothing of a key shows
+ADJECTIVES = ("amber", "brisk", "calm", "dusky", "eager", "fern", "gentle", "hazel", "ivory",
+              "jade", "keen", "lucid", "mellow", "noble", "olive", "plucky", "quiet", "rusty",
+              "sable", "tawny", "umber", "vivid", "wry", "young", "zesty", "bold", "coral",
+              "dapper", "early", "frosty", "golden", "hardy", "indigo", "jolly", "kind",
+              "lively", "misty", "nimble", "opal", "proud", "quick", "rosy", "silver", "tidy",
+              "upbeat", "velvet", "warm", "azure", "breezy", "crisp", "dewy", "ember", "fleet",
+              "grand", "humble", "icy", "jovial", "lunar", "mossy", "neat", "oaken", "pearl",
+              "regal", "sunny")
+ANIMALS = ("otter", "heron", "lynx", "marten", "finch", "badger", "crane", "ibex", "koala",
+           "lemur", "magpie", "newt", "ocelot", "panda", "quail", "raven", "stoat", "tapir",
+           "urchin", "vole", "walrus", "yak", "zebra", "bison", "cougar", "dingo", "egret",
+           "ferret", "gecko", "hare", "impala", "jackal", "kestrel", "llama", "moose",
+           "narwhal", "oriole", "puffin", "robin", "seal", "toucan", "viper", "wombat", "alpaca",
+           "beaver", "condor", "dove", "eland", "falcon", "gibbon", "hornet", "iguana",
+           "jaguar", "kiwi", "loris", "mink", "nuthatch", "osprey", "pika", "rhea", "shrew",
+           "tern", "wren", "swift")
+
+
+def caller_words(namespace: str) -> str:
+    """A short, stable name for a caller known by its keys' hash ("amber-otter"): picked by
+    another hash of that, so nothing in it can be traced back to a key."""
+    digest = hashlib.sha256(f"caller-name:{namespace}".encode()).digest()
+    return f"{ADJECTIVES[digest[0] % len(ADJECTIVES)]}-{ANIMALS[digest[1] % len(ANIMALS)]}"
+
+
+def tenant_label(namespace: str, configured: bool, host: str = "") -> str:
     """A tenant as a person reads it: a configured tenant by its name; a pass-through
-    namespace (``pt-`` and the hash of a client's key) says that is what it is, and so does
-    one caller's own key of a tenant that forwards them (``<tenant>+<hash>``)."""
+    namespace (``pt-`` and the hash of a client's keys) as a pass-through caller with a
+    readable name and the upstream its calls go to (``host``), and one caller's own key of a
+    tenant that forwards them (``<tenant>+<hash>``) as that tenant's caller. Neither shows
+    the hash, nor anything else of a key."""
     tenant, sep, key = namespace.partition("+")
     if sep:
-        return f"{tenant}, caller key {key}"
+        return f"{tenant}, caller {caller_words(namespace)}"
     if configured or not namespace.startswith("pt-"):
         return namespace
-    return f"pass-through key {namespace}"
+    return f"pass-through caller {caller_words(namespace)}" + (f" via {host}" if host else "")
 
 
 def branch_origin(branch: Mapping[str, Any]) -> str:
