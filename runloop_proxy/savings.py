@@ -7,20 +7,28 @@ uncompressed, priced the same way. *Money saved* is that difference in USD. Outp
 left out: an answer costs the same either way.
 
 Both sides are priced from what every place that shows the figure has — each request's model,
-its whole prompt's tokens as the client sent it and as it was forwarded, and its time — so the
-demo, ``replay``, the inspector and the dashboard say the same for the same session. Each side
-is a chain of prompts: a prompt that grew extends the previous one (its prefix was sent before
-and is in the cache, if still alive); one that shrank (a compaction, a new conversation) starts
-a new chain, cached nothing. The raw token saving (``raw_saved``) is shown beside it, labelled.
+its whole prompt's tokens as the client sent it and as it was forwarded, the tokens of the
+prefix it shares with the previous prompt of its side (``Prompt.shared``), the tokens of its
+system messages and tool schemas (its *head*), and its time — so the demo, ``replay``, the
+inspector, the dashboard and ``wrap`` say the same for the same session. The provider's cache
+serves a prompt the prefix it shares with the previous one, if still alive: all of it when the
+prompt only grew, the head and the messages before the first one a compaction changed when it
+shrank. Anthropic's cache reads only at a breakpoint: each prompt has one after its head and
+one at its end (where agents put them), so a compaction reads the head there. A point recorded
+before points carried their shared prefix is read as before: a prompt that grew extends the
+last, one that shrank is cached nothing. The raw token saving (``raw_saved``) is shown beside
+it, labelled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from .pricing import Bill, Block, BreakpointCache, PrefixCache, Price, PriceTable, Provider
+from .pipeline.tokens import REPLY_PRIMING
+from .pricing import Bill, Block, Price, PriceTable, Provider
 
 HEADLINE = "bill saved"
 MONEY = "money saved"
@@ -101,36 +109,108 @@ def usd(amount: float) -> str:
     return f"-${-amount:,.4f}" if amount < 0 else f"${amount:,.4f}"
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as the next one of its side is compared with it: its blocks' keys (content
+    identities) in the order OpenAI renders them — system messages, tool schemas, the other
+    messages, the reply's priming — and the tokens up to the end of each. Anthropic renders the
+    tools before the system messages: the two orders share the same prefix unless the system
+    prompt or the tool list changed."""
+
+    keys: tuple[str, ...]  # mostly the messages' own hashes, held by the conversation
+    ends: array[int]  # four bytes a block: a session's last prompts stay small
+    head: int  # the system messages' and tool schemas' tokens (the first breakpoint)
+
+    @classmethod
+    def of(cls, system: Sequence[Block], tools: Sequence[Block], rest: Sequence[Block]
+           ) -> Prompt:
+        keys, ends, total = [], array("I"), 0
+        for b in (*system, *tools, *rest):
+            total += b.tokens
+            keys.append(b.key)
+            ends.append(total)
+        head = sum(b.tokens for b in system) + sum(b.tokens for b in tools)
+        return cls(tuple(keys), ends, head)
+
+    @property
+    def tokens(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def shared(self, last: Prompt | None) -> int:
+        """The tokens of the blocks this prompt starts with that ``last`` started with too,
+        in order (0 without a last prompt): what the provider's cache can still serve."""
+        if last is None:
+            return 0
+        n = 0
+        for mine, theirs in zip(self.keys, last.keys, strict=False):
+            if mine != theirs:
+                break
+            n += 1
+        return self.ends[n - 1] if n else 0
+
+
 @dataclass
 class Chain:
-    """One side's prompts in a provider's cache: each prompt that grew extends the last.
+    """One side's prompts in a provider's cache, each billed after the last, by the rules of
+    ``pricing``'s caches over the facts a point keeps (its tokens, head and shared prefix).
 
-    What the next prompt is billed depends on the last prompt alone (its tokens and when it
-    was sent: its prefix is the one entry the cache can serve), so a chain keeps just that,
-    and each bill is the provider's cache (``pricing``) seeded with the last prompt."""
+    OpenAI's prefix cache serves the prefix a prompt shares with the last one (the longest
+    any earlier prompt left: the last prompt used every prefix it kept), from its minimum,
+    in whole steps, while the last prompt is alive. Anthropic's breakpoints: a prompt writes
+    an entry at each of its breakpoints and reads the longest live entry that is a prefix of
+    it; the entries kept are the ones still a prefix of the last prompt (a prompt sharing
+    ``shared`` tokens with it keeps those at or before that)."""
 
-    new_cache: Callable[[], PrefixCache | BreakpointCache]
+    spec: Provider
     last: int = 0
     at: float | None = None
     started: bool = False
+    # a breakpoint cache's entries that are prefixes of the last prompt: tokens -> last used
+    entries: dict[int, float] = field(default_factory=dict)
 
-    def bill(self, tokens: int, price: Price, at: float | None) -> float:
-        cache = self.new_cache()
-        blocks = [Block("next", tokens)]
-        if self.started and tokens >= self.last:
-            prev = Block("last", self.last)
-            _bill(cache, [prev], self.at)  # the cache as the last prompt left it
-            blocks = [prev, Block("next", tokens - self.last)]
-        bill = _bill(cache, blocks, at)
+    def bill(self, tokens: int, price: Price, at: float | None, shared: int | None = None,
+             head: int = 0) -> float:
+        """``shared``: the tokens this prompt shares with the last (None: not recorded — as
+        much as the last when it grew, nothing when it shrank); ``head``: its system
+        messages' and tool schemas' tokens (Anthropic's first breakpoint)."""
+        if shared is None:
+            shared = self.last if tokens >= self.last else 0
+        shared = min(shared, self.last, tokens) if self.started else 0
+        if self.spec.cache == "breakpoints":
+            bill = self._breakpoints(tokens, head, shared, at)
+        else:
+            bill = self._prefix(tokens, shared, at)
         self.last, self.at, self.started = tokens, at, True
         return price.cost(bill)
 
+    def _live(self, used: float | None, at: float | None) -> bool:
+        ttl = self.spec.ttl_s
+        return ttl is None or at is None or used is None or at - used <= ttl
 
-def _bill(cache: PrefixCache | BreakpointCache, blocks: list[Block], at: float | None) -> Bill:
-    """A prompt billed with a breakpoint at its end (where agents put it) or by its prefix."""
-    if isinstance(cache, BreakpointCache):
-        return cache.bill(blocks, [len(blocks)], at)
-    return cache.bill(blocks, at)
+    def _prefix(self, tokens: int, shared: int, at: float | None) -> Bill:
+        spec = self.spec
+        cached = (shared // spec.cache_step) * spec.cache_step \
+            if shared >= spec.cache_min and self._live(self.at, at) else 0
+        return Bill(tokens - cached, cached)
+
+    def _breakpoints(self, tokens: int, head: int, shared: int, at: float | None) -> Bill:
+        """Breakpoints after the head and after the last message, before the reply's
+        priming (where agents put them)."""
+        spec = self.spec
+        kept = {k: t for k, t in self.entries.items() if k <= shared}
+        marks = sorted({m for m in (head, tokens - REPLY_PRIMING) if 0 < m <= tokens})
+        marks = marks[-spec.max_breakpoints:] if spec.max_breakpoints else []
+        last = marks[-1] if marks else 0
+        read = max((k for k, t in kept.items() if k <= last and self._live(t, at)), default=0)
+        now = at if at is not None else 0.0
+        if read:
+            kept[read] = now
+        written = 0
+        if last > read and last >= spec.cache_min:
+            written = last - read
+            kept.update({m: now for m in marks if m >= spec.cache_min})
+        self.entries = kept
+        return Bill(tokens - read - written, read, written)
 
 
 class Meter:
@@ -148,10 +228,12 @@ class Meter:
                 return spec, price
         return None
 
-    def add(self, model: str, client: int, forwarded: int, at: float | None = None
-            ) -> Savings:
-        """One request (its whole prompt's tokens on each side, its time in seconds); what
-        it cost and saved."""
+    def add(self, model: str, client: int, forwarded: int, at: float | None = None,
+            shared: Sequence[int] | None = None, head: Sequence[int] = (0, 0)) -> Savings:
+        """One request (its whole prompt's tokens on each side, its time in seconds, and on
+        each side the tokens it shares with the last prompt and its head: ``Prompt``);
+        what it cost and saved. Without ``shared`` (a point recorded before points carried
+        it) a prompt that grew extends the last, one that shrank is cached nothing."""
         found = self._find(model)
         if found is None:
             one = Savings(1, client, forwarded, unpriced=frozenset({model or "(none)"}))
@@ -159,10 +241,12 @@ class Meter:
             spec, price = found
             chains = self._chains.get(spec.name)
             if chains is None:
-                chains = self._chains[spec.name] = (Chain(spec.new_cache),
-                                                    Chain(spec.new_cache))
-            one = Savings(1, client, forwarded, chains[0].bill(client, price, at),
-                          chains[1].bill(forwarded, price, at))
+                chains = self._chains[spec.name] = (Chain(spec), Chain(spec))
+            one = Savings(1, client, forwarded,
+                          chains[0].bill(client, price, at,
+                                         None if shared is None else shared[0], head[0]),
+                          chains[1].bill(forwarded, price, at,
+                                         None if shared is None else shared[1], head[1]))
         self.total = self.total + one
         return one
 
@@ -175,7 +259,8 @@ def providers(prices: PriceTable, provider: str | None = None) -> list[Provider]
 def of_points(points: Iterable[Mapping[str, Any]], prices: PriceTable,
               provider: str | None = None) -> Savings:
     """A session's savings from its stored points (the proxy's per-request records: ``ts``
-    in ms, ``client``, ``forwarded``, ``model``); points without token counts are skipped."""
+    in ms, ``client``, ``forwarded``, ``model``, and ``shared``, ``head`` as pairs, client
+    then forwarded); points without token counts are skipped."""
     meter = Meter(providers(prices, provider))
     for p in points:
         client, forwarded = p.get("client"), p.get("forwarded")
@@ -183,5 +268,14 @@ def of_points(points: Iterable[Mapping[str, Any]], prices: PriceTable,
             continue
         ts = p.get("ts")
         meter.add(str(p.get("model") or ""), client, forwarded,
-                  ts / 1000 if isinstance(ts, (int, float)) else None)
+                  ts / 1000 if isinstance(ts, (int, float)) else None,
+                  _pair(p.get("shared")), _pair(p.get("head")) or (0, 0))
     return meter.total
+
+
+def _pair(value: Any) -> tuple[int, int] | None:
+    """A point's pair of counts (client, forwarded); None when it has none."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 \
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return int(value[0]), int(value[1])
+    return None

@@ -29,7 +29,7 @@ from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
 from .pipeline.upstream import UpstreamClient
 from .pipeline.values import Recent
 from .pricing import PriceTable, Provider
-from .savings import Meter, Savings
+from .savings import Meter, Prompt, Savings
 from .tasks import once
 from .window.builder import Carry
 
@@ -76,6 +76,10 @@ class AppState:
         self.bills: ByteLRU[tuple[str, str], Meter] = ByteLRU(share("bills"),
                                                               lambda k, v: BILL_ENTRY_BYTES)
         self._bill_prices: tuple[Any, list[Provider]] | None = None
+        # (namespace, session) -> its last recorded prompts, as sent and as forwarded: what
+        # the next request's point says it shares with them (``compared``)
+        self.prompts: ByteLRU[tuple[str, str], tuple[Prompt, Prompt]] = ByteLRU(
+            share("prompts"), prompts_size)
         self.tokens.resize(share("tokens"), share("factors"), share("models"))
         # (scope, model) -> the window its upstream's overflow error said (pipeline/limits.py)
         self.windows = LearnedWindows(share("windows"))
@@ -89,10 +93,29 @@ class AppState:
         self.shadows = ShadowBook()  # shadow comparisons and spend, per tenant (today's)
         self.metrics.prices = self.config.prices
 
+    def compared(self, namespace: str, session_id: str, prompts: tuple[Prompt, Prompt] | None
+                 ) -> dict[str, list[int]]:
+        """What a recorded request's prompts (as sent, as forwarded) share with the session's
+        last ones and their heads, as its point keeps them (``savings``); nothing when the
+        last ones are not known here (the session's first request, one this replica has not
+        served, or evicted: the point is read as one recorded without them, which prices a
+        first request the same), only its heads."""
+        if prompts is None:
+            return {}
+        key = (namespace, session_id)
+        last = self.prompts.get(key)
+        self.prompts[key] = prompts
+        head = {"head": [prompts[0].head, prompts[1].head]}
+        if last is None:
+            return head
+        return {"shared": [prompts[0].shared(last[0]), prompts[1].shared(last[1])], **head}
+
     def bill(self, namespace: str, session_id: str, label: str, model: str,
-             tokens: tuple[int, int], at: float) -> Savings:
-        """A recorded request's prompt priced on both sides (``savings``), counted in
-        runloop_prompt_bill_usd_total under its tenant and model."""
+             tokens: tuple[int, int], at: float, facts: dict[str, list[int]] | None = None
+             ) -> Savings:
+        """A recorded request's prompt priced on both sides (``savings``; ``facts``: what
+        ``compared`` said of it), counted in runloop_prompt_bill_usd_total under its tenant
+        and model."""
         prices = self.config.prices
         if self._bill_prices is None or self._bill_prices[0] is not prices:
             self._bill_prices = (prices, savings.providers(prices or PriceTable.load()))
@@ -100,7 +123,10 @@ class AppState:
         meter = self.bills.get(key)
         if meter is None:
             meter = Meter(self._bill_prices[1])
-        one = meter.add(model, tokens[0], tokens[1], at)
+        facts = facts or {}
+        shared, head = facts.get("shared"), facts.get("head")
+        one = meter.add(model, tokens[0], tokens[1], at, shared,
+                        (head[0], head[1]) if head else (0, 0))
         self.bills[key] = meter
         if one.priced:
             b = self.metrics.bound(label, self.metrics.model_label(label, model))
@@ -214,6 +240,21 @@ class AppState:
             if now != seen:
                 seen = now
                 await self.reload("file change")
+
+
+STR_BYTES = 49  # a str's own bytes in CPython, its characters apart (ASCII)
+
+
+def prompts_size(key: tuple[str, str], prompts: tuple[Prompt, Prompt]) -> int:
+    """What a session's last prompts hold: a key (a pointer) and a count (four bytes) a
+    block on each side, and the keys' strings — the messages' hashes, which the forwarded
+    side shares but for the blocks a window rewrote (held by the conversation too while it
+    is cached, counted here all the same: it may be evicted first)."""
+    client, forwarded = prompts
+    mine = set(client.keys)
+    own = [k for k in forwarded.keys if k not in mine] if forwarded is not client else []
+    strings = sum(STR_BYTES + len(k) for k in (*mine, *own))
+    return 400 + 12 * (len(client.keys) + len(forwarded.keys)) + strings
 
 
 def carry_size(key: tuple[str, str], carry: Carry) -> int:

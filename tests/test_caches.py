@@ -252,6 +252,21 @@ def _pending(i: int) -> Any:
     return _Pending.of(Any, messages, keys, 8, {f"omit:8:{i}": _text(2000, str(i))})
 
 
+def _prompts(i: int) -> Any:
+    """A session's last prompts, as sent and as forwarded: 300 messages under a system
+    prompt and tools, a third of them rewritten by the window (keys of their own)."""
+    from runloop_proxy.pricing import Block
+    from runloop_proxy.savings import Prompt
+
+    keys = [f"{i:06d}{k:026d}" for k in range(300)]
+    system, tools = [Block(f"{i:06d}s{0:025d}", 2400)], [Block(f"tools:{i:026d}", 900)]
+    primed = [Block("priming", 3)]
+    sent = [Block(k, 180 + n) for n, k in enumerate(keys)]
+    window = [Block(b.key if n % 3 else f"{b.key[:-1]}w", 40) for n, b in enumerate(sent)]
+    return (Prompt.of(system, tools, [*sent, *primed]),
+            Prompt.of(system, tools, [*window, Block("proxy-tools", 410), *primed]))
+
+
 SESSION = "sess_" + "7" * 123  # a session id as long as a plain one may be (128 characters)
 NAMESPACE = "pt-" + "c" * 61  # a pass-through caller's namespace: its key's digest
 
@@ -270,6 +285,7 @@ FILLS: dict[str, Any] = {
                                          (None, False)),
     "state.tokens._factors": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"),
                                         1.0 + i / 1e6),
+    "state.prompts": lambda i: ((NAMESPACE, f"{SESSION}{i}"), _prompts(i)),
     "state.first_seen": lambda i: (f"{NAMESPACE}\0{SESSION}\0{i:064x}", 1764650000000 + i),
     "state.windows._known": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"), 128_000),
     "state.windows._asked": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"),

@@ -848,6 +848,7 @@ def test_what_the_caches_hold_is_what_they_are_allowed(make_proxy: Any,
         tracemalloc.stop()
     state = proxy.state
     caches = {"recent": state.recent, "carries": state.carries, "memo": state.window_memo,
+              "prompts": state.prompts,
               "cuts": state.cuts, "first_seen": state.first_seen,
               "tokens": state.tokens._cache, "sessions": state.store._sessions,
               "chains": state.store._chains, "summaries": state.summaries.pending}

@@ -30,12 +30,47 @@ CASES = [
      (2000 * 2.5 + 1080 * 2.5 + 1920 * 1.25) / M, (2000 * 2.5 + 1500 * 2.5) / M),
     ("under the cache's minimum nothing is cached", "gpt-4o", [0, 10], [1000, 1100],
      [600, 700], (1000 + 1100) * 2.5 / M, (600 + 700) * 2.5 / M),
+    # a breakpoint sits after the last message, before the reply's 3 priming tokens
     ("breakpoints: written once, read after", "claude-sonnet-4", [0, 10], [2000, 3000],
-     [800, 900], (2000 * 3.75 + 2000 * 0.30 + 1000 * 3.75) / M, (800 + 900) * 3.0 / M),
+     [800, 900], (1997 * 3.75 + 1997 * 0.30 + 1000 * 3.75 + 6 * 3.0) / M,
+     (800 + 900) * 3.0 / M),
     ("breakpoints: an entry past its TTL is written again", "claude-sonnet-4", [0, 400],
-     [2000, 3000], [2000, 2100], (2000 * 3.75 + 3000 * 3.75) / M,
-     (2000 * 3.75 + 2100 * 3.75) / M),
+     [2000, 3000], [2000, 2100], (1997 * 3.75 + 2997 * 3.75 + 6 * 3.0) / M,
+     (1997 * 3.75 + 2097 * 3.75 + 6 * 3.0) / M),
 ]
+
+# (what, model, forwarded prompts, what each shares with the last, heads, forwarded USD):
+# a compaction, as the proxy records it (the client's side grows as sent)
+COMPACTIONS = [
+    ("openai: the prefix a compaction kept is read cached", "gpt-4o", [2000, 1500],
+     [0, 1200], [0, 0], (2000 * 2.5 + (1500 - 1152) * 2.5 + 1152 * 1.25) / M),
+    ("openai: a prefix under the cache's minimum is read afresh", "gpt-4o", [2000, 1500],
+     [0, 1000], [0, 0], (2000 + 1500) * 2.5 / M),
+    ("anthropic: a compaction reads the head at its breakpoint, writes the rest",
+     "claude-sonnet-4", [3000, 2500], [0, 1800], [1100, 1100],
+     (2997 * 3.75 + 1100 * 0.30 + 1397 * 3.75 + 6 * 3.0) / M),
+    ("anthropic: a compaction past the last prompt's end reads all of it", "claude-sonnet-4",
+     [3000, 3500], [0, 3000], [1100, 1100], (2997 * 3.75 + 2997 * 0.30 + 500 * 3.75 + 6 * 3.0) / M),
+]
+
+
+@pytest.mark.parametrize(("what", "model", "forwarded", "shared", "head", "f_usd"), COMPACTIONS,
+                         ids=[c[0] for c in COMPACTIONS])
+def test_a_compaction_keeps_the_prefix_it_shares_cached(
+        what: str, model: str, forwarded: list[int], shared: list[int], head: list[int],
+        f_usd: float) -> None:
+    """Bug class: the prefix a compaction keeps priced as read afresh. Planted: a prompt
+    that shrank billed from token 0 whatever it shares (the first and third cases red), and
+    Anthropic's head breakpoint left out (the third red)."""
+    points = [{"ts": 1_764_650_000_000 + 20_000 * k, "model": model, "client": f,
+               "forwarded": f, "shared": [s, s], "head": [h, h]}
+              for k, (f, s, h) in enumerate(zip(forwarded, shared, head, strict=True))]
+    s = of_points(points, TABLE)
+    assert s.forwarded_usd == pytest.approx(f_usd) and s.client_usd == pytest.approx(f_usd)
+    # a point recorded before points carried what they share: the old reading
+    old = of_points([{k: v for k, v in p.items() if k not in ("shared", "head")}
+                     for p in points], TABLE)
+    assert old.forwarded_usd >= s.forwarded_usd - 1e-12
 
 
 @pytest.mark.parametrize(("what", "model", "times", "client", "forwarded", "c_usd", "f_usd"),

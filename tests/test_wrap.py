@@ -18,7 +18,7 @@ import httpx
 import orjson
 import pytest
 
-from runloop_proxy.ops.wrap import LEASES, SERVING, Totals, session_cost
+from runloop_proxy.ops.wrap import LEASES, SERVING, billed
 from runloop_proxy.pricing import PriceTable
 from runloop_proxy.scripted import ScriptedUpstream
 
@@ -120,10 +120,11 @@ def test_wrap_codex_exec_runs_through_a_proxy_it_starts_and_prints_the_savings(
              "--skip-git-repo-check", "say hello", cwd=work)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "wrapped hello" in r.stdout
-    head, cost, inspector, *_ = summary(r.stderr)
+    head, raw, cost, inspector, *_ = summary(r.stderr)
     # one request (Codex's warmup is the proxy's to answer, nothing upstream)
-    assert head.startswith("runloop-proxy: codex sent 1 request in 1 session: prompts of ")
-    assert cost.startswith("  cost $") and "openai's prices" in cost and " saved" in cost
+    assert head.startswith("runloop-proxy: codex sent 1 request in 1 session: bill saved ")
+    assert raw.startswith("  prompt tokens saved ") and " forwarded)" in raw
+    assert cost.startswith("  upstream's bill for this run $") and "openai's prices" in cost
     assert inspector.startswith("  inspector: http://127.0.0.1:") and "/admin/ui/session?" in \
         inspector
     # the agent's key went upstream as it would directly; the socket was Codex's first try
@@ -173,9 +174,10 @@ def test_wrap_claude_runs_claude_code_headless_and_prints_its_cost(
     r = wrap(env, *args, cwd=work)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
     assert "claude via the proxy" in r.stdout
-    head, cost, *_ = summary(r.stderr)
-    assert head.startswith("runloop-proxy: claude sent ") and "forwarded" in head
-    assert cost.startswith("  cost $") and "anthropic's prices" in cost
+    head, raw, cost, *_ = summary(r.stderr)
+    assert head.startswith("runloop-proxy: claude sent ") and "bill saved" in head
+    assert raw.startswith("  prompt tokens saved ")
+    assert cost.startswith("  upstream's bill for this run $") and "anthropic's prices" in cost
     assert any(h.get("x-api-key") == ANTHROPIC_KEY for h in upstream.headers)
 
 
@@ -232,31 +234,24 @@ def test_wrap_reuses_a_serve_on_the_data_dir_and_passes_the_agents_exit_code_on(
         serve.wait(30)
 
 
-def test_a_sessions_cost_both_ways_from_its_points() -> None:
-    """The pricing of a session (pure): through the proxy the upstream's own usage, directly
-    the agent's growing prompt under OpenAI's prefix cache (1,024 tokens, 128-token steps);
-    the output costs the same either way. Red with the direct side billed uncached."""
+def test_the_upstream_s_bill_is_priced_from_its_usage() -> None:
+    """The run's bill as the upstream reported it (pure): each request's usage, its cached
+    tokens at the cached price, the output included. Red with the cached tokens priced as
+    read afresh, and with a request without usage priced as nothing."""
     prices = PriceTable.load()
-    points = [{"ts": 1_000 + 1_000 * i, "client": c, "forwarded": f, "model": "gpt-5-mini",
-               "usage": {"input_tokens": f, "output_tokens": 100,
-                         "input_tokens_details": {"cached_tokens": cached}}}
-              for i, (c, f, cached) in enumerate([(3_000, 3_000, 0), (6_000, 4_000, 2_944),
-                                                 (9_000, 4_500, 3_968)])]
-    t = session_cost(points, prices, "openai")
+    points = [{"ts": 1_764_650_000_000 + 1_000 * i, "client": c, "forwarded": f,
+               "model": "gpt-5-mini", "usage": {"input_tokens": f, "output_tokens": 100,
+                                                "input_tokens_details": {"cached_tokens": n}}}
+              for i, (c, f, n) in enumerate([(3_000, 3_000, 0), (6_000, 4_000, 2_944),
+                                             (9_000, 4_500, 3_968)])]
     price = prices.provider("openai").price("gpt-5-mini")
     assert price is not None
-    M = 1_000_000
-    through = sum((p["usage"]["input_tokens"] - p["usage"]["input_tokens_details"][
-        "cached_tokens"]) * price.input + p["usage"]["input_tokens_details"]["cached_tokens"]
-        * price.cached_input + 100 * price.output for p in points) / M  # type: ignore[index]
-    # directly: 3,000 new; then 2,944 cached (3,000 in 128-token steps) of 6,000; then 5,888
-    direct = ((3_000 + 3_056 + 3_112) * price.input + (2_944 + 5_888) * price.cached_input
-              + 300 * price.output) / M
-    assert (t.requests, t.client, t.forwarded) == (3, 18_000, 11_500)
-    assert t.cost == pytest.approx(through) and t.direct == pytest.approx(direct)
-    assert not t.unpriced and not t.unbilled
-    other = session_cost([{**points[0], "model": "house-model-7b"}], prices, "openai")
-    assert other.unpriced == {"house-model-7b"} and other.cost == 0 and isinstance(other, Totals)
+    through = ((3_000 + 1_056 + 532) * price.input + (2_944 + 3_968) * price.cached_input
+               + 300 * price.output) / 1_000_000
+    assert billed(points, prices, "openai") == (pytest.approx(through), 0, set())
+    bare = {k: v for k, v in points[0].items() if k != "usage"}
+    assert billed([bare, {**points[0], "model": "house-model-7b"}], prices, "openai") == \
+        (0.0, 1, {"house-model-7b"})
 
 
 @pytest.mark.parametrize(("given", "options", "agent_args"), [

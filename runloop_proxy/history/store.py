@@ -974,7 +974,8 @@ class RedisStore:
                                 sum(_count(p, "client") for p in points),
                                 sum(_count(p, "forwarded") for p in points),
                                 tuple({k: p.get(k) for k in ("ts", "model", "client",
-                                                             "forwarded")} for p in points),
+                                                             "forwarded", "shared", "head")}
+                                      for p in points),
                                 int(created or 0), int(updated or 0)))
         return out
 

@@ -24,7 +24,7 @@ import httpx
 from ..config import Settings, load_config
 from ..conversation.messages import Message
 from ..pricing import PriceTable
-from ..savings import Meter, providers
+from ..savings import of_points
 from ..scripted import ScriptedUpstream, ThreadedServer
 
 MODEL = "gpt-4o-mini"
@@ -35,6 +35,24 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_order", "description": "Look an order up by id",
     "parameters": {"type": "object", "properties": {"order_id": {"type": "string"}},
                    "required": ["order_id"]}}}]
+
+
+def _stored(base: str, admin_key: str, session: str, requests: int,
+            wait_s: float = 15.0) -> list[dict[str, Any]]:
+    """The session's points as the proxy stored them (the admin API), once all
+    ``requests`` are in (they are written behind the answers), or what is in by
+    ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    points: list[dict[str, Any]] = []
+    with httpx.Client(base_url=base, timeout=30,
+                      headers={"Authorization": f"Bearer {admin_key}"}) as c:
+        while len(points) < requests and time.monotonic() < deadline:
+            r = c.get(f"/admin/sessions/{session}", params={"points": "1"})
+            if r.status_code == 200:
+                points = list(r.json().get("points") or [])
+            if len(points) < requests:
+                time.sleep(0.05)
+    return points
 
 
 def sample_conversation(questions: int = 12) -> list[Message]:
@@ -120,7 +138,6 @@ def _demo(args: argparse.Namespace, sock: socket.socket) -> int:
     try:
         port = server.start(sock=sock)
         base = f"http://127.0.0.1:{port}"
-        meter = Meter(providers(PriceTable.load()))
         session = f"demo-{int(time.time())}"
         with httpx.Client(base_url=base, timeout=60, headers={
                 "Authorization": "Bearer sk-demo", "X-Session-Id": session}) as c:
@@ -132,11 +149,12 @@ def _demo(args: argparse.Namespace, sock: socket.socket) -> int:
                           file=sys.stderr)
                     return 1
                 sent, forwarded = map(int, r.headers["x-runloop-tokens"].split(";"))
-                meter.add(MODEL, sent, forwarded, time.time())
+        # the figure from the session's stored points, as the inspector makes it
+        total = of_points(_stored(base, admin_key, session, len(points)), PriceTable.load())
         print(f"replayed a support agent's session: {len(points)} requests through the proxy")
-        print(f"  {meter.total.headline()}: {MODEL} at openai's prices, its prompt cache on "
+        print(f"  {total.headline()}: {MODEL} at openai's prices, its prompt cache on "
               f"both sides")
-        print(f"  {meter.total.secondary()}")
+        print(f"  {total.secondary()}")
         print(f"  last request: {sent:,} tokens sent, {forwarded:,} forwarded")
         if args.once:
             print("stopped (--once): run `runloop-proxy demo` without --once to browse the "

@@ -36,7 +36,7 @@ from ..history.summaries import digest, due
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
 from ..pipeline.tools import Doc, ProxyTools, doc, query_terms, rank_docs
 from ..pricing import Block, BreakpointCache, PrefixCache, Price, Provider
-from ..savings import Meter
+from ..savings import Meter, Prompt
 from ..window.builder import Window, build_window
 from ..window.forms import Budget
 from ..window.retention import Conversation as RetentionMeter
@@ -191,6 +191,8 @@ class Replayer:
         tools_block = [Block("tools:" + content_hash(orjson.dumps(tools)), tools_tokens)] \
             if tools else []
         proxy_block = [Block("proxy-tools", proxy_tokens)]
+        primed = [Block("priming", REPLY_PRIMING)]
+        last: tuple[Prompt | None, Prompt | None] = (None, None)
         # a loop's start depends only on the messages before it: segment the whole
         # conversation once, not each request's prefix
         pre = preamble_end(messages)
@@ -245,10 +247,18 @@ class Replayer:
             tally.requests += 1
             tally.client += client_total
             tally.forwarded += fwd_total
-            meter.add(self.model, client_total, fwd_total)
             cblocks = [block(m) for m in req]
-            c_sep, c_strict, c_money = client.bill(cblocks[:pre], tools_block, cblocks[pre:])
             wpre = preamble_end(window.messages)
+            # the headline's facts, as the proxy records them (``savings.Prompt``)
+            prompts = (Prompt.of(cblocks[:pre], tools_block, [*cblocks[pre:], *primed]),
+                       Prompt.of(wblocks[:wpre],
+                                 [*tools_block, *(proxy_block if with_tools else [])],
+                                 [*wblocks[wpre:], *primed]))
+            meter.add(self.model, client_total, fwd_total, None,
+                      (prompts[0].shared(last[0]), prompts[1].shared(last[1])),
+                      (prompts[0].head, prompts[1].head))
+            last = prompts
+            c_sep, c_strict, c_money = client.bill(cblocks[:pre], tools_block, cblocks[pre:])
             marked = auto_marked(wblocks[wpre:], window, wpre, set(keys[:i]),
                                  lambda t: self.counter.text(self.enc, t)) \
                 if policy.cache_breakpoints == "auto" and window.changed else None

@@ -11,11 +11,11 @@ runs; the last one out stops a proxy a wrap started (never one the user started)
 Only the agent's process is pointed at the proxy: Claude Code by ``ANTHROPIC_BASE_URL`` in its
 environment, Codex by a ``-c openai_base_url=…`` on its command line; the user's files are
 not touched, and the agent's own login or API key goes upstream as it would directly. The
-agent's exit code is wrap's. After it exits, what its sessions cost and saved is printed
-(to stderr: the agent's output stays the agent's): tokens as it sent them and as forwarded,
-the upstream's bill as it reported it, and what the same prompts would have cost sent
-directly, priced with the provider's prompt cache (``pricing``); and the inspector's
-address.
+agent's exit code is wrap's. After it exits, what its sessions saved is printed (to stderr:
+the agent's output stays the agent's): the headline, *bill saved* (``savings``), from the
+sessions' stored points as the inspector makes it, the same name and value; the prompt tokens
+as sent and as forwarded beside it, labelled; the upstream's bill for the run as it reported
+it; and each session's address in the inspector.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -41,8 +41,8 @@ from typing import Any
 import httpx
 import orjson
 
-from ..pricing import Block, BreakpointCache, PriceTable
-from .views import saving
+from ..pricing import PriceTable
+from ..savings import Savings, of_points
 
 SERVING = "serving.json"  # written by `serve` in its data directory while it serves there
 STARTED = "wrap-started.json"  # the proxy a wrap started (the last wrap out stops it)
@@ -385,61 +385,31 @@ def release(data_dir: Path, proxy: Proxy) -> None:
 
 # -- what it cost and saved -------------------------------------------------------------------
 
-@dataclass
-class Totals:
-    requests: int = 0
-    client: int = 0  # prompt tokens as the agent sent them (the proxy's count)
-    forwarded: int = 0  # as the upstream got them
-    cost: float = 0.0  # the upstream's usage, priced (USD)
-    direct: float = 0.0  # the agent's prompts sent directly, priced with the provider's cache
-    unpriced: set[str] = field(default_factory=set)  # models with no price (prices.toml)
-    unbilled: int = 0  # requests the upstream reported no usage of
-
-
-def session_cost(points: list[dict[str, Any]], prices: PriceTable, provider: str) -> Totals:
-    """A session's requests priced both ways (pure). Through the proxy: the upstream's own
-    usage of each request (cached and written tokens as it billed them). Directly: each
-    prompt as the agent sent it, an append-only conversation (every request the previous
-    one and what it adds), billed by the provider's cache (``pricing``) at the request's
-    time — Anthropic's with a breakpoint at the end, where Claude Code puts it; the answer's
-    output tokens cost the same either way."""
+def billed(points: list[dict[str, Any]], prices: PriceTable, provider: str
+           ) -> tuple[float, int, set[str]]:
+    """What the upstream billed for ``points`` as it reported it (each request's usage:
+    cached and written tokens as it billed them, output included) at ``provider``'s prices;
+    with the requests it reported no usage of, and the models it has no price for."""
     spec = prices.provider(provider)
-    cache = spec.new_cache()
-    totals = Totals()
-    blocks: list[Block] = []
-    last = 0
+    cost, unbilled = 0.0, 0
+    unpriced: set[str] = set()
     for p in points:
-        client, forwarded = p.get("client"), p.get("forwarded")
-        if not isinstance(client, int) or not isinstance(forwarded, int):
-            continue
-        totals.requests += 1
-        totals.client += client
-        totals.forwarded += forwarded
         price = spec.price(str(p.get("model") or ""))
         usage = p.get("usage")
-        if client < last or not blocks:  # the agent's prompt did not grow: a new chain
-            blocks = []
-            last = 0
-        blocks = [*blocks, Block(f"{len(blocks)}:{client}", client - last)]
-        last = client
-        at = p["ts"] / 1000 if isinstance(p.get("ts"), (int, float)) else None
-        bill = cache.bill(blocks, [len(blocks)], at) if isinstance(cache, BreakpointCache) \
-            else cache.bill(blocks, at)
         if price is None:
-            totals.unpriced.add(str(p.get("model")))
-            continue
-        if not isinstance(usage, dict):
-            totals.unbilled += 1
-            continue
-        cost = price.usage_cost(usage)
-        totals.cost += sum(cost.values())
-        totals.direct += price.cost(bill) + cost["output"]
-    return totals
+            unpriced.add(str(p.get("model")))
+        elif not isinstance(usage, dict):
+            unbilled += 1
+        else:
+            cost += sum(price.usage_cost(usage).values())
+    return cost, unbilled, unpriced
 
 
 def report(proxy: Proxy, since_ms: int, agent: Agent,
            prices: PriceTable | None = None) -> list[str]:
-    """What the sessions the proxy served since ``since_ms`` cost and saved, in lines."""
+    """What the sessions the proxy served since ``since_ms`` saved, in lines: the headline
+    of those sessions as the inspector shows them (all their requests, ``savings``), the raw
+    tokens beside it, and the upstream's bill for this run's requests."""
     if proxy.admin_key is None:
         return [f"runloop-proxy: the proxy at {proxy.url} is not one wrap started: set "
                 f"RUNLOOP_ADMIN_KEY to its admin key to see what this session saved"]
@@ -453,33 +423,33 @@ def report(proxy: Proxy, since_ms: int, agent: Agent,
         return [f"runloop-proxy: {agent.name} sent the proxy no request "
                 f"(inspector: {proxy.url}/admin/ui)"]
     table = prices or PriceTable.load()
-    total = Totals()
+    total = Savings()
+    cost, unbilled, run = 0.0, 0, 0
+    unpriced: set[str] = set()
     lines = []
     for tenant, sid, points in sessions:
-        t = session_cost([p for p in points if p.get("ts", 0) >= since_ms], table,
-                         agent.provider)
-        for k in ("requests", "client", "forwarded", "cost", "direct", "unbilled"):
-            setattr(total, k, getattr(total, k) + getattr(t, k))
-        total.unpriced |= t.unpriced
+        one = of_points(points, table)
+        total = total + one
+        these = [p for p in points if p.get("ts", 0) >= since_ms]
+        run += len(these)
+        usd, none, missing = billed(these, table, agent.provider)
+        cost, unbilled, unpriced = cost + usd, unbilled + none, unpriced | missing
         query = urllib.parse.urlencode({"tenant": tenant, "id": sid})
-        lines.append(f"  inspector: {proxy.url}/admin/ui/session?{query}")
-    plural = "s" if total.requests != 1 else ""
-    said = saving(total.client, total.forwarded)
-    said = said.replace("none", "nothing saved", 1) if said.startswith("none") \
-        else f"{said} saved"
-    head = [f"runloop-proxy: {agent.name} sent {total.requests} request{plural} in "
-            f"{len(sessions)} session{'s' if len(sessions) != 1 else ''}: prompts of "
-            f"{total.client:,} tokens, {total.forwarded:,} forwarded ({said})"]
-    if total.unpriced:
-        head.append(f"  cost: not priced: no price for {', '.join(sorted(total.unpriced))} "
+        lines.append(f"  inspector: {proxy.url}/admin/ui/session?{query}  ({one.headline()})")
+    plural = "s" if run != 1 else ""
+    n = len(sessions)
+    head = [f"runloop-proxy: {agent.name} sent {run} request{plural} in {n} "
+            f"session{'s' if n != 1 else ''}: {total.headline()}",
+            f"  {total.secondary()}"]
+    if unpriced:
+        head.append(f"  upstream's bill: not priced: no price for {', '.join(sorted(unpriced))} "
                     f"in {agent.provider}'s table (add it to prices.toml)")
-    elif total.unbilled:
-        head.append(f"  cost: not priced: the upstream reported no usage of "
-                    f"{total.unbilled} request{'s' if total.unbilled != 1 else ''}")
-    elif total.requests:
-        head.append(f"  cost ${total.cost:.4f} at {agent.provider}'s prices, its cache "
-                    f"included (the upstream's usage); the same prompts sent directly about "
-                    f"${total.direct:.4f}: ${total.direct - total.cost:.4f} saved")
+    elif unbilled:
+        head.append(f"  upstream's bill: not priced: the upstream reported no usage of "
+                    f"{unbilled} request{'s' if unbilled != 1 else ''}")
+    else:
+        head.append(f"  upstream's bill for this run ${cost:.4f} at {agent.provider}'s prices "
+                    f"(its usage, output included)")
     return [*head, *lines, f"  (admin key: {proxy.admin_key})"]
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..ops import logs
 from ..ops.metrics import OTHER_MODEL, BoundMetrics, Metrics
+from ..savings import Prompt
 
 log = logs.get("request")
 UNAUTHENTICATED = "unauthenticated"  # the tenant label of a request refused for its key
@@ -33,6 +34,8 @@ class RequestLog:
         # whole prompts as the proxy counts them (messages, tool schemas, reply priming): the
         # client's, and what went upstream (the proxy's tools included when it added them)
         self.prompt_tokens: tuple[int, int] | None = None
+        # those prompts as blocks: what the headline compares with the session's last ones
+        self.prompts: tuple[Prompt, Prompt] | None = None
         # the frame the window was built in (framing.Frame.point()), taken when it was built:
         # the answer's usage recalibrates the model before the turn is recorded
         self.frame: dict[str, Any] | None = None

@@ -25,6 +25,7 @@ from ..conversation.runloops import preamble_end
 from ..errors import Conflict, InvalidRequest, StoreError, StoreUnavailable
 from ..history.store import Prepared, RedisStore, prepare
 from ..ops import logs
+from ..savings import Prompt
 from ..state import AppState
 from .framing import Frame
 from .offload import answer_is_large, is_large, offload
@@ -326,14 +327,16 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
                  large: bool = False, answer_id: str | None = None,
                  tokens: tuple[int, int] | None = None,
                  frame: dict[str, Any] | None = None, chain: str | None = None,
-                 usage: dict[str, Any] | None = None) -> None:
+                 usage: dict[str, Any] | None = None,
+                 prompts: tuple[Prompt, Prompt] | None = None) -> None:
     """After a 2xx, off the request path: add the client's side of the turn and the answer it
     got to the session's history (written behind), the proxy's part of the turn to splice
     back next time, and for a fingerprinted session an anchor that finds it again from its
     reply. ``large``: the answer is counted off the event loop. ``chain``: the upstream id a
     request chaining on ``answer_id`` must go on from (``toolloop.Outcome.chain``).
     ``usage``: the upstream's bill for the request (``accounting.billed``), kept with its
-    point."""
+    point; ``prompts``: its prompts as blocks (``framing.prompts_of``), what the point says
+    they share with the session's last ones (the headline's facts, ``savings``)."""
     store, ns = state.store, turn.caller.namespace
     if store is None or ns is None or history.degraded == "store":
         return
@@ -343,7 +346,7 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     store.reserve(ns, session.id)
     try:
         await _record(state, turn, session, history, store, ns, reply, kept, large,
-                      answer_id, tokens, frame, chain, usage)
+                      answer_id, tokens, frame, chain, usage, prompts)
     finally:
         store.release(ns, session.id)
 
@@ -352,7 +355,8 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
                   store: RedisStore, ns: str, reply: Message | None,
                   kept: dict[str, Any] | None, large: bool, answer_id: str | None,
                   tokens: tuple[int, int] | None, frame: dict[str, Any] | None,
-                  chain: str | None, usage: dict[str, Any] | None) -> None:
+                  chain: str | None, usage: dict[str, Any] | None,
+                  prompts: tuple[Prompt, Prompt] | None) -> None:
     chainable = answer_id is not None and turn.wire.api == "responses" \
         and turn.body.get("store") is not False
     if chainable and chain is not None:
@@ -384,12 +388,13 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
     retention = turn.caller.tenant.retention_days
     # the prompt as sent and as forwarded (the inspector's chart), written with the turn,
     # and what the inspector rebuilds its window from: the messages it carried, its frame
+    facts = state.compared(ns, session.id, prompts) if tokens is not None else {}
     point = {"ts": int(time.time() * 1000), "client": tokens[0], "forwarded": tokens[1],
-             **request_point(state, turn, history, frame),
+             **facts, **request_point(state, turn, history, frame),
              **({"usage": usage} if usage else {})} if tokens is not None else None
     if point is not None and tokens is not None:  # the dashboard's headline, as the point's
         state.bill(ns, session.id, turn.caller.label, str(point.get("model") or ""), tokens,
-                   point["ts"] / 1000)
+                   point["ts"] / 1000, facts)
     size = 0
     if (turn.large or history.large) and history.appended is None:
         # a conversation's chain hashes are made once and then grown: a large new one's are

@@ -110,8 +110,8 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
     rlog.usage(outcome.usage)
     if not await kept(state, turn, session, history, record(
             state, turn, session, history, outcome.shown, outcome.kept,
-            answer_id=outcome.id, tokens=rlog.prompt_tokens, frame=rlog.frame,
-            usage=rlog.billed, chain=outcome.chain)):
+            answer_id=outcome.id, tokens=rlog.prompt_tokens, prompts=rlog.prompts,
+            frame=rlog.frame, usage=rlog.billed, chain=outcome.chain)):
         headers["X-Runloop-Degraded"] = "history"
     shadow_after(state, turn, history, out, rlog, outcome.shown)
     rlog.finish(200)
@@ -125,7 +125,8 @@ async def _answered(state: AppState, turn: Turn, session: Session, history: Hist
     rlog.usage(reply.usage if reply else None)
     return await kept(state, turn, session, history, record(
         state, turn, session, history, reply.message if reply else None, None, large,
-        reply.id if reply else None, rlog.prompt_tokens, rlog.frame, usage=rlog.billed))
+        reply.id if reply else None, rlog.prompt_tokens, rlog.frame, usage=rlog.billed,
+        prompts=rlog.prompts))
 
 
 def durable(turn: Turn, history: History) -> bool:
@@ -388,8 +389,9 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
             rlog.usage(outcomes[0].usage)
             if not await kept(state, turn, session, history, record(
                     state, turn, session, history, outcomes[0].shown, outcomes[0].kept,
-                    answer_id=outcomes[0].id, tokens=rlog.prompt_tokens, frame=rlog.frame,
-                    usage=rlog.billed, chain=outcomes[0].chain)):
+                    answer_id=outcomes[0].id, tokens=rlog.prompt_tokens,
+                    prompts=rlog.prompts, frame=rlog.frame, usage=rlog.billed,
+                    chain=outcomes[0].chain)):
                 yield NOT_STORED_EVENT
             shadow_after(state, turn, history, out, rlog, outcomes[0].shown)
             if last is not None:

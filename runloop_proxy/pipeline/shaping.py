@@ -16,7 +16,7 @@ from ..ops import logs
 from ..state import AppState
 from ..window.builder import CompactionKind, Event, Note, Window
 from .accounting import RequestLog
-from .framing import FirstSeen, Frame, prompt_tokens, sends_proxy_tools, window_in
+from .framing import FirstSeen, Frame, prompt_tokens, prompts_of, sends_proxy_tools, window_in
 from .offload import offload
 from .tools import ProxyTools, splice_internal
 from .values import History, Outgoing, Turn
@@ -85,6 +85,10 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
                                           spliced is not history.messages)
     rlog.prompt_tokens = prompt_tokens(state, turn.caller.tenant, frame, window.tokens_in,
                                        window.tokens_out, with_tools)
+    if not turn.counting:
+        rlog.prompts = await offload(turn.large or history.large, lambda: prompts_of(
+            state, turn.caller.tenant, frame, turn.chat_tools, spliced, spliced_keys, window,
+            with_tools))
     if not (window.changed or offer or turn.server_history):
         return Outgoing(await _as_sent(turn, history))
     extra = turn.wire.tool_definitions(tools) if with_tools else []
@@ -100,6 +104,10 @@ async def _untouched(state: AppState, turn: Turn, history: History, frame: Frame
     """The request goes as it came, its prompt counted as sent (and so as forwarded)."""
     n = sum(p.tokens or 0 for p in history.prepared)
     rlog.prompt_tokens = prompt_tokens(state, turn.caller.tenant, frame, n, n, False)
+    if not turn.counting:
+        rlog.prompts = await offload(turn.large or history.large, lambda: prompts_of(
+            state, turn.caller.tenant, frame, turn.chat_tools, history.messages,
+            [p.hash for p in history.prepared], None, False))
     return Outgoing(await _as_sent(turn, history))
 
 
