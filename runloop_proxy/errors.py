@@ -19,7 +19,6 @@
     │   └── ProxyFull               503: the process's bound of a resource is reached
     ├── StoreError                  Redis failed: the proxy degrades, the client never sees it
     │   └── StoreLimitExceeded      a session outgrew its configured bounds
-    ├── EmbeddingError              memory's embedding model failed: words alone answer
     └── ConfigError                 a config file is invalid (file, field, why)
 """
 
@@ -224,11 +223,6 @@ class StoreError(ProxyError):
 
 class StoreLimitExceeded(StoreError):
     pass
-
-
-class EmbeddingError(ProxyError):
-    """Long-term memory's embedding model cannot be had or failed: search ranks by words
-    alone and says so (fail open); the client never sees it."""
 
 
 class ConfigError(ProxyError):

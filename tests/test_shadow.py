@@ -19,6 +19,7 @@ from runloop_proxy.pipeline.shadow import (
     ToolStep,
     canonical_args,
     compare,
+    micro_usd,
     similarity,
     step_of,
     within_cap,
@@ -248,3 +249,15 @@ def test_the_metrics_levers_are_the_pipelines() -> None:
     from runloop_proxy.ops.metrics import SHADOW_LEVERS
     from runloop_proxy.pipeline.shadow import ANY, LEVERS
     assert SHADOW_LEVERS == (*LEVERS, ANY)
+
+
+@pytest.mark.parametrize(("usd", "micro"), [
+    (None, 0), (0.0, 0), (0.0123, 12_300), (0.0000001, 1), (2.5, 2_500_000),
+    (0.1 + 0.2, 300_000),  # float noise is not a millionth more
+])
+def test_the_ledger_adds_money_in_millionths_rounded_up(usd: float | None, micro: int) -> None:
+    """What Redis adds per call (integers, so every replica's increments add exactly).
+    Planted: rounded down (a tenth of a millionth read as nothing: red), and the float's
+    noise kept (0.1 + 0.2 as 300001: red)."""
+    assert micro_usd(usd) == micro
+    assert Spend.of_ledger("2026-12-02", 7, micro).usd == pytest.approx(usd or 0.0, abs=1e-6)

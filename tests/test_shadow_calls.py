@@ -3,6 +3,8 @@ that decides from what its window holds, the openai SDK as the client, a real Re
 
 from __future__ import annotations
 
+import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 from websockets.sync.client import connect
 
 from runloop_proxy.scripted import ScriptedUpstream
-from tests.conftest import ProxyServer, until
+from tests.conftest import ProxyServer, RedisServer, serve_command, until
 from tests.keys import anthropic_key, openai_project_key
 from tests.parcels import (
     ANTHROPIC_TOOLS,
@@ -40,8 +42,8 @@ ADMIN_KEY = "adm-" + "k" * 40
 
 @pytest.fixture
 def shadowing(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> Any:
-    def make(policy: str, upstream_format: str = "any",
-             upstream_key: str = UPSTREAM_KEY) -> ProxyServer:
+    def make(policy: str, upstream_format: str = "any", upstream_key: str = UPSTREAM_KEY,
+             **proxy: Any) -> ProxyServer:
         root = tmp_path / f"cfg{len(list(tmp_path.iterdir()))}"
         (root / "tenants").mkdir(parents=True)
         (root / "runloop.toml").write_text(
@@ -52,7 +54,7 @@ def shadowing(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> An
         (root / "tenants" / "parcels.toml").write_text(
             f'keys = ["{CLIENT_KEY}"]\n[policy]\nreduce_at_least = 8\nnames_kept = 0\n'
             f'{policy}')
-        return make_proxy(config_dir=str(root))  # type: ignore[no-any-return]
+        return make_proxy(config_dir=str(root), **proxy)  # type: ignore[no-any-return]
     upstream.responder = decides_from_its_window
     return make
 
@@ -326,3 +328,78 @@ def test_a_socket_turn_going_on_from_its_response_is_shadowed_whole(
                                *response_items(HIDDEN)[4:]]
     assert "previous_response_id" not in shadow
     assert (shadow["store"], shadow["stream"]) == (False, False)
+
+
+# --- the daily cap, every replica's --------------------------------------------------------
+
+def test_the_cap_holds_across_two_replicas_on_one_redis(
+        tmp_path: Path, upstream: ScriptedUpstream, redis_url: str) -> None:
+    """Two ``serve`` processes on one Redis, a cap of 1000 tokens a day: the first
+    replica's shadow call spends it (over 1000 tokens); the second replica, asked next,
+    reads the same day's spend in Redis and sends none (reason=cap), and says it is capped
+    with the first one's tokens. Bug class: a cap kept per process (each replica spends a
+    whole cap). Planted: the day's key named per process (``id(self)`` in its name: each
+    replica its own ledger, the second sends a shadow call: red)."""
+    upstream.responder = decides_from_its_window
+    root = tmp_path / "cfg"
+    (root / "tenants").mkdir(parents=True)
+    (root / "runloop.toml").write_text(
+        f'[server]\nadmin_key = "{ADMIN_KEY}"\n'
+        f'[store]\nkey_prefix = "t{uuid.uuid4().hex[:10]}"\n'
+        f'[upstreams.main]\nurl = "{upstream.url}"\napi_key = "{UPSTREAM_KEY}"\n'
+        f'max_retries = 0\n[defaults]\nupstream = "main"\n')
+    (root / "tenants" / "parcels.toml").write_text(
+        f'keys = ["{CLIENT_KEY}"]\n[policy]\nreduce_at_least = 8\nnames_kept = 0\n'
+        f'shadow_rate = 1.0\nshadow_daily_tokens = 1000\n')
+    flags = ["--config", str(root)]
+    with serve_command(upstream.url, redis_url, tmp_path / "a", flags, {}) as (a, _), \
+            serve_command(upstream.url, redis_url, tmp_path / "b", flags, {}) as (b, _):
+        def report(base: str) -> dict[str, Any]:
+            r = httpx.get(base + "/admin/shadow", params={"tenant": "parcels"},
+                          headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            assert r.status_code == 200, r.text
+            return r.json()  # type: ignore[no-any-return]
+
+        def ask(base: str) -> None:
+            client = openai.OpenAI(base_url=base + "/v1", api_key=CLIENT_KEY, max_retries=0)
+            client.chat.completions.create(model=MODEL, messages=conversation(HIDDEN),  # type: ignore[arg-type]
+                                           tools=CHAT_TOOLS)
+        ask(a)
+        until(lambda: report(a)["by_lever"].get("any"), what="the first replica's shadow")
+        (rec,) = report(a)["recent"]
+        assert rec["tokens"] > 1_000
+        ask(b)
+        until(lambda: report(b)["skipped"].get("cap"), what="the second replica's skip")
+        got = report(b)
+        assert (got["capped"], got["tokens"], got["by_lever"]) == (True, rec["tokens"], {})
+        assert report(a)["capped"] is True
+    assert len(upstream.requests) == 3  # two requests, one shadow call
+
+
+def test_without_redis_no_shadow_call_goes_and_it_is_said(
+        shadowing: Any, upstream: ScriptedUpstream) -> None:
+    """Redis goes away while the compressed request is answered: the client gets its whole
+    answer; the shadow call is not sent (the cap cannot be read: fail closed), counted as
+    reason=store, a log line, and the admin API says the ledger is unavailable. Planted:
+    the ledger's failure read as no spend (a shadow call went: red), and the skip not
+    counted (red)."""
+    server = RedisServer().start()
+    try:
+        proxy = shadowing("shadow_rate = 1.0\nshadow_daily_tokens = 900000\n",
+                          redis=server.url, store={"timeout_s": 0.2, "retry_after_s": 0.3})
+        upstream.push({"content": NOT_FOUND, "delay": 1.2})
+        stopper = threading.Thread(target=lambda: (
+            until(lambda: len(upstream.requests) == 1, what="the request upstream"),
+            server.stop()))
+        stopper.start()
+        assert _ask(proxy, HIDDEN) == NOT_FOUND
+        stopper.join()
+        until(lambda: _metric(proxy, "runloop_shadow_skipped_total", tenant="parcels",
+                              reason="store") == 1, what="the skip counted")
+        report = _report(proxy)
+        assert (report["skipped"], report["capped"], report["by_lever"]) == (
+            {"store": 1}, None, {})
+        assert "ledger_error" in report
+        assert len(upstream.requests) == 1
+    finally:
+        server.cleanup()

@@ -83,6 +83,7 @@ _SAFE_ID = re.compile(r"[A-Za-z0-9._:-]{1,160}")
 MAX_POINTS = 500
 LARGE_JOB = 2_000  # messages in a write job whose arguments are made off the event loop
 MAX_RECORDS = 1_000
+SHADOW_DAY_TTL_MS = 2 * 86_400_000  # a day's shadow spend, kept a day past its end
 INDEX_EVERY_S = 60.0
 PROBE_EVERY_S = 0.25
 _RECONNECT = (RedisConnectionError, RedisTimeoutError, ConnectionError, OSError, TimeoutError)
@@ -352,6 +353,32 @@ class RedisStore:
 
     def _logins_key(self) -> str:
         return f"{self.cfg.key_prefix}:admin:logins"
+
+    def _shadow_key(self, tenant: str, day: str) -> str:
+        digest = hashlib.sha256(tenant.encode()).hexdigest()[:32]
+        return f"{self.cfg.key_prefix}:shadow:{digest}:{day}"
+
+    async def shadow_spend(self, tenant: str, day: str) -> tuple[int, int]:
+        """What ``tenant``'s shadow calls spent on the UTC ``day``, every replica's: tokens,
+        and money in millionths of a dollar."""
+        raw = await self._call("shadow", lambda: self.client.hmget(
+            self._shadow_key(tenant, day), "tokens", "micro_usd"))
+        return int(raw[0] or 0), int(raw[1] or 0)
+
+    async def add_shadow_spend(self, tenant: str, day: str, tokens: int,
+                               micro_usd: int) -> None:
+        """Add a shadow call's cost to ``day``'s (each field's increment atomic, whichever
+        replica adds at the same moment); the day's key outlives the day by one."""
+        key = self._shadow_key(tenant, day)
+
+        async def run() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hincrby(key, "tokens", tokens)
+            pipe.hincrby(key, "micro_usd", micro_usd)
+            pipe.pexpire(key, SHADOW_DAY_TTL_MS)
+            await pipe.execute()
+
+        await self._call("shadow", run)
 
     async def logins_epoch(self, ttl_ms: int, start: bool = False) -> str | None:
         """The admin's logins' epoch, which every login cookie is signed with (so every
@@ -789,18 +816,23 @@ class RedisStore:
         return None if cached is None else cached.internal
 
     async def load(self, namespace: str, session_id: str, hashes: list[str],
-                   encoding: str, large: bool = False) -> Loaded:
+                   encoding: str) -> Loaded:
         """One round trip for a session this replica has not seen: the proxy's stored tool
         exchanges, the token counts of these messages made with ``encoding``, and how many
-        of them, from the first, the session holds (an earlier request carried them). The
-        reply is read entry by entry, in a worker thread when ``large`` (a session of 18,000
-        messages left 27,000 calls on the event loop here)."""
+        of them, from the first, the session holds (an earlier request carried them)."""
         p = self.prefix(namespace, session_id)
         internal, found, dated = await self._call("read", lambda: self._load(
             keys=[p + ":int", p + ":tok", p + ":seen"], args=["".join(hashes)]))
-        if large:
-            return await asyncio.to_thread(_loaded, hashes, encoding, internal, found, dated)
-        return _loaded(hashes, encoding, internal, found, dated)
+        counts: dict[str, int] = {}
+        for h, v in zip(hashes, found, strict=True):
+            if v is not None:
+                enc, _, n = _s(v).rpartition(":")
+                if enc == encoding and n.isdigit():
+                    counts[h] = int(n)
+        held = next((i for i, v in enumerate(found) if v is None), len(found))
+        dates = {_s(dated[i]): int(dated[i + 1]) for i in range(0, len(dated) - 1, 2)
+                 if bytes(dated[i + 1]).isdigit()}
+        return Loaded(_pairs(internal), counts, held, dates)
 
     async def put_dates(self, namespace: str, session_id: str, packed: str,
                         retention_days: float | None = None) -> None:
@@ -1026,22 +1058,6 @@ def _s(v: Any) -> str:
 def new_generation() -> str:
     """A generation for an exchange log made anew (scripts.INTK)."""
     return uuid.uuid4().hex[:16]
-
-
-def _loaded(hashes: list[str], encoding: str, internal: list[Any], found: list[Any],
-            dated: list[Any]) -> Loaded:
-    """``RedisStore.load``'s reply read: the counts made with ``encoding``, how many of the
-    messages the session holds, the loop dates."""
-    counts: dict[str, int] = {}
-    for h, v in zip(hashes, found, strict=True):
-        if v is not None:
-            enc, _, n = _s(v).rpartition(":")
-            if enc == encoding and n.isdigit():
-                counts[h] = int(n)
-    held = next((i for i, v in enumerate(found) if v is None), len(found))
-    dates = {_s(dated[i]): int(dated[i + 1]) for i in range(0, len(dated) - 1, 2)
-             if bytes(dated[i + 1]).isdigit()}
-    return Loaded(_pairs(internal), counts, held, dates)
 
 
 def _pairs(flat: list[Any]) -> dict[str, Any]:

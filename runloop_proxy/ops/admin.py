@@ -25,7 +25,8 @@ from ..errors import (
 from ..history.store import SessionView
 from ..history.summaries import MODEL, OMIT, Job
 from ..pipeline.offload import offload
-from ..pipeline.shadowing import today
+from ..pipeline.shadow import within_cap
+from ..pipeline.shadowing import spent, today
 from ..pipeline.tools import spliced_stored
 from ..state import AppState, state_of
 from . import params
@@ -263,14 +264,22 @@ async def admin_shadow(request: Request) -> Response:
     tenant = state.config.tenants.get(name)
     if tenant is None:
         raise NotFound(f"no tenant {name!r} configured")
-    policy = tenant.policy
-    capped = not state.shadows.allows(name, today(), policy.shadow_daily_tokens,
-                                      policy.shadow_daily_usd)
+    policy, day = tenant.policy, today()
+    # today's spend is every replica's (Redis); the comparisons are this process's
+    spend: dict[str, Any]
+    try:
+        got = await spent(state, name, day)
+        spend = {"tokens": got.tokens, "usd": round(got.usd, 6),
+                 "capped": not within_cap(got, day, policy.shadow_daily_tokens,
+                                          policy.shadow_daily_usd)}
+    except StoreError as exc:  # no shadow call goes until Redis is back (fail closed)
+        spend = {"tokens": None, "usd": None, "capped": None,
+                 "ledger_error": str(exc)}
     return json_response({
         "tenant": name, "shadow_rate": policy.shadow_rate,
         "daily_tokens": policy.shadow_daily_tokens, "daily_usd": policy.shadow_daily_usd,
-        "text_threshold": policy.shadow_text_threshold, "capped": capped,
-        **state.shadows.report(name, today())})
+        "text_threshold": policy.shadow_text_threshold, "day": day, **spend,
+        **state.shadows.report(name)})
 
 
 def admin_routes() -> list[BaseRoute]:

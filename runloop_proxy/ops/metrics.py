@@ -137,7 +137,8 @@ class Metrics:
         self.shadow_skipped = Counter(
             "runloop_shadow_skipped_total", "Requests sampled for a shadow call and not "
             "shadowed: reason=cap (the daily cap reached), busy (the tenant holds half its "
-            "upstream connections)",
+            "upstream connections), store (Redis, which keeps the spend every replica's cap reads, "
+            "unavailable: no shadow call goes)",
             ["tenant", "reason"], registry=r)
         self.store_latency = Histogram("runloop_store_latency_seconds",
                                        "Store round-trips on the request path", ["op"],
@@ -176,7 +177,7 @@ class Metrics:
                     self.shadow_comparisons.labels(tenant, lever, outcome)
             self.shadow_tokens.labels(tenant)
             self.shadow_cost.labels(tenant)
-            for reason in ("cap", "busy"):
+            for reason in ("cap", "busy", "store"):
                 self.shadow_skipped.labels(tenant, reason)
 
     def bound(self, tenant: str, model: str) -> BoundMetrics:

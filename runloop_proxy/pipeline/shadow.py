@@ -197,6 +197,9 @@ def step_of(api: str, body: Mapping[str, Any]) -> Step:
 
 # --- the tenant's spend cap -----------------------------------------------------------------
 
+MICRO = 1_000_000  # the ledger keeps money in millionths of a dollar (integers add exactly)
+
+
 @dataclass(frozen=True)
 class Spend:
     """What a tenant's shadow calls cost on one UTC day."""
@@ -207,6 +210,16 @@ class Spend:
 
     def add(self, tokens: int, usd: float | None) -> Spend:
         return Spend(self.day, self.tokens + tokens, self.usd + (usd or 0.0))
+
+    @classmethod
+    def of_ledger(cls, day: str, tokens: int, micro_usd: int) -> Spend:
+        return cls(day, tokens, micro_usd / MICRO)
+
+
+def micro_usd(usd: float | None) -> int:
+    """A call's cost as the ledger adds it: rounded up, so many small calls never add up
+    to less than they cost."""
+    return math.ceil(round(usd * MICRO, 6)) if usd else 0
 
 
 def within_cap(spend: Spend, today: str, daily_tokens: int | None,
@@ -269,43 +282,35 @@ class Record:
 
 @dataclass
 class _Tenant:
-    spend: Spend
     counts: dict[tuple[str, str], int]  # (lever, outcome) -> comparisons
     skipped: dict[str, int]  # reason -> requests sampled and not shadowed
     recent: list[Record]
 
 
 class ShadowBook:
-    """The process's shadow ledger: each tenant's spend today (against its cap), its
-    comparisons by lever and outcome, the last ``RECENT`` of them. Bounded: one entry per
-    configured tenant that shadows. Nothing here reads the clock: callers pass the UTC day."""
+    """What this process keeps of its shadow comparisons: each tenant's by lever and
+    outcome, its skips by reason, the last ``RECENT``. Bounded: one entry per configured
+    tenant that shadows. The spend the cap reads is every replica's, kept in Redis
+    (``RedisStore.shadow_spend``), not here."""
 
     def __init__(self) -> None:
         self._tenants: dict[str, _Tenant] = {}
         self._lock = threading.Lock()
 
-    def _of(self, tenant: str, today: str) -> _Tenant:
+    def _of(self, tenant: str) -> _Tenant:
         t = self._tenants.get(tenant)
         if t is None:
-            t = self._tenants[tenant] = _Tenant(Spend(today), {}, {}, [])
-        elif t.spend.day != today:
-            t.spend = Spend(today)
+            t = self._tenants[tenant] = _Tenant({}, {}, [])
         return t
 
-    def allows(self, tenant: str, today: str, daily_tokens: int | None,
-               daily_usd: float | None) -> bool:
+    def skip(self, tenant: str, reason: str) -> None:
         with self._lock:
-            return within_cap(self._of(tenant, today).spend, today, daily_tokens, daily_usd)
-
-    def skip(self, tenant: str, today: str, reason: str) -> None:
-        with self._lock:
-            skipped = self._of(tenant, today).skipped
+            skipped = self._of(tenant).skipped
             skipped[reason] = skipped.get(reason, 0) + 1
 
-    def add(self, record: Record, today: str) -> None:
+    def add(self, record: Record) -> None:
         with self._lock:
-            t = self._of(record.tenant, today)
-            t.spend = t.spend.add(record.tokens, record.usd)
+            t = self._of(record.tenant)
             for lever in (*record.levers, ANY):
                 key = (lever, record.outcome.value)
                 t.counts[key] = t.counts.get(key, 0) + 1
@@ -318,15 +323,14 @@ class ShadowBook:
             t = self._tenants.get(tenant)
             return [r for r in t.recent if r.session == session] if t is not None else []
 
-    def report(self, tenant: str, today: str) -> dict[str, Any]:
-        """A tenant's figures: today's spend, agreement by lever, the recent comparisons."""
+    def report(self, tenant: str) -> dict[str, Any]:
+        """A tenant's figures: agreement by lever, skips, the recent comparisons."""
         with self._lock:
-            t = self._of(tenant, today)
+            t = self._of(tenant)
             by_lever: dict[str, dict[str, int]] = {}
             for (lever, outcome), n in sorted(t.counts.items()):
                 by_lever.setdefault(lever, {o.value: 0 for o in Outcome})[outcome] = n
-            return {"day": t.spend.day, "tokens": t.spend.tokens, "usd": round(t.spend.usd, 6),
-                    "by_lever": by_lever, "skipped": dict(t.skipped),
+            return {"by_lever": by_lever, "skipped": dict(t.skipped),
                     "recent": [_record_json(r) for r in reversed(t.recent)]}
 
 

@@ -26,12 +26,24 @@ from typing import Any
 import orjson
 
 from ..conversation.messages import Message
-from ..errors import ProxyFull, TenantOverShare, UpstreamError
+from ..errors import ProxyFull, StoreError, TenantOverShare, UpstreamError
 from ..ops import logs
 from ..state import AppState
 from .accounting import RequestLog, prompt_usage
 from .offload import offload
-from .shadow import ANY, Basis, Outcome, Record, compare, levers_of, sampled, step_of_message
+from .shadow import (
+    ANY,
+    Basis,
+    Outcome,
+    Record,
+    Spend,
+    compare,
+    levers_of,
+    micro_usd,
+    sampled,
+    step_of_message,
+    within_cap,
+)
 from .values import History, Outgoing, Turn
 
 log = logs.get("shadow")
@@ -55,36 +67,62 @@ def shadow_after(state: AppState, turn: Turn, history: History, out: Outgoing,
         return
     if not sampled(policy.shadow_rate, _draws.random() if draw is None else draw):
         return
-    tenant, label, day = turn.caller.tenant.name, turn.caller.label, today()
-    reason = _not_now(state, turn, day)
-    if reason is not None:
-        state.shadows.skip(tenant, day, reason)
-        state.metrics.shadow_skipped.labels(label, reason).inc()
-        log.info("shadow call skipped", extra={"tenant": tenant, "session": rlog.session,
-                                               "reason": reason})
+    day = today()
+    if _busy(state, turn):
+        _skipped(state, turn, rlog.session, "busy")
         return
     levers = levers_of(window.reduced_loops, len(window.elided), window.omitted_loops,
                        (e.kind.value for e in window.events))
     session, model = rlog.session, turn.model
 
     def go() -> None:
-        state.spawn(shadow_call(state, turn, history, levers, shown, session, model, day))
+        state.spawn(_within_cap(state, turn, history, levers, shown, session, model, day))
 
     rlog.at_end(go)
 
 
-def _not_now(state: AppState, turn: Turn, today: str) -> str | None:
-    """Why a sampled request gets no shadow call, or None."""
-    policy = turn.policy
-    if not state.shadows.allows(turn.caller.tenant.name, today, policy.shadow_daily_tokens,
-                                policy.shadow_daily_usd):
-        return "cap"
+def _busy(state: AppState, turn: Turn) -> bool:
+    """Whether the tenant holds half its share of the upstream's connections or more."""
     holder = turn.caller.holder
-    if holder is not None:
-        connections = turn.caller.client(state.upstreams).connections
-        if connections.held(holder) >= connections.per_holder // 2:
-            return "busy"
-    return None
+    if holder is None:
+        return False
+    connections = turn.caller.client(state.upstreams).connections
+    return connections.held(holder) >= connections.per_holder // 2
+
+
+def _skipped(state: AppState, turn: Turn, session: str | None, reason: str) -> None:
+    state.shadows.skip(turn.caller.tenant.name, reason)
+    state.metrics.shadow_skipped.labels(turn.caller.label, reason).inc()
+    log.info("shadow call skipped", extra={"tenant": turn.caller.tenant.name,
+                                           "session": session, "reason": reason})
+
+
+async def spent(state: AppState, tenant: str, day: str) -> Spend:
+    """What ``tenant``'s shadow calls spent on ``day``, every replica's (Redis). Raises
+    StoreError when Redis cannot say."""
+    if state.store is None:
+        raise StoreError("no store")
+    tokens, micro = await state.store.shadow_spend(tenant, day)
+    return Spend.of_ledger(day, tokens, micro)
+
+
+async def _within_cap(state: AppState, turn: Turn, history: History, levers: tuple[str, ...],
+                      shown: Message, session: str | None, model: str, day: str) -> None:
+    """The shadow call, when the tenant's spend today (every replica's, in Redis) is under
+    its cap. Fail closed: while Redis cannot say what was spent, no shadow call goes (a
+    cap per replica would be the cap times the replicas), and the skip says so."""
+    policy = turn.policy
+    try:
+        spend = await spent(state, turn.caller.tenant.name, day)
+    except StoreError as exc:
+        log.warning("shadow call skipped: the spend ledger (Redis) is unavailable",
+                    extra={"tenant": turn.caller.tenant.name, "error": str(exc)})
+        _skipped(state, turn, session, "store")
+        return
+    if not within_cap(spend, day, policy.shadow_daily_tokens, policy.shadow_daily_usd):
+        _skipped(state, turn, session, "cap")
+        return
+    await shadow_call(state, turn, history, levers, shown, session, model, day)
 
 
 def shadow_body(turn: Turn, history: History) -> bytes:
@@ -146,7 +184,8 @@ async def shadow_call(state: AppState, turn: Turn, history: History, levers: tup
         record = Record(turn.caller.tenant.name, session, model, levers, verdict.outcome,
                         verdict.basis, verdict.similarity, tokens, usd, None,
                         compressed_step if differ else None, full_step if differ else None)
-    state.shadows.add(record, today)
+    await _spend(state, record, today)
+    state.shadows.add(record)
     _count(state, label, record)
     log.info("shadow comparison", extra={
         "tenant": record.tenant, "session": session, "model": model,
@@ -155,6 +194,18 @@ async def shadow_call(state: AppState, turn: Turn, history: History, levers: tup
         "similarity": record.similarity, "shadow_tokens": tokens, "shadow_usd": usd,
         "error": error})
     return record
+
+
+async def _spend(state: AppState, record: Record, today: str) -> None:
+    """The call's cost into the day's ledger (Redis): the cap every replica reads."""
+    if state.store is None or not (record.tokens or record.usd):
+        return
+    try:
+        await state.store.add_shadow_spend(record.tenant, today, record.tokens,
+                                           micro_usd(record.usd))
+    except StoreError as exc:
+        log.warning("shadow spend not added to the ledger (Redis): the cap does not count "
+                    "this call", extra={"tenant": record.tenant, "error": str(exc)})
 
 
 def _count(state: AppState, label: str, record: Record) -> None:
