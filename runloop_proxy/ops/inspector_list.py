@@ -25,7 +25,7 @@ from ..pricing import PriceTable
 from ..savings import DEFINITION, HEADLINE, Savings, percent, usd
 from ..state import AppState
 from . import params
-from .inspector_shell import BASE, VALID_S, error, guard, link, page, tenant_name, when
+from .inspector_shell import BASE, VALID_S, error, guard, link, page, tenant_name
 from .listing import (
     ALL,
     SORT_WORDS,
@@ -173,6 +173,12 @@ def _form(state: AppState, query: Query, tenants: Sequence[str], stored: dict[st
             f"</select> <button>Show</button></form>")
 
 
+def _minute(ms: int) -> str:
+    """A time in the list, to the minute ("2026-12-02 06:42 UTC"); its seconds are on the
+    session's page."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(ms / 1000)) if ms > 0 else "—"
+
+
 def _table(state: AppState, links: Links, rows: Sequence[Row], every: bool) -> str:
     out = ["<table class='sessions'><tr>"]
     if every:
@@ -188,8 +194,9 @@ def _table(state: AppState, links: Links, rows: Sequence[Row], every: bool) -> s
         cells = f"<td>{escape(tenant_name(state, r.tenant))}</td>" if every else ""
         out.append(f"<tr>{cells}<td><a href='{link('/session', tenant=r.tenant, id=r.session_id)}'>"
                    f"{escape(name_of(r.session_id))}</a></td><td class='num'>{r.messages:,}</td>"
-                   f"{_figures(b)}<td>{escape(r.model) or '—'}</td>"
-                   f"<td>{escape(when(r.first_ms))}</td><td>{escape(when(r.last_ms))}</td></tr>")
+                   f"{_figures(b)}<td class='when'>{escape(r.model) or '—'}</td>"
+                   f"<td class='when'>{_minute(r.first_ms)}</td>"
+                   f"<td class='when'>{_minute(r.last_ms)}</td></tr>")
     out.append("</table>")
     return "".join(out)
 

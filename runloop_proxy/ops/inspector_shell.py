@@ -31,10 +31,10 @@ log = logs.get("inspector")
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#1d2330;background:#f6f7f9}
 header{background:#1d2330;color:#fff;padding:10px 20px}header a{color:#cfe0ff}
-main{padding:16px 20px;max-width:1200px}h1{font-size:20px}h2{font-size:16px;margin-top:28px}
+main{padding:16px 20px;max-width:1400px}h1{font-size:20px}h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse;width:100%;background:#fff}td,th{border:1px solid #dde1e8;
 padding:4px 8px;text-align:left;vertical-align:top}th{background:#eef1f5}
-td.num,th.num{text-align:right;white-space:nowrap}
+td.num,th.num{text-align:right;white-space:nowrap}td.when{white-space:nowrap}
 .omitted{color:#98a0ad}.reduced{background:#fff8e6}.whole{background:#eefaf0}
 .open{background:#e8f1ff}pre{white-space:pre-wrap;background:#fff;border:1px solid #dde1e8;
 padding:8px;max-height:420px;overflow:auto;margin:4px 0 12px}.muted{color:#6b7280}
