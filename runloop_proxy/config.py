@@ -301,14 +301,15 @@ class TenantSpec(_Strict):
     def context_window(self, model: str) -> int:
         return self.window_of(model).tokens
 
-    def window_of(self, model: str) -> ModelWindow:
+    def window_of(self, model: str, long_context: bool = False) -> ModelWindow:
         """``model``'s window and whether it is known: the tenant's ``models``, the table's
-        (windows.py), the tenant's own ``default_context_window`` when it sets one, the
-        table's guess for a later model of a family it lists, the default (a guess)."""
+        (windows.py; ``long_context``: the request asked for the 1M window), the tenant's
+        own ``default_context_window`` when it sets one, the table's guess for a later model
+        of a family it lists, the default (a guess)."""
         spec = self.models.get(model)
         if spec is not None:
             return ModelWindow(spec.context_window, True, "config")
-        found = lookup(model)
+        found = lookup(model, long_context)
         if found is not None and found.known:
             return found
         if "default_context_window" in self.model_fields_set:

@@ -19,6 +19,7 @@
     │   └── ProxyFull               503: the process's bound of a resource is reached
     ├── StoreError                  Redis failed: the proxy degrades, the client never sees it
     │   └── StoreLimitExceeded      a session outgrew its configured bounds
+    ├── EmbeddingError              memory's embedding model failed: words alone answer
     └── ConfigError                 a config file is invalid (file, field, why)
 """
 
@@ -223,6 +224,11 @@ class StoreError(ProxyError):
 
 class StoreLimitExceeded(StoreError):
     pass
+
+
+class EmbeddingError(ProxyError):
+    """Long-term memory's embedding model cannot be had or failed: search ranks by words
+    alone and says so (fail open); the client never sees it."""
 
 
 class ConfigError(ProxyError):

@@ -200,15 +200,14 @@ def test_claude_code_runs_through_the_proxy_compressed_and_recalled(
 
 def test_the_newest_defaults_through_a_default_proxy_are_one_session_one_branch(
         claude_bin: str, make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
-    """Claude Code with its own default model (2.1.332: ``claude-opus-5-5``, which the proxy
-    does not know, with ``max_tokens`` 128,000) through ``serve``'s default configuration:
+    """Claude Code with its own default model (2.1.332: ``claude-opus-5-5``, a 1M model,
+    with ``max_tokens`` 128,000) through ``serve``'s default configuration:
     three turns, the second ``--continue``, the third ``--resume`` by the session's id; no
     request refused, every turn answered, one stored session with one branch (Claude Code
     moves its cache mark every request), and the proxy's tools in none of Claude Code's
     transcripts. Red with the mark counted as content (a branch per request) and the
     environment's system turn, sent in a marked block and then as a string, read as two
-    turns (a fork at it). (The guessed window's refusal is tests/test_windows.py's: with the
-    family's 200,000 this session fits even with the reserve taken whole.)"""
+    turns (a fork at it). (The guessed window's refusal is tests/test_windows.py's.)"""
     proxy = make_proxy(admin_key=ADMIN)
     work, home = workspace(tmp_path)
     upstream.responder = model

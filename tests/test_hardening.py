@@ -658,6 +658,46 @@ def test_a_large_request_leaves_little_work_on_the_event_loop(
     assert calls < n, f"{calls / n:.1f} calls per message on the event loop"
 
 
+@pytest.mark.parametrize("kind", ["chat messages", "messages turns"])
+def test_a_large_session_another_replica_stored_leaves_little_work_on_the_event_loop(
+        make_proxy: Any, upstream: ScriptedUpstream, kind: str) -> None:
+    """A replica that has not seen a session reads what Redis holds of it (the proxy's tool
+    exchanges, every message's count, the loop dates) in one round trip, then entry by
+    entry: for a session of 18,000 messages a second replica (one Redis) going on from what
+    the first stored stays under a call a message on its event loop. Red with that reply
+    read on the loop (27,000 calls in the store's decode, 18,000 seeding the count cache,
+    measured); red too with only the store's read moved and the count cache seeded on it."""
+    upstream.keep_requests = False
+    first = make_proxy(store={"timeout_s": 10.0})
+    second = ProxyServer(first.settings, first.config).start()
+    try:
+        n = 18_000
+        path, body = _many(kind, n)
+        sid = f"{kind}-cold"
+        r = post_to(first, path, body, sid)
+        assert r.status_code == 200, r.text[:300]
+        first.settle()
+        warm_path, warm = _many(kind, 200)  # what a process loads once
+        assert post_to(second, warm_path, warm, "warm").status_code == 200
+        history = "messages"
+        body = {**body, history: [*body[history], _answer_of(kind, r.json()),
+                                  {"role": "user", "content": "one more"}]}
+        got: list[httpx.Response] = []
+        calls = _loop_calls(second, lambda: got.append(post_to(second, path, body, sid)))
+        assert got[-1].status_code == 200, got[-1].text[:300]
+        print(f"\n{kind}: {calls:,} event-loop calls going on from {n:,} stored messages")
+        assert calls < n, f"{calls / n:.1f} calls per message on the event loop"
+    finally:
+        second.stop()
+
+
+def _answer_of(kind: str, reply: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message a client sends back after ``reply``."""
+    if kind == "messages turns":
+        return {"role": "assistant", "content": reply["content"]}
+    return {"role": "assistant", "content": reply["choices"][0]["message"]["content"]}
+
+
 @pytest.mark.parametrize("kind", ["chat messages", "responses items", "messages turns"])
 def test_a_body_of_many_small_items_leaves_little_work_on_the_event_loop(
         proxy: ProxyServer, upstream: ScriptedUpstream, kind: str) -> None:

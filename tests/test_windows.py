@@ -9,7 +9,8 @@ taken whole for a guessed window (every request refused), a snapshot's suffix re
 later model (``claude-haiku-4-5-20251001`` a guess), the learned limit not used by the next
 request (a second overflow upstream), the learned limit kept in the process only (the second
 replica overflows too), the overflow's limit read from the tokens the prompt had (Anthropic's
-first number).
+first number). The 1M window (Anthropic's ``context-1m`` beta): red with the header not
+read, the 1M window given to every Claude model asked, the 1M window given unasked.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ from hypothesis import strategies as st
 from runloop_proxy.config import Policy, TenantSpec
 from runloop_proxy.scripted import ScriptedUpstream
 from runloop_proxy.window.forms import Budget
-from runloop_proxy.windows import ModelWindow, lookup, overflow_limit
+from runloop_proxy.windows import (
+    ModelWindow,
+    asks_long_context,
+    lookup,
+    overflow_limit,
+    window_name,
+)
 
 from .keys import anthropic_key, openai_project_key
 
@@ -38,14 +45,17 @@ KEY = anthropic_key(5)
     ("claude-opus-4-6", 200_000, True),
     ("claude-sonnet-4-5-20250929", 200_000, True),
     ("claude-haiku-4-5-20251001", 200_000, True),
-    ("claude-sonnet-4-6[1m]", 200_000, True),  # Claude Code's spelling; 1M is a beta's
+    ("claude-sonnet-4-6[1m]", 1_000_000, True),  # Claude Code's spelling of the 1M beta
+    ("claude-haiku-4-5[1m]", 200_000, True),  # the suffix where the beta is not offered
     ("claude-3-5-sonnet-20241022", 200_000, True),
     ("claude-3-7-sonnet-latest", 200_000, True),
     ("claude-opus-4-1-20250805", 200_000, True),
     ("anthropic/claude-sonnet-4", 200_000, True),  # a gateway's name
     ("claude-2.1", 200_000, True),
-    ("claude-opus-5-5", 200_000, False),  # a later model of the family: a guess
-    ("claude-opus-4-8", 200_000, False),
+    ("claude-opus-5-5", 1_000_000, True),  # 1M without asking (Claude Code's catalog)
+    ("claude-opus-4-8", 1_000_000, True),
+    ("claude-opus-5-7", 1_000_000, False),  # a later model of a 1M family: a guess
+    ("claude-opus-6", 200_000, False),  # a later model of the family: a guess
     ("claude-fable-5-2", 200_000, False),
     ("gpt-4o-2024-08-06", 128_000, True),
     ("gpt-4.1-mini-2025-04-14", 1_047_576, True),
@@ -80,6 +90,56 @@ def test_a_name_of_no_family_is_not_in_the_table(model: str) -> None:
     # the operator's default is the operator's word: known
     assert TenantSpec(name="t", default_context_window=32_768).window_of(model) == \
         ModelWindow(32_768, True, "config")
+
+
+@pytest.mark.parametrize(("model", "tokens", "known"), [
+    ("claude-sonnet-4-6", 1_000_000, True),
+    ("claude-sonnet-4-5-20250929", 1_000_000, True),
+    ("claude-sonnet-4-20250514", 1_000_000, True),
+    ("claude-3-7-sonnet-latest", 1_000_000, True),
+    ("claude-opus-4-6", 1_000_000, True),
+    ("claude-sonnet-4-9", 1_000_000, False),  # a later Sonnet 4: the family's, as a guess
+    ("claude-opus-4-5-20251101", 200_000, True),  # no 1M beta for these
+    ("claude-opus-4-1-20250805", 200_000, True),
+    ("claude-haiku-4-5-20251001", 200_000, True),
+    ("claude-opus-5-5", 1_000_000, True),  # 1M asked or not
+    ("gpt-4o-2024-08-06", 128_000, True),  # the header means nothing to other families
+])
+def test_a_request_that_asks_for_the_1m_window_has_it_where_the_model_offers_it(
+        model: str, tokens: int, known: bool) -> None:
+    """The 1M window is the request's to ask for (the ``context-1m`` beta): the models
+    offering it have it then, and 200k otherwise; the rest keep their window whatever the
+    header says. Red with the flag not read (every Sonnet 4 at 200k asked or not) and with
+    the 1M window given to every Claude model asked (Opus 4.5 at 1M)."""
+    found = lookup(model, long_context=True)
+    assert found is not None and (found.tokens, found.known) == (tokens, known), found
+    assert TenantSpec(name="t").window_of(model, True) == found
+    unasked = lookup(model)
+    assert unasked is not None
+    assert unasked.tokens == (tokens if model.startswith(("claude-opus-5", "gpt-"))
+                              or tokens == 200_000 else 200_000)
+
+
+@pytest.mark.parametrize(("values", "asked"), [
+    (["context-1m-2025-08-07"], True),
+    (["claude-code-20250219,interleaved-thinking-2025-05-14,context-1m-2025-08-07"], True),
+    (["oauth-2025-04-20", " Context-1M-2025-08-07 "], True),  # a header per beta, spaced
+    (["context-1m"], True),
+    (["interleaved-thinking-2025-05-14,fine-grained-tool-streaming-2025-05-14"], False),
+    (["context-1mx-2025-08-07", "no-context-1m-2025-08-07"], False),
+    ([], False),
+])
+def test_the_beta_that_asks_for_the_1m_window(values: list[str], asked: bool) -> None:
+    assert asks_long_context(values) is asked
+
+
+def test_a_limit_learned_for_the_1m_window_is_kept_apart_from_the_models_other() -> None:
+    """An overflow under the 1M beta says nothing of the 200k window, nor the other way:
+    each is remembered under its own name. Red with both learned under the model's name (a
+    1M request compressed to the 200k an unasked one learned)."""
+    assert window_name("claude-sonnet-4-6", True) == "claude-sonnet-4-6[1m]"
+    assert window_name("claude-sonnet-4-6", False) == "claude-sonnet-4-6"
+    assert window_name("claude-sonnet-4-6[1m]", True) == "claude-sonnet-4-6[1m]"
 
 
 @given(st.integers(1, 2_000_000), st.integers(1_000, 2_000_000), st.integers(0, 60_000))
@@ -141,7 +201,7 @@ def test_what_is_not_an_overflow(status: int, body: bytes) -> None:
 
 # -- through the proxy ---------------------------------------------------------------------
 
-NEW_MODEL = "claude-opus-5-5"
+NEW_MODEL = "claude-opus-6"  # a later model than the table knows
 LIMIT = 41_000  # the scripted model's real window: what the upstream's error says
 
 
@@ -197,7 +257,7 @@ def ask(client: anthropic.Anthropic, **kw: Any) -> Any:
 
 def test_a_model_the_proxy_does_not_know_is_never_refused(
         make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
-    """``claude-opus-5-5`` with ``max_tokens`` 128,000: a short request and one past the
+    """``claude-opus-6`` with ``max_tokens`` 128,000: a short request and one past the
     guessed budget (200,000 less a quarter) both reach the upstream and are answered; the
     reserve goes upstream as the client asked."""
     proxy = agent_proxy(tmp_path, make_proxy, upstream)
@@ -295,3 +355,40 @@ def test_an_openai_models_overflow_is_learned_too(
     assert reply.choices[0].message.content.startswith("fits: ")  # type: ignore[union-attr]
     assert len(upstream.requests) == 2
     httpx.get(proxy.base + "/healthz")
+
+
+LONG_BETA = "context-1m-2025-08-07"
+
+
+def test_claude_codes_1m_beta_gives_the_request_the_1m_window(
+        make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """Claude Code asks for Sonnet 4.6's 1M window with the ``context-1m`` beta (a model
+    chosen as ``claude-sonnet-4-6[1m]``). A session of ~230k tokens, under a working budget
+    above both windows: with the beta it goes whole (and the beta with it), without it the
+    proxy makes it fit 200k. Red with the header not read (compressed to 200k though asked
+    for 1M) and with the beta's window given whatever the request asks (sent whole to a
+    200k window)."""
+    cfg = tmp_path / "cfg"
+    (cfg / "tenants").mkdir(parents=True)
+    (cfg / "runloop.toml").write_text(
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'api_key = "{anthropic_key(6)}"\n')
+    (cfg / "tenants" / "dev.toml").write_text(
+        f'keys = ["{KEY}"]\nupstream = "claude"\n[policy]\nsoft_budget_tokens = 900000\n')
+    proxy = make_proxy(config_dir=str(cfg))
+    client = anthropic.Anthropic(base_url=proxy.base, api_key=KEY, max_retries=0)
+    turns = _turns(75)
+    sent = upstream.anthropic.tokens({"messages": turns, "tools": [BASH]})
+    assert 210_000 < sent < 900_000
+    upstream.responder = lambda body: {"content": f"{upstream.anthropic.tokens(body)}"}
+    asked = ask(client, model="claude-sonnet-4-6", max_tokens=32_000, tools=[BASH],
+                messages=turns, extra_headers={"anthropic-beta": f"interleaved-thinking-"
+                                                                 f"2025-05-14,{LONG_BETA}"})
+    assert upstream.requests[-1]["messages"] == turns  # whole: it fits 1M
+    assert LONG_BETA in upstream.headers[-1]["anthropic-beta"]
+    assert int(asked.content[0].text) > 200_000  # type: ignore[union-attr]
+    unasked = ask(client, model="claude-sonnet-4-6", max_tokens=32_000, tools=[BASH],
+                  messages=turns)
+    assert "anthropic-beta" not in upstream.headers[-1]
+    assert int(unasked.content[0].text) < 200_000 - 32_000  # type: ignore[union-attr]
+    assert len(upstream.requests) == 2  # neither was refused, nor sent twice

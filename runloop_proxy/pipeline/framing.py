@@ -25,7 +25,7 @@ from ..savings import Prompt
 from ..state import AppState
 from ..window.builder import Carry, Stamps, Window, aged_loops, build_window
 from ..window.forms import DEFAULT_NAMES, Budget, SessionMemo, ToolNames
-from ..windows import ModelWindow
+from ..windows import ModelWindow, window_name
 from .tokens import REPLY_PRIMING, WindowTokens
 from .tools import ProxyTools, definitions_tokens
 
@@ -41,12 +41,15 @@ class Frame:
     names: ToolNames = DEFAULT_NAMES  # the proxy's tools, renamed if the client's take a name
     choices: int = 1  # n: the proxy offers its tools to single-choice requests only
     learned: int | None = None  # the window the upstream's overflow error said it has
+    long_context: bool = False  # the request asked for the model's 1M window
 
     @classmethod
     def of(cls, state: AppState, tenant: TenantSpec, body: dict[str, Any],
-           tools: list[dict[str, Any]] | None, scope: str) -> Frame:
+           tools: list[dict[str, Any]] | None, scope: str,
+           long_context: bool = False) -> Frame:
         """The frame of a request's ``body``; ``tools``: its tools in chat form (what the
-        API's adapter made of them: ``Turn.chat_tools``)."""
+        API's adapter made of them: ``Turn.chat_tools``); ``long_context``: its headers ask
+        for the 1M window (``Turn.long_context``)."""
         model = str(body["model"])
         enc, exact = state.tokens.encoding(model, tenant.encoding_for(model))
         reserve = body.get("max_completion_tokens") or body.get("max_tokens") \
@@ -57,7 +60,8 @@ class Frame:
                    1.0 if exact else state.tokens.factor(model, scope),
                    ProxyTools.for_request(tools).window_names,
                    choices if isinstance(choices, int) and choices > 0 else 1,
-                   state.windows.learned(scope, model))
+                   state.windows.learned(scope, window_name(model, long_context)),
+                   long_context)
 
     def point(self) -> dict[str, Any]:
         """The frame as kept beside a request's token counts (defaults left out)."""
@@ -72,6 +76,8 @@ class Frame:
             out["choices"] = self.choices
         if self.learned is not None:
             out["learned"] = self.learned
+        if self.long_context:
+            out["long_context"] = True
         return out
 
     @classmethod
@@ -89,14 +95,15 @@ class Frame:
                    (str(names[0]), str(names[1])) if isinstance(names, list)
                    and len(names) == 2 else DEFAULT_NAMES,
                    choices if isinstance(choices, int) else 1,
-                   learned if isinstance(learned, int) else None)
+                   learned if isinstance(learned, int) else None,
+                   point.get("long_context") is True)
 
     def window(self, tenant: TenantSpec) -> ModelWindow:
         """The model's window for this request: the tenant's when it configured one, else
         what the upstream said, else the table's (known or guessed). What an upstream said
         is its prompt's limit, not a reason to refuse: the request goes, compressed toward
         it, and the upstream answers (its output reserve is held to a quarter, as a guess's)."""
-        given = tenant.window_of(self.model)
+        given = tenant.window_of(self.model, self.long_context)
         if self.learned is not None and given.source != "config":
             return ModelWindow(self.learned, False, "learned")
         return given

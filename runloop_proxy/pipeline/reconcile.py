@@ -151,9 +151,14 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
             session, earlier, large = await _continuation(turn, session, store, ns)
             enc, _ = state.tokens.encoding(turn.model,
                                            turn.caller.tenant.encoding_for(turn.model))
-            loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name)
-            state.tokens.prime(enc, loaded.counts)
-            _known_dates(state, ns, session.id, loaded.dates)
+            loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name,
+                                      large)
+
+            def primed() -> None:  # an entry each: off the loop for a large session
+                state.tokens.prime(enc, loaded.counts)
+                _known_dates(state, ns, session.id, loaded.dates)
+
+            await offload(large, primed)
             internal = loaded.internal
             if new_from is None:
                 new_from = loaded.stored
@@ -424,7 +429,7 @@ def request_point(state: AppState, turn: Turn, history: History,
     recalibrated the model since) — or that it chained on a response upstream."""
     if frame is None:
         frame = Frame.of(state, turn.caller.tenant, turn.body, turn.chat_tools,
-                         turn.caller.scope).point()
+                         turn.caller.scope, turn.long_context).point()
     out: dict[str, Any] = {"messages": len(history.messages), **frame}
     if history.earlier:
         out["earlier"] = [history.earlier_at, len(history.earlier)]

@@ -31,7 +31,8 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     # the client's tool schemas are rendered to be counted: request content, off the event
     # loop when the request is large (as its messages are)
     frame = await offload(turn.large, lambda: Frame.of(
-        state, turn.caller.tenant, turn.body, turn.chat_tools, turn.caller.scope))
+        state, turn.caller.tenant, turn.body, turn.chat_tools, turn.caller.scope,
+        turn.long_context))
     rlog.frame = frame.point()
     if history.degraded:
         state.metrics.degraded.labels(turn.caller.label, history.degraded).inc()

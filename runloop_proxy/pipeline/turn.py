@@ -16,7 +16,7 @@ import orjson
 
 from ..conversation.identity import identify
 from ..state import AppState
-from ..windows import OVERFLOW_STATUSES, overflow_limit
+from ..windows import OVERFLOW_STATUSES, overflow_limit, window_name
 from .accounting import RequestLog
 from .reconcile import reconcile, unrecorded
 from .relay import forward, proxy_headers, read, refuse_held_key, relay, response_headers
@@ -41,7 +41,8 @@ async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
         raw = await read(state, resp, rlog)
         limit = overflow_limit(resp.status, raw)
         if limit is None or limit == _window_used(state, turn) or not await state.windows.learn(
-                state.store, turn.caller.scope, turn.model, limit):
+                state.store, turn.caller.scope, window_name(turn.model, turn.long_context),
+                limit):
             status, raw = turn.wire.upstream_error(resp.status, raw)
             rlog.finish(status)
             return Answer(status, headers, raw)
@@ -51,16 +52,19 @@ async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
 
 
 def _window_used(state: AppState, turn: Turn) -> int:
-    learned = state.windows.learned(turn.caller.scope, turn.model)
-    return learned if learned is not None else turn.caller.tenant.window_of(turn.model).tokens
+    learned = state.windows.learned(turn.caller.scope,
+                                    window_name(turn.model, turn.long_context))
+    return learned if learned is not None else turn.caller.tenant.window_of(
+        turn.model, turn.long_context).tokens
 
 
 async def _window_told(state: AppState, turn: Turn) -> bool:
     """Whether the upstream's word on the model's window counts for this request (a window
     the tenant configured is the operator's): then what another replica learned is read."""
-    if turn.caller.tenant.window_of(turn.model).source == "config":
+    if turn.caller.tenant.window_of(turn.model, turn.long_context).source == "config":
         return False
-    await state.windows.load(state.store, turn.caller.scope, turn.model)
+    await state.windows.load(state.store, turn.caller.scope,
+                             window_name(turn.model, turn.long_context))
     return True
 
 

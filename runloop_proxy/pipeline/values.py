@@ -14,6 +14,7 @@ from ..conversation.messages import Message
 from ..errors import InvalidRequest
 from ..history.store import Prepared
 from ..window.builder import Window
+from ..windows import asks_long_context
 from .offload import is_large, is_large_body
 from .references import stored_references
 from .tools import ProxyTools
@@ -104,6 +105,12 @@ class Turn:
             raise InvalidRequest(f"model: a name of {len(self.model)} characters is longer "
                                  f"than any model's (at most {MAX_MODEL_CHARS})",
                                  param="model")
+
+    @functools.cached_property
+    def long_context(self) -> bool:
+        """Whether the request asks for the model's 1M window (Anthropic's ``context-1m``
+        beta, as Claude Code sends it for a ``[1m]`` model)."""
+        return asks_long_context(v for k, v in self.headers if k.lower() == "anthropic-beta")
 
     @functools.cached_property
     def server_history(self) -> bool:

@@ -1,0 +1,117 @@
+"""Closed run loops cut into anchored segments (conversation/segments.py, pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runloop_proxy.conversation.segments import (
+    MAX_PARTS,
+    Anchor,
+    Kind,
+    closed_loops,
+    segment_key,
+    segments,
+    split,
+)
+
+ORDER = "order #W5102934"
+
+
+def _call(cid: str, name: str, args: str) -> dict[str, Any]:
+    return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
+
+
+CONVERSATION: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are the support agent of an online store."},
+    {"role": "user", "content": f"I want a reimbursement for {ORDER}."},
+    {"role": "assistant", "content": "Looking the order up first.",
+     "tool_calls": [_call("call_Qm3xT8", "get_order", '{"order_id": "#W5102934"}')]},
+    {"role": "tool", "tool_call_id": "call_Qm3xT8", "content": '{"status": "delivered"}'},
+    {"role": "assistant", "content": None,
+     "tool_calls": [_call("call_Zp1aL4", "refund", '{"order_id": "#W5102934"}'),
+                    _call("call_Zp1aL5", "notify", '{"channel": "email"}')]},
+    {"role": "tool", "tool_call_id": "call_Zp1aL4", "content": "refund issued"},
+    {"role": "tool", "tool_call_id": "call_Zp1aL5", "content": "email sent"},
+    {"role": "assistant", "content": "Your refund of $54.04 is on its way."},
+    {"role": "user", "content": "Thanks, and my address?"},
+]
+
+
+def test_a_closed_loop_is_cut_by_kind_with_its_anchors() -> None:
+    """Catches: a loop's kinds or anchors mislabelled (planted: an assistant's text beside
+    calls taken as the response, red; the iteration never advanced, red); and the open last
+    loop archived (planted: every loop taken, red on the loop count)."""
+    loops = closed_loops(CONVERSATION)
+    assert [lp.index for lp in loops] == [0]
+    got = [(s.anchor, s.text) for s in segments(CONVERSATION, loops)]
+    assert got == [
+        (Anchor(0, 0, 0, Kind.USER, 1, 0), f"I want a reimbursement for {ORDER}."),
+        (Anchor(0, 0, 1, Kind.REASONING, 2, 0), "Looking the order up first."),
+        (Anchor(0, 0, 2, Kind.TOOL_CALL, 2, 0), 'get_order({"order_id": "#W5102934"})'),
+        (Anchor(0, 1, 3, Kind.TOOL_RESULT, 3, 0), '{"status": "delivered"}'),
+        (Anchor(0, 1, 4, Kind.TOOL_CALL, 4, 0), 'refund({"order_id": "#W5102934"})'),
+        (Anchor(0, 1, 5, Kind.TOOL_CALL, 4, 0), 'notify({"channel": "email"})'),
+        (Anchor(0, 2, 6, Kind.TOOL_RESULT, 5, 0), "refund issued"),
+        (Anchor(0, 2, 7, Kind.TOOL_RESULT, 6, 0), "email sent"),
+        (Anchor(0, 2, 8, Kind.RESPONSE, 7, 0), "Your refund of $54.04 is on its way."),
+    ]
+
+
+def test_a_segment_is_keyed_by_its_kind_and_text_alone() -> None:
+    """An echoed or forked copy of a loop (elsewhere in the conversation, other fields) is
+    the same keys: embedded once. Catches: the key taking the anchor (planted: the position
+    in the hash, red) or dropping the kind (planted, red on the last assertion)."""
+    first = segments(CONVERSATION, closed_loops(CONVERSATION))
+    forked = [CONVERSATION[0], {"role": "user", "content": "hello"},
+              {"role": "assistant", "content": "hi", "refusal": None}, *CONVERSATION[1:]]
+    again = segments(forked, closed_loops(forked))
+    assert [s.key for s in again[2:]] == [s.key for s in first]
+    assert again[2].anchor.loop == 1 and again[2].anchor.position == 3
+    assert segment_key(Kind.USER, "same") != segment_key(Kind.RESPONSE, "same")
+
+
+@pytest.mark.parametrize(("text", "limit", "pieces"), [
+    ("short", 100, ["short"]),
+    ("", 100, []),
+    ("   \n\n  ", 100, []),
+    # a paragraph break in the second half wins over a line break and a sentence end
+    ("aaaa bbbb. cccc\ndddd\n\neeee ffff", 24, ["aaaa bbbb. cccc\ndddd", "eeee ffff"]),
+    # no paragraph: the last line break
+    ("aaaa bbbb. cccc\ndddd eeee ffff", 24, ["aaaa bbbb. cccc", "dddd eeee ffff"]),
+    # no line: the last sentence end
+    ("aaaa bbbb. cccc dddd. eeee ffff", 24, ["aaaa bbbb. cccc dddd.", "eeee ffff"]),
+    # of two sentence ends in the second half, the later
+    ("xxxxxxxxxxxx a. b. cccccccc", 24, ["xxxxxxxxxxxx a. b.", "cccccccc"]),
+    # a boundary in the first half only is not taken (pieces stay near the size)
+    ("a.\n\n" + "b" * 38, 20, ["a.\n\n" + "b" * 16, "b" * 20, "b" * 2]),
+    ("x" * 45, 20, ["x" * 20, "x" * 20, "x" * 5]),
+])
+def test_long_text_is_split_at_the_best_boundary(text: str, limit: int,
+                                                  pieces: list[str]) -> None:
+    """Catches: a cut at the first boundary rather than the last (planted: ``break`` on the
+    first match, red on the two-sentences row), boundaries taken in the first half (planted:
+    ``lo = start``, red on the short-paragraph row)."""
+    assert split(text, limit) == pieces
+
+
+def test_a_huge_message_gives_at_most_max_parts() -> None:
+    """Catches: the cap on parts gone (planted: the ``len(out) < MAX_PARTS`` test removed,
+    red): a 480 KB log would be 400 segments to embed."""
+    assert len(split("word " * 100_000, 1_200)) == MAX_PARTS
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.sampled_from("ab .\n!"), max_size=400),
+       st.integers(min_value=4, max_value=60))
+def test_split_keeps_every_word_in_order_within_the_size(text: str, limit: int) -> None:
+    """Every piece within the size, nothing lost or reordered (whitespace aside) while under
+    the cap. Catches: a piece cut past ``max_chars`` (planted: ``end + 1``, red) or text
+    skipped between pieces (planted: ``start = end + 1``, red)."""
+    got = split(text, limit)
+    assert all(0 < len(p) <= limit for p in got)
+    if len(got) < MAX_PARTS:
+        assert "".join("".join(got).split()) == "".join(text.split())
