@@ -117,6 +117,12 @@ class Policy(_Strict):
                            "Mistral's reject a second system message or an assistant turn first)")
     max_tool_rounds: int = Field(4, ge=0, le=16)
     search_results: int = Field(5, ge=1, le=50)
+    memory: Literal["off", "embedded"] = Field(
+        "off", description='long-term memory: "embedded" cuts every closed run loop into '
+                           'segments, embeds them after the answer with the model the package '
+                           'ships (no network, no download) and kept with the session, and '
+                           'search_history ranks by meaning as well as by words; "off": by '
+                           'words alone')
     summary_model: str | None = Field(
         None, description='what summarises the loops an omission leaves out: "extractive" (a '
                           'deterministic digest, no LLM), a model name (an LLM call through the '

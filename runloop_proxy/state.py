@@ -21,8 +21,10 @@ from .history.store import RedisStore
 from .history.summaries import SummaryService
 from .ops import logs
 from .ops.metrics import Metrics
+from .pipeline.embeddings import StaticEmbedder
 from .pipeline.limits import LearnedWindows
 from .pipeline.masking import MaskTables
+from .pipeline.memory import Memory
 from .pipeline.shadow import ShadowBook
 from .pipeline.shares import Shares
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
@@ -90,6 +92,8 @@ class AppState:
         self.answers = Shares("room for answers read whole", server.held_answers_mb << 20,
                               server.tenant_share, self._refused)
         self.summaries = SummaryService(self)
+        # long-term memory (policy.memory): the embedded model loads on first use
+        self.memory = Memory(StaticEmbedder(), self.metrics, self.spawn)
         self.shadows = ShadowBook()  # shadow comparisons and spend, per tenant (today's)
         self.metrics.prices = self.config.prices
 

@@ -340,3 +340,13 @@ flush_tools(p)
 touch(p, head, now, ttl)
 return {'ok', tostring(L)}
 """
+
+# Long-term memory: which of a session's segments (fields of its :mem hash, ARGV) have no
+# vector yet, as their 1-based places; one round trip whatever the count.
+MISSING_LUA = r"""
+local out = {}
+for i = 1, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 0 then out[#out + 1] = i end
+end
+return out
+"""

@@ -64,6 +64,7 @@ from .scripts import (
     APPEND_LUA,
     EXPIRE_WITH_SESSION_LUA,
     LOAD_LUA,
+    MISSING_LUA,
     PUT_DATES_LUA,
     SYNC_LUA,
 )
@@ -189,6 +190,7 @@ class RedisStore:
         self._append = self.client.register_script(APPEND_LUA)
         self._load = self.client.register_script(LOAD_LUA)
         self._add_internal = self.client.register_script(ADD_INTERNAL_LUA)
+        self._missing = self.client.register_script(MISSING_LUA)
         budgets = cache_bytes or {}
 
         def share(name: str) -> int:
@@ -937,6 +939,56 @@ class RedisStore:
             return [(_s(h), orjson.loads(b)) for h, b in raw.items()]
 
         return await self._call("search", run)  # type: ignore[no-any-return]
+
+    # -- long-term memory -----------------------------------------------------------------
+
+    def _memory_key(self, namespace: str, session_id: str, model: str) -> str:
+        # a model's vectors apart from another's (their spaces differ)
+        tag = hashlib.sha256(model.encode()).hexdigest()[:8]
+        return f"{self.prefix(namespace, session_id)}:mem:{tag}"
+
+    async def memory_mark(self, namespace: str, session_id: str, model: str
+                          ) -> tuple[int, str]:
+        """How many loops of the session's conversation were indexed last, and the key of
+        the last segment they hold ((0, "") when none)."""
+        upto, tail = await self._call("memory", lambda: self.client.hmget(
+            self._memory_key(namespace, session_id, model), "_upto", "_tail"))
+        return (int(upto) if upto is not None and bytes(upto).isdigit() else 0,
+                _s(tail) if tail is not None else "")
+
+    async def missing_vectors(self, namespace: str, session_id: str, model: str,
+                              fields: list[str]) -> list[int]:
+        """The places in ``fields`` (segment keys) that have no vector yet."""
+        if not fields:
+            return []
+        found = await self._call("memory", lambda: self._missing(
+            keys=[self._memory_key(namespace, session_id, model)], args=fields))
+        return [int(i) - 1 for i in found or []]
+
+    async def put_vectors(self, namespace: str, session_id: str, model: str,
+                          vectors: dict[str, bytes], mark: tuple[int, str],
+                          retention_days: float | None = None) -> None:
+        """Keep segments' vectors and how far the conversation is indexed, expiring with
+        the session."""
+        key = self._memory_key(namespace, session_id, model)
+
+        async def run() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hset(key, mapping={**vectors, "_upto": str(mark[0]), "_tail": mark[1]})
+            _expire_with_session(pipe, self.prefix(namespace, session_id),
+                                 self._ttl_ms(retention_days), key)
+            await pipe.execute()
+
+        await self._call("memory", run)
+
+    async def vectors(self, namespace: str, session_id: str, model: str,
+                      fields: list[str]) -> list[bytes | None]:
+        """The stored vectors of ``fields`` (None where there is none)."""
+        if not fields:
+            return []
+        found = await self._call("memory", lambda: self.client.hmget(
+            self._memory_key(namespace, session_id, model), fields))
+        return [bytes(v) if v is not None else None for v in found]
 
     async def session(self, namespace: str, session_id: str) -> SessionView | None:
         p = self.prefix(namespace, session_id)

@@ -92,6 +92,10 @@ class Metrics:
                                    "Window compaction events", [*tm, "kind"], registry=r)
         self.recalls = Counter("runloop_recalls_total", "Proxy-owned tool calls answered",
                                ["tenant", "tool", "outcome"], registry=r)
+        self.memory = Counter(
+            "runloop_memory_total", "Long-term memory's work: segments indexed after answers "
+            "and searches by meaning, by outcome (a failed or slow one leaves words alone)",
+            ["tenant", "op", "outcome"], registry=r)
         self.summaries = Counter("runloop_summaries_total", "Summaries by outcome",
                                  ["tenant", "outcome"], registry=r)
         self.summary_seconds = Histogram("runloop_summary_latency_seconds",

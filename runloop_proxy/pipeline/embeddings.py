@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Protocol
-
-import numpy as np
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import EmbeddingError
 
-Vectors = npt.NDArray[np.float32]
+if TYPE_CHECKING:  # numpy is imported where it is used: a proxy without memory never loads it
+    import numpy as np
+    import numpy.typing as npt
+
+    Vectors = npt.NDArray[np.float32]
 EMBEDDED = "wordllama-l2_supercat-256"  # the model's name, as its vectors are kept under
 EMBEDDED_DIM = 256
 _WEIGHTS, _TOKENIZER = "l2_supercat_256.safetensors", "l2_supercat_tokenizer_config.json"
@@ -52,6 +53,8 @@ class StaticEmbedder:
             return self._model
 
     def embed(self, texts: list[str]) -> Vectors:
+        import numpy as np
+
         if not texts:
             return np.zeros((0, self.dim), np.float32)
         model = self._loaded()
@@ -81,6 +84,8 @@ def _load_shipped() -> Any:
 
 def unit(rows: Vectors) -> Vectors:
     """Rows scaled to length 1 (a row of zeros — a text of no known token — stays zero)."""
+    import numpy as np
+
     norms = np.linalg.norm(rows, axis=1, keepdims=True)
     out: Vectors = np.divide(rows, norms, out=np.zeros_like(rows), where=norms > 0)
     return out
@@ -94,6 +99,8 @@ def packed(rows: Vectors) -> list[bytes]:
 
 def unpacked(blobs: list[bytes], dim: int) -> Vectors:
     """Stored rows back (a blob of another size — another model's — is a row of zeros)."""
+    import numpy as np
+
     out = np.zeros((len(blobs), dim), np.float32)
     size = dim * 2
     for i, b in enumerate(blobs):

@@ -410,6 +410,10 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
         log.warning("history not stored", extra={"tenant": turn.caller.tenant.name,
                                                  "error": str(exc)})
         return
+    if reply is not None and turn.policy.memory != "off":
+        # the loops this answer closed, into long-term memory (in the background)
+        state.memory.after_answer(store, turn.caller.label, ns, session.id,
+                                  [*history.messages, reply], retention)
     if reply is not None and session.kind is SessionKind.FINGERPRINT:
         key = anchor(reply, session.scope)
         if key is not None:

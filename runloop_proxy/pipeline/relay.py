@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
 
 from ..conversation.identity import Session
+from ..conversation.messages import Message
 from ..errors import (
     PermissionDenied,
     Unavailable,
@@ -23,6 +24,7 @@ from ..errors import (
 from ..ops import logs
 from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
+from .memory import Found
 from .offload import events, is_large, offload
 from .reconcile import record
 from .shadowing import shadow_after
@@ -106,6 +108,8 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
         data, outcome = await answer_json(rounds, raw)
     finally:
         _count_calls(state, turn, rounds)
+    if rounds.runner.memory_failed is not None:
+        headers.setdefault("X-Runloop-Degraded", "memory")
     _calibrate(state, turn, rlog, outcome.first)
     rlog.usage(outcome.usage)
     if not await kept(state, turn, session, history, record(
@@ -266,7 +270,8 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
         branch_results=(lambda cid: store.tool_results(ns, session.id, cid))  # type: ignore[union-attr,arg-type]
         if named else None,
         # each of the up to MAX_CALLS calls reads the request's conversation: charged so
-        large=turn.large or history.large or is_large(MAX_CALLS * len(turn.raw)))
+        large=turn.large or history.large or is_large(MAX_CALLS * len(turn.raw)),
+        memory=_memory(state, turn, session, history))
 
     async def send(body: dict[str, Any]) -> UpstreamResponse:
         return await forward(state, turn, body, rlog)
@@ -277,10 +282,33 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
                   turn.large or history.large)
 
 
+def _memory(state: AppState, turn: Turn, session: Session, history: History
+            ) -> Callable[[str, list[Message]], Awaitable[Found]] | None:
+    """Long-term memory's search by meaning for this request's tools (policy.memory): the
+    session's vectors of what the request carries."""
+    if turn.policy.memory == "off":
+        return None
+    store, ns = state.store, turn.caller.namespace
+    usable = store if ns is not None and history.degraded != "store" else None
+
+    async def search(query: str, messages: list[Message]) -> Found:
+        return await state.memory.search(usable, ns or "", session.id, query, messages)
+
+    return search
+
+
 def _count_calls(state: AppState, turn: Turn, rounds: Rounds) -> None:
-    """The proxy's calls this request answered, by tool and outcome."""
+    """The proxy's calls this request answered, by tool and outcome; a search that answered
+    by words alone, its meaning unavailable, said as every degradation is (a log line, a
+    metric; the header where the answer's headers are still to be sent)."""
     for tool, outcome in rounds.runner.outcomes:
         state.metrics.recalls.labels(turn.caller.label, tool, outcome).inc()
+    why = rounds.runner.memory_failed
+    if why is not None:
+        state.metrics.memory.labels(turn.caller.label, "search", "words_only").inc()
+        state.metrics.degraded.labels(turn.caller.label, "memory").inc()
+        log.warning("memory: search by words alone", extra={
+            "tenant": turn.caller.tenant.name, "error": why})
 
 
 def _parsed_reply(wire: Wire, raw: bytes) -> Reply | None:

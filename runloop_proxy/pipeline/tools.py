@@ -27,8 +27,10 @@ from ..conversation.messages import (
     tool_calls_of,
 )
 from ..conversation.runloops import segment
+from ..conversation.segments import Segment
 from ..errors import StoreError
 from ..window.names import decoded, holds
+from .memory import CANDIDATES, Found, conversation_segments, fuse
 from .offload import is_large, offload
 from .tokens import TokenCounter
 
@@ -45,6 +47,10 @@ MAX_INFIX_TERMS = 8  # of a query's terms, looked for inside words (each scans t
 MAX_QUERY_CHARS = 1_000  # of a query, read; the answer says when the rest was not
 MAX_QUERY_TERMS = 32  # distinct terms ranked by (the first ones)
 MAX_CALLS = 32  # of the proxy's tools, answered per request; later calls are refused
+# a search hit's segment, opened around it by the recall tool (long-term memory)
+SEGMENT_REF, SEGMENT_REF_CHARS = "s:", 8
+EXPAND_SEGMENTS = 3  # each side of the hit, of its loop
+EXPAND_CHARS = 6_000  # of what an opened segment shows in all
 
 
 def _function(name: str, kind: str) -> dict[str, Any]:
@@ -197,7 +203,8 @@ class ToolRunner:
                  max_results: int,
                  branches: Callable[[], Awaitable[list[tuple[str, Message]]]] | None = None,
                  branch_results: Callable[[str], Awaitable[list[Message]]] | None = None,
-                 large: bool = False):
+                 large: bool = False,
+                 memory: Callable[[str, list[Message]], Awaitable[Found]] | None = None):
         self.tools = tools
         # what the calls read is large (the request's bytes times the calls it may make, or
         # its messages): every walk a call makes over it runs off the event loop, however
@@ -208,6 +215,10 @@ class ToolRunner:
         self.max_results = max_results
         self.branches = branches
         self.branch_results = branch_results
+        # long-term memory's search by meaning over these messages (policy.memory), and why
+        # it did not answer when it did not (the request says so: a degraded header)
+        self.memory = memory
+        self.memory_failed: str | None = None
         self.outcomes: list[tuple[str, str]] = []  # (tool, outcome) for metrics
         self._docs: list[Doc] | None = None  # the corpus as search reads it, read once
         self._asked: dict[tuple[str, str], str] = {}  # a question answered -> its call's id
@@ -256,6 +267,9 @@ class ToolRunner:
         ref = ref.strip()
         if not ref:
             return "error: call_id is required", "bad_arguments"
+        if ref.startswith(SEGMENT_REF) and self.memory is not None:
+            return await offload(True, lambda: around(self.messages, ref[len(SEGMENT_REF):],
+                                                      self.tools.name_of(RECALL)))
         hit, found = await offload(self.large, lambda: self._in_request(ref))
         if hit is not None:
             return hit
@@ -326,24 +340,124 @@ class ToolRunner:
             return "error: query must contain words", "bad_arguments"
         docs = await self._corpus()
         large = self.large or is_large(0, len(docs) * 8)
-        hits = await offload(large, lambda: rank_docs(terms, docs, self.max_results, query))
+        wanted = self.max_results if self.memory is None else CANDIDATES
+        hits = await offload(large, lambda: rank_docs(terms, docs, wanted, query))
         loop_of, ref_of = await offload(large, lambda: (
             _loop_index(self.messages, self.keys),
             dict(zip(self.keys, message_refs(self.keys), strict=True))))
         said = f"{query!r}" + (f" (the first {MAX_QUERY_CHARS} characters)" if cut else "")
+        if self.memory is not None:
+            return await self._hybrid(query, terms, hits, said, loop_of, ref_of)
         if not hits:
             return f"no match for {said} in this conversation's history", "miss"
         lines = [f"{len(hits)} best match(es) for {said}:"]
         for score, key, m in hits:
-            where = f"turn {loop_of[key]}" if key in loop_of else "another branch"
-            ids = ""
-            if m.get("role") == "tool":
-                ids = f" id={ref_of.get(key) or m.get('tool_call_id')}"
-            elif m.get("tool_calls"):
-                ids = " calls=" + ",".join(str(c.get("id")) for c in m["tool_calls"])
-            lines.append(f"- [{where}, {m.get('role')}{ids}, score {score:.2f}] "
+            lines.append(f"- [{_where(key, m, loop_of, ref_of)}, score {score:.2f}] "
                          f"{snippet(searchable(m), [query.lower(), *terms])}")
         return "\n".join(lines), "hit"
+
+    async def _hybrid(self, query: str, terms: list[str],
+                      hits: list[tuple[float, str, Message]], said: str,
+                      loop_of: dict[str, int], ref_of: dict[str, str]) -> tuple[str, str]:
+        """Words and meaning, fused by rank: each message's best segment by meaning stands
+        for it (its anchor shown, and its id, which the recall tool opens around)."""
+        assert self.memory is not None
+        found = await self.memory(query, self.messages)
+        if found.note:
+            self.memory_failed = found.note
+        by_key: dict[str, tuple[Segment, float]] = {}
+        for seg, cos in found.hits:
+            by_key.setdefault(self.keys[seg.anchor.position], (seg, cos))
+        words = {key: (score, m) for score, key, m in hits}
+        message_of = {key: m for _, key, m in hits}
+        message_of.update((k, self.messages[s.anchor.position]) for k, (s, _) in by_key.items())
+        fused = fuse([[key for _, key, _ in hits], list(by_key)])[:self.max_results]
+        if not fused:
+            return (f"no match for {said} in this conversation's history"
+                    + (f" (by words alone: {found.note})" if found.note else "")), "miss"
+        head = f"{len(fused)} best match(es) for {said}, by words and meaning"
+        lines = [head + (f" (meaning partly unavailable: {found.note}):" if found.note
+                         else ":")]
+        for score, key in fused:
+            m = message_of[key]
+            parts = [f"score {score:.4f}"]
+            if key in words:
+                parts.append(f"words {words[key][0]:.2f}")
+            text = snippet(searchable(m), [query.lower(), *terms])
+            anchor = ""
+            if key in by_key:
+                seg, cos = by_key[key]
+                parts.append(f"meaning {cos:.2f}")
+                a = seg.anchor
+                anchor = (f", iteration {a.iteration}, segment {a.segment} {a.kind}, "
+                          f"open={SEGMENT_REF}{seg.key[:SEGMENT_REF_CHARS]}")
+                if key not in words:
+                    text = snippet(seg.text, [query.lower(), *terms])
+            lines.append(f"- [{_where(key, m, loop_of, ref_of)}{anchor}, {', '.join(parts)}] "
+                         f"{text}")
+        return "\n".join(lines), "hit"
+
+
+def _where(key: str, m: Message, loop_of: dict[str, int], ref_of: dict[str, str]) -> str:
+    where = f"turn {loop_of[key]}" if key in loop_of else "another branch"
+    ids = ""
+    if m.get("role") == "tool":
+        ids = f" id={ref_of.get(key) or m.get('tool_call_id')}"
+    elif m.get("tool_calls"):
+        ids = " calls=" + ",".join(str(c.get("id")) for c in m["tool_calls"])
+    return f"{where}, {m.get('role')}{ids}"
+
+
+def around(messages: list[Message], ref: str, recall: str) -> tuple[str, str]:
+    """The segment whose key starts with ``ref`` and its neighbours in its loop (at most
+    ``EXPAND_SEGMENTS`` each side, ``EXPAND_CHARS`` in all), with what is left either side
+    and how to open it (pure)."""
+    if len(ref) < SEGMENT_REF_CHARS:
+        return f"error: a segment id has {SEGMENT_REF_CHARS} characters after " \
+               f"{SEGMENT_REF!r}", "bad_arguments"
+    segs = conversation_segments(messages)
+    at = next((i for i, s in enumerate(segs) if s.key.startswith(ref)), None)
+    if at is None:
+        return f"error: no segment {SEGMENT_REF}{ref} in this conversation", "not_found"
+    loop = segs[at].anchor.loop
+    first = next(i for i in range(at, -1, -1)
+                 if i == 0 or segs[i - 1].anchor.loop != loop)
+    last = next(i for i in range(at, len(segs))
+                if i == len(segs) - 1 or segs[i + 1].anchor.loop != loop)
+    lo, hi = max(first, at - EXPAND_SEGMENTS), min(last, at + EXPAND_SEGMENTS)
+    budget = EXPAND_CHARS
+
+    def shown(i: int) -> str:
+        s = segs[i]
+        mark = ">> " if i == at else ""
+        return f"{mark}[iteration {s.anchor.iteration}, {s.anchor.kind}] {s.text}"
+
+    body = [shown(at)]
+    budget -= len(body[0])
+    before: list[str] = []
+    i, j = at - 1, at + 1
+    while (i >= lo or j <= hi) and budget > 0:
+        if i >= lo:
+            piece = shown(i)[:budget]
+            before.insert(0, piece)
+            budget -= len(piece)
+            i -= 1
+        if j <= hi and budget > 0:
+            piece = shown(j)[:budget]
+            body.append(piece)
+            budget -= len(piece)
+            j += 1
+    left_before, left_after = i - first + 1, last - j + 1
+    n = last - first + 1
+    out = [f"[runloop-proxy] turn {loop}, segments {i + 1 - first}-{j - 1 - first} of {n}:",
+           *before, *body]
+    if left_before:
+        out.append(f"{left_before} earlier segment(s) of this turn: "
+                   f"{recall}(call_id=\"{SEGMENT_REF}{segs[i].key[:SEGMENT_REF_CHARS]}\")")
+    if left_after:
+        out.append(f"{left_after} later segment(s) of this turn: "
+                   f"{recall}(call_id=\"{SEGMENT_REF}{segs[j].key[:SEGMENT_REF_CHARS]}\")")
+    return "\n".join(out), "hit"
 
 
 def _loop_index(messages: list[Message], keys: list[str]) -> dict[str, int]:

@@ -1,0 +1,224 @@
+"""Long-term memory: closed loops' segments embedded after the answer, found again by meaning.
+
+After a turn is answered, the loops it closed are cut into segments
+(``conversation/segments.py``) and those the session has no vector of yet are embedded in a
+worker thread and kept in Redis beside the session (its ``:mem`` hash, under its retention).
+``search_history`` then ranks by words and by meaning together (reciprocal rank fusion); the
+search reads only the vectors of segments the request itself carries, so a session nobody
+named still reaches only what its request carries, and a vector is never another session's.
+Nothing here is on the request path but the search the model asked for, which runs off the
+event loop under a deadline; any failure leaves the words alone to answer, and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..conversation.messages import Message
+from ..conversation.segments import Segment, closed_loops, loop_segments
+from ..errors import EmbeddingError, StoreError
+from ..history.store import RedisStore
+from ..ops import logs
+from ..ops.metrics import Metrics
+from .embeddings import Embedder, packed, unpacked
+
+if TYPE_CHECKING:
+    from .embeddings import Vectors
+
+log = logs.get("memory")
+FIELD_CHARS = 16  # of a segment's key, as its field in the session's hash
+EMBED_BATCH = 64  # segments a worker thread embeds at a time
+MAX_INDEX_SEGMENTS = 2_048  # embedded by one answer's indexing; the next answer goes on
+MAX_PENDING = 8  # sessions being indexed in the process; past it an answer's is left to the next
+MAX_SEARCH_SEGMENTS = 20_000  # of a request's conversation, the newest, searched by meaning
+INLINE_EMBED = 256  # segments a search embeds itself when their indexing has not landed yet
+SEARCH_TIMEOUT_S = 2.0  # a search by meaning past this answers by words alone
+CANDIDATES = 50  # of each ranking, fused
+RRF_K = 60  # reciprocal rank fusion's constant (the usual one: a rank's weight 1 / (60 + r))
+
+
+def fuse(rankings: list[list[str]], k: int = RRF_K) -> list[tuple[float, str]]:
+    """Reciprocal rank fusion (pure): each key's sum of 1 / (k + rank) over the rankings
+    (rank from 1), best first; ties keep the order of first appearance."""
+    scores: dict[str, float] = {}
+    for ranking in rankings:
+        for r, key in enumerate(ranking, 1):
+            scores[key] = scores.get(key, 0.0) + 1.0 / (k + r)
+    order = {key: i for i, key in enumerate(scores)}
+    return sorted(((s, key) for key, s in scores.items()), key=lambda p: (-p[0], order[p[1]]))
+
+
+def nearest(query: Vectors, rows: Vectors, k: int) -> list[tuple[int, float]]:
+    """The ``k`` rows most like ``query`` (unit vectors: cosine), as (row, score), best
+    first; exact, one matrix product (pure)."""
+    import numpy as np
+
+    if not len(rows) or k <= 0:
+        return []
+    scores = rows @ query
+    top = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
+    ranked = sorted(top.tolist(), key=lambda i: (-float(scores[i]), i))
+    return [(i, float(scores[i])) for i in ranked]
+
+
+def field_of(seg: Segment) -> str:
+    return seg.key[:FIELD_CHARS]
+
+
+def conversation_segments(messages: list[Message]) -> list[Segment]:
+    """The segments of the conversation's closed loops, the newest ``MAX_SEARCH_SEGMENTS``."""
+    out = [s for lp in closed_loops(messages) for s in loop_segments(messages, lp)]
+    return out[-MAX_SEARCH_SEGMENTS:]
+
+
+@dataclass
+class Found:
+    """What a search by meaning found: (segment, cosine) best first, or why it found
+    nothing (``note``: the words alone answered)."""
+
+    hits: list[tuple[Segment, float]]
+    note: str = ""
+
+
+class Memory:
+    """The process's long-term memory: its embedder, the indexings under way, searches."""
+
+    def __init__(self, embedder: Embedder, metrics: Metrics,
+                 spawn: Callable[[Coroutine[Any, Any, object]], object]):
+        self.embedder = embedder
+        self.metrics = metrics
+        self._spawn = spawn
+        # the sessions being indexed, each with the turn to index after (None: none yet)
+        self._next: dict[tuple[str, str], tuple[RedisStore, str, list[Message],
+                                                float | None] | None] = {}
+        # one embedding at a time in the process: indexing is background work, and the
+        # machine's cores are the requests'
+        self._embedding = asyncio.Semaphore(1)
+
+    async def _embed(self, texts: list[str]) -> Vectors:
+        """Unit vectors as stored (float16 and back: a vector embedded by a search is the
+        one an indexing would have kept), in a worker thread."""
+        async with self._embedding:
+            rows = await asyncio.to_thread(self.embedder.embed, texts)
+        return unpacked(packed(rows), self.embedder.dim)
+
+    def after_answer(self, store: RedisStore, tenant: str, namespace: str, session_id: str,
+                     messages: list[Message], retention_days: float | None) -> None:
+        """Index the loops this turn closed, in the background: one indexing a session at
+        a time (a turn answered meanwhile is indexed after it, the newest only), at most
+        ``MAX_PENDING`` sessions at once (a skipped one is caught up by its next answer)."""
+        at = (namespace, session_id)
+        if at in self._next:
+            self._next[at] = (store, tenant, messages, retention_days)
+            return
+        if len(self._next) >= MAX_PENDING:
+            self.metrics.memory.labels(tenant, "index", "skipped").inc()
+            return
+        self._next[at] = None
+        self._spawn(self._indexing(at, store, tenant, messages, retention_days))
+
+    async def _indexing(self, at: tuple[str, str], store: RedisStore, tenant: str,
+                        messages: list[Message], retention_days: float | None) -> None:
+        try:
+            while True:
+                await self._index(store, tenant, *at, messages, retention_days)
+                later = self._next.get(at)
+                if later is None:
+                    return
+                self._next[at] = None
+                store, tenant, messages, retention_days = later
+        finally:
+            self._next.pop(at, None)
+
+    async def _index(self, store: RedisStore, tenant: str, namespace: str, session_id: str,
+                     messages: list[Message], retention_days: float | None) -> None:
+        try:
+            done = await self.index(store, namespace, session_id, messages, retention_days)
+            self.metrics.memory.labels(tenant, "index", "ok").inc(done)
+        except (StoreError, EmbeddingError) as exc:
+            self.metrics.memory.labels(tenant, "index", "failed").inc()
+            log.warning("memory: segments not indexed", extra={
+                "tenant": tenant, "error": str(exc)})
+
+    async def index(self, store: RedisStore, namespace: str, session_id: str,
+                    messages: list[Message], retention_days: float | None) -> int:
+        """Embed and keep the closed loops' segments the session has no vector of; how
+        many were embedded. The loops a previous indexing covered (its mark: how many, and
+        its last segment's key, which a fork changes) are not looked at again."""
+        name = self.embedder.name
+        by_loop = await asyncio.to_thread(
+            lambda: [loop_segments(messages, lp) for lp in closed_loops(messages)])
+        upto, tail = await store.memory_mark(namespace, session_id, name)
+        covered = [s for loop in by_loop[:upto] for s in loop]
+        start = upto if 0 < upto <= len(by_loop) and covered \
+            and field_of(covered[-1]) == tail else 0
+        todo: dict[str, tuple[int, Segment]] = {}
+        for n, loop in enumerate(by_loop[start:], start):
+            for s in loop:
+                todo.setdefault(field_of(s), (n, s))
+        fields = list(todo)
+        missing = [fields[i] for i in await store.missing_vectors(
+            namespace, session_id, name, fields)]
+        taken = missing[:MAX_INDEX_SEGMENTS]
+        # how far the conversation is indexed: up to the loop of the first segment left out
+        upto = todo[missing[len(taken)]][0] if len(taken) < len(missing) else len(by_loop)
+        last = next((loop[-1] for loop in reversed(by_loop[:upto]) if loop), None)
+        mark = (upto, field_of(last) if last is not None else "")
+        vectors: dict[str, bytes] = {}
+        for i in range(0, len(taken), EMBED_BATCH):
+            batch = taken[i:i + EMBED_BATCH]
+            rows = await self._embed([todo[f][1].text for f in batch])
+            vectors.update(zip(batch, packed(rows), strict=True))
+        await store.put_vectors(namespace, session_id, name, vectors, mark, retention_days)
+        return len(vectors)
+
+    async def search(self, store: RedisStore | None, namespace: str, session_id: str,
+                     query: str, messages: list[Message], k: int = CANDIDATES) -> Found:
+        """The conversation's segments nearest ``query`` by meaning (only those of
+        ``messages``: what the request carries), under ``SEARCH_TIMEOUT_S``."""
+        try:
+            async with asyncio.timeout(SEARCH_TIMEOUT_S):
+                return await self._search(store, namespace, session_id, query, messages, k)
+        except TimeoutError:
+            return Found([], f"the search by meaning took over {SEARCH_TIMEOUT_S:g} s")
+        except EmbeddingError as exc:
+            return Found([], str(exc))
+
+    async def _search(self, store: RedisStore | None, namespace: str, session_id: str,
+                      query: str, messages: list[Message], k: int) -> Found:
+        segs = await asyncio.to_thread(conversation_segments, messages)
+        if not segs:
+            return Found([])
+        fields = list(dict.fromkeys(field_of(s) for s in segs))
+        note = ""
+        blobs: list[bytes | None] = [None] * len(fields)
+        if store is not None:
+            try:
+                blobs = await store.vectors(namespace, session_id, self.embedder.name, fields)
+            except StoreError as exc:
+                note = f"stored vectors unavailable ({exc})"
+        absent = [i for i, b in enumerate(blobs) if b is None]
+        embedded = absent[-INLINE_EMBED:]  # the newest: likeliest not indexed yet
+        text_of = {field_of(s): s.text for s in segs}
+        rows = await self._embed([query, *(text_of[fields[i]] for i in embedded)])
+        if len(absent) > len(embedded):
+            note = f"{len(absent) - len(embedded)} older segments not indexed yet"
+        known = {i: b for i, b in enumerate(blobs) if b is not None}
+
+        def rank() -> list[tuple[Segment, float]]:
+            matrix = unpacked([known.get(i, b"") for i in range(len(fields))],
+                              self.embedder.dim)
+            for j, i in enumerate(embedded):
+                matrix[i] = rows[1 + j]
+            inline = set(embedded)
+            usable = [i for i in range(len(fields)) if i in known or i in inline]
+            best = nearest(rows[0], matrix[usable], k)
+            first: dict[str, Segment] = {}
+            for s in segs:
+                first.setdefault(field_of(s), s)
+            return [(first[fields[usable[r]]], score) for r, score in best]
+
+        return Found(await asyncio.to_thread(rank), note)

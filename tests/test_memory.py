@@ -1,0 +1,259 @@
+"""Long-term memory through the real proxy (pipeline/memory.py, the search and the recall in
+pipeline/tools.py): closed loops indexed in Redis after the answer, a past turn found by what
+it meant, opened around the hit; failures answered by words alone; sessions kept apart."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import redis
+
+from runloop_proxy.conversation.segments import closed_loops, segments
+from runloop_proxy.errors import EmbeddingError
+from runloop_proxy.pipeline.memory import FIELD_CHARS, fuse, nearest
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .conftest import ProxyServer, until
+from .keys import openai_project_key
+
+TENANT_KEY = openai_project_key(371)
+UPSTREAM_KEY = openai_project_key(372)
+MODEL = "gpt-4.1-mini-2025-04-14"
+SYSTEM = "You are the support agent of an online store. Be brief."
+ORDER_TOOLS = [{"type": "function", "function": {"name": "get_order", "parameters": {
+    "type": "object", "properties": {"order_id": {"type": "string"}}}}}]
+PAST = [  # two closed loops: the refund, then small talk
+    {"role": "user", "content": "My blender from order #W5102934 arrived cracked; I would "
+                                "like my money back."},
+    {"role": "assistant", "content": "Let me open the order.", "tool_calls": [
+        {"id": "call_Qm3xT8vLw2", "type": "function",
+         "function": {"name": "get_order", "arguments": '{"order_id": "#W5102934"}'}}]},
+    {"role": "tool", "tool_call_id": "call_Qm3xT8vLw2",
+     "content": '{"order_id": "#W5102934", "status": "delivered", "total": 54.04}'},
+    {"role": "assistant", "content": "I issued a reimbursement of $54.04 for order #W5102934; "
+                                     "the money reaches your card within five days."},
+    {"role": "user", "content": "Will it rain in Lisbon tomorrow?"},
+    {"role": "assistant", "content": "I only help with orders, sorry."},
+]
+QUERY = "refund we discussed"
+
+
+def _config(root: Path, upstream_url: str, memory: str) -> str:
+    (root / "tenants").mkdir(parents=True)
+    (root / "runloop.toml").write_text(
+        f'[upstreams.main]\nurl = "{upstream_url}"\napi_key = "{UPSTREAM_KEY}"\n'
+        f'max_retries = 0\n[defaults]\nupstream = "main"\n')
+    (root / "tenants" / "acme.toml").write_text(
+        f'keys = ["{TENANT_KEY}"]\n[policy]\nproxy_tools = "always"\nmemory = "{memory}"\n')
+    return str(root)
+
+
+def _client(proxy: ProxyServer, session: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url, api_key=TENANT_KEY, max_retries=0,
+                         default_headers={"X-Session-Id": session})
+
+
+def _searching(query: str) -> Any:
+    """The fake model: asked anything, it searches for ``query`` (then opens the hit that
+    speaks of a reimbursement, when one does), and answers with what the proxy's tools
+    said."""
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        msgs = body["messages"]
+        names = [t["function"]["name"] for t in body.get("tools") or []]
+        last = msgs[-1]
+        if last.get("role") == "tool" and last["tool_call_id"] == "sh_1":
+            opened = re.search(r"open=(s:[0-9a-f]+)[^\n]*reimbursement",
+                               str(last["content"]))
+            if opened:
+                return {"tool_calls": [{"id": "rc_1", "name": "recall_tool_call",
+                                        "arguments": {"call_id": opened.group(1)}}]}
+        if last.get("role") == "tool":
+            found = [str(m["content"]) for m in msgs if m.get("tool_call_id") in
+                     ("sh_1", "rc_1")]
+            return {"content": "\n=====\n".join(found)}
+        assert "search_history" in names
+        return {"tool_calls": [{"id": "sh_1", "name": "search_history",
+                                "arguments": {"query": query}}]}
+    return respond
+
+
+def _mem_keys(proxy: ProxyServer) -> list[str]:
+    r = redis.Redis.from_url(proxy.settings.redis_url)
+    prefix = proxy.state.config.store.key_prefix
+    return sorted(k.decode() for k in r.scan_iter(f"{prefix}:*:mem:*"))
+
+
+def _fields(proxy: ProxyServer, key: str) -> set[str]:
+    r = redis.Redis.from_url(proxy.settings.redis_url)
+    return {f.decode() for f in r.hkeys(key)}
+
+
+def _served(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
+            memory: str = "embedded") -> ProxyServer:
+    return make_proxy(config_dir=_config(tmp_path / "cfg", upstream.url, memory))  # type: ignore[no-any-return]
+
+
+def _live_past(proxy: ProxyServer, upstream: ScriptedUpstream, session: str) -> None:
+    """The past as the client lived it, turn by turn through the proxy (each answer's
+    indexing behind it)."""
+    c = _client(proxy, session)
+    sent = [{"role": "system", "content": SYSTEM}]
+    for m in PAST:
+        if m["role"] == "assistant":
+            upstream.push({"content": m["content"]} if not m.get("tool_calls") else
+                          {"content": m["content"], "tool_calls": [
+                              {"id": m["tool_calls"][0]["id"], "name": "get_order",
+                               "arguments": {"order_id": "#W5102934"}}]})
+            c.chat.completions.create(model=MODEL, messages=sent,  # type: ignore[arg-type]
+                                      tools=ORDER_TOOLS)  # type: ignore[arg-type]
+        sent.append(m)
+
+
+def test_closed_loops_are_indexed_once_and_a_past_turn_is_found_by_meaning_and_opened(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Each answer's closed loops reach Redis as one vector per distinct segment, with the
+    session's expiry; a second copy of the conversation adds none. A model's "refund we
+    discussed" finds the turn that said "reimbursement" (no word in common but "we"), with
+    its anchor, and the recall tool opens it into its loop. Catches: indexing the open loop
+    too (planted: every loop indexed, red on the fields), a hit without its anchor
+    (planted: ``anchor = ""``, red), the meaning ranking dropped from the fusion (planted:
+    ``fuse([lexical])``, red: the refund turn is not found). (The mark only spares the
+    lookup of loops indexed before: with it ignored, the lookup still finds them.)"""
+    proxy = _served(tmp_path, make_proxy, upstream)
+    _live_past(proxy, upstream, "mem-refund")
+    conversation = [{"role": "system", "content": SYSTEM}, *PAST]
+    want = {s.key[:FIELD_CHARS] for s in segments(conversation, closed_loops(conversation))}
+    until(lambda: len(_mem_keys(proxy)) == 1
+          and _fields(proxy, _mem_keys(proxy)[0]) >= want, what="both loops indexed")
+    key = _mem_keys(proxy)[0]
+    assert _fields(proxy, key) == want | {"_upto", "_tail"}
+    r = redis.Redis.from_url(proxy.settings.redis_url)
+    assert 0 < r.pttl(key) <= int(proxy.state.config.store.retention_days * 86_400_000)
+    embedded = proxy.metrics.memory.labels("acme", "index", "ok")._value.get()
+    assert embedded == len(want)
+
+    upstream.responder = _searching(QUERY)
+    ask = [*conversation, {"role": "user", "content": f"Did the {QUERY} go through?"}]
+    answer = _client(proxy, "mem-refund").chat.completions.create(
+        model=MODEL, messages=ask, tools=ORDER_TOOLS)  # type: ignore[arg-type]
+    text = answer.choices[0].message.content or ""
+    found, opened = text.split("\n=====\n")
+    hits = found.splitlines()[1:]
+    assert found.startswith(f"{len(hits)} best match(es) for '{QUERY}', by words and meaning:")
+    refund = next(h for h in hits if "reimbursement of $54.04" in h)
+    assert refund.startswith("- [turn 0, assistant, iteration 1, segment 4 response, open=s:")
+    assert " response, open=s:" in refund and "meaning 0." in refund
+    rain = next((i for i, h in enumerate(hits) if "Lisbon" in h), len(hits))
+    assert hits.index(refund) < rain
+    # the hit, its three neighbours before it (the loop has none after), and the way on
+    user = segments(conversation, closed_loops(conversation))[0]
+    assert opened.splitlines() == [
+        "[runloop-proxy] turn 0, segments 1-4 of 5:",
+        "[iteration 0, reasoning] Let me open the order.",
+        '[iteration 0, tool_call] get_order({"order_id": "#W5102934"})',
+        '[iteration 1, tool_result] {"order_id": "#W5102934", "status": "delivered", '
+        '"total": 54.04}',
+        f">> [iteration 1, response] {PAST[3]['content']}",
+        f'1 earlier segment(s) of this turn: recall_tool_call(call_id="s:{user.key[:8]}")']
+    # the same conversation again, echoed: nothing more to embed
+    until(lambda: proxy.metrics.memory.labels("acme", "index", "ok")._value.get() == embedded
+          and _fields(proxy, key) == want | {"_upto", "_tail"}, what="nothing re-embedded")
+
+
+def test_with_memory_off_the_search_is_by_words_alone(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """The same question with memory off: the old answer (no fusion), nothing indexed.
+    Catches: memory on whatever the policy (planted: ``_memory`` ignoring "off", red)."""
+    proxy = _served(tmp_path, make_proxy, upstream, memory="off")
+    upstream.responder = _searching(QUERY)
+    ask = [{"role": "system", "content": SYSTEM}, *PAST,
+           {"role": "user", "content": f"Did the {QUERY} go through?"}]
+    text = _client(proxy, "mem-off").chat.completions.create(
+        model=MODEL, messages=ask, tools=ORDER_TOOLS).choices[0].message.content or ""  # type: ignore[arg-type]
+    assert "by words and meaning" not in text and "open=s:" not in text
+    assert "best match(es)" in text
+    proxy.settle()
+    assert _mem_keys(proxy) == []
+
+
+class _Broken:
+    name, dim = "wordllama-l2_supercat-256", 256
+
+    def embed(self, texts: list[str]) -> Any:
+        raise EmbeddingError("the embedded model failed: MemoryError: planted")
+
+
+def test_a_failing_model_leaves_the_words_to_answer_and_says_so(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """The embedder raising: the request is answered, its search by words, the tool's
+    answer says why, the answer's header says ``memory``, the metrics count it and the
+    indexing's failure. Catches: the embedding error escaping the search (planted: the
+    ``except EmbeddingError`` gone, red: a 500), the header left out (planted, red)."""
+    proxy = _served(tmp_path, make_proxy, upstream)
+    proxy.state.memory.embedder = _Broken()
+    _live_past(proxy, upstream, "mem-broken")
+    until(lambda: proxy.metrics.memory.labels("acme", "index", "failed")._value.get() >= 1,
+          what="an indexing failure counted")
+    upstream.responder = _searching(QUERY)
+    ask = [{"role": "system", "content": SYSTEM}, *PAST,
+           {"role": "user", "content": f"Did the {QUERY} go through?"}]
+    raw = _client(proxy, "mem-broken").chat.completions.with_raw_response.create(
+        model=MODEL, messages=ask, tools=ORDER_TOOLS)  # type: ignore[arg-type]
+    text = raw.parse().choices[0].message.content or ""
+    assert raw.headers["x-runloop-degraded"] == "memory"
+    assert "(meaning partly unavailable: the embedded model failed: MemoryError: planted):" \
+        in text
+    assert proxy.metrics.memory.labels("acme", "search", "words_only")._value.get() == 1
+    assert proxy.metrics.degraded.labels("acme", "memory")._value.get() == 1
+
+
+def test_another_session_never_reads_a_segment_or_a_vector_of_this_one(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Two named sessions of one tenant: the second's search and recall reach only what its
+    own request carries, and its vectors are its own key's. Catches: the search reading the
+    session's stored segments beyond the request (planted: the messages searched taken from
+    the other session's key, red) and vectors keyed by tenant (planted: the session left
+    out of the key, red on the key count)."""
+    proxy = _served(tmp_path, make_proxy, upstream)
+    _live_past(proxy, upstream, "mem-alice")
+    until(lambda: len(_mem_keys(proxy)) == 1, what="alice's loops indexed")
+    upstream.responder = _searching(QUERY)
+    other = [{"role": "system", "content": SYSTEM},
+             {"role": "user", "content": "Where is my parcel 1Z999AA10123456784?"},
+             {"role": "assistant", "content": "It is in the Porto depot."},
+             {"role": "user", "content": f"And the {QUERY}?"}]
+    text = _client(proxy, "mem-bob").chat.completions.create(
+        model=MODEL, messages=other, tools=ORDER_TOOLS).choices[0].message.content or ""  # type: ignore[arg-type]
+    assert "W5102934" not in text and "reimbursement" not in text
+    until(lambda: len(_mem_keys(proxy)) == 2, what="bob's loop indexed")
+    alice, bob = (_fields(proxy, k) for k in _mem_keys(proxy))
+    assert not (alice & bob) - {"_upto", "_tail"}
+
+
+@pytest.mark.parametrize(("rankings", "want"), [
+    ([["a", "b", "c"], ["c", "b"]], ["c", "b", "a"]),  # c: 1/63 + 1/61 beats b: 2/62
+    # y (2nd, 2nd) beats x (1st, 4th) at k = 60; at k = 0, x would
+    ([["x", "y"], ["z", "y", "w", "x"]], ["y", "x", "z", "w"]),
+    ([["a"], []], ["a"]),
+    ([[], []], []),
+    ([["a", "b"], ["b", "a"]], ["a", "b"]),  # a tie keeps the first ranking's order
+])
+def test_reciprocal_rank_fusion(rankings: list[list[str]], want: list[str]) -> None:
+    """Catches: the constant lost (planted: ``k = 0``, red on the second row) and scores
+    added as ranks (planted: ``+= r``, red)."""
+    assert [k for _, k in fuse(rankings)] == want
+
+
+def test_nearest_is_exact_and_ordered() -> None:
+    """Catches: the partition taken for the order (planted: ``top.tolist()`` unsorted, red)
+    and ``k`` past the rows (planted: no guard, red: argpartition raises)."""
+    rows = np.eye(4, dtype=np.float32)[[3, 0, 2, 1]]
+    q = np.array([0.1, 0.7, 0.2, 0.69], np.float32)
+    assert [i for i, _ in nearest(q, rows, 3)] == [3, 0, 2]
+    assert [i for i, _ in nearest(q, rows, 9)] == [3, 0, 2, 1]
+    assert nearest(q, rows[:0], 3) == []
