@@ -194,3 +194,26 @@ def test_a_long_list_is_folded_past_six_saying_how_many_more(n: int, shown: int,
     else:
         assert tail.startswith(f"<summary>{more:,} more</summary>") and tail.count("<a ") == more
     assert [int(k) for k in re.findall(r"call_(\d{4})", out)] == list(range(n))  # all, in order
+
+
+@pytest.mark.parametrize(("calls", "shown", "more"), [(0, 0, 0), (1, 1, 0), (7, 7, 0),
+                                                      (9, 6, 3), (40, 6, 34)])
+def test_a_message_of_many_calls_folds_all_but_the_first_six(calls: int, shown: int,
+                                                              more: int) -> None:
+    """A message's calls (its page, the session's boxes) past six are folded under "N
+    more", in order, none lost; seven are all shown (folding one saves nothing). Bug class:
+    a long identifier list shown whole, or folded with items lost. Planted: the calls
+    joined unfolded (red: 9 and 40), the rest left out of the fold (red)."""
+    from runloop_proxy.ops.inspector_message import calls_html
+
+    m: Any = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{k:02d}Zq8", "type": "function",
+         "function": {"name": "get_order", "arguments": f'{{"order_id": "#W{k}417"}}'}}
+        for k in range(calls)]}
+    out = calls_html(m)
+    ids = re.findall(r"call id <code>(call_\d\dZq8)</code>", out)
+    assert ids == [f"call_{k:02d}Zq8" for k in range(calls)]
+    head = out.split("<details>")[0]
+    assert len(re.findall("call id", head)) == shown
+    assert (f"<summary>{more} more</summary>" in out) == bool(more)
+    assert out.count("<details>") == (1 if more else 0)

@@ -22,7 +22,7 @@ from ..pipeline.tools import spliced_stored
 from . import params
 from .inspector_shell import error, link, page, viewed
 from .inspector_window import FATES, Rebuilt, fate, rebuild, spec_of
-from .views import pretty
+from .views import folded, pretty
 
 SHOWN = {"role", "content", "name", "tool_call_id", "tool_calls", "refusal"}
 ROLES = {"system": "system prompt", "user": "user", "assistant": "assistant",
@@ -57,6 +57,7 @@ def content_html(m: Message) -> str:
 
 
 def calls_html(m: Message) -> str:
+    """Each call with its arguments; past ``views.FOLD_AFTER`` calls the rest folded."""
     out = []
     for call in m.get("tool_calls") or []:
         fn = (call.get("function") if isinstance(call, dict) else None) or {}
@@ -64,7 +65,7 @@ def calls_html(m: Message) -> str:
         out.append(f"<p>calls <b>{escape(str(fn.get('name')))}</b> "
                    f"<span class='muted'>(call id <code>{escape(str(cid))}</code>)</span></p>"
                    f"<pre>{escape(pretty(str(fn.get('arguments') or '')))}</pre>")
-    return "".join(out)
+    return folded(out, sep="") if out else ""
 
 
 def message_html(m: Message, position: int | None = None, href: str | None = None) -> str:
