@@ -298,6 +298,11 @@ class ScriptedUpstream:
                 self.requests.append(body)
                 self.raw_bodies.append(raw)
                 self.headers.append(dict(request.headers))
+            bad = anthropic.bad_signature(body) if request.url.path.endswith("/messages") \
+                else None
+            if bad is not None:  # Anthropic refuses a changed thinking block before thinking
+                return Response(orjson.dumps(anthropic.error(400, "invalid_request_error", bad)),
+                                400, media_type="application/json")
             summary = not responses and is_summary_call(body)
             if summary:
                 self.summary_calls += 1

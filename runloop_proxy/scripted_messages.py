@@ -1,5 +1,6 @@
 """The scripted upstream's Messages API (Anthropic's): a scripted reply as a message, in JSON
-or as its event stream (text, ``tool_use`` blocks, thinking with a signature), and usage the
+or as its event stream (text, ``tool_use`` blocks, thinking with a signature that must come back
+byte for byte, as Anthropic checks it), and usage the
 way Anthropic reports it — prompts counted with a tokenizer other than the proxy's (so a proxy
 has something to calibrate against) and Anthropic's explicit prompt cache simulated: prefixes
 end at the request's ``cache_control`` breakpoints, a later request reads the longest one it
@@ -8,6 +9,7 @@ writes the rest up to its last breakpoint."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import hashlib
 import threading
@@ -25,6 +27,8 @@ PER_BLOCK = 3  # framing per content block
 TOOLS_PROMPT = 346  # what a request with tools adds (Anthropic's tool-use system prompt)
 IMAGE_TOKENS = 800
 CACHE_MIN = 1024
+SIGNING_KEY = b"scripted-upstream-thinking"
+SIGNED = b"\x12\x08scripted\x1a@"  # how this upstream's signatures open (decoded)
 LOOKBACK = 20
 
 
@@ -136,8 +140,7 @@ def content(reply: Reply) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if reply.get("reasoning") is not None:
         thought = str(reply["reasoning"])
-        out.append({"type": "thinking", "thinking": thought,
-                    "signature": "sig-" + hashlib.sha256(thought.encode()).hexdigest()[:32]})
+        out.append({"type": "thinking", "thinking": thought, "signature": signature(thought)})
     if reply.get("content"):
         out.append({"type": "text", "text": reply["content"]})
     for c in reply.get("tool_calls") or []:
@@ -146,6 +149,32 @@ def content(reply: Reply) -> list[dict[str, Any]]:
                     "name": c["name"],
                     "input": orjson.loads(args) if isinstance(args, str) else args})
     return out
+
+
+def signature(thought: str) -> str:
+    """A thinking block's signature as Anthropic's look (opaque base64, a few hundred
+    characters), made from the thought so the upstream can check it when it comes back."""
+    digest = hashlib.blake2b(thought.encode(), key=SIGNING_KEY).digest()
+    return base64.b64encode(SIGNED + digest * 4).decode()
+
+
+def bad_signature(body: dict[str, Any]) -> str | None:
+    """Where a request sends back a thinking block this upstream signed, changed (its
+    thought or its signature not byte for byte as answered), in Anthropic's words; None when
+    none is. A signature that is not this upstream's (a test's own) is not checked."""
+    for i, turn in enumerate(body.get("messages") or []):
+        content = turn.get("content") if turn.get("role") == "assistant" else None
+        for j, block in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(block, dict) or block.get("type") != "thinking":
+                continue
+            sig = block.get("signature")
+            try:
+                ours = isinstance(sig, str) and base64.b64decode(sig).startswith(SIGNED)
+            except ValueError:
+                ours = False
+            if ours and sig != signature(str(block.get("thinking"))):
+                return f"messages.{i}.content.{j}: Invalid `signature` in `thinking` block"
+    return None
 
 
 def message(body: dict[str, Any], reply: Reply, usage: dict[str, int]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import pytest
 
 from runloop_proxy.api.routes import CONVERSATIONS
 from runloop_proxy.scripted import ScriptedUpstream
+from runloop_proxy.scripted_messages import signature
 
 from .conftest import ProxyServer
 from .keys import anthropic_key
@@ -100,7 +101,7 @@ def test_a_stream_with_thinking_text_and_a_tool_call_reaches_the_sdk_whole(
     assert "".join(texts) == "Let me look."
     thinking, text, call = final.content
     assert thinking.type == "thinking" and thinking.thinking == "the user wants the listing"
-    assert thinking.signature.startswith("sig-")
+    assert thinking.signature == signature("the user wants the listing")
     assert text.type == "text" and call.type == "tool_use"
     assert (call.id, call.name, call.input) == ("toolu_01", "bash", {"cmd": "ls -la /tmp"})
     assert final.stop_reason == "tool_use" and final.usage.input_tokens > 0

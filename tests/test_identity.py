@@ -223,6 +223,13 @@ def test_lining_up_a_trimmed_history_is_linear_work(n: int) -> None:
     ({}, {"user_id": "{not json"}, True, None),
     ({}, {"user_id": 7}, True, None),
     ({"x-claude-code-session-id": "s-head"}, {}, False, None),  # a side request: no tools
+    # a subagent (the Task tool, 2.1.332): the main session's id and its own agent id
+    ({"x-claude-code-session-id": "s-head", "x-claude-code-agent-id": "a99fa87e13d6a2af1"},
+     {}, True, "s-head.agent-a99fa87e13d6a2af1"),
+    ({"x-claude-code-agent-id": "a5b0c2"}, {"user_id": '{"session_id": "s-json"}'}, True,
+     "s-json.agent-a5b0c2"),
+    ({"x-claude-code-agent-id": "a5b0c2"}, {"user_id": "just-a-user"}, True, None),
+    ({"x-claude-code-agent-id": ""}, {"user_id": '{"session_id": "s-json"}'}, True, "s-json"),
 ])
 def test_the_session_claude_code_names(headers: dict[str, str], metadata: dict[str, Any],
                                        tools: bool, found: str | None) -> None:

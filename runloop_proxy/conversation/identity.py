@@ -45,6 +45,7 @@ ANCHORS_TRIED = 3
 DEFAULT_SOURCES = ("header", "header:session-id", "header:session_id",
                    "header:conversation_id", "metadata.session_id", "claude_code")
 CLAUDE_CODE_HEADER = "x-claude-code-session-id"
+CLAUDE_CODE_AGENT_HEADER = "x-claude-code-agent-id"  # a subagent's (Task's) requests
 SCOPE_FIELDS = ("user", "prompt_cache_key")
 _PLAIN = re.compile(r"[A-Za-z0-9._-]{1,128}")
 NAMED_PREFIXES = ("n:", "h:")  # every named session's key starts so; no derived key does
@@ -263,7 +264,7 @@ def claude_code_session(headers: dict[str, str], body: dict[str, Any]) -> tuple[
         return None, "claude_code"
     value = header_text(headers.get(CLAUDE_CODE_HEADER), CLAUDE_CODE_HEADER)
     if isinstance(value, str) and value:
-        return value, f"header:{CLAUDE_CODE_HEADER}"
+        return _agent_of(value, headers), f"header:{CLAUDE_CODE_HEADER}"
     meta = body.get("metadata")
     user = meta.get("user_id") if isinstance(meta, dict) else None
     if not isinstance(user, str):
@@ -277,7 +278,16 @@ def claude_code_session(headers: dict[str, str], body: dict[str, Any]) -> tuple[
     else:
         _, sep, found = user.rpartition("_session_")
         found = found if sep else None
-    return found, "metadata.user_id"
+    return _agent_of(found, headers) if isinstance(found, str) and found else found, \
+        "metadata.user_id"
+
+
+def _agent_of(session: str, headers: dict[str, str]) -> str:
+    """A subagent's own session within Claude Code's: a Task's requests carry the main
+    session's id and ``X-Claude-Code-Agent-Id`` (2.1.332), with a system prompt and a
+    conversation of their own, so they are a session beside the main one, not its branch."""
+    agent = header_text(headers.get(CLAUDE_CODE_AGENT_HEADER), CLAUDE_CODE_AGENT_HEADER)
+    return f"{session}.agent-{agent}" if agent else session
 
 
 def _checked(value: str, where: str) -> str:
