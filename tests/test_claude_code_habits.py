@@ -46,8 +46,9 @@ def log(k: int) -> str:
 
 def model(body: dict[str, Any]) -> dict[str, Any]:
     """The scripted model: thinks before each call. The main session reads ``STEPS`` logs
-    with Bash (the last result says which it read: the window cuts older ones), then hands a Task to a subagent and answers with what it says; the subagent
-    greps once and answers."""
+    with Bash (the last result says which it read: the window cuts older ones), then hands
+    a Task to a subagent and answers with what it says; the subagent greps once and
+    answers."""
     system = "".join(b["text"] for b in body["system"])
     results = [b for m in body["messages"] if m["role"] == "user" and isinstance(
         m["content"], list) for b in m["content"] if b.get("type") == "tool_result"]
