@@ -380,6 +380,67 @@ def wait_ready(base: str, timeout: float = 30) -> None:
         time.sleep(0.1)
 
 
+FLOOD_CLIENTS = 6  # tenant A's clients sending large bodies at once
+B_REQUESTS = 30  # tenant B's small requests, one at a time, alone and under the flood
+TWO_TENANTS = "two tenants: A floods 1 MiB bodies, B's small requests"
+
+
+def _latencies(c: httpx.Client, base: str, key: str, n: int) -> list[float]:
+    out = []
+    for k in range(n):
+        start = time.monotonic()
+        r = c.post(base + "/v1/chat/completions", headers={**bearer(key), "X-Session-Id":
+                   f"b-{time.monotonic_ns()}"}, json=chat([user(f"status of build {k}?")]))
+        assert r.status_code == 200, r.text
+        out.append(time.monotonic() - start)
+    return sorted(out)
+
+
+def two_tenants(base: str) -> dict[str, Any]:
+    """Tenant A (its own key) floods large bodies — an agent's 1 MiB of tool results each,
+    distinct every time, from FLOOD_CLIENTS clients at once — while tenant B sends small
+    requests one at a time: B's latency under the flood against B alone (one run), and
+    what A's requests were answered (429s past its share of the worker threads)."""
+    a, b = openai_project_key(31), openai_project_key(32)
+    template = orjson.dumps(chat(session(40, lambda k: f"TAGTAGTA-{k} " + " ".join(
+        uuids(700))[:25_000])))
+    statuses: dict[int, int] = {}
+    stop = threading.Event()
+
+    def flood(n: int) -> None:
+        with httpx.Client(timeout=120) as fc:
+            k = 0
+            while not stop.is_set():
+                k += 1
+                tag = f"{n:02d}{k:06x}"[:8].encode()
+                r = fc.post(base + "/v1/chat/completions", content=template.replace(
+                    b"TAGTAGTA", tag), headers={**bearer(a), "X-Session-Id": f"a{n}-{k}",
+                                               "Content-Type": "application/json"})
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                if r.status_code == 429:
+                    time.sleep(float(r.headers.get("Retry-After", "1")) / 10)
+
+    with httpx.Client(timeout=120) as c:
+        alone = _latencies(c, base, b, B_REQUESTS)
+        threads = [threading.Thread(target=flood, args=(n,), daemon=True)
+                   for n in range(FLOOD_CLIENTS)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # the flood under way
+        flooded = _latencies(c, base, b, B_REQUESTS)
+        stop.set()
+        for t in threads:
+            t.join(120)
+
+    def pct(xs: list[float], q: float) -> float:
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1)
+    return {"alone_p50_ms": pct(alone, 0.5), "alone_p95_ms": pct(alone, 0.95),
+            "flooded_p50_ms": pct(flooded, 0.5), "flooded_p95_ms": pct(flooded, 0.95),
+            "p50_ratio": round(pct(flooded, 0.5) / max(pct(alone, 0.5), 0.1), 2),
+            "p95_ratio": round(pct(flooded, 0.95) / max(pct(alone, 0.95), 0.1), 2),
+            "a_statuses": dict(sorted(statuses.items()))}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="*", help="names (substrings) of the bodies to send")
@@ -421,12 +482,14 @@ def main() -> int:
                              "worst_stall_ms": round(poller.worst(
                                  start, start + took + AFTER_S) * 1000, 1)})
         poller.close()
+        tenants = two_tenants(base) if not args.only or any(
+            o in TWO_TENANTS for o in args.only) else None
     finally:
         proxy.terminate()
         proxy.wait(10)
         upstream.stop()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps({"bodies": rows, "two_tenants": tenants}, indent=2))
         return 0
     print(f"{'body':<66} {'bytes':>9} {'answer':>9} {'status':>6} {'took s':>7} "
           f"{'worst /healthz ms':>18}")
@@ -442,6 +505,11 @@ def main() -> int:
         print(f"worst stall for a body and an answer under 1 MiB: "
               f"{max(r['worst_stall_ms'] for r in small)} ms "
               f"({max(small, key=lambda r: r['worst_stall_ms'])['body']})")
+    if tenants is not None:
+        print(f"{TWO_TENANTS}: p50 {tenants['alone_p50_ms']} ms alone, "
+              f"{tenants['flooded_p50_ms']} ms flooded ({tenants['p50_ratio']}x); p95 "
+              f"{tenants['alone_p95_ms']} -> {tenants['flooded_p95_ms']} ms "
+              f"({tenants['p95_ratio']}x); A answered {tenants['a_statuses']}")
     return 0
 
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from starlette.applications import Starlette
@@ -32,6 +33,7 @@ from .state import AppState
 from .tasks import forever
 
 log = logs.get("app")
+BACKGROUND_WORKERS = 4  # worker threads beside one per large request (server.large_requests)
 
 
 def create_app(settings: Settings, config: ProxyConfig | None = None,
@@ -41,8 +43,13 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        loop = asyncio.get_running_loop()
+        # the worker threads large work runs in (offload.py): one per large request
+        # admitted (state.large) and a few for background work (summaries' digests, DNS)
+        loop.set_default_executor(ThreadPoolExecutor(
+            config.server.large_requests + BACKGROUND_WORKERS, thread_name_prefix="runloop"))
         state = AppState(settings=settings, config=config, metrics=metrics or Metrics(),
-                         tokens=TokenCounter(), loop=asyncio.get_running_loop())
+                         tokens=TokenCounter(), loop=loop)
         app.state.runloop = state
         state.init_metrics()
         await state.warm_encodings(config)
@@ -58,7 +65,6 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
                                   for name in ("sessions", "chains", "anchors", "indexed")})
         await state.store.start()
         await state.store.ping()
-        loop = asyncio.get_running_loop()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(signal.SIGHUP,
                                     lambda: state.spawn(state.reload("SIGHUP")))

@@ -230,7 +230,13 @@ class ServerSection(_Strict):
         "or an error), in all, at once; past it a request gets a 503")
     tenant_share: float = Field(
         0.5, gt=0, le=1, description="the share of each bounded resource (an upstream's "
-        "max_connections, held_answers_mb, summary_calls) one tenant may hold; past it, a 429")
+        "max_connections, held_answers_mb, summary_calls, large_requests) one tenant may "
+        "hold; past it, a 429")
+    large_requests: int = Field(
+        8, ge=1, le=1024, description="requests with a large body (parsed, counted and "
+        "windowed in worker threads) in flight at once, in all (a tenant_share each "
+        "tenant; past it a 429, past the whole a 503); the process's worker threads are "
+        "this many and a few for background work")
     summary_calls: int = Field(
         32, ge=1, le=4096, description="model summary calls in flight at once, in all (a "
         "tenant_share each tenant); more wait their turn. Each upstream keeps this many "

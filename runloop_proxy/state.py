@@ -91,6 +91,10 @@ class AppState:
         # answers read whole, in bytes: a share each tenant (pipeline/shares.py)
         self.answers = Shares("room for answers read whole", server.held_answers_mb << 20,
                               server.tenant_share, self._refused)
+        # requests whose large body is worked on in worker threads: a share each tenant,
+        # so one tenant's huge bodies leave the threads (and the GIL) to the others
+        self.large = Shares("large requests", server.large_requests, server.tenant_share,
+                            self._refused)
         self.summaries = SummaryService(self)
         # long-term memory (policy.memory): the embedded model loads on first use
         self.memory = Memory(StaticEmbedder(), self.metrics, self.spawn)

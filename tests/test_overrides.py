@@ -41,7 +41,8 @@ SERVER: dict[str, Any] = {
     "keep_alive_s": 13, "max_header_bytes": 20_483, "session_header": "X-Agent-Run",
     "websocket": False, "websocket_idle_s": 311.0,
     "admin_key": "admin-file-" + hashlib.sha256(b"file").hexdigest()[:29],
-    "cache_mb": 73, "held_answers_mb": 97, "tenant_share": 0.37, "summary_calls": 19}
+    "cache_mb": 73, "held_answers_mb": 97, "tenant_share": 0.37, "summary_calls": 19,
+    "large_requests": 23}
 STORE: dict[str, Any] = {
     "redis_url": "redis://10.7.3.10:6390/5", "key_prefix": "acme-prod", "retention_days": 11.5,
     "max_messages_per_session": 17_011, "max_message_bytes": 5_242_903, "max_branches": 91,

@@ -206,3 +206,93 @@ def test_a_refusal_mid_stream_is_the_streams_error_event_with_its_status(api: st
         assert data["code"] == "tenant_share_exceeded" and data["message"] == str(refused)
     else:
         assert data["error"]["code"] == "tenant_share_exceeded"
+
+
+LARGE_SHARE = 2  # a tenant's share of server.large_requests (4, at tenant_share 0.5)
+
+
+def _large_body(tenant: str, k: int) -> dict[str, Any]:
+    """A chat request whose body is large enough to be worked on in a worker thread: an
+    agent's 160 KB tool result (distinct ids), as a huge context brings."""
+    ids = " ".join(f"{tenant}-{k}-{n:08x}-4f3a-9c1e-{n * 7919:012x}" for n in range(3600))
+    return {"model": "gpt-4o-2024-08-06", "messages": [
+        {"role": "user", "content": "what failed?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": f"call_{k:024d}", "type": "function",
+            "function": {"name": "read_log", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": f"call_{k:024d}", "content": ids}]}
+
+
+async def test_one_tenants_large_bodies_leave_the_worker_threads_to_the_others(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding: the CPU work of a large body (parsing, counting, the window) ran in worker
+    threads any tenant could fill, so one tenant flooding huge bodies stalled the others'.
+    Now a request with a large body holds one of its tenant's share of
+    ``server.large_requests`` (the worker threads) until it ends: acme's third concurrent
+    large request is a 429 with Retry-After in the API's shape, globex's large and small
+    requests are served meanwhile, and once every share together fills the bound initech
+    gets a 503; what was held comes back when the requests end, their clients gone too.
+    Shown by the order of events, not by timings (``bench/hostile.py``'s two-tenant row
+    measures the latency). Planted, red: one holder for every caller (acme never held its
+    share: one process-wide count); a unit not given back when its request ended (globex
+    still held one after its answer)."""
+    root = config(tmp_path / "cfg", upstream.url)
+    toml = (root / "runloop.toml").read_text()
+    (root / "runloop.toml").write_text(toml.replace(
+        "tenant_share = 0.5\n", f"tenant_share = 0.5\nlarge_requests = {2 * LARGE_SHARE}\n")
+        .replace(f"max_connections = {POOL}", "max_connections = 16"))
+    proxy = make_proxy(config_dir=str(root))
+    large = proxy.state.large
+
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=90) as c:
+        def send(tenant: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+                 path: str = "/chat/completions") -> Any:
+            return c.post(path, json=body, headers={
+                "Authorization": f"Bearer {KEYS[tenant]}", **(headers or {})})
+
+        acme = [asyncio.ensure_future(send("acme", _large_body("acme", k), SLOW))
+                for k in range(LARGE_SHARE + 1)]
+        await eventually(lambda: sum(t.done() for t in acme) == 1 and
+                         large.held("acme") == LARGE_SHARE,
+                         "acme's large request over its share refused")
+        refused = next(t.result() for t in acme if t.done())
+        assert refused.status_code == 429, refused.text
+        assert refused.headers["Retry-After"] == "1"
+        error = refused.json()["error"]
+        assert error["code"] == "tenant_share_exceeded" and error["type"] == "rate_limit_error"
+        assert "large requests" in error["message"]
+        held = [t for t in acme if not t.done()]
+        # globex is served, large and small, while acme holds its share
+        r = await send("globex", _large_body("globex", 0))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        r = await send("globex", CHAT)
+        assert r.status_code == 200, r.text
+        assert not any(t.done() for t in held) and large.held("globex") == 0
+        # Anthropic's shape for acme's excess under /v1/messages
+        body = {**_large_body("acme", 9), "max_tokens": 16}
+        body["messages"] = [{"role": "user", "content": body["messages"][2]["content"]}]
+        r = await send("acme", body, path="/messages")
+        assert r.status_code == 429, r.text
+        assert r.json() == {"type": "error", "error": {
+            "type": "rate_limit_error", "message": r.json()["error"]["message"]}}
+        # globex takes its share too: the bound is full, within every share -> initech 503
+        globex = [asyncio.ensure_future(send("globex", _large_body("globex", k), SLOW))
+                  for k in (1, 2)]
+        await eventually(lambda: large.in_use == 2 * LARGE_SHARE, "the bound full")
+        r = await send("initech", _large_body("initech", 0))
+        assert r.status_code == 503, r.text
+        assert r.headers["Retry-After"] == "1"
+        assert r.json()["error"]["code"] == "proxy_full"
+        r = await send("initech", CHAT)  # a small body holds none: served
+        assert r.status_code == 200, r.text
+        for t in [*held, *globex]:  # their clients go away: what they held comes back
+            t.cancel()
+        await asyncio.gather(*held, *globex, return_exceptions=True)
+        await eventually(lambda: large.in_use == 0, "the large requests' units back")
+        r = await send("initech", _large_body("initech", 1))
+        assert r.status_code == 200, r.text
+    text = (await asyncio.to_thread(httpx.get, proxy.base + "/metrics")).text
+    assert 'runloop_share_refusals_total{reason="tenant",resource="large requests"} 2.0' in text
+    assert 'runloop_share_refusals_total{reason="process",resource="large requests"} 1.0' \
+        in text

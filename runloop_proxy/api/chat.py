@@ -27,7 +27,7 @@ async def chat_completions(request: Request) -> ASGIResponse:
 async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
     caller = authenticate(state, request)
     rlog.authenticated(caller.tenant.name, caller.label)
-    raw, body = await read_request(state, request, validate_chat_request)
+    raw, body = await read_request(state, request, validate_chat_request, caller, rlog)
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
     headers = list(request.headers.items())
     return Turn(caller, WIRE, body, raw, body["messages"], headers)

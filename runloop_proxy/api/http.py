@@ -127,13 +127,25 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_request(state: AppState, request: Request, check: Callable[[Any], T]
-                       ) -> tuple[bytes, T]:
+async def read_request(state: AppState, request: Request, check: Callable[[Any], T],
+                       caller: Caller, rlog: RequestLog) -> tuple[bytes, T]:
     """The body, read within the size bound, parsed and checked by ``check`` (which may also
     convert it) — off the event loop when it is large: a check walks every message and item,
     and a large body's walk must not hold up the other requests."""
     raw = await read_body(request, state.config.server.max_body_bytes)
-    return raw, await offload(is_large_body(raw), lambda: check(parse_json(raw)))
+    large = is_large_body(raw)
+    if large:
+        admit_large(state, caller, rlog)
+    return raw, await offload(large, lambda: check(parse_json(raw)))
+
+
+def admit_large(state: AppState, caller: Caller, rlog: RequestLog) -> None:
+    """A request whose large body is worked on in worker threads holds one of its tenant's
+    share of them (``server.large_requests``) until it ends: past the share a 429, past
+    the whole a 503 (both with Retry-After), before any of that work is done."""
+    holder = caller.holder
+    state.large.take(holder, 1, "large requests (bodies worked on in worker threads)")
+    rlog.at_end(lambda: state.large.give(holder))
 
 
 def parse_json(raw: bytes) -> Any:

@@ -44,7 +44,7 @@ async def _turn(state: AppState, request: Request, rlog: RequestLog,
     caller = authenticate(state, request)
     rlog.authenticated(caller.tenant.name, caller.label)
     raw, (body, messages, tools) = await read_request(
-        state, request, lambda parsed: _checked(parsed, counting))
+        state, request, lambda parsed: _checked(parsed, counting), caller, rlog)
     rlog.identify(caller.tenant.name, caller.label, body["model"], bool(body.get("stream")))
     # an upstream of chat completions only: the bridge translates both ways
     # (the upstream as the request began: a reload while its body was read moves nothing)

@@ -33,7 +33,7 @@ async def responses(request: Request) -> ASGIResponse:
 async def _turn(state: AppState, request: Request, rlog: RequestLog) -> Turn:
     caller = authenticate(state, request)
     rlog.authenticated(caller.tenant.name, caller.label)
-    raw, (body, messages) = await read_request(state, request, checked)
+    raw, (body, messages) = await read_request(state, request, checked, caller, rlog)
     return turn_of(caller, body, raw, messages, list(request.headers.items()), rlog)
 
 

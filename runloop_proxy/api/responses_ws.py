@@ -41,11 +41,12 @@ from ..pipeline.accounting import RequestLog
 from ..pipeline.offload import events, is_large, offload
 from ..pipeline.sse import SSEDecoder, encode_event
 from ..pipeline.turn import serve
-from ..pipeline.values import Answer, Turn
+from ..pipeline.values import Answer, Caller, Turn
 from ..state import AppState, state_of
 from .http import (
     INTERNAL_ERROR,
     ClientGone,
+    admit_large,
     authenticate,
     json_response,
     openai_shape,
@@ -183,7 +184,7 @@ class Connection:
         async def make_turn() -> Turn:
             caller = authenticate(state, self.ws)  # at each event: a reload, a revoked key
             rlog.authenticated(caller.tenant.name, caller.label)
-            create, raw, (body, messages) = await self._expanded(event, size)
+            create, raw, (body, messages) = await self._expanded(event, size, caller, rlog)
             made.append(create)
             if not create.generate:
                 rlog.api = WARMUP_API
@@ -213,13 +214,16 @@ class Connection:
         finally:
             in_flight.dec()
 
-    async def _expanded(self, event: dict[str, Any], size: int
-                        ) -> tuple[Create, bytes, Any]:
+    async def _expanded(self, event: dict[str, Any], size: int, caller: Caller,
+                        rlog: RequestLog) -> tuple[Create, bytes, Any]:
         """The event as its HTTP request, checked as one (off the event loop when the
-        conversation is large)."""
+        conversation is large, holding one of its tenant's large requests as an HTTP
+        request's large body does)."""
         previous = event.get("previous_response_id")
         kept = self.chains.get(previous) if isinstance(previous, str) else None
         large = is_large(size + (kept.size if kept else 0), len(kept.items) if kept else 0)
+        if large:
+            admit_large(self.state, caller, rlog)
         limit = self.state.config.server.max_body_bytes
 
         def expand() -> tuple[Create, bytes, Any]:
