@@ -63,10 +63,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve_command(upstream_url: str, redis_url: str, data_dir: Path, flags: list[str],
-                  env: dict[str, str]) -> Iterator[tuple[str, list[str]]]:
+                  env: dict[str, str]) -> Iterator[tuple[str, list[str], subprocess.Popen[bytes]]]:
     """``runloop-proxy serve`` as a user starts it, in a process of its own, once it answers
-    /healthz: its base URL and the arguments it was started with. Stopped with Ctrl-C
-    (SIGINT) after."""
+    /healthz: its base URL, the arguments it was started with and the process (a test may
+    kill it). Stopped with Ctrl-C (SIGINT) after, unless it has ended."""
     port = free_port()
     args = ["serve", "--upstream", upstream_url, "--redis-url", redis_url, "--port", str(port),
             "--data-dir", str(data_dir), "--log-level", "warning", *flags]
@@ -82,9 +82,10 @@ def serve_command(upstream_url: str, redis_url: str, data_dir: Path, flags: list
             return False
     try:
         until(up, timeout=60, what="serve to answer")
-        yield base, args
+        yield base, args, proc
     finally:
-        proc.send_signal(signal.SIGINT)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
         proc.wait(30)
 
 

@@ -451,7 +451,7 @@ def test_serve_takes_the_upstreams_format(how: str, upstream: ScriptedUpstream,
     """What the README says to run for Claude Code on an OpenAI-compatible model."""
     flags, env = (["--upstream-format", "chat"], {}) if how == "flag" \
         else ([], {"RUNLOOP_UPSTREAM_FORMAT": "chat"})
-    with serve_command(upstream.url, redis_url, tmp_path, flags, env) as (base, args):
+    with serve_command(upstream.url, redis_url, tmp_path, flags, env) as (base, args, _):
         c = anthropic.Anthropic(base_url=base, api_key=KEY, max_retries=0)
         answer = c.messages.create(model=MODEL, max_tokens=16,
                                    messages=[{"role": "user", "content": "hi"}])

@@ -64,7 +64,7 @@ def test_serve_takes_the_admin_key(how: str, upstream: ScriptedUpstream, redis_u
                                    tmp_path: Path) -> None:
     flags, env = (["--admin-key", ADMIN_KEY], {}) if how == "flag" \
         else ([], {"RUNLOOP_ADMIN_KEY": ADMIN_KEY})
-    with serve_command(upstream.url, redis_url, tmp_path, flags, env) as (base, _):
+    with serve_command(upstream.url, redis_url, tmp_path, flags, env) as (base, _, _):
         ok = httpx.get(base + "/admin/tenants", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         assert ok.status_code == 200 and "tenants" in ok.json()
         assert httpx.get(base + "/admin/tenants",

@@ -51,8 +51,8 @@ def test_every_turn_reaches_the_upstream_whatever_replica_answered_the_last(
     turn before. The second bug of the class (the stream's end sent before the write) is
     planted in the test below, where the write's latency is injected."""
     key = openai_project_key(40)
-    with serve_command(upstream.url, redis_url, tmp_path / "a", [], {}) as (a, _), \
-            serve_command(upstream.url, redis_url, tmp_path / "b", [], {}) as (b, _):
+    with serve_command(upstream.url, redis_url, tmp_path / "a", [], {}) as (a, _, _), \
+            serve_command(upstream.url, redis_url, tmp_path / "b", [], {}) as (b, _, _):
         replicas = [a + "/v1", b + "/v1"]
         tag = "json" if not stream else "sse"
         names = [f"replica-{tag}-{n:02d}" for n in range(SESSIONS)]
@@ -162,39 +162,6 @@ def test_a_slow_write_is_waited_for_by_the_answer_not_by_luck(
         second.stop()
 
 
-def _serve(upstream_url: str, redis_url: str, data_dir: Path) -> tuple[Any, str]:
-    """``runloop-proxy serve`` in a process of its own, once it answers /healthz (the test
-    kills it with SIGKILL)."""
-    import os
-    import subprocess
-    import sys
-
-    import httpx
-
-    from .conftest import free_port, until
-
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runloop_proxy", "serve", "--upstream", upstream_url,
-         "--redis-url", redis_url, "--port", str(port), "--data-dir", str(data_dir),
-         "--log-level", "warning"], env=dict(os.environ), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-
-    def up() -> bool:
-        try:
-            return httpx.get(base + "/healthz").status_code == 200
-        except httpx.HTTPError:
-            return False
-    try:
-        until(up, timeout=60, what="serve to answer")
-    except BaseException:
-        proc.kill()
-        proc.wait(30)
-        raise
-    return proc, base + "/v1"
-
-
 KILL_SESSIONS = 6
 KILL_ROUNDS = 3
 KILL_AFTER = 9  # answers acknowledged in a round before its process is killed
@@ -212,42 +179,44 @@ def test_an_acknowledged_turn_survives_kill_9(stream: bool, upstream: ScriptedUp
     names = [f"kill9-{tag}-{n}" for n in range(KILL_SESSIONS)]
     acked: dict[str, list[str]] = {n: [] for n in names}
     for rnd in range(KILL_ROUNDS):
-        proc, url = _serve(upstream.url, redis_url, tmp_path / f"r{rnd}")
-        count = threading.Semaphore(0)
-        stop = threading.Event()
+        with serve_command(upstream.url, redis_url, tmp_path / f"r{rnd}", [], {}) as (
+                base, _, proc):
+            url = base + "/v1"
+            count = threading.Semaphore(0)
+            stop = threading.Event()
 
-        def converse(name: str, url: str = url, rnd: int = rnd,
-                     count: threading.Semaphore = count, stop: threading.Event = stop) -> None:
-            c = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60,
-                              default_headers={"X-Session-Id": name,
-                                               "X-Runloop-History": "server"})
-            turn = 0
+            def converse(name: str, url: str = url, rnd: int = rnd,
+                         count: threading.Semaphore = count, stop: threading.Event = stop) -> None:
+                c = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60,
+                                  default_headers={"X-Session-Id": name,
+                                                   "X-Runloop-History": "server"})
+                turn = 0
+                try:
+                    while not stop.is_set():
+                        text = f"{name} round {rnd} turn {turn}"
+                        if _ask(c, text, stream) == f"echo: {text}":
+                            acked[name].append(text)
+                            count.release()
+                        turn += 1
+                except (openai.APIError, openai.APIConnectionError):
+                    pass  # the process was killed mid-request: that turn was never acknowledged
+                finally:
+                    c.close()
+
+            threads = [threading.Thread(target=converse, args=(n,)) for n in names]
             try:
-                while not stop.is_set():
-                    text = f"{name} round {rnd} turn {turn}"
-                    if _ask(c, text, stream) == f"echo: {text}":
-                        acked[name].append(text)
-                        count.release()
-                    turn += 1
-            except (openai.APIError, openai.APIConnectionError):
-                pass  # the process was killed mid-request: that turn was never acknowledged
+                for t in threads:
+                    t.start()
+                for _ in range(KILL_AFTER):
+                    assert count.acquire(timeout=120), "answers did not come"
             finally:
-                c.close()
-
-        threads = [threading.Thread(target=converse, args=(n,)) for n in names]
-        try:
-            for t in threads:
-                t.start()
-            for _ in range(KILL_AFTER):
-                assert count.acquire(timeout=120), "answers did not come"
-        finally:
-            proc.kill()  # SIGKILL: nothing of the process runs after this
-            proc.wait(30)
-            stop.set()
-            for t in threads:
-                t.join(120)
-    proc, url = _serve(upstream.url, redis_url, tmp_path / "last")
-    try:
+                proc.kill()  # SIGKILL: nothing of the process runs after this
+                proc.wait(30)
+                stop.set()
+                for t in threads:
+                    t.join(120)
+    with serve_command(upstream.url, redis_url, tmp_path / "last", [], {}) as (base, _, _):
+        url = base + "/v1"
         lost = []
         for name in names:
             c = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60,
@@ -267,6 +236,3 @@ def test_an_acknowledged_turn_survives_kill_9(stream: bool, upstream: ScriptedUp
                 assert sent[at + 1] == f"echo: {text}", (text, sent[at:at + 2])
         assert not lost, f"{len(lost)} of {sum(map(len, acked.values()))} acknowledged " \
                          f"turns lost to kill -9: {lost[:5]}"
-    finally:
-        proc.kill()
-        proc.wait(30)

@@ -7,6 +7,7 @@ import hashlib
 import re
 import threading
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -186,6 +187,34 @@ def test_concurrent_full_resends_keep_every_message(aproxy: ProxyServer,
 
 def _url(proxy: ProxyServer) -> str:
     return str(proxy.settings.redis_url)
+
+
+def test_a_summary_lock_is_released_only_by_its_holder(redis_url: str) -> None:
+    """One summary in flight per session across replicas: the lock is a token with a TTL.
+    A holder whose lock expired (a summary slower than its TTL) and was taken by another
+    replica must not release the other's when it ends, or a third replica makes the same
+    summary again. Two stores on one Redis (two replicas). Planted, red: the unlock
+    deleting the key whoever holds it (the third replica got the lock); the lock taken
+    without NX (the second replica got it while the first held it)."""
+    async def go() -> None:
+        cfg = StoreSection(key_prefix=f"t-lock-{uuid.uuid4().hex[:10]}-")
+        a, b = RedisStore(redis_url, cfg, Metrics()), RedisStore(redis_url, cfg, Metrics())
+        session = "n:sess_01JDKX4Q8W2M9T7H3C5B6N0PZR"
+        first = await a.lock_summary("acme", session, 0.35)
+        assert first and await b.lock_summary("acme", session, 30) is None
+        await asyncio.sleep(0.5)  # a's summary outlived its lock: b takes it
+        second = await b.lock_summary("acme", session, 30)
+        assert second and second != first
+        await a.unlock_summary("acme", session, first)  # a ends late: b's lock stays
+        assert await a.lock_summary("acme", session, 30) is None
+        await b.unlock_summary("acme", session, second)
+        third = await a.lock_summary("acme", session, 30)
+        assert third and third not in (first, second)
+        await a.unlock_summary("acme", session, third)
+        await a.close()
+        await b.close()
+
+    asyncio.run(go())
 
 
 def test_tool_call_ids_reused_are_kept_apart(redis_url: str) -> None:

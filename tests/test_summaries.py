@@ -19,7 +19,7 @@ from runloop_proxy.scripted import ScriptedUpstream
 from runloop_proxy.window.builder import batch_omission
 from runloop_proxy.window.digest import VERSION as EXTRACTIVE
 
-from .conftest import ProxyServer, until
+from .conftest import ProxyServer, serve_command, until
 from .test_config import ACME_KEY, write_config
 
 ADMIN = {"Authorization": "Bearer admin-0123456789abcdef"}
@@ -294,6 +294,65 @@ def test_two_replicas_make_one_summary(tmp_path: Path, make_proxy: Any,
         assert [s["text"] for s in stored() if s.get("model_summary")] == ["one summary"]
     finally:
         b.stop()
+
+
+def test_two_serve_processes_on_one_redis_make_one_summary(
+        tmp_path: Path, upstream: ScriptedUpstream, redis_url: str) -> None:
+    """Two ``runloop-proxy serve`` processes on one Redis (two replicas, as deployed), one
+    session's turns sent to both while its summary's model call thinks 6 s: the summary
+    model is called once, and the one summary is stored. The lock is Redis's (a token with
+    a TTL), not a process's. Planted, red: the lock taken whatever is held (nx off: two
+    summary calls). Its token: test_store.py's summary lock test."""
+    calls: list[dict[str, Any]] = []
+
+    def summary(body: dict[str, Any]) -> dict[str, Any]:
+        calls.append(body)
+        return {"content": "one summary", "delay": 6}
+
+    upstream.responder = model(summary)
+    root = Path(config(tmp_path, upstream, model="gpt-4o-mini-2024-07-18"))
+    with (root / "runloop.toml").open("a") as f:
+        f.write(f'\n[store]\nkey_prefix = "tsum{time.time_ns() % 10**9}-"\n')
+    flags = ["--config", str(root)]
+    with serve_command(upstream.url, redis_url, tmp_path / "a", flags, {}) as (a, _, _), \
+            serve_command(upstream.url, redis_url, tmp_path / "b", flags, {}) as (b, _, _):
+        def client(base: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=base + "/v1", api_key=ACME_KEY, max_retries=0,
+                                 default_headers={"X-Session-Id": "sum-procs"})
+
+        ca, cb = client(a), client(b)
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": "You track orders."}]
+        for k in range(1, 6):  # turn 5's question starts the summary of loops 1-2
+            msgs.append({"role": "user", "content": f"where is order {k}"})
+            while True:
+                asked = list(msgs)
+                r = ca.chat.completions.create(model="gpt-4o-mini-2024-07-18", messages=msgs,  # type: ignore[arg-type]
+                                               tools=TOOLS)  # type: ignore[arg-type]
+                if k == 5 and len(asked) == len(msgs) and msgs[-1]["role"] == "user":
+                    # the same request to replica b while a's summary call thinks: b
+                    # wants the same summary, and finds it being made
+                    until(lambda: len(calls) >= 1, what="replica a's summary call")
+                    cb.chat.completions.create(model="gpt-4o-mini-2024-07-18", messages=asked,  # type: ignore[arg-type]
+                                               tools=TOOLS)  # type: ignore[arg-type]
+                m = r.choices[0].message
+                msgs.append(m.model_dump(exclude_none=True))
+                if not m.tool_calls:
+                    break
+                for call in m.tool_calls:
+                    msgs.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": f"#W{k}000 shipped via carrier-{k}7 " + "x " * 200})
+        ca.close()
+        cb.close()
+
+        def stored() -> list[dict[str, Any]]:
+            return list(httpx.get(b + "/admin/sessions/sum-procs", headers=ADMIN, params={
+                "tenant": "acme"}).json()["summaries"])
+
+        until(lambda: any(s.get("model_summary") for s in stored()), timeout=20,
+              what="the model's summary stored")
+        time.sleep(1.0)  # a second call, had replica b made one, would have come by now
+        assert len(calls) == 1, f"{len(calls)} summary calls for one session's loops"
+        assert [s["text"] for s in stored() if s.get("model_summary")] == ["one summary"]
 
 
 @pytest.mark.parametrize("policy", ["", 'summary_model = "extractive"'])

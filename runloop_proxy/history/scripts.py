@@ -116,6 +116,16 @@ end
 return 0
 """
 
+# A summary's lock released by the holder that took it: KEYS[1] is the lock, ARGV[1] the
+# token it was taken with. A holder whose lock expired (and was taken by another replica)
+# deletes nothing: the other's summary stays the only one in flight.
+UNLOCK_LUA = r"""
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
+"""
+
 EXPIRE_WITH_SESSION_LUA = r"""
 local t = redis.call('PTTL', KEYS[1])
 if t <= 0 then t = tonumber(ARGV[1]) end

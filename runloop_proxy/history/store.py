@@ -19,7 +19,7 @@ slot and every update is a single atomic Lua script (scripts.py)::
     P:{n:s}:rec       list   compression records and branch events (seed 004 §3.4)
     P:{n:s}:req       list   per request: prompt tokens as sent and as forwarded (last 500)
     P:{n:s}:sum       hash   "<loops>:<cover hash>" -> a summary of those loops, or "late"
-    P:{n:s}:sumlock   string one summary in flight per session (expires)
+    P:{n:s}:sumlock   string one summary in flight per session: its holder's token (expires)
     P:t:<n>:sessions  zset   session -> last use (for listing; a different slot)
     P:a:<n>:<anchor>  string session id a recorded reply belongs to (trimmed histories)
 
@@ -67,6 +67,7 @@ from .scripts import (
     MISSING_LUA,
     PUT_DATES_LUA,
     SYNC_LUA,
+    UNLOCK_LUA,
 )
 from .writes import (
     Job,
@@ -191,6 +192,7 @@ class RedisStore:
         self._load = self.client.register_script(LOAD_LUA)
         self._add_internal = self.client.register_script(ADD_INTERNAL_LUA)
         self._missing = self.client.register_script(MISSING_LUA)
+        self._unlock = self.client.register_script(UNLOCK_LUA)
         budgets = cache_bytes or {}
 
         def share(name: str) -> int:
@@ -783,16 +785,22 @@ class RedisStore:
             self.prefix(namespace, session_id) + ":sum"))
         return {_s(k): _s(v) for k, v in (found or {}).items()}
 
-    async def lock_summary(self, namespace: str, session_id: str, ttl_s: float) -> bool:
-        """One summary in flight per session, across replicas (expires on its own)."""
-        return bool(await self._call("summary", lambda: self.client.set(
-            self.prefix(namespace, session_id) + ":sumlock", "1", nx=True,
-            px=int(ttl_s * 1000))))
+    async def lock_summary(self, namespace: str, session_id: str, ttl_s: float) -> str | None:
+        """One summary in flight per session, across replicas and workers: the token this
+        holder took the lock with (``unlock_summary`` needs it), or None when another holds
+        it. Expires on its own (a replica that died holding it)."""
+        token = secrets.token_hex(16)
+        taken = await self._call("summary", lambda: self.client.set(
+            self.prefix(namespace, session_id) + ":sumlock", token, nx=True,
+            px=int(ttl_s * 1000)))
+        return token if taken else None
 
-    async def unlock_summary(self, namespace: str, session_id: str) -> None:
+    async def unlock_summary(self, namespace: str, session_id: str, token: str) -> None:
+        """Release the lock taken with ``token``, if it is still that one (compared and
+        deleted in one script: never a lock another holder took after this one expired)."""
         with contextlib.suppress(StoreError):
-            await self._call("summary", lambda: self.client.delete(
-                self.prefix(namespace, session_id) + ":sumlock"))
+            await self._call("summary", lambda: self._unlock(
+                keys=[self.prefix(namespace, session_id) + ":sumlock"], args=[token]))
 
     async def set_anchor(self, namespace: str, anchor: str, session_id: str,
                          retention_days: float | None) -> None:

@@ -586,10 +586,11 @@ class SummaryService:
             self.state.metrics.summaries.labels(tl, "backoff").inc()
             return None
         try:
-            if not await store.lock_summary(ns, session_id, policy.summary_timeout_s + 5):
-                return None  # another replica is making it
+            token = await store.lock_summary(ns, session_id, policy.summary_timeout_s + 5)
         except StoreError:
             return None
+        if not token:
+            return None  # another replica (or worker) is making it
         started = time.perf_counter()
         prev_e, prev_text = _rolled_from(entries, previous)
         new = loops[prev_e:e]
@@ -630,7 +631,7 @@ class SummaryService:
             log.warning("summary failed: the window stays without one",
                         extra={"tenant": tenant, "session": session_id, "outcome": outcome,
                                "error": type(exc).__name__})
-            await store.unlock_summary(ns, session_id)
+            await store.unlock_summary(ns, session_id, token)
             return None
         ms = round((time.perf_counter() - started) * 1000, 1)
         self.failures[ns] = 0
@@ -652,7 +653,7 @@ class SummaryService:
                 await store.put_summary(ns, session_id, model_field(e, cover),
                                         orjson.dumps(record).decode(), job.retention_days)
             await self._put(ns, session_id, field(e, cover), record, job.retention_days)
-            await store.unlock_summary(ns, session_id)
+            await store.unlock_summary(ns, session_id, token)
         except StoreError:
             return None
         return text
