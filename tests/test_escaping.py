@@ -190,6 +190,10 @@ def store_directly(proxy: ProxyServer, namespace: str, s: str) -> str:
     prefix = store.prefix(namespace, sid)
     proxy.run(store.client.hset(prefix + ":branches", "0", orjson.dumps(
         {"parent": s, "fork_at": s, "created": s})))
+    # a request's point naming the model as the client wrote it (the list shows it, and
+    # offers it as a filter)
+    proxy.run(store.client.rpush(prefix + ":req", orjson.dumps(
+        {"ts": 1_700_000_000_000, "client": 1200, "forwarded": 900, "model": s})))
     return sid
 
 
@@ -208,6 +212,7 @@ def pages(proxy: ProxyServer, strings: list[str], turns: str, namespace: str) ->
 
     get("/admin/ui", tenant="acme")
     get("/admin/ui", tenant=namespace)
+    get("/admin/ui", tenant="*", sort="model")
     get("/admin/ui/session", tenant="acme", id=turns)
     for pos in range(4 * len(strings) + 3):
         get("/admin/ui/message", tenant="acme", id=turns, pos=str(pos))
@@ -219,6 +224,8 @@ def pages(proxy: ProxyServer, strings: list[str], turns: str, namespace: str) ->
                 get("/admin/ui/message", tenant=tenant, id=sid, pos=str(pos))
         # reflected: a search, an unknown tenant, a session that is not there
         get("/admin/ui", tenant="acme", q=s)
+        get("/admin/ui", tenant=namespace, model=s)
+        get("/admin/ui", tenant="*", model=s, sort="model")
         get("/admin/ui", tenant=s)
         get("/admin/ui/session", tenant=s, id=sid)
         get("/admin/ui/session", tenant="acme", id=sid + "-gone")
@@ -253,6 +260,8 @@ def render(proxy: ProxyServer, upstream: ScriptedUpstream, strings: list[str],
 
 def test_no_element_or_attribute_of_any_page_comes_from_stored_data(
         inspector: ProxyServer, upstream: ScriptedUpstream) -> None:
+    """Planted on the sessions list, each red: a session's model shown unescaped, the
+    filters' option labels unescaped (the model a client named is one)."""
     benign = render(inspector, upstream, [plain(s, k) for k, s in enumerate(CORPUS)], "plain")
     allowed = shape(benign)
     hostile = render(inspector, upstream, CORPUS, "hostile")
