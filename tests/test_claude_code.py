@@ -319,3 +319,82 @@ def test_claude_code_runs_on_a_chat_model_through_the_bridge(
           f"recalls answered {recalls:.0f}")
     assert forwarded < 0.8 * client
     assert recalls == 1
+
+
+# -- a small window: the real CLI over turns, compressed, one session, one branch -------------
+
+SMALL_WINDOW = 32_000
+
+
+def test_claude_code_at_a_32k_window_is_one_session_one_branch_and_compressed(
+        claude_bin: str, make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """The tenant gives the model a 32,000-token window (its ``[models]`` table; the working
+    budget above it, so the window is what bounds the prompt) and Claude
+    Code asks for 4,096 output tokens (``CLAUDE_CODE_MAX_OUTPUT_TOKENS``; its own 32,000 would
+    leave a known 32k window nothing for the prompt). Three turns, ``--continue`` then
+    ``--resume`` by id, each reading four ~4k-token logs over Claude Code's ~20k tokens of
+    system prompt and tools: every turn answered (no request refused, none over the window
+    upstream), one stored session with one branch, what went upstream well under what
+    Claude Code sent, the proxy's tools in none of Claude Code's transcripts, and the
+    count_tokens of the session's window (what ``/context`` asks) answered by the proxy
+    within the window. Red with the tenant's window not applied (the upstream gets
+    requests over 32k) and with the cache marks counted as content (a branch per
+    request)."""
+    cfg = tmp_path / "cfg"
+    (cfg / "tenants").mkdir(parents=True)
+    (cfg / "runloop.toml").write_text(
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'api_key = "sk-ant-upstream"\n')
+    (cfg / "tenants" / "dev.toml").write_text(
+        f'keys = ["{KEY}"]\nupstream = "claude"\n[policy]\nsoft_budget_tokens = 150000\n'
+        f'[models."{MODEL}"]\ncontext_window = {SMALL_WINDOW}\n')
+    proxy = make_proxy(config_dir=str(cfg), admin_key=ADMIN)
+    work, home = workspace(tmp_path)
+    upstream.responder = model
+    outputs, session = [], None
+    for turn in range(FILES // PER_TURN):
+        more: tuple[str, ...] = ("--continue",) if turn == 1 else (
+            ("--resume", session) if turn == 2 and session else ())
+        out = run_claude(claude_bin, proxy, home, work,
+                         f"turn {turn}: read logs {turn * PER_TURN} to "
+                         f"{(turn + 1) * PER_TURN - 1}", *more,
+                         CLAUDE_CODE_MAX_OUTPUT_TOKENS="4096")
+        outputs.append(out)
+        session = next(e["session_id"] for e in out if e.get("session_id"))
+    finals = [[e for e in out if e.get("type") == "result"][-1] for out in outputs]
+    assert [f["subtype"] for f in finals] == ["success"] * len(finals), finals
+    assert finals[-1]["result"].startswith(f"turn {len(finals) - 1} done")
+    main = [b for b in upstream.requests if len(b.get("tools") or []) > 2]
+    # every window the proxy built fits (its own recall round adds the recalled result
+    # whole on top of one: not yet bounded by the room the window leaves)
+    built = [b for b in main if not any(r["tool_use_id"] in (RECALL_ID, SEARCH_ID)
+                                        for r in results_of(b))]
+    assert built and max(upstream.anthropic.tokens(b) for b in built) <= SMALL_WINDOW
+    labels = {"tenant": "dev", "model": MODEL}
+    metrics = proxy.metrics.registry
+    client = metrics.get_sample_value("runloop_prompt_tokens_client_total", labels)
+    forwarded = metrics.get_sample_value("runloop_prompt_tokens_forwarded_total", labels)
+    print(f"32k window: {len(main)} main requests, prompt tokens {client:,.0f} sent by "
+          f"Claude Code -> {forwarded:,.0f} forwarded")
+    assert forwarded < 0.6 * client
+    # /context's count of the session as it stands, answered by the proxy, in the window
+    last = main[-1]
+    counted = httpx.post(f"{proxy.base}/v1/messages/count_tokens", headers={
+        "x-api-key": KEY, "anthropic-version": "2023-06-01",
+        "X-Claude-Code-Session-Id": session or ""}, json={
+        "model": MODEL, "system": last["system"], "tools": last["tools"],
+        "messages": [m for b in upstream.requests[-1:] for m in b["messages"]]})
+    assert counted.status_code == 200, counted.text
+    assert 0 < counted.json()["input_tokens"] <= SMALL_WINDOW
+    proxy.settle()
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    listed = httpx.get(f"{proxy.base}/admin/sessions", headers=auth,
+                       params={"tenant": "dev"}).json()["sessions"]
+    named = [s for s in listed if not s["session_id"].startswith("fp-")]
+    assert [s["session_id"] for s in named] == [f"n:{session}"], listed
+    view = httpx.get(f"{proxy.base}/admin/sessions/{named[0]['session_id']}", headers=auth,
+                     params={"tenant": "dev", "messages": "1"}).json()
+    assert len(view["branches"]) == 1, view["branches"]
+    transcripts = "\n".join(p.read_text() for p in (home / ".claude").rglob("*.jsonl"))
+    assert transcripts and "recall_tool_call" not in transcripts \
+        and "search_history" not in transcripts
