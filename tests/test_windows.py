@@ -37,6 +37,7 @@ from runloop_proxy.windows import (
 )
 
 from .keys import anthropic_key, openai_project_key
+from .test_metrics import metric_sum
 
 KEY = anthropic_key(5)
 
@@ -203,6 +204,7 @@ def test_what_is_not_an_overflow(status: int, body: bytes) -> None:
 
 NEW_MODEL = "claude-opus-6"  # a later model than the table knows
 LIMIT = 41_000  # the scripted model's real window: what the upstream's error says
+ADMIN = "admin-" + "9b2f" * 8
 
 
 def _turns(n: int) -> list[dict[str, Any]]:
@@ -304,6 +306,40 @@ def test_the_upstreams_overflow_is_learned_and_the_request_answered(
                           messages=_turns(25))
     assert len(upstream.requests) == 4
     assert upstream.anthropic.tokens(upstream.requests[-1]) <= LIMIT
+
+
+def test_a_request_resent_in_a_learned_window_counts_its_steps_once(
+        make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """A session past the guessed budget is compacted for it, overflows the real window and
+    is built again in the learned one: what the metrics and the session's records count is
+    the window that went and was answered — as much as a proxy that knew the window already
+    counts for the same request — not that plus the refused one. Red with the first
+    window's steps counted too (the metric and the records: 17 against 15)."""
+    upstream.responder = _overflowing(upstream)
+
+    def steps(proxy: Any) -> tuple[float, list[tuple[str, int]]]:
+        """The compaction events counted while the request is served, and the steps the
+        session's records keep."""
+        client = anthropic.Anthropic(base_url=proxy.base, api_key=KEY, max_retries=0)
+        before = metric_sum(proxy, "runloop_compaction_events_total")
+        ask(client, model=NEW_MODEL, max_tokens=128_000, tools=[BASH], messages=_turns(80),
+            extra_headers={"X-Session-Id": "build-triage-2026-12-02"})
+        proxy.settle()
+        counted = metric_sum(proxy, "runloop_compaction_events_total") - before
+        view = httpx.get(f"{proxy.base}/admin/sessions/build-triage-2026-12-02",
+                         params={"tenant": "dev"},
+                         headers={"Authorization": f"Bearer {ADMIN}"}).json()
+        return counted, [(r["kind"], r["at_message"]) for r in view["compression_records"]]
+
+    guessing = agent_proxy(tmp_path, make_proxy, upstream, admin_key=ADMIN)
+    resent = steps(guessing)
+    assert len(upstream.requests) == 2  # the overflow, then the learned window
+    (key,) = list(guessing.state.windows._known.keys())
+    knowing = agent_proxy(tmp_path, make_proxy, upstream, admin_key=ADMIN)  # its own Redis keys
+    knowing.run(knowing.state.windows.learn(knowing.state.store, *key, LIMIT))
+    straight = steps(knowing)
+    assert len(upstream.requests) == 3  # built in the window at once
+    assert resent == straight and len(straight[1]) == straight[0] > 0, (resent, straight)
 
 
 def test_an_overflow_with_nothing_new_is_the_upstreams_error(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from ..conversation.identity import Session
@@ -27,7 +28,10 @@ STEPS_KEPT = 24  # a request's window steps recorded one by one (the earlier one
 
 async def shape(state: AppState, turn: Turn, session: Session, history: History,
                 rlog: RequestLog) -> Outgoing:
-    """The body that goes upstream: the client's, byte for byte, unless a window changes it."""
+    """The body that goes upstream: the client's, byte for byte, unless a window changes it.
+    What its window did is counted and recorded when it is the one that goes
+    (``Outgoing.taken``): a request built again in a learned window counts only that one."""
+    steps: list[Callable[[], None]] = []
     # the client's tool schemas are rendered to be counted: request content, off the event
     # loop when the request is large (as its messages are)
     frame = await offload(turn.large, lambda: Frame.of(
@@ -35,10 +39,11 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         turn.long_context))
     rlog.frame = frame.point()
     if history.degraded:
-        state.metrics.degraded.labels(turn.caller.label, history.degraded).inc()
+        degraded = history.degraded
+        steps.append(lambda: state.metrics.degraded.labels(turn.caller.label, degraded).inc())
     if turn.chained or history.degraded or not turn.policy.enabled:
         # a chained request's conversation lives upstream: what it carries is counted
-        return await _untouched(state, turn, history, frame, rlog)
+        return await _untouched(state, turn, history, frame, rlog, steps)
     keys = [p.hash for p in history.prepared]
     internal = history.internal
     if state.store is not None and turn.caller.namespace is not None:
@@ -56,13 +61,14 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         log.exception("window failed: passing the request through uncompressed",
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
         rlog.degraded = "window"
-        state.metrics.degraded.labels(turn.caller.label, "window").inc()
-        return await _untouched(state, turn, history, frame, rlog)
+        steps.append(lambda: state.metrics.degraded.labels(turn.caller.label, "window").inc())
+        return await _untouched(state, turn, history, frame, rlog, steps)
     if dated and state.store is not None and turn.caller.namespace is not None:
         state.spawn(_store_dates(state, turn.caller.namespace, session.id, dated[0],
                                  turn.caller.tenant.retention_days))
     if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
         _after(state, turn, session, spliced, spliced_keys, window, stored, made, rlog)
+        steps.append(lambda: count_steps(state, turn, window))
     tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
     if not window.fits and window.budget is not None and not window.budget.known:
         # a window the proxy guessed is no reason to refuse: the upstream says (and then
@@ -72,6 +78,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
                         "model": turn.model[:64], "tokens": window.tokens_out,
                         "guessed": window.budget.hard})
     elif not window.fits and not turn.counting:
+        Outgoing(b"", steps=steps).taken()  # refused: this window is the last
         state.metrics.rejections.labels(tl, ml).inc()
         log_events(state, turn, session, window)
         raise ContextLengthExceeded(
@@ -80,7 +87,7 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
             else "messages", needed=window.tokens_out,
             allowed=window.budget.hard if window.budget is not None else None)
     if any(e.kind.value == "hard_truncation" for e in window.events):
-        state.metrics.truncations.labels(tl, ml).inc()
+        steps.append(lambda: state.metrics.truncations.labels(tl, ml).inc())
     offer, with_tools = sends_proxy_tools(turn.caller.tenant, frame, window,
                                           spliced is not history.messages)
     rlog.prompt_tokens = prompt_tokens(state, turn.caller.tenant, frame, window.tokens_in,
@@ -90,17 +97,17 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
             state, turn.caller.tenant, frame, turn.chat_tools, spliced, spliced_keys, window,
             with_tools))
     if not (window.changed or offer or turn.server_history):
-        return Outgoing(await _as_sent(turn, history))
+        return Outgoing(await _as_sent(turn, history), steps=steps)
     extra = turn.wire.tool_definitions(tools) if with_tools else []
     body = await _converted(turn, turn.large or history.large, window.messages, extra,
                             window.note)
     if not turn.counting:
-        log_events(state, turn, session, window)
-    return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys)
+        steps.append(lambda: log_events(state, turn, session, window))
+    return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys, steps)
 
 
 async def _untouched(state: AppState, turn: Turn, history: History, frame: Frame,
-                     rlog: RequestLog) -> Outgoing:
+                     rlog: RequestLog, steps: list[Callable[[], None]]) -> Outgoing:
     """The request goes as it came, its prompt counted as sent (and so as forwarded)."""
     n = sum(p.tokens or 0 for p in history.prepared)
     rlog.prompt_tokens = prompt_tokens(state, turn.caller.tenant, frame, n, n, False)
@@ -108,7 +115,7 @@ async def _untouched(state: AppState, turn: Turn, history: History, frame: Frame
         rlog.prompts = await offload(turn.large or history.large, lambda: prompts_of(
             state, turn.caller.tenant, frame, turn.chat_tools, history.messages,
             [p.hash for p in history.prepared], None, False))
-    return Outgoing(await _as_sent(turn, history))
+    return Outgoing(await _as_sent(turn, history), steps=steps)
 
 
 def _too_long(turn: Turn, window: Window) -> str:
@@ -128,9 +135,9 @@ def _too_long(turn: Turn, window: Window) -> str:
 def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message],
            keys: list[str], window: Window, stored: dict[str, str],
            made: Made | None, rlog: RequestLog) -> None:
-    """What a window leads to: its inline summary kept, the next summary planned, its
-    compaction events counted; and, when it omits loops without the summary the failing
-    summariser did not make, the request marked degraded by it (header, log line, metric)."""
+    """What a window leads to: its inline summary kept, the next summary planned; and, when
+    it omits loops without the summary the failing summariser did not make, the request
+    marked degraded by it (header, log line, metric)."""
     if made is not None:
         state.summaries.keep_inline(turn, session, made)
     missing = False
@@ -148,6 +155,10 @@ def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message]
                     "loops without one", extra={"tenant": turn.caller.tenant.name,
                                                 "session": session.id,
                                                 "omitted": window.omitted_loops})
+
+
+def count_steps(state: AppState, turn: Turn, window: Window) -> None:
+    """A window's compaction events, counted (once it is the window that goes)."""
     tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
     for kind, n in Counter(event.kind.value for event in window.events).items():
         state.metrics.compactions.labels(tl, ml, kind).inc(n)

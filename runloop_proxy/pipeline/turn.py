@@ -32,7 +32,13 @@ async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     rlog.session, rlog.degraded = session.id, unrecorded(state, turn, history)
     told = await _window_told(state, turn)
     out = await shape(state, turn, session, history, rlog)
-    resp = await forward(state, turn, out.body, rlog)
+    if not told:
+        out.taken()  # no overflow error can have it built again: this window goes
+    try:
+        resp = await forward(state, turn, out.body, rlog)
+    except BaseException:
+        out.taken()
+        raise
     if told and resp.status in OVERFLOW_STATUSES:
         # the model's window was a guess, or the table's: the upstream's overflow error
         # says what it is; with news, the window is built again in it and sent once more
@@ -43,11 +49,14 @@ async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
         if limit is None or limit == _window_used(state, turn) or not await state.windows.learn(
                 state.store, turn.caller.scope, window_name(turn.model, turn.long_context),
                 limit):
+            out.taken()
             status, raw = turn.wire.upstream_error(resp.status, raw)
             rlog.finish(status)
             return Answer(status, headers, raw)
-        out = await shape(state, turn, session, history, rlog)
+        out = await shape(state, turn, session, history, rlog)  # the first goes uncounted
+        out.taken()
         resp = await forward(state, turn, out.body, rlog)
+    out.taken()
     return await relay(state, turn, session, history, out, resp, rlog)
 
 
@@ -81,6 +90,7 @@ async def count(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     session, history = await reconcile(state, turn, session)
     rlog.session, rlog.degraded = session.id, unrecorded(state, turn, history)
     out = await shape(state, turn, session, history, rlog)
+    out.taken()
     # (an upstream of another API has no count of this one's: the proxy counts then)
     if turn.policy.count_tokens == "upstream" and not turn.wire.translates:
         resp = await forward(state, turn, out.body, rlog, "/count_tokens")

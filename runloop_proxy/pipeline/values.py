@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -219,6 +219,16 @@ class Outgoing:
     window: Window | None = None
     conversation: list[Message] = field(default_factory=list)  # what it was built from
     keys: list[str] = field(default_factory=list)
+    # what its window did, counted and recorded once it is the window that goes (``taken``)
+    steps: list[Callable[[], None]] = field(default_factory=list)
+
+    def taken(self) -> None:
+        """This body is the one that goes: its window's steps counted and recorded, once (a
+        request built again in a learned window counts only the window it sent then)."""
+        steps = list(self.steps)
+        self.steps.clear()
+        for step in steps:
+            step()
 
 
 @dataclass(frozen=True)
