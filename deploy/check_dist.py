@@ -5,8 +5,9 @@
 One wheel and one sdist of the same version; the wheel holds the package data the proxy
 reads at run time (the price table, the sample session `demo` and `replay --sample` use) and
 the dashboard and alert rules under share/runloop-proxy/; its metadata has what an index
-shows (a readme as markdown, a license expression and file, project URLs, classifiers, the
-Python it needs). Exits 1 naming each problem.
+shows (a readme as markdown, a license expression and file, classifiers, the Python it needs;
+project URLs only where the project has them: a link a user cannot follow is worse than none,
+so any given must be https). Exits 1 naming each problem.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ WHEEL_DATA = ("share/runloop-proxy/grafana/runloop-proxy.json",
 SDIST_FILES = ("LICENSE", "README.md", "pyproject.toml", "runloop_proxy/prices.toml",
                "runloop_proxy/samples/support_agent.jsonl",
                "deploy/grafana/dashboards/runloop-proxy.json", "deploy/prometheus/alerts.yml")
-URLS = ("Homepage", "Documentation", "Source", "Issues")
 
 
 def check_metadata(text: str) -> list[str]:
@@ -39,11 +39,14 @@ def check_metadata(text: str) -> list[str]:
         problems.append("metadata: the readme is not declared as markdown")
     if len(meta.get_payload() or "") < 1000:
         problems.append("metadata: no readme as the long description")
-    urls = {u.split(",", 1)[0].strip() for u in meta.get_all("Project-URL") or []}
-    problems += [f"metadata: no Project-URL {u}" for u in URLS if u not in urls]
+    for url in meta.get_all("Project-URL") or []:
+        label, _, address = url.partition(",")
+        if not address.strip().startswith("https://"):
+            problems.append(f"metadata: Project-URL {label.strip()} is not an https address")
     classifiers = meta.get_all("Classifier") or []
-    if not any(c.startswith("Programming Language :: Python :: 3.") for c in classifiers):
-        problems.append("metadata: no Python version classifiers")
+    running = f"Programming Language :: Python :: {sys.version_info[0]}.{sys.version_info[1]}"
+    if running not in classifiers:  # the Python this was built and checked with
+        problems.append(f"metadata: no classifier {running!r}")
     if any(c.startswith("License ::") for c in classifiers):
         problems.append("metadata: a License classifier beside License-Expression (PEP 639)")
     if "LICENSE" not in (meta.get_all("License-File") or []):
