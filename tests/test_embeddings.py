@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from runloop_proxy.pipeline.embeddings import EMBEDDED_DIM, packed, unit, unpacked
+from runloop_proxy.pipeline.embeddings import EMBEDDED_DIM, KEY_BYTES, block, unblocked, unit
 
 _OFFLINE = r"""
 import json, socket, sys
@@ -47,15 +48,21 @@ def test_the_embedded_model_loads_with_no_network_and_writes_no_cache(tmp_path: 
     assert list(home.rglob("*")) == []
 
 
-def test_a_stored_vector_reads_back_as_it_was_kept() -> None:
-    """float16 on the way in, the same rows on the way out; another model's blob (another
-    size) is no vector. Catches: big-endian packing read as little (planted ``>f2``, red),
-    a wrong-sized blob read (planted: the size check gone, red: numpy raises)."""
+def test_a_block_of_vectors_reads_back_as_it_was_kept() -> None:
+    """Keys and rows in one value, read back without a copy; a block of another model's
+    size reads as empty. Catches: a key cut to fewer bytes than the field (planted:
+    ``KEY_BYTES = 8`` in ``block`` alone, red), big-endian rows (planted ``>f4``, red), a
+    wrong-sized block read (planted: the size check gone, red: numpy raises)."""
     rng = np.random.default_rng(7)
     rows = unit(rng.standard_normal((3, EMBEDDED_DIM)).astype(np.float32))
-    blobs = packed(rows)
-    assert [len(b) for b in blobs] == [EMBEDDED_DIM * 2] * 3
-    back = unpacked([*blobs, b"\x00" * 10], EMBEDDED_DIM)
-    assert np.allclose(back[:3], rows, atol=1e-3)
-    assert not back[3].any()
-    assert np.array_equal(unpacked(packed(back[:3]), EMBEDDED_DIM), back[:3])
+    keys = ["0f3a9c2e71b4d865", "9b1e07c4aa25f310", "5d6e2f0a8c1b4937"]
+    data = block(keys, rows)
+    assert len(data) == 3 * (KEY_BYTES + EMBEDDED_DIM * 4)
+    # the layout other replicas (and versions) read: the key, then float32 little-endian
+    assert data[:KEY_BYTES] == keys[0].encode()
+    assert data[KEY_BYTES:KEY_BYTES + 4] == struct.pack("<f", float(rows[0, 0]))
+    got_keys, got_rows = unblocked(data, EMBEDDED_DIM)
+    assert [k.decode() for k in got_keys] == keys
+    assert np.array_equal(got_rows, rows)
+    empty_keys, empty_rows = unblocked(data[:-1], EMBEDDED_DIM)
+    assert len(empty_keys) == 0 and empty_rows.shape == (0, EMBEDDED_DIM)

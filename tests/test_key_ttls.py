@@ -154,15 +154,15 @@ def test_every_key_the_proxy_writes_expires_whatever_its_request_did(
                                  RETENTION_DAYS))
     proxy.run(store.put_summary(ns, sid, "1:c0ffee", "late", RETENTION_DAYS))
     proxy.run(store.add_record(ns, sid, {"kind": "omission"}, RETENTION_DAYS))
-    # long-term memory's vectors, indexed behind an answer (red with put_vectors' expiry
-    # left out)
-    proxy.run(store.put_vectors(ns, sid, EMBEDDED, {"0f3a9c2e71b4d865": b"\x00" * 512},
+    # long-term memory's segments and vectors, indexed behind an answer (red with the
+    # block's key left out of put_vectors' expiry)
+    proxy.run(store.put_vectors(ns, sid, EMBEDDED, ["0f3a9c2e71b4d865"], b"\x00" * 1040,
                                 (1, "0f3a9c2e71b4d865"), RETENTION_DAYS))
     p = store.prefix(ns, sid)
     assert not r.exists(p + ":meta")
     assert all(0 < r.pttl(p + k) <= retention_ms for k in (":int", ":intk", ":sum", ":rec"))
-    memory = [k for k in r.scan_iter(match=f"{p}:mem:*")]
-    assert len(memory) == 1 and 0 < r.pttl(memory[0]) <= retention_ms
+    memory = [k for k in r.scan_iter(match=f"{p}:mem*")]
+    assert len(memory) == 2 and all(0 < r.pttl(k) <= retention_ms for k in memory)
     keys = list(r.scan_iter(match=f"{prefix}*", count=1000))
     assert len(keys) >= 30, keys  # the sweep did write, on many paths
     kinds = {k.decode().rsplit(":", 1)[-1] for k in keys}

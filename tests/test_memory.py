@@ -215,10 +215,10 @@ def test_a_failing_model_leaves_the_words_to_answer_and_says_so(
 def test_another_session_never_reads_a_segment_or_a_vector_of_this_one(
         tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """Two named sessions of one tenant: the second's search and recall reach only what its
-    own request carries, and its vectors are its own key's. Catches: the search reading the
-    session's stored segments beyond the request (planted: the messages searched taken from
-    the other session's key, red) and vectors keyed by tenant (planted: the session left
-    out of the key, red on the key count)."""
+    own request carries, and its vectors are its own key's. Catches: vectors keyed by
+    tenant (planted: the session left out of the key, red on the key count) and, with that,
+    the search taking every stored row rather than the request's segments' (planted: the
+    mask in ``Memory._search`` gone, red: alice's order number in bob's answer)."""
     proxy = _served(tmp_path, make_proxy, upstream)
     _live_past(proxy, upstream, "mem-alice")
     until(lambda: len(_mem_keys(proxy)) == 1, what="alice's loops indexed")

@@ -82,7 +82,7 @@ def loop_segments(messages: list[Message], lp: RunLoop,
 
 
 def segment_key(kind: Kind, text: str) -> str:
-    return content_hash(f"{kind}\0{text}".encode())
+    return content_hash(str.encode(kind + "\0" + text))
 
 
 def _pieces(m: Message, final: bool) -> Iterator[tuple[Kind, str]]:

@@ -974,29 +974,31 @@ class RedisStore:
         return [int(i) - 1 for i in found or []]
 
     async def put_vectors(self, namespace: str, session_id: str, model: str,
-                          vectors: dict[str, bytes], mark: tuple[int, str],
+                          fields: list[str], block: bytes, mark: tuple[int, str],
                           retention_days: float | None = None) -> None:
-        """Keep segments' vectors and how far the conversation is indexed, expiring with
-        the session."""
+        """Keep a block of segments' vectors (``embeddings.block``), the segments as
+        indexed and how far the conversation is, expiring with the session."""
         key = self._memory_key(namespace, session_id, model)
+        blocks = key.replace(":mem:", ":memv:", 1)
 
         async def run() -> None:
             pipe = self.client.pipeline(transaction=False)
-            pipe.hset(key, mapping={**vectors, "_upto": str(mark[0]), "_tail": mark[1]})
+            pipe.hset(key, mapping={**dict.fromkeys(fields, "1"), "_upto": str(mark[0]),
+                                    "_tail": mark[1]})
+            if fields:
+                pipe.hset(blocks, f"{mark[0]}:{secrets.token_hex(4)}", block)
             _expire_with_session(pipe, self.prefix(namespace, session_id),
-                                 self._ttl_ms(retention_days), key)
+                                 self._ttl_ms(retention_days), key, blocks)
             await pipe.execute()
 
         await self._call("memory", run)
 
-    async def vectors(self, namespace: str, session_id: str, model: str,
-                      fields: list[str]) -> list[bytes | None]:
-        """The stored vectors of ``fields`` (None where there is none)."""
-        if not fields:
-            return []
-        found = await self._call("memory", lambda: self.client.hmget(
-            self._memory_key(namespace, session_id, model), fields))
-        return [bytes(v) if v is not None else None for v in found]
+    async def vector_blocks(self, namespace: str, session_id: str, model: str
+                            ) -> list[bytes]:
+        """Every block of the session's vectors (a few large values, read in one reply)."""
+        key = self._memory_key(namespace, session_id, model).replace(":mem:", ":memv:", 1)
+        found = await self._call("memory", lambda: self.client.hvals(key))
+        return [bytes(v) for v in found or []]
 
     async def session(self, namespace: str, session_id: str) -> SessionView | None:
         p = self.prefix(namespace, session_id)

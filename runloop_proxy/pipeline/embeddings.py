@@ -91,19 +91,35 @@ def unit(rows: Vectors) -> Vectors:
     return out
 
 
-def packed(rows: Vectors) -> list[bytes]:
-    """Rows as stored: float16, little-endian (512 bytes for 256 dimensions)."""
-    half = rows.astype("<f2")
-    return [half[i].tobytes() for i in range(len(half))]
+KEY_BYTES = 16  # of a segment's key, in front of its vector in a block
 
 
-def unpacked(blobs: list[bytes], dim: int) -> Vectors:
-    """Stored rows back (a blob of another size — another model's — is a row of zeros)."""
+def block(keys: list[str], rows: Vectors) -> bytes:
+    """Segments' keys and vectors as one stored value: each key (``KEY_BYTES`` of ASCII)
+    followed by its row, float32 little-endian (1 KB for 256 dimensions). A search reads a
+    session's few blocks, not a value per segment (10,000 fields cost 130 ms to read)."""
     import numpy as np
 
-    out = np.zeros((len(blobs), dim), np.float32)
-    size = dim * 2
-    for i, b in enumerate(blobs):
-        if len(b) == size:
-            out[i] = np.frombuffer(b, "<f2")
-    return out
+    out = np.zeros(len(keys), _entry(rows.shape[1]))
+    out["key"] = [k.encode()[:KEY_BYTES] for k in keys]
+    out["vector"] = rows
+    return out.tobytes()
+
+
+def unblocked(data: bytes, dim: int) -> tuple[Any, Vectors]:
+    """A block read back, without a copy: its keys (bytes) and its rows. A block of another
+    model's size reads as empty."""
+    import numpy as np
+
+    entry = _entry(dim)
+    if len(data) % entry.itemsize:
+        return np.zeros(0, f"S{KEY_BYTES}"), np.zeros((0, dim), np.float32)
+    got = np.frombuffer(data, entry)
+    rows: Vectors = got["vector"]
+    return got["key"], rows
+
+
+def _entry(dim: int) -> Any:
+    import numpy as np
+
+    return np.dtype([("key", f"S{KEY_BYTES}"), ("vector", "<f4", (dim,))])

@@ -23,13 +23,13 @@ from ..errors import EmbeddingError, StoreError
 from ..history.store import RedisStore
 from ..ops import logs
 from ..ops.metrics import Metrics
-from .embeddings import Embedder, packed, unpacked
+from .embeddings import KEY_BYTES, Embedder, block, unblocked
 
 if TYPE_CHECKING:
     from .embeddings import Vectors
 
 log = logs.get("memory")
-FIELD_CHARS = 16  # of a segment's key, as its field in the session's hash
+FIELD_CHARS = KEY_BYTES  # of a segment's key, as its field in the session's hash
 EMBED_BATCH = 64  # segments a worker thread embeds at a time
 MAX_INDEX_SEGMENTS = 2_048  # embedded by one answer's indexing; the next answer goes on
 MAX_PENDING = 8  # sessions being indexed in the process; past it an answer's is left to the next
@@ -99,11 +99,9 @@ class Memory:
         self._embedding = asyncio.Semaphore(1)
 
     async def _embed(self, texts: list[str]) -> Vectors:
-        """Unit vectors as stored (float16 and back: a vector embedded by a search is the
-        one an indexing would have kept), in a worker thread."""
+        """Unit vectors (as stored: float32), in a worker thread."""
         async with self._embedding:
-            rows = await asyncio.to_thread(self.embedder.embed, texts)
-        return unpacked(packed(rows), self.embedder.dim)
+            return await asyncio.to_thread(self.embedder.embed, texts)
 
     def after_answer(self, store: RedisStore, tenant: str, namespace: str, session_id: str,
                      messages: list[Message], retention_days: float | None) -> None:
@@ -148,6 +146,8 @@ class Memory:
         """Embed and keep the closed loops' segments the session has no vector of; how
         many were embedded. The loops a previous indexing covered (its mark: how many, and
         its last segment's key, which a fork changes) are not looked at again."""
+        import numpy as np
+
         name = self.embedder.name
         by_loop = await asyncio.to_thread(
             lambda: [loop_segments(messages, lp) for lp in closed_loops(messages)])
@@ -167,58 +167,79 @@ class Memory:
         upto = todo[missing[len(taken)]][0] if len(taken) < len(missing) else len(by_loop)
         last = next((loop[-1] for loop in reversed(by_loop[:upto]) if loop), None)
         mark = (upto, field_of(last) if last is not None else "")
-        vectors: dict[str, bytes] = {}
+        rows = []
         for i in range(0, len(taken), EMBED_BATCH):
-            batch = taken[i:i + EMBED_BATCH]
-            rows = await self._embed([todo[f][1].text for f in batch])
-            vectors.update(zip(batch, packed(rows), strict=True))
-        await store.put_vectors(namespace, session_id, name, vectors, mark, retention_days)
-        return len(vectors)
+            rows.append(await self._embed([todo[f][1].text for f in taken[i:i + EMBED_BATCH]]))
+        packed = await asyncio.to_thread(
+            lambda: block(taken, np.concatenate(rows)) if rows else b"")
+        await store.put_vectors(namespace, session_id, name, taken, packed, mark,
+                                retention_days)
+        return len(taken)
 
     async def search(self, store: RedisStore | None, namespace: str, session_id: str,
-                     query: str, messages: list[Message], k: int = CANDIDATES) -> Found:
-        """The conversation's segments nearest ``query`` by meaning (only those of
-        ``messages``: what the request carries), under ``SEARCH_TIMEOUT_S``."""
+                     query: str, segs: list[Segment], k: int = CANDIDATES) -> Found:
+        """Of ``segs`` (``conversation_segments`` of what the request carries: no other
+        segment is read), those nearest ``query`` by meaning, under ``SEARCH_TIMEOUT_S``."""
         try:
             async with asyncio.timeout(SEARCH_TIMEOUT_S):
-                return await self._search(store, namespace, session_id, query, messages, k)
+                return await self._search(store, namespace, session_id, query, segs, k)
         except TimeoutError:
             return Found([], f"the search by meaning took over {SEARCH_TIMEOUT_S:g} s")
         except EmbeddingError as exc:
             return Found([], str(exc))
 
     async def _search(self, store: RedisStore | None, namespace: str, session_id: str,
-                      query: str, messages: list[Message], k: int) -> Found:
-        segs = await asyncio.to_thread(conversation_segments, messages)
+                      query: str, segs: list[Segment], k: int) -> Found:
+        import numpy as np
+
         if not segs:
             return Found([])
-        fields = list(dict.fromkeys(field_of(s) for s in segs))
         note = ""
-        blobs: list[bytes | None] = [None] * len(fields)
+        blocks: list[bytes] = []
         if store is not None:
             try:
-                blobs = await store.vectors(namespace, session_id, self.embedder.name, fields)
+                blocks = await store.vector_blocks(namespace, session_id, self.embedder.name)
             except StoreError as exc:
                 note = f"stored vectors unavailable ({exc})"
-        absent = [i for i, b in enumerate(blobs) if b is None]
+        dim = self.embedder.dim
+        first: dict[str, Segment] = {}
+        for s in segs:
+            first.setdefault(field_of(s), s)
+        fields = list(first)
+
+        def stored() -> tuple[list[Any], list[Any], list[str]]:
+            # each block's rows of the segments this request carries (no other's is read)
+            wanted = np.array([f.encode() for f in fields], f"S{KEY_BYTES}")
+            keys, rows, seen = [], [], set()
+            for data in blocks:
+                bk, br = unblocked(data, dim)
+                mask = np.isin(bk, wanted)
+                keys.append(bk[mask])
+                rows.append(br[mask])
+                seen.update(bk[mask].tolist())
+            return keys, rows, [f for f in fields if f.encode() not in seen]
+
+        keys, rows, absent = await asyncio.to_thread(stored)
         embedded = absent[-INLINE_EMBED:]  # the newest: likeliest not indexed yet
-        text_of = {field_of(s): s.text for s in segs}
-        rows = await self._embed([query, *(text_of[fields[i]] for i in embedded)])
+        inline = await self._embed([query, *(first[f].text for f in embedded)])
         if len(absent) > len(embedded):
             note = f"{len(absent) - len(embedded)} older segments not indexed yet"
-        known = {i: b for i, b in enumerate(blobs) if b is not None}
+        keys.append(np.array([f.encode() for f in embedded], f"S{KEY_BYTES}"))
+        rows.append(inline[1:])
 
         def rank() -> list[tuple[Segment, float]]:
-            matrix = unpacked([known.get(i, b"") for i in range(len(fields))],
-                              self.embedder.dim)
-            for j, i in enumerate(embedded):
-                matrix[i] = rows[1 + j]
-            inline = set(embedded)
-            usable = [i for i in range(len(fields)) if i in known or i in inline]
-            best = nearest(rows[0], matrix[usable], k)
-            first: dict[str, Segment] = {}
-            for s in segs:
-                first.setdefault(field_of(s), s)
-            return [(first[fields[usable[r]]], score) for r, score in best]
+            q = inline[0]
+            scored: list[tuple[float, str]] = []
+            for bk, br in zip(keys, rows, strict=True):
+                for r, score in nearest(q, br, k):
+                    scored.append((score, bk[r].decode()))
+            scored.sort(key=lambda p: -p[0])
+            out: list[tuple[Segment, float]] = []
+            taken: set[str] = set()
+            for score, f in scored:
+                if f not in taken:
+                    taken.add(f)
+                    out.append((first[f], score))
+            return out[:k]
 
         return Found(await asyncio.to_thread(rank), note)

@@ -1,0 +1,283 @@
+"""Long-term memory on recorded conversations: does a search find the past turn a reply needs?
+
+    python bench/memory_recall.py [TRACE.jsonl ...] [--half holdout] [--limit N]
+                                  [--segments 10000] [--redis-url URL]
+
+For every reply of the held-out half (``replay.half_of``), the identifiers it takes from a past
+loop that the proxy's window (default policy, offline replay) does not show are the
+references a search must find (``window/retention.py``, the careful reader). For each, the
+query is the user message that opened the reply's loop, as a model would pass it on; the
+hit counts when a loop holding the reference is among the first five past loops found.
+Lexical is ``search_history``'s word ranking alone, hybrid the same fused with the embedded
+model's (``pipeline/memory.py``: rank fusion of the two, each message by its best segment).
+
+Then the costs, with the proxy's own code on a real Redis (an embedded redis-server unless
+--redis-url): embedding per segment (batches of 64, one thread), indexing a conversation of N
+segments through the store, a search over it (``Memory.search``) p50/p99, and the bytes 1,000
+segments take in Redis (MEMORY USAGE) and in the process while searched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from runloop_proxy.config import Settings, passthrough_tenant
+from runloop_proxy.conversation.messages import Message, message_hash
+from runloop_proxy.conversation.runloops import segment
+from runloop_proxy.conversation.segments import Segment, closed_loops, loop_segments
+from runloop_proxy.ops.replay import conversation_of, half_of
+from runloop_proxy.ops.replay_offline import Replayer
+from runloop_proxy.ops.replay_tally import Tally
+from runloop_proxy.pipeline.embeddings import StaticEmbedder
+from runloop_proxy.pipeline.memory import (
+    CANDIDATES,
+    EMBED_BATCH,
+    conversation_segments,
+    fuse,
+    nearest,
+)
+from runloop_proxy.pipeline.tools import MAX_QUERY_CHARS, doc, query_terms, rank_docs
+from runloop_proxy.window.retention import Conversation
+
+TOP = 5
+# the team's traces beside the checkout (or beside the folder of worktrees)
+_ROOT = Path(__file__).resolve().parents[1]
+SHARED = next((p for p in (_ROOT.parent / "shared" / "traces",
+                           _ROOT.parent.parent / "shared" / "traces") if p.is_dir()),
+              _ROOT.parent / "shared" / "traces")
+
+
+def _loops_ranked(keys: list[str], loop_of: dict[str, int], before: int) -> list[int]:
+    """Message keys, best first, as the distinct past loops they stand in."""
+    out: list[int] = []
+    for k in keys:
+        lp = loop_of.get(k)
+        if lp is not None and lp < before and lp not in out:
+            out.append(lp)
+    return out
+
+
+class Recall:
+    """Hits at top 5, by words alone and fused with meaning, over one trace's half."""
+
+    def __init__(self, embedder: StaticEmbedder):
+        self.embedder = embedder
+        self.asked = 0
+        self.lexical = 0
+        self.hybrid = 0
+        self.segments = 0
+        self.embed_s = 0.0
+
+    def embed(self, texts: list[str]) -> Any:
+        import numpy as np
+
+        t = time.perf_counter()
+        rows = [self.embedder.embed(texts[i:i + EMBED_BATCH])
+                for i in range(0, len(texts), EMBED_BATCH)]
+        self.embed_s += time.perf_counter() - t
+        self.segments += len(texts)
+        return np.concatenate(rows) if rows else np.zeros((0, self.embedder.dim), np.float32)
+
+    def conversation(self, replayer: Replayer, conv: dict[str, Any]) -> None:
+        messages: list[Message] = conv["messages"]
+        keys = [message_hash(m) for m in messages]
+        loops = segment(messages)
+        loop_of: dict[str, int] = {}
+        start_of = [0] * len(messages)
+        for lp in loops:
+            for i in lp.positions:
+                loop_of.setdefault(keys[i], lp.index)
+                start_of[i] = lp.start
+        segs: list[Segment] = [s for lp in closed_loops(messages)
+                               for s in loop_segments(messages, lp)]
+        rows = self.embed([s.text for s in segs])
+        docs = [doc(k, m) for k, m in zip(keys, messages, strict=True)]
+        fixed = "\n".join([*(str(m.get("content")) for m in messages
+                             if m.get("role") in ("system", "developer")),
+                           orjson.dumps(conv.get("tools") or []).decode()])
+        careful = Conversation(messages, fixed, careful=True)
+        asked: set[tuple[str, int]] = set()
+
+        def seen(i: int, req: list[Message], window: Any) -> None:
+            start = start_of[i - 1] if i else 0
+            _, past = careful.references(i, start)
+            shown = "\n".join(careful.show(m) for m in window.messages)
+            hidden = [r for r in past if not careful.holds(shown, r)]
+            if not hidden:
+                return
+            here = loop_of.get(keys[start])
+            if here is None:
+                return
+            opener = next((messages[k] for k in range(start, i)
+                           if messages[k].get("role") == "user"), None)
+            if opener is None:
+                return
+            query = str(opener.get("content") or "")[:MAX_QUERY_CHARS]
+            lexical = [k for _, k, _ in rank_docs(query_terms(query), docs[:start], CANDIDATES,
+                                                  query)]
+            past_segs = [j for j, s in enumerate(segs) if s.anchor.position < start]
+            q = self.embed([query])[0]
+            best = nearest(q, rows[past_segs], CANDIDATES) if past_segs else []
+            semantic = list(dict.fromkeys(keys[segs[past_segs[r]].anchor.position]
+                                          for r, _ in best))
+            by_words = _loops_ranked(lexical, loop_of, here)[:TOP]
+            by_both = _loops_ranked([k for _, k in fuse([lexical, semantic])], loop_of,
+                                    here)[:TOP]
+            for ref in hidden:
+                if (ref, here) in asked:
+                    continue  # each reference once per loop: the query is the loop's
+                asked.add((ref, here))
+                holders = {loop_of[keys[k]] for k in range(start)
+                           if not careful.system[k] and careful.holds(careful.texts[k], ref)
+                           and keys[k] in loop_of}
+                self.asked += 1
+                self.lexical += bool(holders & set(by_words))
+                self.hybrid += bool(holders & set(by_both))
+
+        replayer.conversation(conv, Tally(), seen)
+
+
+def search_costs(embedder: StaticEmbedder, messages: list[Message], n: int, url: str,
+                 runs: int, queries: list[str]) -> dict[str, float]:
+    """The proxy's own indexing and search (``Memory.index``, ``Memory.search``, a real
+    ``RedisStore``) over one conversation of ``n`` segments of recorded loops."""
+    from runloop_proxy.config import StoreSection
+    from runloop_proxy.history.store import RedisStore
+    from runloop_proxy.ops.metrics import Metrics
+    from runloop_proxy.pipeline.memory import Memory, conversation_segments
+
+    segs = conversation_segments(messages)
+    out: dict[str, float] = {"segments": len(segs)}
+
+    async def run() -> list[float]:
+        store = RedisStore(url, StoreSection(key_prefix="bench-memory"), Metrics())
+        memory = Memory(embedder, store.metrics, asyncio.ensure_future)
+        ns, sid = "bench", "n:memory-recall"
+        try:
+            t = time.perf_counter()
+            done = 0
+            while True:  # an indexing takes at most MAX_INDEX_SEGMENTS: as answers would
+                k = await memory.index(store, ns, sid, messages, None)
+                done += k
+                if not k:
+                    break
+            out["index_ms_per_segment"] = (time.perf_counter() - t) * 1000 / max(1, done)
+            key = store.prefix(ns, sid)
+            client = store.client
+            used = 0
+            async for k in client.scan_iter(match=f"{key}:mem*"):
+                used += await client.memory_usage(k, samples=0) or 0
+            out["redis_mb_per_1000"] = used / 1e6 * 1000 / max(1, len(segs))
+            t = time.perf_counter()
+            cut = conversation_segments(messages)
+            out["cut_ms"] = (time.perf_counter() - t) * 1000
+            took = []
+            for r in range(runs):
+                t = time.perf_counter()
+                found = await memory.search(store, ns, sid, queries[r % len(queries)], cut)
+                took.append(time.perf_counter() - t)
+                assert found.hits and not found.note, found.note
+            async for k in client.scan_iter(match=f"{key}:*"):
+                await client.delete(k)
+            return took
+        finally:
+            await store.client.aclose()
+
+    took = sorted(asyncio.run(run()))
+    out["p50_ms"] = statistics.median(took) * 1000
+    out["p99_ms"] = took[min(len(took) - 1, int(len(took) * 0.99))] * 1000
+    out["matrix_mb"] = 1000 * embedder.dim * 4 / 1e6
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("traces", nargs="*", type=Path)
+    parser.add_argument("--half", default="holdout", choices=["tune", "holdout", "all"])
+    parser.add_argument("--limit", type=int, default=0, help="conversations per trace")
+    parser.add_argument("--segments", type=int, default=10_000)
+    parser.add_argument("--runs", type=int, default=50)
+    parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    args = parser.parse_args()
+    traces = args.traces or sorted(SHARED.glob("*.jsonl"))
+    if not traces:
+        print(f"no traces given and none in {SHARED}", file=sys.stderr)
+        return 2
+    embedder = StaticEmbedder()
+    replayer = Replayer(passthrough_tenant(Settings()), "gpt-4o-mini", None)
+    pool: list[Message] = []  # recorded loops, for a conversation of --segments segments
+    queries: list[str] = []
+    total = Recall(embedder)
+    for path in traces:
+        with open(path, "rb") as f:
+            convs = [c for c in (conversation_of(orjson.loads(line)) for line in f
+                                 if line.strip()) if c is not None]
+        if args.half != "all":
+            convs = [c for c in convs if half_of(c) == args.half]
+        convs = convs[:args.limit] if args.limit else convs
+        one = Recall(embedder)
+        for conv in convs:
+            one.conversation(replayer, conv)
+            if len(pool) < args.segments:
+                body = [m for m in conv["messages"] if m.get("role") not in
+                        ("system", "developer")]
+                pool += body
+                queries += [str(m.get("content"))[:200] for m in body
+                            if m.get("role") == "user"][:3]
+        _report(f"{path.name} ({args.half}, {len(convs)} conversations)", one)
+        for name in ("asked", "lexical", "hybrid", "segments"):
+            setattr(total, name, getattr(total, name) + getattr(one, name))
+        total.embed_s += one.embed_s
+    if len(traces) > 1:
+        _report("all traces", total)
+    if total.segments:
+        print(f"indexing: {total.embed_s / total.segments * 1000:.3f} ms a segment "
+              f"({total.segments} segments and queries, batches of {EMBED_BATCH}, one thread)")
+    messages = list(pool)
+    while messages and len(conversation_segments(messages)) < args.segments:
+        messages += pool  # a short trace (the smoke run's) repeated up to the size asked
+    while len(conversation_segments(messages)) > args.segments and len(messages) > 2:
+        messages = messages[len(messages) // 20 or 1:]
+    embedded = None
+    url = args.redis_url
+    if not url:
+        from runloop_proxy.history.embedded import EmbeddedRedis
+        embedded = EmbeddedRedis(tempfile.mkdtemp(prefix="rl-memory-bench-"))
+        url = embedded.start()
+    try:
+        c = search_costs(embedder, messages, args.segments, url, args.runs,
+                         queries or ["where is the file"])
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    print(f"indexing through the store: {c['index_ms_per_segment']:.3f} ms a segment")
+    print(f"search at {c['segments']:.0f} segments: p50 {c['p50_ms']:.1f} ms, p99 "
+          f"{c['p99_ms']:.1f} ms (Memory.search: the session's vector blocks read, the "
+          f"query embedded, exact cosine; off the event loop); the conversation cut into "
+          f"its segments first, once a request: {c['cut_ms']:.0f} ms")
+    print(f"memory per 1,000 segments: {c['redis_mb_per_1000']:.2f} MB in Redis, "
+          f"{c['matrix_mb']:.2f} MB in the process while searched")
+    return 0
+
+
+def _report(what: str, r: Recall) -> None:
+    if not r.asked:
+        print(f"{what}: no reference a reply took from a hidden past loop")
+        return
+    lex, hyb = 100 * r.lexical / r.asked, 100 * r.hybrid / r.asked
+    print(f"{what}: {r.asked} hidden past references; the loop holding it in the top {TOP}: "
+          f"lexical {lex:.1f}%, hybrid {hyb:.1f}% ({hyb - lex:+.1f} points)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
