@@ -299,9 +299,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a policy field for this run (repeatable)")
     r.add_argument("--judge-upstream", default=None, metavar="URL",
                    help="ask a real model (an OpenAI-compatible server's base URL, e.g. "
-                        "https://api.openai.com/v1 or a local vLLM / llama.cpp) the next step "
+                        "https://api.openai.com/v1 or a local vLLM / llama.cpp, or Anthropic's "
+                        "https://api.anthropic.com/v1) the next step "
                         "with the full and the compressed window, and print agreement by lever")
     r.add_argument("--judge-model", default=None, metavar="M", help="with --judge-upstream")
+    r.add_argument("--judge-format", choices=("chat", "messages"), default=None,
+                   help="the judge's API: chat completions, or Anthropic's Messages (default: "
+                        "messages for an anthropic.com URL, chat otherwise)")
     r.add_argument("--judge-sample", type=int, default=50, metavar="N",
                    help="with --judge-upstream: request points judged (default 50)")
     r.add_argument("--judge-seed", type=int, default=0, help="the sample's seed (default 0)")

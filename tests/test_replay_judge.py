@@ -11,9 +11,19 @@ from typing import Any
 import orjson
 import pytest
 
-from runloop_proxy.ops.replay_judge import agreement, sample_points, wilson
+from runloop_proxy.ops.replay_judge import agreement, judge_format, sample_points, wilson
 from runloop_proxy.scripted import ScriptedUpstream
-from tests.parcels import FOUND, HIDDEN, KEPT, conversation, decides_from_its_window
+from tests.keys import anthropic_key
+from tests.parcels import (
+    ANTHROPIC_TOOLS,
+    CHAT_TOOLS,
+    FOUND,
+    HIDDEN,
+    KEPT,
+    SYSTEM,
+    conversation,
+    decides_from_its_window,
+)
 
 JUDGE_MODEL = "qwen3-32b-2025-04-29"
 
@@ -51,18 +61,34 @@ def test_agreement_by_lever_leaves_errors_out() -> None:
     assert "elided" not in got
 
 
-def _conv(cid: str, final: str) -> dict[str, Any]:
-    return {"id": cid, "messages": [*conversation(final), {"role": "assistant",
-                                                           "content": FOUND}]}
+def _conv(cid: str, final: str, tools: bool = False) -> dict[str, Any]:
+    return {"id": cid, **({"tools": CHAT_TOOLS} if tools else {}),
+            "messages": [*conversation(final), {"role": "assistant", "content": FOUND}]}
 
 
-def _run(path: Path, upstream: ScriptedUpstream, out: Path) -> subprocess.CompletedProcess[str]:
+def _run(path: Path, upstream: ScriptedUpstream, out: Path, *extra: str
+         ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "runloop_proxy.cli", "replay", str(path), "--json",
          "--set", "reduce_at_least=8", "--set", "names_kept=0", "--set", "soft_budget_tokens=1024",
          "--judge-upstream", upstream.url, "--judge-model", JUDGE_MODEL,
-         "--judge-sample", "100", "--judge-output", str(out)],
+         "--judge-sample", "100", "--judge-output", str(out), *extra],
         capture_output=True, text=True, timeout=600)
+
+
+# the outcome at each point of the two conversations: the tool result, cut to its share of
+# the budget, lost the id from the second point on
+OUTCOMES = {
+    "conv-hidden:2": ("agree", []), "conv-hidden:4": ("differ", ["other"]),
+    "conv-hidden:6": ("differ", ["other"]), "conv-kept:2": ("agree", []),
+    "conv-kept:4": ("differ", ["other"]), "conv-kept:6": ("agree", ["other"])}
+
+
+def _two(tmp_path: Path, tools: bool = False) -> Path:
+    path = tmp_path / "convs.jsonl"
+    path.write_bytes(orjson.dumps(_conv("conv-hidden", HIDDEN, tools)) + b"\n"
+                     + orjson.dumps(_conv("conv-kept", KEPT, tools)) + b"\n")
+    return path
 
 
 def test_the_judge_measures_what_a_window_hid_and_resumes(
@@ -74,10 +100,7 @@ def test_the_judge_measures_what_a_window_hid_and_resumes(
     wrong windows. Planted: the compressed side asked with the full messages (all agree:
     red), and the output file not read back (asked again: red)."""
     upstream.responder = decides_from_its_window
-    path = tmp_path / "convs.jsonl"
-    path.write_bytes(orjson.dumps(_conv("conv-hidden", HIDDEN)) + b"\n"
-                     + orjson.dumps(_conv("conv-kept", KEPT))
-                     + b"\n")
+    path = _two(tmp_path)
     out = tmp_path / "judged.jsonl"
     r = _run(path, upstream, out)
     assert r.returncode == 0, r.stderr
@@ -86,11 +109,7 @@ def test_the_judge_measures_what_a_window_hid_and_resumes(
     rows = {row["point"]: row for row in map(orjson.loads, out.read_bytes().splitlines())}
     assert set(rows) == {"conv-hidden:2", "conv-hidden:4", "conv-hidden:6",
                          "conv-kept:2", "conv-kept:4", "conv-kept:6"}
-    # the tool result, cut to its share of the budget, lost the id from the second point on
-    assert {p: (r["outcome"], r["levers"]) for p, r in rows.items()} == {
-        "conv-hidden:2": ("agree", []), "conv-hidden:4": ("differ", ["other"]),
-        "conv-hidden:6": ("differ", ["other"]), "conv-kept:2": ("agree", []),
-        "conv-kept:4": ("differ", ["other"]), "conv-kept:6": ("agree", ["other"])}
+    assert {p: (r["outcome"], r["levers"]) for p, r in rows.items()} == OUTCOMES
     assert judge["by_lever"]["other"] == {"n": 4, "agree": 1, "rate": 0.25,
                                           "low": 0.0456, "high": 0.6994}
     assert judge["by_lever"]["any"]["n"] == 6
@@ -103,3 +122,49 @@ def test_the_judge_measures_what_a_window_hid_and_resumes(
     out.write_bytes(b"\n".join(lines[:-1]) + b"\n" + lines[-1][:10])  # cut mid-line
     assert _run(path, upstream, out).returncode == 0
     assert len(upstream.requests) == asked + 2
+
+
+@pytest.mark.parametrize(("url", "given", "fmt"), [
+    ("https://api.anthropic.com/v1", None, "messages"),
+    ("https://eu.api.anthropic.com/v1", None, "messages"),
+    ("https://api.openai.com/v1", None, "chat"),
+    ("http://127.0.0.1:8000/v1", None, "chat"),
+    ("https://anthropic.com.example.net/v1", None, "chat"),  # not Anthropic's host
+    ("https://gateway.example.net/v1", "messages", "messages"),
+    ("https://api.anthropic.com/v1", "chat", "chat"),  # as given
+])
+def test_the_judge_format_is_detected_from_anthropics_host(
+        url: str, given: str | None, fmt: str) -> None:
+    """Planted: the host matched by substring (the look-alike host read as Anthropic's:
+    red), and the given format ignored for Anthropic's host (red)."""
+    assert judge_format(url, given) == fmt
+
+
+def test_the_judge_speaks_messages_to_an_anthropic_upstream(
+        tmp_path: Path, upstream: ScriptedUpstream) -> None:
+    """``--judge-format messages``: every point asked as Messages (system apart, tool_use and
+    tool_result blocks, Anthropic's tools, max_tokens, the key as x-api-key) of the scripted
+    Messages upstream, its answers read as Messages: the same verdicts as the chat judge's.
+    Planted: the answer read as a chat completion (every step empty, all agree: red), and
+    the key sent as a Bearer token (red)."""
+    upstream.responder = decides_from_its_window
+    key = anthropic_key(77)
+    out = tmp_path / "judged.jsonl"
+    r = _run(_two(tmp_path, tools=True), upstream, out, "--judge-format", "messages",
+             "--judge-key", key)
+    assert r.returncode == 0, r.stderr
+    rows = {row["point"]: row for row in map(orjson.loads, out.read_bytes().splitlines())}
+    # with the conversation's tools, the window reduces the past loop at the last point
+    assert {p: (r["outcome"], r["levers"]) for p, r in rows.items()} == {
+        **OUTCOMES, "conv-hidden:6": ("differ", ["past_loops"]),
+        "conv-kept:6": ("agree", ["past_loops"])}
+    assert len(upstream.requests) == 12
+    for body, headers in zip(upstream.requests, upstream.headers, strict=True):
+        assert (body["model"], body["temperature"], body["max_tokens"]) == (
+            JUDGE_MODEL, 0, 4096)
+        assert body["system"] == SYSTEM and body["tools"] == ANTHROPIC_TOOLS
+        assert (headers["x-api-key"], headers["anthropic-version"]) == (key, "2023-06-01")
+        assert "authorization" not in headers
+    full = upstream.requests[-2]  # the last point's full window
+    assert [b["type"] for t in full["messages"] if isinstance(t["content"], list)
+            for b in t["content"]] == ["tool_use", "tool_result"]

@@ -34,7 +34,15 @@ from ..pipeline.accounting import prompt_usage
 from ..pricing import PriceTable, Provider
 from ..savings import Meter
 from ..window.builder import Window
-from .replay_judge import Judge, JudgeError, agreement, progress, report_lines, sample_points
+from .replay_judge import (
+    Judge,
+    JudgeError,
+    agreement,
+    judge_format,
+    progress,
+    report_lines,
+    sample_points,
+)
 from .replay_offline import CACHED_PRICE, Replayer
 from .replay_report import Run, as_json, report
 from .replay_tally import SEPARATE, Tally
@@ -422,7 +430,9 @@ def run_replay(args: argparse.Namespace) -> int:
     replayer = Replayer(tenant, model, args.context, args.summary_cost, provider)
     judged: list[dict[str, Any]] = []
     judge = Judge(judge_args, args.judge_model, args.judge_key,
-                  Path(args.judge_output) if args.judge_output else None) if judge_args else None
+                  Path(args.judge_output) if args.judge_output else None,
+                  fmt=judge_format(judge_args, getattr(args, "judge_format", None))) \
+        if judge_args else None
     points = sample_points(convs, args.judge_sample, args.judge_seed) if judge else set()
     http = HttpReplay(args, replayer) if args.proxy else None
     summary_before = http.summary_tokens() if http is not None else 0

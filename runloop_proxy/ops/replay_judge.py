@@ -5,10 +5,11 @@ request as the client sent it) and with the window the proxy builds — and the 
 compared as shadow mode compares them (pipeline/shadow.py). Agreement is printed by lever,
 with a 95% Wilson interval, beside the replay's savings.
 
-The judge is any OpenAI-compatible chat-completions server (a hosted API, vLLM, llama.cpp),
-asked at temperature 0. Every judged point is appended to ``--judge-output`` (JSON lines) as
-soon as it is judged; a run started again with the same file skips the points it holds, so
-an interrupted run keeps what it has."""
+The judge is any OpenAI-compatible chat-completions server (a hosted API, vLLM, llama.cpp)
+or an Anthropic Messages API (``--judge-format messages``; taken by default for Anthropic's
+own host), asked at temperature 0. Every judged point is appended to ``--judge-output``
+(JSON lines) as soon as it is judged; a run started again with the same file skips the
+points it holds, so an interrupted run keeps what it has."""
 
 from __future__ import annotations
 
@@ -18,14 +19,28 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
+from ..conversation.blocks import chat_to_tool, to_anthropic
 from ..conversation.messages import Message
 from ..pipeline.shadow import ANY, LEVERS, Outcome, compare, levers_of, step_of
 from ..window.builder import Window
 
 Z95 = 1.959964
+ANTHROPIC_VERSION = "2023-06-01"
+MESSAGES_MAX_TOKENS = 4096  # the Messages API needs a bound; a next step fits in it
+
+
+def judge_format(url: str, given: str | None = None) -> str:
+    """The judge's API: as given, else Messages for Anthropic's own host (its API speaks
+    nothing else), else chat completions (every OpenAI-compatible server)."""
+    if given is not None:
+        return given
+    host = urlsplit(url).hostname or ""
+    return "messages" if host == "anthropic.com" or host.endswith(".anthropic.com") \
+        else "chat"
 
 
 def wilson(agree: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -48,10 +63,11 @@ class Judge:
     """The judge upstream, with the resumable output file."""
 
     def __init__(self, url: str, model: str, key: str | None, output: Path | None,
-                 post: Callable[[str, bytes], Any] | None = None):
+                 post: Callable[[str, bytes], Any] | None = None, fmt: str = "chat"):
         import httpx
 
         self.model = model
+        self.format = fmt
         self.output = output
         self.done: dict[str, dict[str, Any]] = {}
         if output is not None and output.exists():
@@ -62,7 +78,11 @@ class Judge:
                     continue  # a line cut by an interruption: judged again
                 self.done[row["point"]] = row
         headers = {"Content-Type": "application/json"}
-        if key:
+        if fmt == "messages":
+            headers["anthropic-version"] = ANTHROPIC_VERSION
+            if key:
+                headers["x-api-key"] = key
+        elif key:
             headers["Authorization"] = f"Bearer {key}"
         self._client = httpx.Client(base_url=url.rstrip("/"), timeout=300, headers=headers)
         self._post = post or (lambda path, body: self._client.post(path, content=body))
@@ -72,11 +92,24 @@ class Judge:
 
     def ask(self, messages: list[Message], tools: list[dict[str, Any]] | None
             ) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": self.model, "messages": _wire(messages),
-                                "temperature": 0}
-        if tools:
-            body["tools"] = tools
-        r = self._post("/chat/completions", orjson.dumps(body))
+        """The judge's answer (its API's JSON) to ``messages`` with the conversation's
+        ``tools`` (chat completions' form)."""
+        body: dict[str, Any]
+        if self.format == "messages":
+            system, turns = to_anthropic(messages)
+            body = {"model": self.model, "max_tokens": MESSAGES_MAX_TOKENS,
+                    "messages": turns, "temperature": 0}
+            if system is not None:
+                body["system"] = system
+            if tools:
+                body["tools"] = [chat_to_tool(t.get("function") or t) for t in tools]
+            path = "/messages"
+        else:
+            body = {"model": self.model, "messages": _wire(messages), "temperature": 0}
+            if tools:
+                body["tools"] = tools
+            path = "/chat/completions"
+        r = self._post(path, orjson.dumps(body))
         if r.status_code != 200:
             raise JudgeError(f"the judge answered {r.status_code}: {r.text[:200]}")
         return r.json()  # type: ignore[no-any-return]
@@ -88,7 +121,8 @@ class Judge:
         levers = levers_of(window.reduced_loops, len(window.elided), window.omitted_loops,
                            (e.kind.value for e in window.events), window.changed)
         full, compressed = self.ask(req, tools), self.ask(window.messages, tools)
-        verdict = compare(step_of("chat", compressed), step_of("chat", full), threshold)
+        verdict = compare(step_of(self.format, compressed), step_of(self.format, full),
+                          threshold)
         row = {"point": point, "levers": list(levers), "outcome": verdict.outcome.value,
                "basis": verdict.basis.value, "similarity": verdict.similarity}
         if self.output is not None:
