@@ -3,8 +3,10 @@ tenant chosen (or of all), filtered by model, by when they were last used and by
 by any column, a page at a time (``listing`` decides which rows and in what order).
 
 What it reads is bounded: each tenant's ``TALLIED`` most recently used sessions, for at most
-``TENANTS`` tenants (the chosen one always); the page says when a figure counts fewer
-sessions than the tenant holds."""
+``TENANTS`` tenants, ``READ`` sessions in all (the chosen tenant's first); the page says when
+a figure counts fewer sessions than the tenant holds, and which tenants it left out. Pricing
+each session's points (``savings``) is most of the page's time (``bench/inspector_list.py``).
+"""
 
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ from .listing import (
 from .views import saving, tokens
 
 PAGE = 25
-TALLIED = 1000  # a tenant's most recently used sessions read for its list and its totals
+TALLIED = 500  # a tenant's most recently used sessions read for its list and its totals
 TENANTS = 20  # tenants in the totals (configured ones first, then the most sessions)
+READ = 1000  # sessions a page reads in all
 LARGE_POINTS = 5000  # priced off the event loop past this many requests' points
 TENANT_COOKIE = "rl_tenant"  # the tenant the page shows when none is asked
 ORDER_WORDS = [("desc", "most / newest first"), ("asc", "least / oldest first")]
@@ -54,19 +57,29 @@ TEXT_SORTS = ("model", "tenant")  # first click: A to Z; any other column: the m
 
 def _tallied(tenants: Sequence[str], configured: set[str], stored: dict[str, int],
              chosen: str) -> list[str]:
-    """The tenants the totals read: configured ones first, then those with the most
-    sessions; the chosen one always."""
-    ranked = sorted(tenants, key=lambda t: (t not in configured, -stored.get(t, 0), t))
-    out = ranked[:TENANTS]
-    if chosen in tenants and chosen not in out:
-        out.append(chosen)
+    """The tenants the totals read, in the order they are read: the chosen one first, then
+    configured ones, then those with the most sessions."""
+    ranked = sorted(tenants, key=lambda t: (t != chosen, t not in configured,
+                                            -stored.get(t, 0), t))
+    return ranked[:TENANTS]
+
+
+async def _read(state: AppState, tallied: list[str]) -> dict[str, list[Row]]:
+    """Each tenant's rows, in order, while ``READ`` lasts (a tenant past it is not read)."""
+    out: dict[str, list[Row]] = {}
+    left = READ
+    for t in tallied:
+        if left <= 0:
+            break
+        out[t] = await _rows(state, t, min(TALLIED, left))
+        left -= len(out[t])
     return out
 
 
-async def _rows(state: AppState, tenant: str) -> list[Row]:
-    """A tenant's ``TALLIED`` most recently used sessions, each priced (``savings``)."""
+async def _rows(state: AppState, tenant: str, most: int) -> list[Row]:
+    """A tenant's ``most`` most recently used sessions, each priced (``savings``)."""
     assert state.store is not None
-    listed, _ = await state.store.list_sessions(tenant, 0, TALLIED)
+    listed, _ = await state.store.list_sessions(tenant, 0, most)
     overviews = await state.store.overviews(tenant, [sid for sid, _ in listed])
     prices = state.config.prices or PriceTable.load()
 
@@ -137,8 +150,8 @@ def _totals(state: AppState, links: Links, tallied: list[str], totals: dict[str,
                f"{_figures(overall.bill)}</tr></table>")
     notes = []
     if any(totals.get(t, Total()).sessions < stored.get(t, 0) for t in tallied):
-        notes.append(f"A tenant with more than {TALLIED:,} sessions is counted over its "
-                     f"{TALLIED:,} most recently used.")
+        notes.append(f"A tenant is counted over its {TALLIED:,} most recently used sessions "
+                     f"at most, and the page over {READ:,} in all.")
     left = [t for t in tenants if t not in tallied]
     if left:
         notes.append(f"{len(left):,} more tenant{'s' if len(left) != 1 else ''} "
@@ -223,11 +236,13 @@ async def sessions(request: Request) -> Response:
     query = Query(tenant, params.text(request, "model"), params.choice(request, "within", ""),
                   params.text(request, "q").strip(), params.choice(request, "sort", "last"),
                   params.choice(request, "order", "desc"), params.integer(request, "page", 0))
-    tallied = _tallied(tenants, configured, stored, tenant)
+    ranked = _tallied(tenants, configured, stored, tenant)
     try:
-        by_tenant = {t: await _rows(state, t) for t in tallied}
+        by_tenant = await _read(state, ranked)
     except StoreError as exc:
         return error("store unavailable", str(exc), 503)
+    # shown in the same order whichever is chosen: configured, then the most sessions
+    tallied = sorted(by_tenant, key=lambda t: (t not in configured, -stored.get(t, 0), t))
     every = tenant == ALL
     scope = [r for t in tallied for r in by_tenant[t]] if every else by_tenant.get(tenant, [])
     totals = per_tenant(r for t in tallied for r in by_tenant[t])
