@@ -309,6 +309,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--judge-sample", type=int, default=50, metavar="N",
                    help="with --judge-upstream: request points judged (default 50)")
     r.add_argument("--judge-seed", type=int, default=0, help="the sample's seed (default 0)")
+    r.add_argument("--judge-baseline", type=int, default=0, metavar="N",
+                   help="with --judge-upstream: for N of the judged points, ask the full "
+                        "window a second time and report the model's own agreement beside "
+                        "the figure (default 0)")
     r.add_argument("--judge-key", default=os.environ.get("RUNLOOP_JUDGE_KEY"),
                    help="the judge's key (default: $RUNLOOP_JUDGE_KEY)")
     r.add_argument("--judge-output", default=None, metavar="FILE",

@@ -11,7 +11,13 @@ from typing import Any
 import orjson
 import pytest
 
-from runloop_proxy.ops.replay_judge import agreement, judge_format, sample_points, wilson
+from runloop_proxy.ops.replay_judge import (
+    agreement,
+    judge_format,
+    report_lines,
+    sample_points,
+    wilson,
+)
 from runloop_proxy.scripted import ScriptedUpstream
 from tests.keys import anthropic_key
 from tests.parcels import (
@@ -168,3 +174,36 @@ def test_the_judge_speaks_messages_to_an_anthropic_upstream(
     full = upstream.requests[-2]  # the last point's full window
     assert [b["type"] for t in full["messages"] if isinstance(t["content"], list)
             for b in t["content"]] == ["tool_use", "tool_result"]
+
+
+def test_the_models_own_agreement_is_measured_beside_the_figure(
+        tmp_path: Path, upstream: ScriptedUpstream) -> None:
+    """``--judge-baseline N``: N of the six judged points ask the full window a second
+    time. A model that answers a window the same way every time agrees with itself 6/6
+    (where the compressed window misled it, too); one whose phrasing changes at every call
+    (a sampling temperature above 0) 0/2, the figure
+    printed beside the agreement by lever. Planted: the second answer compared with the
+    compressed window's (red: the hidden points then differ for the steady model), and
+    the full window's second ask skipped (red: no own figure)."""
+    upstream.responder = decides_from_its_window
+    path = _two(tmp_path)
+    r = _run(path, upstream, tmp_path / "steady.jsonl", "--judge-baseline", "6")
+    assert r.returncode == 0, r.stderr
+    own = orjson.loads(r.stdout)["judge"]["own"]
+    assert own == {"n": 6, "agree": 6, "rate": 1.0, "low": 0.6097, "high": 1.0}
+    assert len(upstream.requests) == 18
+    upstream.requests.clear()
+
+    phrasings = ["Your order number is ORD-7731.", "ORD-7731, shipped with DHL on March 2.",
+                 "The parcel you asked about carries the reference ORD-7731 today."]
+    calls = iter(range(100))
+    upstream.responder = lambda body: {"content": phrasings[next(calls) % 3]}
+    r = _run(path, upstream, tmp_path / "varied.jsonl", "--judge-baseline", "2",
+             "--no-progress")
+    assert r.returncode == 0, r.stderr
+    own = orjson.loads(r.stdout)["judge"]["own"]
+    assert (own["n"], own["agree"]) == (2, 0) and len(upstream.requests) == 14
+    rows = list(map(orjson.loads, (tmp_path / "varied.jsonl").read_bytes().splitlines()))
+    assert sorted(row.get("own", "-") for row in rows) == ["-"] * 4 + ["differ"] * 2
+    assert report_lines({}, JUDGE_MODEL, own)[1:] == [
+        "  own (full vs full)    0/2      0.0%  [0.0%, 65.8%]"]

@@ -38,7 +38,9 @@ from .replay_judge import (
     Judge,
     JudgeError,
     agreement,
+    baseline_points,
     judge_format,
+    own_agreement,
     progress,
     report_lines,
     sample_points,
@@ -434,6 +436,8 @@ def run_replay(args: argparse.Namespace) -> int:
                   fmt=judge_format(judge_args, getattr(args, "judge_format", None))) \
         if judge_args else None
     points = sample_points(convs, args.judge_sample, args.judge_seed) if judge else set()
+    twice = baseline_points(points, getattr(args, "judge_baseline", 0), args.judge_seed) \
+        if judge else set()
     http = HttpReplay(args, replayer) if args.proxy else None
     summary_before = http.summary_tokens() if http is not None else 0
     show = not args.no_progress and not args.json and sys.stderr.isatty()
@@ -451,7 +455,7 @@ def run_replay(args: argparse.Namespace) -> int:
                             judged.append(judge.judge(
                                 f"{conv.get('id') or k}:{i}", req, window,
                                 conv.get("tools") or None,
-                                tenant.policy.shadow_text_threshold))
+                                tenant.policy.shadow_text_threshold, (k, i) in twice))
                             if show or not args.json:
                                 progress(len(judged), len(points))
                     replayer.conversation(conv, one, seen)
@@ -487,13 +491,14 @@ def run_replay(args: argparse.Namespace) -> int:
     run = Run(path, len(convs), model, replayer, tenant.policy, provider, args.half,
               http is not None, measured, round(time.monotonic() - started, 2))
     by_lever = agreement(judged) if judge is not None else None
+    own = own_agreement(judged)
     if args.json:
         data = as_json(run, tally)
         if by_lever is not None:
-            data["judge"] = {"model": args.judge_model, "by_lever": by_lever}
+            data["judge"] = {"model": args.judge_model, "by_lever": by_lever, "own": own}
         print(orjson.dumps(data, option=orjson.OPT_INDENT_2).decode())
     else:
         print("\n".join(report(run, tally, args.worst)))
         if by_lever is not None:
-            print("\n".join(report_lines(by_lever, args.judge_model)))
+            print("\n".join(report_lines(by_lever, args.judge_model, own)))
     return 0

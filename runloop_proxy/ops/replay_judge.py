@@ -115,16 +115,23 @@ class Judge:
         return r.json()  # type: ignore[no-any-return]
 
     def judge(self, point: str, req: list[Message], window: Window,
-              tools: list[dict[str, Any]] | None, threshold: float) -> dict[str, Any]:
+              tools: list[dict[str, Any]] | None, threshold: float,
+              baseline: bool = False) -> dict[str, Any]:
+        """A point's row: the compressed window's step against the full one's; with
+        ``baseline``, also the full window asked again against the first answer (``own``:
+        how often the model disagrees with itself on the same request)."""
         if point in self.done:
             return self.done[point]
         levers = levers_of(window.reduced_loops, len(window.elided), window.omitted_loops,
                            (e.kind.value for e in window.events), window.changed)
         full, compressed = self.ask(req, tools), self.ask(window.messages, tools)
-        verdict = compare(step_of(self.format, compressed), step_of(self.format, full),
-                          threshold)
+        full_step = step_of(self.format, full)
+        verdict = compare(step_of(self.format, compressed), full_step, threshold)
         row = {"point": point, "levers": list(levers), "outcome": verdict.outcome.value,
                "basis": verdict.basis.value, "similarity": verdict.similarity}
+        if baseline:
+            row["own"] = compare(step_of(self.format, self.ask(req, tools)), full_step,
+                                 threshold).outcome.value
         if self.output is not None:
             with self.output.open("ab") as f:
                 f.write(orjson.dumps(row) + b"\n")
@@ -144,6 +151,25 @@ def sample_points(convs: list[dict[str, Any]], n: int, seed: int) -> set[tuple[i
     return set(random.Random(seed).sample(points, min(n, len(points))))
 
 
+def baseline_points(points: set[tuple[int, int]], n: int, seed: int
+                    ) -> set[tuple[int, int]]:
+    """The ``n`` sampled points whose full window is asked twice (drawn with ``seed``)."""
+    return set(random.Random(seed).sample(sorted(points), min(n, len(points))))
+
+
+def own_agreement(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The model's own agreement: two asks of the same full window, over the rows that
+    have both (errors left out); None when no row was asked twice."""
+    asked = [r["own"] for r in rows if "own" in r]
+    if not asked:
+        return None
+    agree = sum(o == Outcome.AGREE for o in asked)
+    n = sum(o in (Outcome.AGREE, Outcome.DIFFER) for o in asked)
+    low, high = wilson(agree, n)
+    return {"n": n, "agree": agree, "rate": agree / n if n else None,
+            "low": round(low, 4), "high": round(high, 4)}
+
+
 def agreement(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Agreement by lever (and ``any``) over the judged rows; errors left out of the rate."""
     out: dict[str, dict[str, Any]] = {}
@@ -159,10 +185,14 @@ def agreement(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def report_lines(by_lever: dict[str, dict[str, Any]], model: str) -> list[str]:
+def report_lines(by_lever: dict[str, dict[str, Any]], model: str,
+                 own: dict[str, Any] | None = None) -> list[str]:
     lines = [f"next-step agreement, judged by {model} (compressed vs full window; "
              "95% Wilson interval):"]
-    for lever, f in by_lever.items():
+    rows = list(by_lever.items())
+    if own is not None:  # beside the figure: how much of a disagreement is the model's own
+        rows.append(("own (full vs full)", own))
+    for lever, f in rows:
         rate = "n/a" if f["rate"] is None else f"{f['rate']:.1%}"
         lines.append(f"  {lever:<11} {f['agree']:>4}/{f['n']:<4} {rate:>6}  "
                      f"[{f['low']:.1%}, {f['high']:.1%}]")
