@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -194,3 +195,55 @@ def test_a_count_tokens_storm_is_answered_while_a_turn_is_in_flight(
     assert answered == ["the build is green"]
     assert counts == [alone] * 32 and alone > 0
     assert not [o for o in upstream.other if o[1].endswith("/count_tokens")]
+
+
+def test_a_recalled_result_is_cut_to_the_room_a_known_window_leaves(
+        make_proxy: Any, upstream: ScriptedUpstream, tmp_path: Path) -> None:
+    """A 12,000-token window (the tenant's ``[models]``): the window cuts a ~9k-token log,
+    the model recalls it whole by its call's id, and the proxy's round that carries the
+    recall goes to the same window. The recalled result is cut where the window's room
+    ends, and says so (with the search tool to find the rest); the round fits the window
+    and the client gets the model's answer. Red with the result recalled whole (the round
+    22,805 tokens on a 12k window)."""
+    window = 12_000
+    cfg = tmp_path / "cfg"
+    (cfg / "tenants").mkdir(parents=True)
+    (cfg / "runloop.toml").write_text(
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'api_key = "{anthropic_key(22)}"\n')
+    (cfg / "tenants" / "dev.toml").write_text(
+        f'keys = ["{KEY}"]\nupstream = "claude"\n[policy]\nsoft_budget_tokens = 100000\n'
+        f'[models."{MODEL}"]\ncontext_window = {window}\n')
+    proxy: ProxyServer = make_proxy(config_dir=str(cfg))
+    big = "\n".join(f"build-0 step {i}: linked target_{i} with {i * 7} symbols, "
+                    f"checksum {i * 7919:08x}" for i in range(600))
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        recalled = [b for b in results_of_messages(body) if b["tool_use_id"] == "toolu_01Rc"]
+        if recalled:
+            return {"content": "recalled " + ("cut" if "[runloop-proxy] cut here" in
+                                              orjson.dumps(recalled).decode() else "whole")}
+        return {"content": "Checking build 0 again.", "tool_calls": [{
+            "id": "toolu_01Rc", "name": "recall_tool_call",
+            "arguments": {"call_id": "toolu_01Big0"}}]}
+
+    upstream.responder = respond
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "why does linking fail?"}]
+    for k in range(4):
+        messages += [{"role": "assistant", "content": [{
+            "type": "tool_use", "id": f"toolu_01Big{k}", "name": "Bash",
+            "input": {"arg": f"cat link-{k}.log"}}]},
+            result({"id": f"toolu_01Big{k}"}, big if k == 0 else log(k))]
+    client = anthropic.Anthropic(base_url=proxy.base, api_key=KEY, max_retries=0)
+    answer = client.messages.create(model=MODEL, max_tokens=1_000, tools=TOOLS,
+                                    messages=messages)
+    first, second = upstream.requests[-2:]
+    assert big not in orjson.dumps(first).decode()  # the window cut it
+    sizes = [upstream.anthropic.tokens(b) for b in (first, second)]
+    assert max(sizes) <= window, sizes
+    assert answer.content[0].text == "recalled cut"  # type: ignore[union-attr]
+
+
+def results_of_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    return [b for m in body["messages"] if m["role"] == "user" and isinstance(
+        m["content"], list) for b in m["content"] if b.get("type") == "tool_result"]

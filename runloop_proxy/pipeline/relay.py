@@ -272,7 +272,7 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
         if named else None,
         # each of the up to MAX_CALLS calls reads the request's conversation: charged so
         large=turn.large or history.large or is_large(MAX_CALLS * len(turn.raw)),
-        memory=_memory(state, turn, session, history))
+        memory=_memory(state, turn, session, history), **_room(state, turn, out))
 
     async def send(body: dict[str, Any]) -> UpstreamResponse:
         return await forward(state, turn, body, rlog)
@@ -281,6 +281,17 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
                   out.window.messages if out.window else out.conversation, runner,
                   turn.policy.max_tool_rounds, send, state.config.server.max_answer_bytes,
                   turn.large or history.large)
+
+
+def _room(state: AppState, turn: Turn, out: Outgoing) -> dict[str, Any]:
+    """What a known window leaves for the proxy's rounds, and how they count it: a guessed
+    window is not a reason to cut a recalled result (the upstream says its limit)."""
+    budget = out.window.budget if out.window is not None else None
+    if budget is None or not budget.known:
+        return {}
+    enc, _ = state.tokens.encoding(turn.model, turn.caller.tenant.encoding_for(turn.model))
+    return {"room": max(budget.hard - out.window.tokens_out, 0),  # type: ignore[union-attr]
+            "count": lambda text: state.tokens.text(enc, text)}
 
 
 def _memory(state: AppState, turn: Turn, session: Session, history: History

@@ -24,6 +24,7 @@ from ..conversation.messages import (
     message_hash,
     message_refs,
     message_text,
+    text_of,
     tool_calls_of,
 )
 from ..conversation.runloops import segment
@@ -50,6 +51,8 @@ MAX_CALLS = 32  # of the proxy's tools, answered per request; later calls are re
 # a search hit's segment, opened around it by the recall tool (long-term memory)
 SEGMENT_REF, SEGMENT_REF_CHARS = "s:", 8
 EXPAND_SEGMENTS = 3  # each side of the hit, of its loop
+CUT_NOTE = ("\n[runloop-proxy] cut here: the context window has room for {room} more tokens "
+            "of this result's {tokens}; {search} finds a line of the rest")
 EXPAND_CHARS = 6_000  # of what an opened segment shows in all
 
 
@@ -204,8 +207,13 @@ class ToolRunner:
                  branches: Callable[[], Awaitable[list[tuple[str, Message]]]] | None = None,
                  branch_results: Callable[[str], Awaitable[list[Message]]] | None = None,
                  large: bool = False,
-                 memory: Callable[[str, list[Message]], Awaitable[Found]] | None = None):
+                 memory: Callable[[str, list[Message]], Awaitable[Found]] | None = None,
+                 room: int | None = None, count: Callable[[str], int] | None = None):
         self.tools = tools
+        # what a known window has left for the proxy's rounds (in counted tokens, with
+        # ``count``): a recalled result past it is cut there (None: not bounded)
+        self.room = room
+        self.count = count
         # what the calls read is large (the request's bytes times the calls it may make, or
         # its messages): every walk a call makes over it runs off the event loop, however
         # few messages it is spread over
@@ -248,12 +256,31 @@ class ToolRunner:
                                        f"above")
         if kind == RECALL:
             content, outcome = await self.recall(asked[1])
+            if outcome == "hit":
+                content = await self._fitted(content)
         else:
             content, outcome = await self.search(asked[1])
         self.outcomes.append((kind, outcome))
         if outcome == "hit":
             self._asked[asked] = str(call.get("id", ""))
         return _tool_message(call, content)
+
+    async def _fitted(self, content: Any) -> Any:
+        """A recalled result within the room the window leaves: the round that carries it
+        goes to a model whose window is known, and the result whole would not fit in it."""
+        if self.room is None or self.count is None:
+            return content
+        text = content if isinstance(content, str) else text_of(content)
+        count = self.count
+        tokens = await offload(self.large or is_large(len(text)), lambda: count(text))
+        room = self.room - len(CUT_NOTE) // 3  # the note's own tokens, counted high
+        if tokens <= room:
+            self.room -= tokens
+            return content
+        self.room = 0
+        kept = text[:len(text) * max(room, 0) // tokens]
+        return kept + CUT_NOTE.format(room=max(room, 0), tokens=tokens,
+                                      search=self.tools.name_of(SEARCH))
 
     def _lineage(self) -> list[tuple[str, Message]]:
         return list(zip(self.keys, self.messages, strict=True))
