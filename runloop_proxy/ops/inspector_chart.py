@@ -51,7 +51,7 @@ MARKS_LISTED = 12
 
 def compactions(points: list[dict[str, int]]) -> list[int]:
     """The requests (indexes) whose forwarded prompt shrank from the one before: where the
-    window compacted (and, for the provider's cache, a new chain started: ``savings``)."""
+    window compacted (the provider's cache still serves what it kept: ``savings``)."""
     return [i for i in range(1, len(points))
             if points[i]["forwarded"] < points[i - 1]["forwarded"]]
 
