@@ -257,3 +257,29 @@ def test_nearest_is_exact_and_ordered() -> None:
     assert [i for i, _ in nearest(q, rows, 3)] == [3, 0, 2]
     assert [i for i, _ in nearest(q, rows, 9)] == [3, 0, 2, 1]
     assert nearest(q, rows[:0], 3) == []
+
+
+def test_a_stranger_who_opens_alike_reads_the_same_whether_or_not_the_victim_came_first(
+        tmp_path: Path, make_proxy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory on, in a session nobody named: the stranger who opens as the victim did (one
+    fingerprint, one stored session, her vectors beside his) gets byte for byte the upstream
+    bodies he gets alone, and none of her secrets, though his model searches for them
+    before each answer (``test_noninterference``'s world). Catches: the search scoring every
+    row the session stores rather than the request's own segments' (planted: the mask in
+    ``Memory._search`` gone, red: his search fails on her rows and answers by words alone,
+    unlike his run alone — before the search failed open, a 500)."""
+    from .test_config import ACME_KEY
+    from .test_noninterference import CARD, LINE_UPS, POLICIES, SECRET, _normal, run
+
+    monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-up")
+    monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
+    policy = POLICIES["default"] + 'memory = "embedded"\n'
+    alone = run(tmp_path, "alone", make_proxy, policy, "chat", LINE_UPS["same-opening"],
+                with_victim=False)
+    after = run(tmp_path, "after", make_proxy, policy, "chat", LINE_UPS["same-opening"],
+                with_victim=True)
+    assert any(b"by words and meaning" in b for b in after), "his model searched by meaning"
+    for body in after:
+        for secret in (SECRET, CARD, "9,120.44"):
+            assert secret.encode() not in body, f"the stranger's model was shown {secret}"
+    assert [_normal(b) for b in after] == [_normal(b) for b in alone]

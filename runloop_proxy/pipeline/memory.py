@@ -187,6 +187,9 @@ class Memory:
             return Found([], f"the search by meaning took over {SEARCH_TIMEOUT_S:g} s")
         except EmbeddingError as exc:
             return Found([], str(exc))
+        except Exception as exc:  # noqa: BLE001 - fail open: the words answer, said so
+            log.exception("memory: the search by meaning failed")
+            return Found([], f"the search by meaning failed ({type(exc).__name__})")
 
     async def _search(self, store: RedisStore | None, namespace: str, session_id: str,
                       query: str, segs: list[Segment], k: int) -> Found:
