@@ -261,7 +261,8 @@ def prompts_size(key: tuple[str, str], prompts: tuple[Prompt, Prompt]) -> int:
     client, forwarded = prompts
     mine = set(client.keys)
     own = [k for k in forwarded.keys if k not in mine] if forwarded is not client else []
-    strings = sum(STR_BYTES + len(k) for k in (*mine, *own))
+    # map, not a generator: the sum is made on the event loop, in C, not a call a message
+    strings = STR_BYTES * (len(mine) + len(own)) + sum(map(len, mine)) + sum(map(len, own))
     return 400 + 12 * (len(client.keys) + len(forwarded.keys)) + strings
 
 

@@ -63,7 +63,7 @@ def listed(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream,
     monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
     upstream.responder = model()
     root = write_config(tmp_path / "cfg", upstream.url,
-                        acme_policy="max_run_loops = 1\nomit_batch = 1\n")
+                        acme_policy="max_run_loops = 1\nomit_batch = 2\n")
     proxy: ProxyServer = make_proxy(config_dir=str(root))
     done: dict[str, int] = {}
     for key, sid, name, turns in SESSIONS:
