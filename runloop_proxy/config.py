@@ -62,11 +62,15 @@ class Policy(_Strict):
     """How a tenant's windows are compressed. Token amounts are in the model's tokens."""
 
     enabled: bool = True
-    max_run_loops: int = Field(10, ge=0)
+    max_run_loops: int = Field(
+        0, ge=0, description="past run loops kept in view before the oldest are omitted (0: "
+                             "each new turn omits the one before it, keeping its final reply, "
+                             "which the user is answering, after the summary)")
     omit_batch: int | None = Field(
         None, ge=1, description="loops omitted per omission event (default max_run_loops/2)")
     max_message_length: int = Field(
-        125, ge=16, description="tokens kept of a past user/final (seed 000: 500 characters)")
+        16, ge=16, description="tokens kept of a past question or answer (the rest is "
+                               "recallable; the summary keeps its identifiers)")
     max_time_range_s: float = Field(7 * 86_400, gt=0)
     threshold: float = Field(0.8, gt=0, le=1)
     fit_threshold: float | None = Field(
@@ -124,15 +128,15 @@ class Policy(_Strict):
                            'search_history ranks by meaning as well as by words; "off": by '
                            'words alone')
     summary_model: str | None = Field(
-        None, description='what summarises the loops an omission leaves out: "extractive" (a '
-                          'deterministic digest, no LLM), a model name (an LLM call through the '
-                          'upstream), or unset (no summaries)')
+        "extractive", description='what summarises the loops an omission leaves out: '
+                                  '"extractive" (a deterministic digest, no LLM), a model name '
+                                  '(an LLM call through the upstream), or "" (no summaries)')
     summary_upstream: str | None = Field(
         None, description="the configured upstream (by name) the summary model's calls go to, "
                           "with its own api_key (default: the tenant's upstream and key)")
     summary_max_tokens: int = Field(1_000, ge=64, le=16_000)
     summary_lines: bool = Field(
-        True, description='with summary_model = "extractive": a question → answer line per loop '
+        False, description='with summary_model = "extractive": a question → answer line per loop '
                           'left out besides their identifiers; false: the identifiers alone, '
                           'for short-turn agents, where every token of the past rides in every '
                           'later request')
@@ -163,6 +167,11 @@ class Policy(_Strict):
     @property
     def omission_batch(self) -> int:
         return self.omit_batch or max(1, self.max_run_loops // 2)
+
+    @field_validator("summary_model")
+    @classmethod
+    def _empty_is_off(cls, v: str | None) -> str | None:
+        return v or None  # a TOML file cannot say null: "" turns summaries off
 
     @field_validator("target")
     @classmethod

@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from runloop_proxy.app import create_app
-from runloop_proxy.config import ProxyConfig, Settings, load_config
+from runloop_proxy.config import Policy, ProxyConfig, Settings, load_config
 from runloop_proxy.history.embedded import find_redis_server
 from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream, ThreadedServer
@@ -217,12 +217,18 @@ class ProxyServer:
 
 
 def unique_config(settings: Settings, server: dict[str, Any] | None = None,
-                  **store: Any) -> ProxyConfig:
+                  policy: dict[str, Any] | None = None, **store: Any) -> ProxyConfig:
+    """``settings``' config on a key prefix of its own; ``policy``'s fields over the
+    pass-through tenant's (``tests.policies.MECHANISM`` for a test of a lever's mechanics)."""
     config = load_config(settings)
     prefix = "t" + uuid.uuid4().hex[:10]
+    passthrough = config.passthrough
+    if policy and passthrough is not None:
+        passthrough = passthrough.model_copy(update={"policy": Policy.model_validate(
+            {**passthrough.policy.model_dump(), **policy})})
     return dataclasses.replace(
         config, store=config.store.model_copy(update={"key_prefix": prefix, **store}),
-        server=config.server.model_copy(update=server or {}))
+        server=config.server.model_copy(update=server or {}), passthrough=passthrough)
 
 
 @pytest.fixture
@@ -232,11 +238,13 @@ def make_proxy(upstream: ScriptedUpstream, redis_url: str, tmp_path: Path) -> It
     def make(config_dir: str | None = None, redis: str | None = None, **kw: Any) -> ProxyServer:
         store_kw = kw.pop("store", {})
         server_kw = kw.pop("server", {})
+        policy = kw.pop("policy", None)
         url = kw.pop("upstream_url", None)  # another upstream than the scripted one
         settings = Settings(upstream=None if config_dir else url or upstream.url,
                             config_dir=config_dir, redis_url=redis or redis_url,
                             data_dir=str(tmp_path / "data"), **kw)
-        proxy = ProxyServer(settings, unique_config(settings, server_kw, **store_kw)).start()
+        proxy = ProxyServer(settings,
+                            unique_config(settings, server_kw, policy, **store_kw)).start()
         started.append(proxy)
         return proxy
 

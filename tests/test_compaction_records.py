@@ -19,6 +19,7 @@ from runloop_proxy.scripted import ScriptedUpstream
 from runloop_proxy.window.builder import CompactionKind
 
 from .conftest import ProxyServer
+from .policies import MECHANISM
 from .test_responses import recalling
 
 ADMIN = "admin-0123456789abcdef"
@@ -114,7 +115,7 @@ def counted(proxy: ProxyServer, kind: str) -> float:
 @pytest.mark.parametrize("api", ["chat", "responses"])
 def test_a_request_that_brings_many_turns_records_each_step(
         make_proxy: Any, upstream: ScriptedUpstream, api: str) -> None:
-    proxy: ProxyServer = make_proxy(admin_key=ADMIN)
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN, policy=MECHANISM)
     at_once = Client(proxy, api, "at-once")
     conversation = at_once.conversation(12)
     answer = at_once.send(conversation)
@@ -150,7 +151,7 @@ def test_with_the_proxys_rounds_spliced_in_no_step_is_recorded_twice(
         make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """After the model recalled a result, every later request has the proxy's round spliced
     back into it: where what it brings begins is found in that spliced conversation."""
-    proxy: ProxyServer = make_proxy(admin_key=ADMIN)
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN, policy=MECHANISM)
     upstream.responder = recalling("call_11", 11)
     client = Client(proxy, "responses", "spliced")
     conversation = client.conversation(14)
@@ -178,7 +179,7 @@ def test_a_request_of_very_many_turns_writes_a_bounded_number_of_records(
     each, before."""
     from runloop_proxy.pipeline.shaping import STEPS_KEPT
 
-    proxy: ProxyServer = make_proxy(admin_key=ADMIN)
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN, policy=MECHANISM)
     Client(proxy, "chat", "very-many").send(Client(proxy, "chat", "x").conversation(120))
     proxy.settle()
     view = httpx.get(f"{proxy.base}/admin/sessions/very-many", headers=AUTH,

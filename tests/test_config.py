@@ -21,6 +21,7 @@ from runloop_proxy.pipeline.tools import definitions_tokens
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, until
+from .policies import mechanism_toml
 
 ACME_KEY = "acme-proxy-key-0123456789"
 GLOBEX_KEY = "globex-proxy-key-0123456789"
@@ -41,8 +42,7 @@ max_retries = 0
 [defaults]
 upstream = "main"
 [defaults.policy]
-max_run_loops = 7
-""")
+{mechanism_toml(max_run_loops=7)}""")
     (root / "tenants" / "acme.toml").write_text(f"""
 keys = ["${{TEST_ACME_KEY}}"]
 upstream_key = "sk-acme-upstream"

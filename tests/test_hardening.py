@@ -23,6 +23,7 @@ from runloop_proxy.pipeline.offload import LARGE_BYTES
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, RedisServer, until
+from .policies import MECHANISM
 from .test_config import ACME_KEY, write_config
 from .test_tools import CLIENT_TOOLS, long_session
 from .work import lines
@@ -637,13 +638,16 @@ def _many(kind: str, n: int) -> tuple[str, dict[str, Any]]:
                                   "messages turns", "messages assistant turns",
                                   "messages tool results"])
 def test_a_large_request_leaves_little_work_on_the_event_loop(
-        proxy: ProxyServer, upstream: ScriptedUpstream, kind: str) -> None:
+        make_proxy: Any, upstream: ScriptedUpstream, kind: str) -> None:
     """A large body's walks (parsing, checking, converting, hashing, counting, the window,
     converting it for the upstream, chaining and packing it for Redis) run in a worker
     thread: what the event loop does for a request of 18,000 messages or turns, over every
     API, its write-behind included, stays under a call a message, where the walks cost 40 to
     120 (counted, not timed; 1.4 to 2.3 million calls before; the Messages API's conversion
-    for the upstream, and the store's size check, left 1.4 to 18 a message on the loop)."""
+    for the upstream, and the store's size check, left 1.4 to 18 a message on the loop).
+    The request's own path, under ``MECHANISM``: a summary's store round trips are a few
+    thousand calls a request, whatever its size."""
+    proxy: ProxyServer = make_proxy(policy=MECHANISM)
     upstream.keep_requests = False
 
     def send(n: int, sid: str) -> None:
@@ -700,12 +704,14 @@ def _answer_of(kind: str, reply: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("kind", ["chat messages", "responses items", "messages turns"])
 def test_a_body_of_many_small_items_leaves_little_work_on_the_event_loop(
-        proxy: ProxyServer, upstream: ScriptedUpstream, kind: str) -> None:
+        make_proxy: Any, upstream: ScriptedUpstream, kind: str) -> None:
     """Whether a request's work leaves the loop counted its bytes (128 KB) or its messages
     (2,000): a thousand small items in 100 KB stayed on the loop, at 80 to 200 µs an item
     (red team: 100 to 430 ms stalls). The measure is the body's items (its JSON objects,
     counted by a byte scan), for every API: 1,500 small items leave a few calls an item on
-    the loop, the request's own handling (counted, not timed; 170 to 200 an item inline)."""
+    the loop, the request's own handling (counted, not timed; 170 to 200 an item inline),
+    under ``MECHANISM``."""
+    proxy: ProxyServer = make_proxy(policy=MECHANISM)
     upstream.keep_requests = False
     n = 1_500
     path, body = _many(kind, 200)
@@ -827,7 +833,7 @@ def test_what_the_caches_hold_is_what_they_are_allowed(make_proxy: Any,
     import tracemalloc
 
     upstream.keep_requests = False
-    proxy = make_proxy(cache_mb=64)
+    proxy = make_proxy(cache_mb=64, policy=MECHANISM)
     path, first = _many("chat messages", 10)
     assert post_to(proxy, path, first, "warm").status_code == 200
     proxy.settle()
@@ -944,7 +950,7 @@ def test_a_bodys_items_are_its_objects_and_its_arrays() -> None:
 
 
 def test_a_tiny_request_lining_up_with_a_huge_conversation_buys_little_work(
-        proxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """Finding (red team): a 404-byte request that echoed one reply of a fingerprinted
     conversation of 19,000 messages took the trimmed-history path into it on every request:
     the stored conversation read, matched and counted on the event loop (2 s the first
@@ -953,8 +959,11 @@ def test_a_tiny_request_lining_up_with_a_huge_conversation_buys_little_work(
     most CONTINUED_PER_MESSAGE times the request's messages more (its length read first, one
     field), and what is read is worked on off the loop when large. Counted on the loop
     thread, a tiny request lining up with a conversation four times as large costs no more;
-    and the large one is left as it was (the stranger's turn is stored on its own)."""
+    and the large one is left as it was (the stranger's turn is stored on its own). Under
+    ``MECHANISM``: the request path, without a summary's store round trips."""
     from runloop_proxy.pipeline.reconcile import CONTINUED_FLOOR
+
+    proxy: ProxyServer = make_proxy(policy=MECHANISM)
 
     def stored_conversation(n: int, salt: str) -> str:
         call = {"id": f"toolu_{salt}_anchor", "type": "function",

@@ -26,6 +26,7 @@ from runloop_proxy.ops.inspector_window import rebuild
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, until
+from .policies import MECHANISM
 from .test_compaction_records import KEY, RESPONSES_TOOLS, TENANT, Client, answers
 from .test_config import ACME_KEY, write_config
 from .test_summaries import TOOLS, converse, model
@@ -248,7 +249,8 @@ def test_the_last_requests_window_is_the_one_that_went_upstream(
     """A session of a model with a small window (its budget decides what is omitted), tools
     that cost tokens, through either API: the window the inspector shows is the one that went
     upstream, message for message, and its figures are the response's X-Runloop-Tokens."""
-    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY, context_window=8192)
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY, context_window=8192,
+                                    policy=MECHANISM)
     client = Client(proxy, api, "small-window", model="my-local-model")
     conversation = client.conversation(12)
     cuts = [i for i, item in enumerate(conversation) if answers(item)]
@@ -648,7 +650,8 @@ def test_the_inspector_counts_and_places_the_exchanges_dropped_inside_the_open_l
     Bug class: a figure that says less than the window did (planted: the elision record's
     count left at 0 beside its tokens; the loop's fate read without its drops; and, of the
     unit, the tool-result column counting characters)."""
-    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY, context_window=8192)
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN_KEY, context_window=8192,
+                                    policy=MECHANISM)
     sdk = openai.OpenAI(base_url=proxy.url, api_key=KEY, max_retries=0,
                         default_headers={"X-Session-Id": "long-loop"})
     tools = [{"type": "function", "function": {"name": "shell", "parameters": {

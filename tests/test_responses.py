@@ -19,6 +19,7 @@ from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, until
 from .keys import openai_project_key
+from .policies import MECHANISM
 
 ADMIN = "admin-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -149,10 +150,12 @@ def test_unknown_fields_and_items_pass_through(proxy: ProxyServer,
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 @pytest.mark.parametrize("tasks", [True, False], ids=["40-tasks", "one-task"])
 def test_a_long_stateless_session_is_compressed_and_recalled_byte_for_byte(
-        proxy: ProxyServer, upstream: ScriptedUpstream, stream: bool, tasks: bool) -> None:
+        make_proxy: Any, upstream: ScriptedUpstream, stream: bool, tasks: bool) -> None:
     """40 turns with large function outputs, the full input every time (store=false): what
     goes upstream is far smaller, and a cut output comes back whole when the model asks —
-    from a reduced past loop (40 tasks) or from the open loop's cut outputs (one task)."""
+    from a reduced past loop (40 tasks: past loops kept in view, ``MECHANISM``) or from the
+    open loop's cut outputs (one task)."""
+    proxy: ProxyServer = make_proxy(policy=MECHANISM)
     k = 35 if tasks else 0  # a reduced past loop still in view; the open loop's first step
     model = recalling(f"call_{k}", k)
     # each round's response named by its round: the client must be given the last one's (the
@@ -436,7 +439,7 @@ def test_a_stateless_session_shows_its_summary_after_the_marker(
     """With extractive summaries, a Responses conversation that arrives long (twelve tasks,
     so the first request already omits five) shows the digest of what it omits right after
     the marker, as an assistant item: made inline, since no earlier request could make it."""
-    proxy = make_proxy(summary_model="extractive")
+    proxy = make_proxy(policy={**MECHANISM, "summary_model": "extractive"})
     upstream.responder = lambda body: {"content": "ok"}
     items = agent_turns(12) + [{"role": "user", "content": "next"}]
     sdk(proxy, "sum-resp").responses.create(model="gpt-4o-mini", input=items, tools=TOOLS,

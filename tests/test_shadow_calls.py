@@ -33,6 +33,7 @@ from tests.parcels import (
     decides_from_its_window,
     response_items,
 )
+from tests.policies import mechanism_toml
 
 MODEL = "gpt-4.1-mini-2025-04-14"
 CLIENT_KEY = openai_project_key(7)
@@ -50,7 +51,8 @@ def shadowing(tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> An
             f'[server]\nadmin_key = "{ADMIN_KEY}"\n'
             f'[upstreams.main]\nurl = "{upstream.url}"\napi_key = "{upstream_key}"\n'
             f'format = "{upstream_format}"\n'
-            f'max_retries = 0\n[defaults]\nupstream = "main"\n')
+            f'max_retries = 0\n[defaults]\nupstream = "main"\n'
+            f'[defaults.policy]\n{mechanism_toml()}')  # a hidden result stays hidden
         (root / "tenants" / "parcels.toml").write_text(
             f'keys = ["{CLIENT_KEY}"]\n[policy]\nreduce_at_least = 8\nnames_kept = 0\n'
             f'{policy}')

@@ -371,11 +371,14 @@ def test_unset_summaries_change_nothing(tmp_path: Path, make_proxy: Any,
 def test_pass_through_mode_takes_the_summary_model_from_serve() -> None:
     from runloop_proxy.config import Settings, load_config
 
-    config = load_config(Settings(upstream="http://127.0.0.1:9/v1", summary_model="extractive"))
+    config = load_config(Settings(upstream="http://127.0.0.1:9/v1",
+                                  summary_model="gpt-4o-mini-2024-07-18"))
     assert config.passthrough is not None
-    assert config.passthrough.policy.summary_model == "extractive"
+    assert config.passthrough.policy.summary_model == "gpt-4o-mini-2024-07-18"
     plain = load_config(Settings(upstream="http://127.0.0.1:9/v1")).passthrough
-    assert plain is not None and plain.policy.summary_model is None
+    # unset, the built-in default: the extractive digest's identifiers, no lines
+    assert plain is not None and plain.policy.summary_model == "extractive"
+    assert not plain.policy.summary_lines
 
 
 def test_a_summary_slower_than_its_timeout_is_counted_and_left_out(
@@ -857,3 +860,30 @@ def test_summary_calls_are_bounded_per_tenant_and_never_hold_its_requests(
         assert max(in_flight) <= 2, in_flight
     finally:
         gate.set()
+
+
+def test_the_built_in_defaults_keep_what_the_next_reply_needs(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Pass-through on the built-in policy (no tenant file, no flag): every turn omits the
+    one before it, and what the window keeps of it is its final reply (what the user is
+    answering) and, after the marker, the identifiers its tools brought (order ids,
+    carriers) with no question → answer line, while the open turn stays whole. Bug class: a
+    default that hides what the next reply quotes. Planted, each red: max_run_loops back at
+    10 (no marker), summary_lines back on (a question line), summary_model unset (no
+    identifiers after the marker)."""
+    upstream.responder = model()
+    proxy = make_proxy()
+    converse(proxy, "built-in", 4, after=lambda k: proxy.settle())
+    last = [b for b in upstream.requests if not is_summary_call(b)][-1]
+    text = marker(last)
+    assert text is not None, [m.get("content") for m in last["messages"]]
+    assert all(f"#W{k}000" in text for k in (1, 2)) and "carrier-17" in text, text
+    assert "where is order" not in text and "Q:" not in text, text
+    contents = [str(m.get("content")) for m in last["messages"]]
+    # the turns before are omitted (the opening task stays), the last one's reply kept
+    assert "where is order 1" in contents and "order #W3000 sh is on its way" in contents
+    assert "where is order 2" not in contents and "where is order 3" not in contents
+    assert not any("#W2000 sh is on its way" in c for c in contents)
+    # the open turn whole: its question and its tool's result
+    assert "where is order 4" in contents
+    assert any(c.startswith("#W4000 shipped via carrier-47") for c in contents)

@@ -26,6 +26,8 @@ from runloop_proxy.window import builder as window_mod
 from runloop_proxy.window.builder import CompactionKind, Window, build_window, request_points
 from runloop_proxy.window.forms import DEFAULT_NAMES, Budget, Cut
 
+from .policies import mechanism
+
 
 class WordOps:
     """A deterministic token model for pure tests: one token per word, +3 per message."""
@@ -88,7 +90,7 @@ def build(messages: list[Message], policy: Policy | None = None, hard: int = 100
           working: int = 1_000, client_tools: bool = True) -> Window:
     keys = [message_hash(m) for m in messages]
     counts = [OPS.count(m) for m in messages]
-    return build_window(messages, keys, counts, policy or Policy(), Budget(hard, working), OPS,
+    return build_window(messages, keys, counts, policy or mechanism(), Budget(hard, working), OPS,
                         client_tools=client_tools)
 
 
@@ -128,13 +130,13 @@ def test_short_conversation_is_passed_unchanged() -> None:
 
 def test_past_loops_without_tools_stay_identical() -> None:
     msgs = [S, U(), F(), U(), F(), U()]
-    w = build(msgs, Policy(reduce_at_least=0))
+    w = build(msgs, mechanism(reduce_at_least=0))
     assert not w.changed
 
 
 def test_past_loop_reduced_to_question_answer_and_ledger() -> None:
     msgs = [S, U(tag="q"), A("c1"), T("c1", 300), A("c2"), T("c2", 300), F(tag="ans"), U()]
-    w = build(msgs, Policy(reduce_at_least=0))
+    w = build(msgs, mechanism(reduce_at_least=0))
     assert w.changed
     roles = [m["role"] for m in w.messages]
     assert roles == ["system", "user", "assistant", "user"]
@@ -152,7 +154,7 @@ def test_a_long_ledger_keeps_its_first_and_last_calls() -> None:
     for k in range(40):
         msgs += [A(f"c{k}"), T(f"c{k}", 300)]
     msgs += [F(tag="ans"), U()]
-    w = build(msgs, Policy(reduce_at_least=0))
+    w = build(msgs, mechanism(reduce_at_least=0))
     ledger = w.messages[2]["content"].split("tools used (recall_tool_call takes the id): ")[1]
     entries = ledger.split("; ")
     head = 24 // 3
@@ -164,19 +166,19 @@ def test_a_long_ledger_keeps_its_first_and_last_calls() -> None:
 
 def test_a_result_whose_call_is_not_in_view_is_ledgered_as_a_plain_tool() -> None:
     msgs = [S, U(tag="q"), T("orphan", 300), F(tag="ans"), U()]
-    w = build(msgs, Policy(reduce_at_least=0))
+    w = build(msgs, mechanism(reduce_at_least=0))
     assert f"{ref_of(msgs, 'orphan')} tool() 303t" in w.messages[2]["content"]
 
 
 def test_past_loop_reduction_waits_for_reduce_at_least() -> None:
     msgs = [S, U(), A("c1"), T("c1", 30), F(), U()]
-    assert not build(msgs, Policy(**MECHANICS, reduce_at_least=2000)).changed
-    assert build(msgs, Policy(**MECHANICS, reduce_at_least=10)).changed
+    assert not build(msgs, mechanism(**MECHANICS, reduce_at_least=2000)).changed
+    assert build(msgs, mechanism(**MECHANICS, reduce_at_least=10)).changed
 
 
 def test_ledger_shows_a_tiny_result_inline_and_long_arguments_cut() -> None:
     msgs = [S, U(), A("c1", args=40), T("c1", 300), A("c2"), T("c2", 2), F(), U()]
-    w = build(msgs, Policy(reduce_at_least=0, ledger_arg_chars=20))
+    w = build(msgs, mechanism(reduce_at_least=0, ledger_arg_chars=20))
     final = w.messages[2]["content"]
     assert "bash(cmd=a0 a1) → out0 out1" in final  # shown, no ref needed
     assert ref_of(msgs, "c2") not in final
@@ -184,7 +186,7 @@ def test_ledger_shows_a_tiny_result_inline_and_long_arguments_cut() -> None:
 
 
 def test_over_threshold_mode_keeps_past_loops_until_pressure() -> None:
-    policy = Policy(reduce_past_loops=ReducePastLoops.OVER_THRESHOLD, clear_at_least=0,
+    policy = mechanism(reduce_past_loops=ReducePastLoops.OVER_THRESHOLD, clear_at_least=0,
                     reduce_at_least=0)
     msgs = [S, U(), A("c1"), T("c1", 50), F(), U()]
     assert not build(msgs, policy, working=1000).changed
@@ -195,7 +197,7 @@ def test_in_loop_elision_keeps_recent_results_and_names_the_ref() -> None:
     msgs: list[Message] = [S, U()]
     for k in range(8):
         msgs += [A(f"c{k}"), T(f"c{k}", 100)]
-    w = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0), working=1000)
+    w = build(msgs, mechanism(keep_recent_tool_results=2, clear_at_least=0), working=1000)
     assert w.changed and w.fits
     tools = [m for m in w.messages if m["role"] == "tool"]
     assert tools[-1]["content"] == msgs[-1]["content"]
@@ -216,7 +218,7 @@ def test_an_elided_calls_long_arguments_are_cut_and_stay_json() -> None:
     msgs: list[Message] = [S, U()]
     for k in range(8):
         msgs += [A(f"c{k}", args=80), T(f"c{k}", 100)]
-    policy = Policy(keep_recent_tool_results=2, clear_at_least=0, reasoning_keep_tokens=16,
+    policy = mechanism(keep_recent_tool_results=2, clear_at_least=0, reasoning_keep_tokens=16,
                     names_kept=0)
     w = build(msgs, policy, working=1000)
     calls = [m for m in w.messages if m.get("tool_calls")]
@@ -236,7 +238,7 @@ def test_excluded_tools_are_never_elided() -> None:
     for k in range(6):
         msgs += [A(f"c{k}"), T(f"c{k}", 100)]
     msgs[2]["tool_calls"][0]["function"]["name"] = "read_spec"
-    w = build(msgs, Policy(keep_recent_tool_results=1, clear_at_least=0,
+    w = build(msgs, mechanism(keep_recent_tool_results=1, clear_at_least=0,
                            exclude_tools=("read_spec",)), working=400)
     assert w.changed
     kept = [m for m in w.messages if m.get("tool_call_id") == "c0"]
@@ -247,7 +249,7 @@ def test_reused_call_id_gets_a_distinct_ref() -> None:
     msgs: list[Message] = [S, U(), A("dup"), T("dup", 200), A("dup"),
                            {**T("dup", 200), "content": words(200, "second")}]
     msgs += [A("z"), T("z", 5), A("y"), T("y", 5), A("x"), T("x", 5)]
-    w = build(msgs, Policy(keep_recent_tool_results=1, clear_at_least=0), working=300)
+    w = build(msgs, mechanism(keep_recent_tool_results=1, clear_at_least=0), working=300)
     refs = [e.ref for e in w.elided if e.call_id == "dup"]
     assert len(refs) == 2 and refs[0] != refs[1]
     assert all(re.fullmatch(r"[0-9a-f]{6}", r) for r in refs)
@@ -267,7 +269,7 @@ def test_old_loops_omitted_in_batches_with_a_marker() -> None:
     for k in range(13):
         msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
     msgs.append(U())
-    w = build(msgs, Policy(**MECHANICS, max_run_loops=4, reduce_at_least=0))
+    w = build(msgs, mechanism(**MECHANICS, max_run_loops=4, reduce_at_least=0))
     # the marker is the model's own note, right after the system prompt
     assert w.messages[1]["role"] == "assistant" and "Earlier turns" in w.messages[1]["content"]
     assert w.omitted_loops >= 2 and w.reduced_loops <= 4
@@ -288,7 +290,7 @@ def test_loops_older_than_max_time_range_are_omitted() -> None:
     keys = [message_hash(m) for m in msgs]
     counts = [OPS.count(m) for m in msgs]
     w = build_window(msgs, keys, counts,
-                     Policy(**MECHANICS, reduce_at_least=0, max_time_range_s=7 * 86_400),
+                     mechanism(**MECHANICS, reduce_at_least=0, max_time_range_s=7 * 86_400),
                      Budget(100_000, 1_000), OPS, timestamps=stamps, now_ms=12 * day)
     assert w.omitted_loops == 2  # loops started 12 and 9 days ago; 6 and 3 days ago stay
     assert "Earlier turns" in w.messages[1]["content"]
@@ -296,7 +298,7 @@ def test_loops_older_than_max_time_range_are_omitted() -> None:
     assert_valid(w.messages)
     # a checkpoint saved while no loop was old yet is not resumed once the clock moved on
     memo: dict[Any, Any] = {}
-    policy = Policy(**MECHANICS, reduce_at_least=0, max_time_range_s=7 * 86_400)
+    policy = mechanism(**MECHANICS, reduce_at_least=0, max_time_range_s=7 * 86_400)
     prev = len(msgs) - 2
     build_window(msgs[:prev], keys[:prev], counts[:prev], policy, Budget(100_000, 1_000), OPS,
                  timestamps=stamps[:prev], now_ms=6 * day, memo=memo)
@@ -307,7 +309,7 @@ def test_loops_older_than_max_time_range_are_omitted() -> None:
 
 def test_huge_single_result_is_capped_and_recallable() -> None:
     msgs = [S, U(), A("big"), T("big", 5000)]
-    w = build(msgs, Policy(max_tool_result_share=0.25), working=1000)
+    w = build(msgs, mechanism(max_tool_result_share=0.25), working=1000)
     assert w.changed
     capped = w.messages[-1]["content"]
     assert len(capped.split()) < 400
@@ -318,7 +320,7 @@ def test_hard_limit_drops_oldest_exchanges_then_fits() -> None:
     msgs: list[Message] = [S, U()]
     for k in range(40):
         msgs += [A(f"c{k}", args=30), T(f"c{k}", 40)]
-    w = build(msgs, Policy(keep_recent_tool_results=1), hard=500, working=500)
+    w = build(msgs, mechanism(keep_recent_tool_results=1), hard=500, working=500)
     assert w.fits and w.tokens_out <= 500
     assert_valid(w.messages)
 
@@ -334,7 +336,7 @@ def test_drop_note_rides_on_the_question() -> None:
     msgs: list[Message] = [S, U(tag="task")]
     for k in range(60):
         msgs += [A(f"c{k}", n=20, args=20), T(f"c{k}", 60)]
-    w = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0), working=900)
+    w = build(msgs, mechanism(keep_recent_tool_results=2, clear_at_least=0), working=900)
     assert w.fits
     note = w.messages[1]["content"]
     assert note.startswith(msgs[1]["content"])  # the question stays byte-identical first
@@ -352,7 +354,7 @@ def test_disabled_policy_is_pass_through() -> None:
     msgs: list[Message] = [S, U()]
     for k in range(30):
         msgs += [A(f"c{k}"), T(f"c{k}", 100)]
-    w = build(msgs, Policy(enabled=False), working=100)
+    w = build(msgs, mechanism(enabled=False), working=100)
     assert not w.changed
 
 
@@ -400,7 +402,8 @@ policies = st.builds(
     reasoning_keep_tokens=st.integers(16, 40), reduce_at_least=st.sampled_from([0, 64, 300]),
     omit_batch=st.one_of(st.none(), st.integers(1, 4)), ledger_arg_chars=st.integers(0, 40),
     strict_roles=st.booleans(), keep_opening=st.booleans(), names_kept=st.sampled_from([0, 3, 48]),
-    payback_requests=st.sampled_from([None, 0, 2]))
+    payback_requests=st.sampled_from([None, 0, 2]),
+    summary_model=st.sampled_from([None, "extractive"]), summary_lines=st.booleans())
 
 PROPS = settings(max_examples=int(os.environ.get("WINDOW_EXAMPLES", "120")), deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -461,7 +464,7 @@ def test_a_growing_session_resumes_from_the_last_windows_carry() -> None:
         msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 200), F(tag=f"a{k}")]
     keys = [message_hash(m) for m in msgs]
     counts = [OPS.count(m) for m in msgs]
-    policy, budget = Policy(max_run_loops=2, reduce_at_least=0), Budget(100_000, 1_000)
+    policy, budget = mechanism(max_run_loops=2, reduce_at_least=0), Budget(100_000, 1_000)
     carry = None
     resumed = 0
     built = 0
@@ -570,7 +573,7 @@ def test_a_request_that_records_from_the_start_replays_every_point(cache: str) -
     msgs.append(U())
     keys = [message_hash(m) for m in msgs]
     counts = [OPS.count(m) for m in msgs]
-    policy, budget = Policy(max_run_loops=2, reduce_at_least=0), Budget(100_000, 1_000)
+    policy, budget = mechanism(max_run_loops=2, reduce_at_least=0), Budget(100_000, 1_000)
     memo: dict[Any, Any] = {}
     carry = None
     for p in request_points(msgs, 0)[:-1]:
@@ -702,7 +705,7 @@ def test_every_elided_item_is_recallable(msgs: list[Message], policy: Policy,
 @PROPS
 @given(conversations())
 def test_nothing_to_reduce_means_identical(msgs: list[Message]) -> None:
-    w = build(msgs, Policy(clear_at_least=10**9, reduce_at_least=10**9, max_run_loops=50),
+    w = build(msgs, mechanism(clear_at_least=10**9, reduce_at_least=10**9, max_run_loops=50),
               working=10**6, hard=10**7)
     assert not w.changed and w.messages is msgs
 
@@ -714,7 +717,7 @@ def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
         for k in range(n):
             msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
         msgs.append(U())
-        w = build(msgs, Policy(**MECHANICS, max_run_loops=3, omit_batch=3,  # coincide: the
+        w = build(msgs, mechanism(**MECHANICS, max_run_loops=3, omit_batch=3,  # coincide: the
                                reduce_at_least=0))  # batch as large as what stays: the table's
         shown.append(w.reduced_loops)
         assert_valid(w.messages)
@@ -728,7 +731,7 @@ def test_omit_batch_sets_how_many_loops_go_per_omission() -> None:
         for k in range(n):
             msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}", 50), F(tag=f"a{k}")]
         msgs.append(U())
-        markers.add(build(msgs, Policy(**MECHANICS, max_run_loops=3, omit_batch=2,
+        markers.add(build(msgs, mechanism(**MECHANICS, max_run_loops=3, omit_batch=2,
                                        reduce_at_least=0)).messages[1]["content"])
     assert len(markers) == 1
 
@@ -755,7 +758,8 @@ def loops_of(n: int, result: int = 50) -> list[Message]:
 ])
 def test_omissions_come_in_whole_batches_each_with_its_summary(
         max_run_loops: int, batch: int, shown: list[int], omitted: list[int]) -> None:
-    policy = Policy(**MECHANICS, max_run_loops=max_run_loops, omit_batch=batch, reduce_at_least=0)
+    policy = mechanism(**MECHANICS, max_run_loops=max_run_loops, omit_batch=batch,
+                       reduce_at_least=0)
     summaries = tuple((e, f"summary of the first {e} loops") for e in range(batch, 8, batch))
     got_shown, got_omitted = [], []
     for n in range(1, 8):
@@ -777,7 +781,7 @@ def test_omissions_come_in_whole_batches_each_with_its_summary(
 def test_an_omission_that_leaves_no_past_loop_keeps_the_last_reply() -> None:
     # omit_batch above max_run_loops: the past shown runs 1, 2, then none ... but the model
     # always keeps the final reply the user is answering, right after the marker
-    policy = Policy(**MECHANICS, max_run_loops=2, omit_batch=3, reduce_at_least=0,
+    policy = mechanism(**MECHANICS, max_run_loops=2, omit_batch=3, reduce_at_least=0,
                     max_message_length=16)
     shown = []
     for n in range(2, 9):
@@ -801,7 +805,7 @@ def test_an_omission_that_leaves_no_past_loop_keeps_the_last_reply() -> None:
 
 
 def test_strict_roles_put_the_marker_in_the_system_prompt() -> None:
-    policy = Policy(**MECHANICS, max_run_loops=2, omit_batch=3, reduce_at_least=0,
+    policy = mechanism(**MECHANICS, max_run_loops=2, omit_batch=3, reduce_at_least=0,
                     strict_roles=True)
     w = build(loops_of(3), policy)  # everything past omitted: the last reply is kept
     assert [m["role"] for m in w.messages] == ["system", "user", "assistant", "user"]
@@ -818,7 +822,7 @@ def test_strict_roles_put_the_marker_in_the_system_prompt() -> None:
 
 def test_the_kept_reply_stays_until_the_next_omission() -> None:
     # inside the turn that omitted everything, and the turn after it, the window only grows
-    policy = Policy(**MECHANICS, max_run_loops=2, omit_batch=3, reduce_at_least=0)
+    policy = mechanism(**MECHANICS, max_run_loops=2, omit_batch=3, reduce_at_least=0)
     msgs = loops_of(3)
     first = build(msgs, policy).messages
     later = build([*msgs, A("c-now"), T("c-now"), F(tag="done"), U(tag="next")], policy)
@@ -834,7 +838,7 @@ def test_loops_beyond_max_run_loops_go_even_when_reducing_them_did_not_pay() -> 
     for k in range(6):
         msgs += [U(tag=f"q{k}"), F(tag=f"a{k}")]
     msgs.append(U(tag="now"))
-    w = build(msgs, Policy(**MECHANICS, max_run_loops=2, omit_batch=1))
+    w = build(msgs, mechanism(**MECHANICS, max_run_loops=2, omit_batch=1))
     users = [m["content"] for m in w.messages if m["role"] == "user"]
     assert w.omitted_loops == 4 and "Earlier turns" in w.messages[1]["content"]
     assert users == [words(5, "q4"), words(5, "q5"), words(5, "now")]
@@ -851,7 +855,7 @@ def test_the_next_request_replays_only_its_own_point(monkeypatch: Any) -> None:
     memo: dict[Any, Any] = {}
     budget = Budget(100_000, 2_000)
     prev = len(msgs) - 2  # the previous request: up to the last final reply
-    build_window(msgs[:prev], keys[:prev], counts[:prev], Policy(), budget, OPS, memo=memo)
+    build_window(msgs[:prev], keys[:prev], counts[:prev], mechanism(), budget, OPS, memo=memo)
     steps: list[int] = []
     real = window_mod._Replay.step
 
@@ -860,10 +864,10 @@ def test_the_next_request_replays_only_its_own_point(monkeypatch: Any) -> None:
         real(self, p, record)
 
     monkeypatch.setattr(window_mod._Replay, "step", counting)
-    build_window(msgs, keys, counts, Policy(), budget, OPS, memo=memo)
+    build_window(msgs, keys, counts, mechanism(), budget, OPS, memo=memo)
     assert steps == [len(msgs)]
     steps.clear()
-    build_window(msgs, keys, counts, Policy(), budget, OPS)  # no memo: every point again
+    build_window(msgs, keys, counts, mechanism(), budget, OPS)  # no memo: every point again
     assert len(steps) == len(request_points(msgs, 0))
 
 
@@ -876,7 +880,7 @@ def test_in_loop_elision_comes_in_batches_of_clear_at_least(
     ``clear_at_least`` tokens (at most the target, half the working budget) — unless it elided
     everything elidable (all results but the newest ``keep_recent_tool_results``): prefix
     changes come in batches, not one per turn."""
-    policy = Policy(clear_at_least=clear, keep_recent_tool_results=keep, reduce_at_least=0)
+    policy = mechanism(clear_at_least=clear, keep_recent_tool_results=keep, reduce_at_least=0)
     msgs: list[Message] = [S, U(tag="task")]
     for k, n in enumerate(sizes):
         msgs += [A(f"c{k}"), T(f"c{k}", n)]
@@ -909,7 +913,7 @@ def test_a_60_step_loop_changes_its_prefix_a_few_times_not_every_turn() -> None:
         previous: list[Message] | None = None
         changes = 0
         for p in request_points(msgs, 0):
-            w = build_window(msgs[:p], keys[:p], counts[:p], Policy(clear_at_least=clear),
+            w = build_window(msgs[:p], keys[:p], counts[:p], mechanism(clear_at_least=clear),
                              Budget(100_000, 3_000), OPS)
             if previous is not None and w.messages[:len(previous)] != previous:
                 changes += 1
@@ -929,12 +933,12 @@ def test_clear_at_least_larger_than_the_target_clears_the_target_not_everything(
     keys = [message_hash(m) for m in msgs]
     counts = [OPS.count(m) for m in msgs]
     for p in request_points(msgs, 0):
-        w = build_window(msgs[:p], keys[:p], counts[:p], Policy(), Budget(100_000, 3_000), OPS)
+        w = build_window(msgs[:p], keys[:p], counts[:p], mechanism(), Budget(100_000, 3_000), OPS)
         if any(e.kind is CompactionKind.ELISION for e in w.events):
             break
     results = [m for m in w.messages if m["role"] == "tool"]
     elided = [m for m in results if "[runloop-proxy]" in m["content"]]
-    assert 0 < len(elided) < len(results) - Policy().keep_recent_tool_results
+    assert 0 < len(elided) < len(results) - mechanism().keep_recent_tool_results
 
 
 def test_compact_now_omits_the_loops_it_names_from_its_point_on() -> None:
@@ -946,7 +950,7 @@ def test_compact_now_omits_the_loops_it_names_from_its_point_on() -> None:
         msgs += [U(tag=f"q{k}"), A(f"c{k}"), T(f"c{k}"), F(tag=f"f{k}")]
     keys = [message_hash(m) for m in msgs]
     counts = [OPS.count(m) for m in msgs]
-    policy, budget = Policy(**MECHANICS, max_run_loops=10, omit_batch=2), Budget(100_000, 10_000)
+    policy, budget = mechanism(**MECHANICS, max_run_loops=10, omit_batch=2), Budget(100_000, 10_000)
     n = 1 + 4 * 4  # compacted when four loops were stored
     asked, summaries = ((n, 4),), ((4, "SUMMARY-OF-FOUR"),)
 
@@ -1037,7 +1041,7 @@ def chat(loops: int, n: int = 40) -> list[Message]:
 
 def test_a_session_whose_client_sends_no_tools_goes_as_it_came_under_the_threshold() -> None:
     msgs = chat(8)
-    policy = Policy(max_run_loops=2, max_message_length=16)
+    policy = mechanism(max_run_loops=2, max_message_length=16)
     # with tools the past loops are cut and omitted at once; without, nothing changes ...
     assert build(msgs, policy).changed
     calm = build(msgs, policy, working=5_000, client_tools=False)
@@ -1050,7 +1054,7 @@ def test_a_session_whose_client_sends_no_tools_goes_as_it_came_under_the_thresho
     # the levers that only save money wait for the threshold too, and stay off after it
     assert {e.reason for e in tight.events} <= {"over threshold"}
     # with proxy_tools = "when_needed" the tools arrive at the first event anyway: no wait
-    needed = Policy(max_run_loops=2, max_message_length=16, proxy_tools="when_needed")
+    needed = mechanism(max_run_loops=2, max_message_length=16, proxy_tools="when_needed")
     assert build(msgs, needed, working=5_000, client_tools=False).changed
 
 
@@ -1069,7 +1073,7 @@ def test_without_client_tools_a_window_under_the_threshold_is_the_request(
 
 def test_an_omission_is_made_only_when_it_takes_tokens_out() -> None:
     # loops shorter than the marker, the summary and the reply an omission shows instead
-    policy = Policy(max_run_loops=0, omit_batch=1, keep_opening=False)
+    policy = mechanism(max_run_loops=0, omit_batch=1, keep_opening=False)
     tiny = chat(1, n=2)
     w = build(tiny, policy)
     assert w.omitted_loops == 0 and not any(e.kind is CompactionKind.OMISSION for e in w.events)
@@ -1095,11 +1099,11 @@ def test_with_payback_requests_a_lever_waits_until_it_pays() -> None:
         return count
     # each reduction takes out a loop's result; paying at once it must take out more than
     # the provider reads again (the loop's reduced form and what follows): none does
-    eager = reductions(Policy(reduce_at_least=0))
-    patient = reductions(Policy(reduce_at_least=0, payback_requests=20))
-    at_once = reductions(Policy(reduce_at_least=0, payback_requests=0))
+    eager = reductions(mechanism(reduce_at_least=0))
+    patient = reductions(mechanism(reduce_at_least=0, payback_requests=20))
+    at_once = reductions(mechanism(reduce_at_least=0, payback_requests=0))
     assert eager == 6 and patient == 6 and at_once < eager
-    final = build(msgs, Policy(reduce_at_least=0, payback_requests=0))
+    final = build(msgs, mechanism(reduce_at_least=0, payback_requests=0))
     assert final.reduced_loops < 6  # whole loops wait in view
 
 
@@ -1116,7 +1120,7 @@ def codex_like(turns: int, result: int = 60) -> list[Message]:
 def test_the_opening_task_stays_in_view_when_its_loop_is_reduced_or_omitted() -> None:
     msgs = codex_like(6)
     opening = msgs[1:3]
-    policy = Policy(max_run_loops=2, max_message_length=16)
+    policy = mechanism(max_run_loops=2, max_message_length=16)
     w = build(msgs, policy)
     assert w.omitted_loops > 0
     # the environment message and the task, whole, right after the system prompt
@@ -1124,17 +1128,17 @@ def test_the_opening_task_stays_in_view_when_its_loop_is_reduced_or_omitted() ->
     assert "Earlier turns are not shown" in w.messages[3]["content"]
     assert_valid(w.messages)
     # reduced (not omitted), its task is kept whole, past max_message_length
-    w = build(codex_like(1), Policy(max_message_length=16, reduce_at_least=0))
+    w = build(codex_like(1), mechanism(max_message_length=16, reduce_at_least=0))
     assert w.reduced_loops == 1 and w.messages[1:3] == opening
     # without keep_opening the omission hides it
-    w = build(msgs, Policy(max_run_loops=2, max_message_length=16, keep_opening=False))
+    w = build(msgs, mechanism(max_run_loops=2, max_message_length=16, keep_opening=False))
     assert not any(m == opening[1] for m in w.messages)
 
 
 def test_an_opening_task_that_alone_breaks_the_budget_is_cut_then_dropped_last() -> None:
     msgs = codex_like(6)
     msgs[2] = U(2_000, tag="huge")
-    w = build(msgs, Policy(max_run_loops=2), working=4_000, hard=20_000)
+    w = build(msgs, mechanism(max_run_loops=2), working=4_000, hard=20_000)
     assert w.omitted_loops > 0  # the first loop too: the opening is shown apart
     task = next(m for m in w.messages if m["role"] == "user" and "huge0" in m["content"])
     # cut to the share of the budget a single message gets, and recallable whole
@@ -1144,10 +1148,10 @@ def test_an_opening_task_that_alone_breaks_the_budget_is_cut_then_dropped_last()
     assert sum(OPS.count(m) for m in w.messages) == w.tokens_out
     # at the hard limit it goes only when nothing else is left to take
     msgs = codex_like(6, result=30)
-    small = build(msgs, Policy(max_run_loops=2), working=300, hard=300)
+    small = build(msgs, mechanism(max_run_loops=2), working=300, hard=300)
     assert small.fits and small.messages[1:3] == msgs[1:3]
     # the current question alone nearly fills the budget: the opening, cut, goes last
-    gone = build([*msgs[:-1], U(250, tag="now")], Policy(max_run_loops=2), working=300,
+    gone = build([*msgs[:-1], U(250, tag="now")], mechanism(max_run_loops=2), working=300,
                  hard=300)
     assert gone.fits and not any("task0" in str(m.get("content")) for m in gone.messages)
     assert gone.events[-1].kind is CompactionKind.TRUNCATION
@@ -1181,7 +1185,7 @@ def test_a_trimmed_call_and_a_drop_note_keep_the_agents_names() -> None:
     msgs: list[Message] = [S, U(tag="task")]
     for k in range(12):
         msgs += step(k)
-    w = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0), working=1_200)
+    w = build(msgs, mechanism(keep_recent_tool_results=2, clear_at_least=0), working=1_200)
     assert w.changed and w.elided
     text = "\n".join(message_text(m) for m in w.messages)
     trimmed = [m for m in w.messages if "[runloop-proxy] names:" in str(m.get("content"))]
@@ -1193,13 +1197,13 @@ def test_a_trimmed_call_and_a_drop_note_keep_the_agents_names() -> None:
     msgs = [S, U(tag="task")]
     for k in range(40):
         msgs += step(k)
-    w = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0), working=1_500)
+    w = build(msgs, mechanism(keep_recent_tool_results=2, clear_at_least=0), working=1_500)
     note = w.messages[1]["content"]
     assert "are not shown" in note and "Names in them: pkg/mod_0.py Model0.fit_params" in note
     text = "\n".join(message_text(m) for m in w.messages)
     assert all(f"Model{k}.fit_params" in text for k in range(40))
     # without names_kept they go with the text that held them
-    bare = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0, names_kept=0),
+    bare = build(msgs, mechanism(keep_recent_tool_results=2, clear_at_least=0, names_kept=0),
                  working=1_500)
     text = "\n".join(message_text(m) for m in bare.messages)
     assert sum(f"Model{k}.fit_params" in text for k in range(40)) < 20
@@ -1215,7 +1219,7 @@ def test_a_trimmed_call_and_a_drop_note_keep_the_agents_names() -> None:
 ])
 def test_the_working_budget_leaves_room_whatever_the_tools(
         soft: int | None, tools: int, working: int) -> None:
-    budget = Budget.for_request(Policy(soft_budget_tokens=soft), 128_000, None, tools)
+    budget = Budget.for_request(mechanism(soft_budget_tokens=soft), 128_000, None, tools)
     assert budget.working == working
     assert budget.hard == 128_000 - 4_096 - 512 - tools - 3
 
@@ -1227,13 +1231,13 @@ def test_the_working_budget_leaves_room_whatever_the_tools(
 ])
 def test_an_event_waits_for_fit_threshold_where_the_window_binds(
         soft: int | None, context: int, fitting: bool) -> None:
-    policy = Policy(soft_budget_tokens=soft)
+    policy = mechanism(soft_budget_tokens=soft)
     budget = Budget.for_request(policy, context, None, 0)
     assert budget.fitting is fitting
     assert budget.trigger(policy) == (0.9 if fitting else 0.8) * budget.working
-    unset = Policy(soft_budget_tokens=soft, fit_threshold=None)
+    unset = mechanism(soft_budget_tokens=soft, fit_threshold=None)
     assert budget.trigger(unset) == 0.8 * budget.working  # unset: threshold everywhere
-    later = Policy(soft_budget_tokens=soft, threshold=0.95, target=0.9)  # a tenant's own, later
+    later = mechanism(soft_budget_tokens=soft, threshold=0.95, target=0.9)  # a tenant's own, later
     assert budget.trigger(later) == 0.95 * budget.working
 
 
@@ -1246,7 +1250,7 @@ def test_a_window_the_model_bounds_keeps_what_a_cost_cap_would_elide(past: bool)
     counts = [OPS.count(m) for m in msgs]
     working = int(sum(counts) / 0.85)
     keys = [message_hash(m) for m in msgs]
-    policy = Policy(clear_at_least=0, reduce_past_loops=ReducePastLoops.OVER_THRESHOLD)
+    policy = mechanism(clear_at_least=0, reduce_past_loops=ReducePastLoops.OVER_THRESHOLD)
     for fitting, elided in ((False, True), (True, False)):
         budget = Budget(working, working, fitting=fitting)
         w = build_window(msgs, keys, counts, policy, budget, OPS)
@@ -1261,7 +1265,7 @@ def test_the_hard_limits_last_resort_keeps_no_past_reply() -> None:
     for k in range(40):
         msgs += [A(f"c{k}", args=30), T(f"c{k}", 40)]
     # a working budget above the hard limit: the budget's steps never get under it
-    w = build(msgs, Policy(keep_recent_tool_results=1, max_run_loops=10), hard=500,
+    w = build(msgs, mechanism(keep_recent_tool_results=1, max_run_loops=10), hard=500,
               working=5000)
     assert w.fits and w.tokens_out <= 500 and w.omitted_loops == 1
     shown = " ".join(message_text(m) for m in w.messages)
@@ -1303,7 +1307,7 @@ def test_no_form_the_window_shows_is_longer_than_its_message(limit: int, data: s
                            {"role": "user", "content": "next"}]
     keys = [message_hash(m) for m in msgs]
     counts = [ops.count(m) for m in msgs]
-    policy = Policy(max_message_length=limit, summary_model=None, keep_opening=False,
+    policy = mechanism(max_message_length=limit, summary_model=None, keep_opening=False,
                     names_kept=0)
     conv = Conversation.of(msgs, keys, counts, policy, Budget(100_000, 10_000), ops,
                            frozenset(), None)
@@ -1350,7 +1354,7 @@ def test_a_late_results_ledger_names_its_own_calls_arguments_through_the_memo() 
             {"role": "assistant", "content": "fine"}, U(tag="x")]  # type: ignore[list-item]
 
     memo: dict[tuple[str, ...], Any] = {}
-    policy = Policy(max_run_loops=7)
+    policy = mechanism(max_run_loops=7)
     for acct in ("ACCT-1111", "ACCT-2222"):
         msgs = conv(acct)
         w = build_window(msgs, [message_hash(m) for m in msgs], [OPS.count(m) for m in msgs],
@@ -1368,7 +1372,7 @@ def test_the_hard_limit_takes_the_opening_task_then_more_exchanges() -> None:
     msgs: list[Message] = [S, U(400, tag="task"), F(5), U(5, tag="next")]
     for k in range(10):
         msgs += [A(f"c{k}", 3), T(f"c{k}", 200)]
-    w = build(msgs, Policy(), hard=130, working=100)
+    w = build(msgs, mechanism(), hard=130, working=100)
     assert w.fits and w.tokens_out <= 130
     assert w.events[-1].kind.value == "hard_truncation"
     text = "\n".join(message_text(m) for m in w.messages)
@@ -1390,7 +1394,7 @@ def test_a_carried_window_is_sized_by_the_text_it_holds() -> None:
                                                   "content": "é" * 1000}]
     counts = [OPS.count(m) for m in msgs]
     counts[2] = 2_000_000 // 128  # what o200k makes of it
-    w = build_window(msgs, [message_hash(m) for m in msgs], counts, Policy(),
+    w = build_window(msgs, [message_hash(m) for m in msgs], counts, mechanism(),
                      Budget(100_000, 1_000), OPS)
     assert w.carry is not None
     assert carry_size(("t", "s"), w.carry) >= 2_000_000 + 4 * 1000
@@ -1406,7 +1410,7 @@ def test_what_fits_the_budget_fits_the_models_window_whatever_the_calibration(
     model's window once converted (planted: the window multiplied by the factor, not divided,
     passed every test, all of which ran at 1.0 — a model the proxy undercounts then got
     prompts past its window)."""
-    budget = Budget.for_request(Policy(), context, reserve or None, tools, factor)
+    budget = Budget.for_request(mechanism(), context, reserve or None, tools, factor)
     if budget.hard == 0:
         return
     sent = (budget.hard + budget.tools) * factor
@@ -1478,7 +1482,7 @@ def request_frames(draw: Any, msgs: list[Message]) -> list[dict[str, Any]]:
                                            st.sampled_from(sorted(inputs))),
                                  min_size=3, max_size=3, unique=True)):
         if changed in WINDOW_FIELDS:
-            policy = Policy(**{**base["policy"].model_dump(),
+            policy = mechanism(**{**base["policy"].model_dump(),
                                changed: draw(WINDOW_FIELDS[changed])})
             out.append({**base, "policy": policy})
         else:
@@ -1615,7 +1619,7 @@ def test_a_drop_and_the_elision_before_it_say_what_they_took() -> None:
     keys = [message_hash(m) for m in msgs]
     # every request point's steps recorded, as for a request that brings all its turns
     w = build_window(msgs, keys, [OPS.count(m) for m in msgs],
-                     Policy(keep_recent_tool_results=2, clear_at_least=0), Budget(100_000, 900),
+                     mechanism(keep_recent_tool_results=2, clear_at_least=0), Budget(100_000, 900),
                      OPS, record_from=0)
     d = w.dropped
     shown_calls = [c["id"] for m in w.messages for c in m.get("tool_calls") or []]

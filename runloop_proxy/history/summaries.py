@@ -128,6 +128,23 @@ def covers(keys: Sequence[str], loops: Sequence[RunLoop], batch: int,
     return out
 
 
+Covering = tuple[Sequence[RunLoop], dict[int, str]]
+
+
+def covering(policy: Policy, window: Window, messages: list[Message], keys: list[str],
+             entries: dict[str, str]) -> Covering | None:
+    """The loops and the covers (``covers``) a window's summary planning reads, None without
+    summaries: O(loops) (at batch 1 a cover a loop), so made where the window is, off the
+    event loop for a large request."""
+    if not policy.summary_model:
+        return None
+    # no carry while some loop is older than max_time_range (the clock decides too):
+    # segment afresh then, or sessions with an old loop would never plan a summary
+    loops = window.carry.conv.loops if window.carry is not None else segment(messages)
+    also = {window.omitted_loops, *counts_of(entries)}
+    return loops, covers(keys, loops, policy.omission_batch, also)
+
+
 def next_call(previous: str | None, budget: int, count: Callable[[str], int]
               ) -> tuple[str, int]:
     """How an LLM summary rolls on, and the output tokens it may use: ``append`` to
@@ -185,9 +202,12 @@ def uses_model(policy: Policy) -> bool:
 def newest_model(entries: dict[str, str], cover: dict[int, str], upto: int
                  ) -> tuple[int, str] | None:
     """The newest model summary stored of at most ``upto`` loops (its count and field)."""
-    done = [(k, model_field(k, c)) for k, c in sorted(cover.items())
-            if 0 < k <= upto and model_field(k, c) in entries]
-    return done[-1] if done else None
+    # by what is stored, not by every cover: at batch 1 there is one a loop
+    models = {name[len(MODEL):]: "" for name in entries if name.startswith(MODEL)}
+    for k in sorted(counts_of(models), reverse=True):
+        if 0 < k <= upto and k in cover and (name := model_field(k, cover[k])) in entries:
+            return k, name
+    return None
 
 
 def base_of(policy: Policy, entries: dict[str, str], cover: dict[int, str], e: int
@@ -234,8 +254,11 @@ def stands_in(raw: str) -> bool:
 def previous_of(entries: dict[str, str], cover: dict[int, str], e: int
                 ) -> tuple[int, str] | None:
     """The newest summary stored below ``e`` (its loop count and cover): what e rolls from."""
-    done = [(k, c) for k, c in sorted(cover.items()) if k < e and made(entries, k, c)]
-    return done[-1] if done else None
+    # by what is stored, not by every cover: at batch 1 there is one a loop
+    for k in sorted(counts_of(entries), reverse=True):
+        if k < e and k in cover and made(entries, k, cover[k]):
+            return k, cover[k]
+    return None
 
 
 def pick(entries: dict[str, str], cover: dict[int, str]) -> Summaries:
@@ -435,18 +458,16 @@ class SummaryService:
             or time.monotonic() < (self.paused_until.get(namespace) or 0.0)
 
     def after(self, turn: Turn, session: Session, messages: list[Message], keys: list[str],
-              window: Window, entries: dict[str, str]) -> bool:
+              window: Window, entries: dict[str, str], covering: Covering | None) -> bool:
         """After a window was built: mark an omission event that found no summary as late,
         and make the summary the next event will want, if its loops have closed. Whether
-        the window omits loops whose summary is missing (made late, or never)."""
+        the window omits loops whose summary is missing (made late, or never). ``covering``
+        is ``covering(...)`` of the same window, made where the window was."""
         policy, ns = turn.policy, turn.caller.namespace
-        if not policy.summary_model or ns is None or self.state.store is None:
+        if covering is None or ns is None or self.state.store is None:
             return False
-        # no carry while some loop is older than max_time_range (the clock decides too):
-        # segment afresh then, or sessions with an old loop would never plan a summary
-        loops = window.carry.conv.loops if window.carry is not None else segment(messages)
+        loops, cover = covering
         e = window.omitted_loops
-        cover = covers(keys, loops, policy.omission_batch, {e, *counts_of(entries)})
         # a digest standing in for the model's summary counts as its summary missing: a
         # failing summariser's requests say so (a merely late one's do not: shaping.py)
         missing = e > 0 and e in cover and (not made(entries, e, cover[e]) or (
@@ -456,7 +477,9 @@ class SummaryService:
             self.state.spawn(self._late(ns, session.id, field(e, cover[e]),
                                         turn.caller.tenant.retention_days))
         nxt = (e // policy.omission_batch + 1) * policy.omission_batch  # an age may stop off it
-        closed = sum(1 for lp in loops if lp.final_position is not None)
+        # one pass in C: every loop is a cover at batch 1, and a large request's planning
+        # runs on the event loop
+        closed = len(loops) - [lp.final_position for lp in loops].count(None)
         pressed = window.budget is not None \
             and window.tokens_out > policy.target * window.budget.working
         if uses_model(policy):
@@ -485,7 +508,18 @@ class SummaryService:
         if p is None or tool_calls_of(reply):
             return
         messages, keys = [*p.messages, reply], [*p.keys, key]
-        loops = segment(messages)
+        if is_large(0, len(messages)):  # segmenting it is a walk of every message
+            self.state.spawn(self._replied(p, session_id, messages, keys))
+        else:
+            self._closed(p, session_id, messages, keys, segment(messages))
+
+    async def _replied(self, p: _Pending, session_id: str, messages: list[Message],
+                       keys: list[str]) -> None:
+        self._closed(p, session_id, messages, keys,
+                     await offload(True, lambda: segment(messages)))
+
+    def _closed(self, p: _Pending, session_id: str, messages: list[Message], keys: list[str],
+                loops: Sequence[RunLoop]) -> None:
         cover = covers(keys, loops, p.job.policy.omission_batch)
         if p.e in cover and field(p.e, cover[p.e]) not in p.entries \
                 and model_field(p.e, cover[p.e]) not in p.entries:
@@ -604,8 +638,10 @@ class SummaryService:
             return self.state.tokens.text(enc, text)
         # what the new loops hold is read whole (their tool results too): off the event loop
         # when it is large, as a large request is — this runs beside every other request
-        large = is_large(sum(len(message_text(m)) for lp in (*skipped, *new)
-                             for m in messages[lp.start:lp.end]))
+        # by its messages first: summing their sizes is a walk of them too
+        items = sum(lp.end - lp.start for lp in (*skipped, *new))
+        large = is_large(0, items) or is_large(sum(len(message_text(m)) for lp in (
+            *skipped, *new) for m in messages[lp.start:lp.end]))
         lost: list[str] = []
         try:
             if policy.summary_model == "extractive":

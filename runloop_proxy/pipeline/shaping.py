@@ -12,7 +12,7 @@ from typing import Any
 from ..conversation.identity import Session
 from ..conversation.messages import Message
 from ..errors import ContextLengthExceeded, StoreError
-from ..history.summaries import Made
+from ..history.summaries import Covering, Made, covering
 from ..ops import logs
 from ..state import AppState
 from ..window.builder import CompactionKind, Event, Note, Window
@@ -54,9 +54,9 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
     stored = await state.summaries.stored(turn, session)
     dated: list[str] = []  # the dates this request saw first, packed (FirstSeen.packed)
     try:
-        window, made = await offload(turn.large or history.large, lambda: compute_window(
-            state, turn, session, history, spliced, spliced_keys, protected, frame, stored,
-            dated))
+        window, made, planned = await offload(turn.large or history.large, lambda: _planned(
+            compute_window(state, turn, session, history, spliced, spliced_keys, protected,
+                           frame, stored, dated), turn, spliced, spliced_keys, stored))
     except Exception:  # noqa: BLE001 - a window bug must not cost the user this call
         log.exception("window failed: passing the request through uncompressed",
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
@@ -67,7 +67,8 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
         state.spawn(_store_dates(state, turn.caller.namespace, session.id, dated[0],
                                  turn.caller.tenant.retention_days))
     if not turn.counting:  # a count (count_tokens) plans, keeps and counts nothing
-        _after(state, turn, session, spliced, spliced_keys, window, stored, made, rlog)
+        _after(state, turn, session, spliced, spliced_keys, window, stored, made, planned,
+               rlog)
         steps.append(lambda: count_steps(state, turn, window))
     tl, ml = turn.caller.label, state.metrics.model_label(turn.caller.label, turn.model)
     if not window.fits and window.budget is not None and not window.budget.known:
@@ -132,9 +133,17 @@ def _too_long(turn: Turn, window: Window) -> str:
             f"or tool results, or ask for fewer output tokens.")
 
 
+def _planned(built: tuple[Window, Made | None], turn: Turn, messages: list[Message],
+             keys: list[str], stored: dict[str, str]
+             ) -> tuple[Window, Made | None, Covering | None]:
+    """The window and its inline summary, with what planning the next summary reads."""
+    window, made = built
+    return window, made, covering(turn.policy, window, messages, keys, stored)
+
+
 def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message],
            keys: list[str], window: Window, stored: dict[str, str],
-           made: Made | None, rlog: RequestLog) -> None:
+           made: Made | None, planned: Covering | None, rlog: RequestLog) -> None:
     """What a window leads to: its inline summary kept, the next summary planned; and, when
     it omits loops without the summary the failing summariser did not make, the request
     marked degraded by it (header, log line, metric)."""
@@ -142,7 +151,8 @@ def _after(state: AppState, turn: Turn, session: Session, spliced: list[Message]
         state.summaries.keep_inline(turn, session, made)
     missing = False
     try:
-        missing = state.summaries.after(turn, session, spliced, keys, window, stored)
+        missing = state.summaries.after(turn, session, spliced, keys, window, stored,
+                                        planned)
     except Exception:  # noqa: BLE001 - planning a summary must not cost the user this call
         log.exception("summary planning failed: the window goes without the next one",
                       extra={"tenant": turn.caller.tenant.name, "session": session.id})
