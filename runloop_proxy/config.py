@@ -154,6 +154,11 @@ class Policy(_Strict):
         0.0, ge=0, le=1, description="share of the requests the proxy compressed that it also "
                                      "sends as the client sent them, after the client's answer, "
                                      "to compare the two next steps (0: shadow mode off)")
+    shadow_baseline_share: float = Field(
+        0.0, ge=0, le=1, description="share of the shadow calls after which the request "
+                                     "goes uncompressed once more, the two uncompressed "
+                                     "answers compared: the model's own agreement, counted "
+                                     "under lever=baseline (its cost counts against the cap)")
     shadow_daily_tokens: int | None = Field(
         None, ge=1, description="tokens (input and output) the shadow calls may spend per UTC "
                                 "day; reached, they stop until the next day (unset: no cap)")

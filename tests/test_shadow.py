@@ -247,8 +247,8 @@ def test_step_of_a_conversation_message() -> None:
 
 def test_the_metrics_levers_are_the_pipelines() -> None:
     from runloop_proxy.ops.metrics import SHADOW_LEVERS
-    from runloop_proxy.pipeline.shadow import ANY, LEVERS
-    assert SHADOW_LEVERS == (*LEVERS, ANY)
+    from runloop_proxy.pipeline.shadow import ANY, BASELINE, LEVERS
+    assert SHADOW_LEVERS == (*LEVERS, ANY, BASELINE)
 
 
 @pytest.mark.parametrize(("usd", "micro"), [

@@ -354,8 +354,8 @@ def test_the_cap_holds_across_two_replicas_on_one_redis(
         f'keys = ["{CLIENT_KEY}"]\n[policy]\nreduce_at_least = 8\nnames_kept = 0\n'
         f'shadow_rate = 1.0\nshadow_daily_tokens = 1000\n')
     flags = ["--config", str(root)]
-    with serve_command(upstream.url, redis_url, tmp_path / "a", flags, {}) as (a, _), \
-            serve_command(upstream.url, redis_url, tmp_path / "b", flags, {}) as (b, _):
+    with serve_command(upstream.url, redis_url, tmp_path / "a", flags, {}) as (a, _, _), \
+            serve_command(upstream.url, redis_url, tmp_path / "b", flags, {}) as (b, _, _):
         def report(base: str) -> dict[str, Any]:
             r = httpx.get(base + "/admin/shadow", params={"tenant": "parcels"},
                           headers={"Authorization": f"Bearer {ADMIN_KEY}"})
@@ -405,3 +405,26 @@ def test_without_redis_no_shadow_call_goes_and_it_is_said(
         assert len(upstream.requests) == 1
     finally:
         server.cleanup()
+
+
+def test_the_models_own_agreement_is_measured_beside_the_figure(
+        shadowing: Any, upstream: ScriptedUpstream) -> None:
+    """``shadow_baseline_share = 1``: after the shadow call, the request goes uncompressed
+    once more and the two uncompressed answers are compared, counted under lever=baseline
+    only (never under ``any``), its tokens added to the day's spend. A model steady on one
+    window agrees with itself, though the compressed window misled it. Planted: the
+    baseline counted under ``any`` too (red), and the second answer compared with the
+    compressed one (red: a disagreement)."""
+    # coincide: every request shadowed, and every shadow call followed by a second one
+    proxy = shadowing("shadow_rate = 1.0\nshadow_baseline_share = 1.0\n")  # coincide: all
+    _ask(proxy, HIDDEN)
+    until(lambda: _report(proxy)["by_lever"].get("baseline"), what="the baseline comparison")
+    report = _report(proxy)
+    assert report["by_lever"]["baseline"] == {"agree": 1, "differ": 0, "error": 0}
+    assert report["by_lever"]["any"] == {"agree": 0, "differ": 1, "error": 0}
+    baseline, shadow = report["recent"]  # the newest first
+    assert (baseline["levers"], shadow["levers"]) == (["baseline"], ["past_loops"])
+    assert len(upstream.requests) == 3 and upstream.requests[1] == upstream.requests[2]
+    assert report["tokens"] == baseline["tokens"] + shadow["tokens"]
+    assert _metric(proxy, "runloop_shadow_comparisons_total", tenant="parcels",
+                   lever="baseline", outcome="agree") == 1

@@ -35,7 +35,7 @@ SUMMARY_OUTCOMES = ("ok", "error", "timeout", "backoff", "late", "deferred")
 COST_KINDS = ("input", "cached_input", "cache_write", "output")
 # the levers a shadow comparison is counted under (pipeline/shadow.py LEVERS, and "any")
 SHADOW_LEVERS = ("past_loops", "elided", "dropped", "omission", "summary", "hard_limit",
-                 "other", "any")
+                 "other", "any", "baseline")
 STORE_OPS = ("sync", "read", "ping", "record", "internal", "anchor", "recall", "search",
              "list", "write_lost", "too_large", "summary")
 

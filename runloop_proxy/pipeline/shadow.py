@@ -237,6 +237,9 @@ def within_cap(spend: Spend, today: str, daily_tokens: int | None,
 
 LEVERS = ("past_loops", "elided", "dropped", "omission", "summary", "hard_limit", "other")
 ANY = "any"  # the lever label every comparison is counted under besides its own levers
+# two uncompressed answers to one request compared: the model's own agreement, counted
+# under this label alone (never under ``any``: it is no comparison of a compressed window)
+BASELINE = "baseline"
 RECENT = 50  # comparisons kept per tenant for the admin API (the differing ones first to go last)
 
 
@@ -280,6 +283,12 @@ class Record:
     full: Step | None = None
 
 
+def counted_under(record: Record) -> tuple[str, ...]:
+    """The lever labels a comparison is counted under: its levers and ``any``; a
+    baseline's under ``baseline`` alone."""
+    return record.levers if BASELINE in record.levers else (*record.levers, ANY)
+
+
 @dataclass
 class _Tenant:
     counts: dict[tuple[str, str], int]  # (lever, outcome) -> comparisons
@@ -311,7 +320,7 @@ class ShadowBook:
     def add(self, record: Record) -> None:
         with self._lock:
             t = self._of(record.tenant)
-            for lever in (*record.levers, ANY):
+            for lever in counted_under(record):
                 key = (lever, record.outcome.value)
                 t.counts[key] = t.counts.get(key, 0) + 1
             t.recent.append(record)

@@ -32,12 +32,14 @@ from ..state import AppState
 from .accounting import RequestLog, prompt_usage
 from .offload import offload
 from .shadow import (
-    ANY,
+    BASELINE,
     Basis,
     Outcome,
     Record,
     Spend,
+    Step,
     compare,
+    counted_under,
     levers_of,
     micro_usd,
     sampled,
@@ -142,11 +144,47 @@ def shadow_body(turn: Turn, history: History) -> bytes:
 
 
 async def shadow_call(state: AppState, turn: Turn, history: History, levers: tuple[str, ...],
-                      shown: Message, session: str | None, model: str, today: str) -> Record:
-    """The shadow call, its comparison, and its record (book, metrics, log line)."""
-    label, policy = turn.caller.label, turn.policy
-    tokens, usd, error = 0, None, None
-    full_step = None
+                      shown: Message, session: str | None, model: str, today: str,
+                      draw: float | None = None) -> Record:
+    """The shadow call, its comparison, and its record (book, metrics, log line); for
+    ``policy.shadow_baseline_share`` of them (``draw``), the same request once more and its
+    answer compared with the first: the model's own agreement (lever ``baseline``)."""
+    policy, tenant = turn.policy, turn.caller.tenant.name
+    full_step, tokens, usd, error = await _ask(state, turn, history, model)
+    compressed_step = step_of_message(shown)
+    record = _compared(tenant, session, model, levers, compressed_step, full_step, tokens, usd,
+                       error, policy.shadow_text_threshold)
+    await _recorded(state, turn, record, today)
+    if full_step is not None and sampled(policy.shadow_baseline_share,
+                                         _draws.random() if draw is None else draw):
+        again, tokens, usd, error = await _ask(state, turn, history, model)
+        await _recorded(state, turn, _compared(
+            tenant, session, model, (BASELINE,), again, full_step, tokens, usd, error,
+            policy.shadow_text_threshold) if again is not None else Record(
+            tenant, session, model, (BASELINE,), Outcome.ERROR, None, None, tokens, usd,
+            error), today)
+    return record
+
+
+def _compared(tenant: str, session: str | None, model: str, levers: tuple[str, ...],
+              step: Step, full_step: Step | None, tokens: int, usd: float | None,
+              error: str | None, threshold: float) -> Record:
+    """``step`` against the full request's (None: its call failed) as a record."""
+    if full_step is None:
+        return Record(tenant, session, model, levers, Outcome.ERROR, None, None, tokens, usd,
+                      error)
+    verdict = compare(step, full_step, threshold)
+    differ = verdict.outcome is Outcome.DIFFER
+    return Record(tenant, session, model, levers, verdict.outcome, verdict.basis,
+                  verdict.similarity, tokens, usd, None, step if differ else None,
+                  full_step if differ else None)
+
+
+async def _ask(state: AppState, turn: Turn, history: History, model: str
+               ) -> tuple[Step | None, int, float | None, str | None]:
+    """The request as the upstream would have had it uncompressed, answered: its step
+    (None when the call failed), its tokens and cost, the failure."""
+    tokens, usd = 0, None
     try:
         # a whole stored conversation is converted off the event loop, as the window's is
         body = await offload(turn.large or history.large, lambda: shadow_body(turn, history))
@@ -168,32 +206,25 @@ async def shadow_call(state: AppState, turn: Turn, history: History, levers: tup
             price = state.metrics.price(model)
             if price is not None:
                 usd = sum(price.usage_cost(reply.usage).values())
-        full_step = step_of_message(reply.message)
+        return step_of_message(reply.message), tokens, usd, None
     except (UpstreamError, TenantOverShare, ProxyFull, orjson.JSONDecodeError) as exc:
-        error = getattr(exc, "log_text", None) or str(exc) or type(exc).__name__
+        return None, tokens, usd, getattr(exc, "log_text", None) or str(exc) \
+            or type(exc).__name__
     except Exception as exc:  # noqa: BLE001 - a shadow call never breaks anything: counted
         log.exception("shadow call failed", extra={"tenant": turn.caller.tenant.name})
-        error = type(exc).__name__
-    compressed_step = step_of_message(shown)
-    if full_step is None:
-        record = Record(turn.caller.tenant.name, session, model, levers, Outcome.ERROR, None,
-                        None, tokens, usd, error)
-    else:
-        verdict = compare(compressed_step, full_step, policy.shadow_text_threshold)
-        differ = verdict.outcome is Outcome.DIFFER
-        record = Record(turn.caller.tenant.name, session, model, levers, verdict.outcome,
-                        verdict.basis, verdict.similarity, tokens, usd, None,
-                        compressed_step if differ else None, full_step if differ else None)
+        return None, tokens, usd, type(exc).__name__
+
+
+async def _recorded(state: AppState, turn: Turn, record: Record, today: str) -> None:
     await _spend(state, record, today)
     state.shadows.add(record)
-    _count(state, label, record)
+    _count(state, turn.caller.label, record)
     log.info("shadow comparison", extra={
-        "tenant": record.tenant, "session": session, "model": model,
-        "levers": ",".join(levers) or "none", "outcome": record.outcome.value,
+        "tenant": record.tenant, "session": record.session, "model": record.model,
+        "levers": ",".join(record.levers) or "none", "outcome": record.outcome.value,
         "basis": record.basis.value if isinstance(record.basis, Basis) else None,
-        "similarity": record.similarity, "shadow_tokens": tokens, "shadow_usd": usd,
-        "error": error})
-    return record
+        "similarity": record.similarity, "shadow_tokens": record.tokens,
+        "shadow_usd": record.usd, "error": record.error})
 
 
 async def _spend(state: AppState, record: Record, today: str) -> None:
@@ -210,7 +241,7 @@ async def _spend(state: AppState, record: Record, today: str) -> None:
 
 def _count(state: AppState, label: str, record: Record) -> None:
     m = state.metrics
-    for lever in (*record.levers, ANY):
+    for lever in counted_under(record):
         m.shadow_comparisons.labels(label, lever, record.outcome.value).inc()
     m.shadow_tokens.labels(label).inc(record.tokens)
     if record.usd:
