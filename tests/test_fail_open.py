@@ -174,14 +174,19 @@ def test_a_failing_summariser_never_costs_a_call_and_is_counted_and_logged(
     with caplog.at_level(logging.INFO):
         msgs = converse(proxy, f"sum-{how}", 8, after=lambda k: proxy.settle())
         assert msgs[-1]["content"].startswith("order"), how  # every request answered
-        until(lambda: count("error") + count("timeout") >= 1, what="a failed summary")
-    failed = count("error") + count("timeout")
+
+        def said() -> list[logging.LogRecord]:
+            return [rec for rec in caplog.records
+                    if rec.getMessage().startswith("summary failed")]
+
+        # a later summary may fail while this reads (the one in flight is slow): every failure
+        # is counted and logged once, so the two meet once nothing is in flight
+        until(lambda: len(said()) == count("error") + count("timeout") >= 1,
+              what="each failed summary counted and logged")
     assert count("ok") == 0, how
     if how == "too slow":
         assert count("timeout") >= 1, how
-    said = [rec for rec in caplog.records if rec.getMessage().startswith("summary failed")]
-    assert len(said) == failed, (how, failed, [rec.getMessage() for rec in said])
-    assert all(getattr(rec, "outcome", None) in ("error", "timeout") for rec in said), how
+    assert all(getattr(rec, "outcome", None) in ("error", "timeout") for rec in said()), how
     # and a request whose window omits loops without the summary the failing summariser did
     # not make says so: the header, a log line, a count of degraded requests by "summary"
     seen = len(caplog.records)
