@@ -97,7 +97,7 @@ class AppState:
                             self._refused)
         self.summaries = SummaryService(self)
         # long-term memory (policy.memory): the embedded model loads on first use
-        self.memory = Memory(StaticEmbedder(), self.metrics, self.spawn)
+        self.memory = Memory(StaticEmbedder(), self.metrics, self.spawn, share("vectors"))
         self.shadows = ShadowBook()  # shadow comparisons and spend, per tenant (today's)
         self.metrics.prices = self.config.prices
 

@@ -267,6 +267,19 @@ def _prompts(i: int) -> Any:
             Prompt.of(system, tools, [*window, Block("proxy-tools", 410), *primed]))
 
 
+def _vectors(i: int) -> Any:
+    """A session's vectors as searched: 600 segments' keys and 256-dimension rows, from
+    three stored blocks (distinct each time)."""
+    import numpy as np
+
+    from runloop_proxy.pipeline.embeddings import block
+    from runloop_proxy.pipeline.vectors import assemble
+
+    rows = np.random.default_rng(i).standard_normal((600, 256)).astype(np.float32)
+    keys = [f"{i:06x}{k:010x}" for k in range(600)]
+    return assemble({f"{n}:{i:08x}": block(keys[n::3], rows[n::3]) for n in range(3)}, 256)
+
+
 SESSION = "sess_" + "7" * 123  # a session id as long as a plain one may be (128 characters)
 NAMESPACE = "pt-" + "c" * 61  # a pass-through caller's namespace: its key's digest
 
@@ -290,6 +303,8 @@ FILLS: dict[str, Any] = {
     "state.windows._known": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"), 128_000),
     "state.windows._asked": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"),
                                        i + 0.75),
+    "state.memory.vectors._kept": lambda i: ((NAMESPACE, f"{SESSION}{i}",
+                                              "wordllama-l2_supercat-256"), _vectors(i)),
 }
 
 

@@ -993,12 +993,26 @@ class RedisStore:
 
         await self._call("memory", run)
 
-    async def vector_blocks(self, namespace: str, session_id: str, model: str
-                            ) -> list[bytes]:
-        """Every block of the session's vectors (a few large values, read in one reply)."""
+    async def vector_blocks(self, namespace: str, session_id: str, model: str,
+                            names: list[str] | None = None) -> dict[str, bytes]:
+        """The session's blocks of vectors by name: every one (a few large values, read in
+        one reply), or those of ``names`` still stored."""
         key = self._memory_key(namespace, session_id, model).replace(":mem:", ":memv:", 1)
-        found = await self._call("memory", lambda: self.client.hvals(key))
-        return [bytes(v) for v in found or []]
+        if names is None:
+            found = await self._call("memory", lambda: self.client.hgetall(key))
+            return {_s(k): bytes(v) for k, v in (found or {}).items()}
+        if not names:
+            return {}
+        got = await self._call("memory", lambda: self.client.hmget(key, names))
+        return {n: bytes(v) for n, v in zip(names, got or [], strict=False) if v is not None}
+
+    async def vector_block_names(self, namespace: str, session_id: str, model: str
+                                 ) -> set[str]:
+        """The names of the session's blocks of vectors (a block is never changed once
+        stored: a name known is a block known)."""
+        key = self._memory_key(namespace, session_id, model).replace(":mem:", ":memv:", 1)
+        found = await self._call("memory", lambda: self.client.hkeys(key))
+        return {_s(k) for k in found or []}
 
     async def session(self, namespace: str, session_id: str) -> SessionView | None:
         p = self.prefix(namespace, session_id)

@@ -6,6 +6,8 @@ worker thread and kept in Redis beside the session (its ``:mem`` hash, under its
 ``search_history`` then ranks by words and by meaning together (reciprocal rank fusion); the
 search reads only the vectors of segments the request itself carries, so a session nobody
 named still reaches only what its request carries, and a vector is never another session's.
+A session's vectors are kept in the process as one matrix between searches
+(``pipeline/vectors.py``), a share of ``server.cache_mb``.
 Nothing here is on the request path but the search the model asked for, which runs off the
 event loop under a deadline; any failure leaves the words alone to answer, and says so.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..conversation.messages import Message
 from ..conversation.segments import Segment, closed_loops, loop_segments
@@ -23,7 +25,8 @@ from ..errors import EmbeddingError, StoreError
 from ..history.store import RedisStore
 from ..ops import logs
 from ..ops.metrics import Metrics
-from .embeddings import KEY_BYTES, Embedder, block, unblocked
+from .embeddings import KEY_BYTES, Embedder, block
+from .vectors import SessionVectors, VectorCache, assemble, empty, rows_of, scores
 
 if TYPE_CHECKING:
     from .embeddings import Vectors
@@ -54,14 +57,21 @@ def fuse(rankings: list[list[str]], k: int = RRF_K) -> list[tuple[float, str]]:
 def nearest(query: Vectors, rows: Vectors, k: int) -> list[tuple[int, float]]:
     """The ``k`` rows most like ``query`` (unit vectors: cosine), as (row, score), best
     first; exact, one matrix product (pure)."""
-    import numpy as np
 
     if not len(rows) or k <= 0:
         return []
-    scores = rows @ query
-    top = np.argpartition(-scores, k - 1)[:k] if k < len(scores) else np.arange(len(scores))
-    ranked = sorted(top.tolist(), key=lambda i: (-float(scores[i]), i))
-    return [(i, float(scores[i])) for i in ranked]
+    return best(scores(rows, query), k)
+
+
+def best(scored: Vectors, k: int) -> list[tuple[int, float]]:
+    """The ``k`` highest of ``scored``, as (place, score), best first (ties by place)."""
+    import numpy as np
+
+    if not len(scored) or k <= 0:
+        return []
+    top = np.argpartition(-scored, k - 1)[:k] if k < len(scored) else np.arange(len(scored))
+    ranked = sorted(top.tolist(), key=lambda i: (-float(scored[i]), i))
+    return [(i, float(scored[i])) for i in ranked]
 
 
 def field_of(seg: Segment) -> str:
@@ -72,6 +82,28 @@ def conversation_segments(messages: list[Message]) -> list[Segment]:
     """The segments of the conversation's closed loops, the newest ``MAX_SEARCH_SEGMENTS``."""
     out = [s for lp in closed_loops(messages) for s in loop_segments(messages, lp)]
     return out[-MAX_SEARCH_SEGMENTS:]
+
+
+class Carried(NamedTuple):
+    """A request's segments as its searches take them (``carried``: once a request, off the
+    event loop): each distinct key's first segment, the keys in conversation order, and the
+    same keys as an array (what the session's matrix is looked up by)."""
+
+    segments: list[Segment]
+    first: dict[str, Segment]
+    fields: list[str]
+    wanted: Any  # numpy array of S{KEY_BYTES}
+
+
+def carried(messages: list[Message]) -> Carried:
+    import numpy as np
+
+    segs = conversation_segments(messages)
+    first: dict[str, Segment] = {}
+    for s in segs:
+        first.setdefault(field_of(s), s)
+    fields = list(first)
+    return Carried(segs, first, fields, np.array([f.encode() for f in fields], f"S{KEY_BYTES}"))
 
 
 @dataclass
@@ -87,8 +119,9 @@ class Memory:
     """The process's long-term memory: its embedder, the indexings under way, searches."""
 
     def __init__(self, embedder: Embedder, metrics: Metrics,
-                 spawn: Callable[[Coroutine[Any, Any, object]], object]):
+                 spawn: Callable[[Coroutine[Any, Any, object]], object], cache_bytes: int):
         self.embedder = embedder
+        self.vectors = VectorCache(cache_bytes)
         self.metrics = metrics
         self._spawn = spawn
         # the sessions being indexed, each with the turn to index after (None: none yet)
@@ -177,12 +210,12 @@ class Memory:
         return len(taken)
 
     async def search(self, store: RedisStore | None, namespace: str, session_id: str,
-                     query: str, segs: list[Segment], k: int = CANDIDATES) -> Found:
-        """Of ``segs`` (``conversation_segments`` of what the request carries: no other
-        segment is read), those nearest ``query`` by meaning, under ``SEARCH_TIMEOUT_S``."""
+                     query: str, request: Carried, k: int = CANDIDATES) -> Found:
+        """Of the segments the request carries (``carried``: no other segment is read),
+        those nearest ``query`` by meaning, under ``SEARCH_TIMEOUT_S``."""
         try:
             async with asyncio.timeout(SEARCH_TIMEOUT_S):
-                return await self._search(store, namespace, session_id, query, segs, k)
+                return await self._search(store, namespace, session_id, query, request, k)
         except TimeoutError:
             return Found([], f"the search by meaning took over {SEARCH_TIMEOUT_S:g} s")
         except EmbeddingError as exc:
@@ -191,58 +224,72 @@ class Memory:
             log.exception("memory: the search by meaning failed")
             return Found([], f"the search by meaning failed ({type(exc).__name__})")
 
+    async def session_vectors(self, store: RedisStore, namespace: str, session_id: str
+                              ) -> SessionVectors:
+        """The session's stored vectors as one matrix: from the process's cache while Redis
+        holds the same blocks (asked by name only), the new blocks read and added, and read
+        whole (one HGETALL) when not cached or a block is gone (the session expired)."""
+        name, dim = self.embedder.name, self.embedder.dim
+        at = (namespace, session_id, name)
+        kept = self.vectors.get(at)
+        got: SessionVectors | None = None
+        if kept is not None:
+            names = await store.vector_block_names(namespace, session_id, name)
+            if names == kept.blocks:
+                return kept
+            new = sorted(names - kept.blocks)
+            if kept.blocks <= names:
+                more = await store.vector_blocks(namespace, session_id, name, new)
+                if len(more) == len(new):
+                    got = await asyncio.to_thread(assemble, more, dim, kept)
+        if got is None:
+            blocks = await store.vector_blocks(namespace, session_id, name)
+            got = await asyncio.to_thread(assemble, blocks, dim)
+        self.vectors.put(at, got)
+        return got
+
     async def _search(self, store: RedisStore | None, namespace: str, session_id: str,
-                      query: str, segs: list[Segment], k: int) -> Found:
+                      query: str, request: Carried, k: int) -> Found:
         import numpy as np
 
-        if not segs:
+        if not request.segments:
             return Found([])
         note = ""
-        blocks: list[bytes] = []
+        vectors = empty(self.embedder.dim)
         if store is not None:
             try:
-                blocks = await store.vector_blocks(namespace, session_id, self.embedder.name)
+                vectors = await self.session_vectors(store, namespace, session_id)
             except StoreError as exc:
                 note = f"stored vectors unavailable ({exc})"
-        dim = self.embedder.dim
-        first: dict[str, Segment] = {}
-        for s in segs:
-            first.setdefault(field_of(s), s)
-        fields = list(first)
 
-        def stored() -> tuple[list[Any], list[Any], list[str]]:
-            # each block's rows of the segments this request carries (no other's is read)
-            wanted = np.array([f.encode() for f in fields], f"S{KEY_BYTES}")
-            keys, rows, seen = [], [], set()
-            for data in blocks:
-                bk, br = unblocked(data, dim)
-                mask = np.isin(bk, wanted)
-                keys.append(bk[mask])
-                rows.append(br[mask])
-                seen.update(bk[mask].tolist())
-            return keys, rows, [f for f in fields if f.encode() not in seen]
+        def plan() -> tuple[Any, list[str]]:
+            # the matrix's rows of the segments this request carries (no other's is scored)
+            rows, held = rows_of(vectors, request.wanted)
+            return rows, [request.fields[i] for i in np.flatnonzero(~held).tolist()]
 
-        keys, rows, absent = await asyncio.to_thread(stored)
+        def ranked(rows: Any, q: Vectors, inline: Vectors, embedded: list[str]
+                   ) -> list[tuple[Segment, float]]:
+            stored = scores(vectors.rows, q)[rows] if len(rows) else np.zeros(0, np.float32)
+            scored = [(score, vectors.keys[rows[r]].decode()) for r, score in best(stored, k)]
+            scored += [(score, embedded[r]) for r, score in nearest(q, inline, k)]
+            scored.sort(key=lambda p: -p[0])
+            return [(request.first[f], score) for score, f in scored[:k]]
+
+        def indexed() -> tuple[Any, list[str], list[tuple[Segment, float]] | None]:
+            # every segment indexed (the usual case): the query embedded and the rows
+            # ranked in the same worker thread, not queued behind an indexing's batch
+            rows, absent = plan()
+            if absent:
+                return rows, absent, None
+            q = self.embedder.embed([query])
+            return rows, absent, ranked(rows, q[0], q[1:], [])
+
+        rows, absent, hits = await asyncio.to_thread(indexed)
+        if hits is not None:
+            return Found(hits, note)
         embedded = absent[-INLINE_EMBED:]  # the newest: likeliest not indexed yet
-        inline = await self._embed([query, *(first[f].text for f in embedded)])
         if len(absent) > len(embedded):
             note = f"{len(absent) - len(embedded)} older segments not indexed yet"
-        keys.append(np.array([f.encode() for f in embedded], f"S{KEY_BYTES}"))
-        rows.append(inline[1:])
-
-        def rank() -> list[tuple[Segment, float]]:
-            q = inline[0]
-            scored: list[tuple[float, str]] = []
-            for bk, br in zip(keys, rows, strict=True):
-                for r, score in nearest(q, br, k):
-                    scored.append((score, bk[r].decode()))
-            scored.sort(key=lambda p: -p[0])
-            out: list[tuple[Segment, float]] = []
-            taken: set[str] = set()
-            for score, f in scored:
-                if f not in taken:
-                    taken.add(f)
-                    out.append((first[f], score))
-            return out[:k]
-
-        return Found(await asyncio.to_thread(rank), note)
+        inline = await self._embed([query, *(request.first[f].text for f in embedded)])
+        return Found(await asyncio.to_thread(ranked, rows, inline[0], inline[1:], embedded),
+                     note)

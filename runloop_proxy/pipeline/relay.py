@@ -13,7 +13,6 @@ import orjson
 
 from ..conversation.identity import Session
 from ..conversation.messages import Message
-from ..conversation.segments import Segment
 from ..errors import (
     PermissionDenied,
     Unavailable,
@@ -25,7 +24,7 @@ from ..errors import (
 from ..ops import logs
 from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
-from .memory import Found, conversation_segments
+from .memory import Carried, Found, carried
 from .offload import events, is_large, offload
 from .reconcile import record
 from .shadowing import shadow_after
@@ -303,11 +302,11 @@ def _memory(state: AppState, turn: Turn, session: Session, history: History
     store, ns = state.store, turn.caller.namespace
     usable = store if ns is not None and history.degraded != "store" else None
 
-    cut: list[list[Segment]] = []  # the request's segments, cut once for all its searches
+    cut: list[Carried] = []  # the request's segments, cut once for all its searches
 
     async def search(query: str, messages: list[Message]) -> Found:
         if not cut:
-            cut.append(await offload(True, lambda: conversation_segments(messages)))
+            cut.append(await offload(True, lambda: carried(messages)))
         return await state.memory.search(usable, ns or "", session.id, query, cut[0])
 
     return search
