@@ -247,10 +247,11 @@ class ServerSection(_Strict):
         "max_connections, held_answers_mb, summary_calls, large_requests) one tenant may "
         "hold; past it, a 429")
     large_requests: int = Field(
-        8, ge=1, le=1024, description="requests with a large body (parsed, counted and "
-        "windowed in worker threads) in flight at once, in all (a tenant_share each "
-        "tenant; past it a 429, past the whole a 503); the process's worker threads are "
-        "this many and a few for background work")
+        8, ge=1, le=1024, description="requests whose large work (a large body, or the "
+        "large stored conversation a server-history turn continues, parsed, counted and "
+        "windowed; a pass-through body the proxy walks) runs in worker threads, in flight "
+        "at once, in all (a tenant_share each tenant; past it a 429, past the whole a 503); "
+        "the process's worker threads are this many and a few for background work")
     summary_calls: int = Field(
         32, ge=1, le=4096, description="model summary calls in flight at once, in all (a "
         "tenant_share each tenant); more wait their turn. Each upstream keeps this many "

@@ -189,6 +189,7 @@ class ScriptedUpstream:
         self.summary_gate: threading.Event | None = None  # set: summary calls may answer
         self.summary_calls = 0  # summary calls received
         self.summaries_answered = 0  # and answered
+        self.embedded = 0  # embeddings calls received
         self.server: ThreadedServer | None = None
         self.port = 0
         self._anthropic: anthropic.AnthropicCache | None = None
@@ -211,7 +212,7 @@ class ScriptedUpstream:
         self.latency = Latency()
         self.pauses.clear()
         self.summary_gate = None
-        self.summary_calls = self.summaries_answered = 0
+        self.summary_calls = self.summaries_answered = self.embedded = 0
 
     @property
     def delay(self) -> float:
@@ -369,6 +370,9 @@ class ScriptedUpstream:
                 raw = gzip.decompress(raw)  # as APIs that take compressed bodies do
             body = orjson.loads(raw)
             inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+            self.embedded += 1
+            if header := request.headers.get("x-scripted-delay-ms"):  # a slow one, held
+                await self.pause("first_byte", float(header) / 1000)
             return Response(orjson.dumps({"object": "list", "model": body.get("model"),
                                           "data": [{"object": "embedding", "index": i,
                                                     "embedding": [0.1, 0.2, 0.3]}

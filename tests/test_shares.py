@@ -296,3 +296,197 @@ async def test_one_tenants_large_bodies_leave_the_worker_threads_to_the_others(
     assert 'runloop_share_refusals_total{reason="tenant",resource="large requests"} 2.0' in text
     assert 'runloop_share_refusals_total{reason="process",resource="large requests"} 1.0' \
         in text
+
+
+def _one_large_each(root: Path, shared: tuple[str, ...] = ()) -> Path:
+    """A config whose tenants hold one large request each (``server.large_requests`` 2 at
+    tenant_share 0.5); ``shared``: the tenants that use the upstream's own key together."""
+    toml = (root / "runloop.toml").read_text()
+    (root / "runloop.toml").write_text(toml.replace(
+        "tenant_share = 0.5\n", "tenant_share = 0.5\nlarge_requests = 2\n")
+        .replace(f"max_connections = {POOL}", "max_connections = 16"))
+    for name in shared:
+        (root / "tenants" / f"{name}.toml").write_text(
+            f'keys = ["{KEYS[name]}"]\nupstream = "main"\n')
+    return root
+
+
+def _large_inputs(tenant: str, k: int) -> dict[str, Any]:
+    """An embeddings request of 2,400 inputs (a repository's chunks, ~170 KB): a body the
+    proxy walks for the stored objects it names when the key is other tenants' too."""
+    return {"model": "text-embedding-3-small", "input": [
+        f"{tenant}/{k}/src/module_{n:04d}.py: def handler_{n}(event, context): return "
+        f"route(event['{n * 7919:08x}'])" for n in range(2400)]}
+
+
+async def test_a_large_pass_through_body_the_proxy_walks_holds_a_large_request(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding: a pass-through body the proxy walks in a worker thread (the stored objects
+    it names, for a key other tenants share) held no unit of ``server.large_requests``, so
+    a tenant could keep every worker thread busy through /v1/embeddings whatever its share.
+    Now it holds one until its answer is done: with acme's share at one and its large
+    embeddings request held upstream, a second large one is a 429 in OpenAI's shape while
+    its small one and globex's large one are served; the unit is back once the held
+    request's client goes away. A body relayed unread (initech's own key) holds none.
+    Found on the way: a pass-through client gone before the answer left the upstream call
+    (and what it held) running until the upstream answered; now it is cancelled. Planted,
+    red: the pass-through taking no unit (acme's second large request a 200); the unit not
+    given back when the client went away before the answer (never back)."""
+    root = _one_large_each(config(tmp_path / "cfg", upstream.url), shared=("acme", "globex"))
+    proxy = make_proxy(config_dir=str(root))
+    large = proxy.state.large
+    assert large.per_holder == 1
+
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=90) as c:
+        def send(tenant: str, body: dict[str, Any], headers: dict[str, str] | None = None
+                 ) -> Any:
+            return c.post("/embeddings", json=body, headers={
+                "Authorization": f"Bearer {KEYS[tenant]}", **(headers or {})})
+
+        held = asyncio.ensure_future(send("acme", _large_inputs("acme", 0), SLOW))
+        await eventually(lambda: upstream.embedded == 1, "acme's large request upstream")
+        assert large.held("acme") == 1
+        r = await send("acme", _large_inputs("acme", 1))
+        assert r.status_code == 429, r.text
+        assert r.headers["Retry-After"] == "1"
+        error = r.json()["error"]
+        assert error["code"] == "tenant_share_exceeded" and error["type"] == "rate_limit_error"
+        assert "large requests" in error["message"] and "(1 of 2)" in error["message"]
+        assert upstream.embedded == 1  # nothing refused went upstream
+        small = {"model": "text-embedding-3-small", "input": ["def handler(event): ..."]}
+        r = await send("acme", small)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 1
+        r = await send("globex", _large_inputs("globex", 0))
+        assert r.status_code == 200, r.text
+        assert len(r.json()["data"]) == 2400
+        assert large.held("globex") == 0  # given back with its answer
+        # initech's own key: its body goes unread, so it holds nothing even past a share
+        initech = asyncio.ensure_future(send("initech", _large_inputs("initech", 0), SLOW))
+        await eventually(lambda: upstream.embedded == 4, "initech's request upstream")
+        assert large.held("initech") == 0
+        r = await send("initech", _large_inputs("initech", 1))
+        assert r.status_code == 200, r.text
+        assert not held.done() and large.held("acme") == 1
+        for t in (held, initech):  # their clients go away: what acme held comes back
+            t.cancel()
+        await asyncio.gather(held, initech, return_exceptions=True)
+        await eventually(lambda: large.in_use == 0, "acme's unit back")
+        r = await send("acme", _large_inputs("acme", 2))
+        assert r.status_code == 200, r.text
+    text = (await asyncio.to_thread(httpx.get, proxy.base + "/metrics")).text
+    assert 'runloop_share_refusals_total{reason="tenant",resource="large requests"} 1.0' in text
+
+
+async def test_a_small_turn_on_a_large_stored_conversation_holds_a_large_request(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding: in server-history mode (``X-Runloop-History: server``) the proxy works on
+    the stored conversation with the new message in worker threads when it is large, but a
+    small request body held no unit of ``server.large_requests``: a tenant's one-line turns
+    on large sessions could fill every worker thread. Now the stored conversation's size
+    counts as the body's does: with acme's share at one and one such turn held upstream, a
+    second one (another large session) is a 429 in OpenAI's shape, a turn on a small
+    session is served, and the unit is back when the held turn's client goes away.
+    Planted, red: no unit taken for the stored conversation (the second turn a 200); the
+    unit taken twice when the body was large too (the session's first turn a 429)."""
+    root = _one_large_each(config(tmp_path / "cfg", upstream.url))
+    proxy = make_proxy(config_dir=str(root))
+    large = proxy.state.large
+
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=90) as c:
+        def send(session: str, messages: list[dict[str, Any]],
+                 headers: dict[str, str] | None = None) -> Any:
+            return c.post("/chat/completions", json={
+                "model": "gpt-4o-2024-08-06", "messages": messages}, headers={
+                "Authorization": f"Bearer {KEYS['acme']}", "X-Runloop-History": "server",
+                "X-Session-Id": session, **(headers or {})})
+
+        # two sessions whose first turn brings a 160 KB tool result; one that stays small
+        for k, session in enumerate(("incident-4121", "incident-4122")):
+            r = await send(session, _large_body("acme", k)["messages"])
+            assert r.status_code == 200, r.text
+        r = await send("standup-notes", [{"role": "user", "content": "what is left today?"}])
+        assert r.status_code == 200, r.text
+        await eventually(lambda: large.in_use == 0, "the first turns' units back")
+        ask = [{"role": "user", "content": "and which host logged it first?"}]
+        sent = len(upstream.requests)
+        held = asyncio.ensure_future(send("incident-4121", ask, SLOW))
+        await eventually(lambda: len(upstream.requests) == sent + 1, "the turn upstream")
+        assert large.held("acme") == 1
+        # what went upstream is the stored conversation with the new message
+        assert len(upstream.requests[-1]["messages"]) >= 4
+        r = await send("incident-4122", ask)
+        assert r.status_code == 429, r.text
+        assert r.headers["Retry-After"] == "1"
+        error = r.json()["error"]
+        assert error["code"] == "tenant_share_exceeded" and "large requests" in error["message"]
+        assert len(upstream.requests) == sent + 1
+        r = await send("standup-notes", ask)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"]
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await eventually(lambda: large.in_use == 0, "the held turn's unit back")
+        r = await send("incident-4122", ask)
+        assert r.status_code == 200, r.text
+
+
+BASH = [{"type": "function", "function": {"name": "bash", "parameters": {
+    "type": "object", "properties": {"cmd": {"type": "string"}}}}}]
+
+
+async def test_a_trimmed_history_continuing_a_large_conversation_holds_a_large_request(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding: a small request whose trimmed history lines up with a large stored
+    conversation (a client that dropped its old messages) has that conversation read,
+    matched and counted in worker threads, but held no unit of ``server.large_requests``.
+    Now it holds one as a large body does: with acme's share at one and one such request
+    held upstream, a second (lining up with another large conversation) is a 429, a small
+    request continuing nothing is served, the unit is back when the held one's client goes
+    away. Planted, red: no unit taken for the continued conversation (the second a 200)."""
+    root = _one_large_each(config(tmp_path / "cfg", upstream.url))
+    proxy = make_proxy(config_dir=str(root))
+    large = proxy.state.large
+
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=90) as c:
+        def send(messages: list[dict[str, Any]], headers: dict[str, str] | None = None
+                 ) -> Any:
+            return c.post("/chat/completions", json={
+                "model": "gpt-4o-2024-08-06", "messages": messages, "tools": BASH}, headers={
+                "Authorization": f"Bearer {KEYS['acme']}", **(headers or {})})
+
+        def call(k: int) -> dict[str, Any]:
+            return {"id": f"call_{k:04d}Qm3vR8sLx2TfWb9KpZ", "type": "function",
+                    "function": {"name": "bash", "arguments": '{"cmd":"grep -c ERROR"}'}}
+
+        for k in (1, 2):  # two agents' sessions, each with a 160 KB log read into it
+            upstream.push({"tool_calls": [{"id": call(k)["id"], "name": "bash",
+                                           "arguments": {"cmd": "grep -c ERROR"}}]})
+            r = await send([{"role": "system", "content": f"You are on-call agent {k}."},
+                            *_large_body("acme", k)["messages"],
+                            {"role": "user", "content": "count the errors"}])
+            assert r.status_code == 200, r.text
+        await asyncio.to_thread(proxy.settle)
+
+        def trimmed(k: int) -> list[dict[str, Any]]:  # the old messages dropped
+            return [{"role": "system", "content": f"You are on-call agent {k}."},
+                    {"role": "assistant", "content": None, "tool_calls": [call(k)]},
+                    {"role": "tool", "tool_call_id": call(k)["id"], "content": "4121"},
+                    {"role": "user", "content": "which host logged the first one?"}]
+
+        sent = len(upstream.requests)
+        held = asyncio.ensure_future(send(trimmed(1), SLOW))
+        await eventually(lambda: len(upstream.requests) == sent + 1, "the trimmed one upstream")
+        assert large.held("acme") == 1
+        r = await send(trimmed(2))
+        assert r.status_code == 429, r.text
+        error = r.json()["error"]
+        assert error["code"] == "tenant_share_exceeded" and "large requests" in error["message"]
+        r = await send([{"role": "user", "content": "what is left today?"}])
+        assert r.status_code == 200, r.text
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await eventually(lambda: large.in_use == 0, "the held request's unit back")
+        r = await send(trimmed(2))
+        assert r.status_code == 200, r.text
+        assert large.in_use == 0

@@ -143,9 +143,7 @@ def admit_large(state: AppState, caller: Caller, rlog: RequestLog) -> None:
     """A request whose large body is worked on in worker threads holds one of its tenant's
     share of them (``server.large_requests``) until it ends: past the share a 429, past
     the whole a 503 (both with Retry-After), before any of that work is done."""
-    holder = caller.holder
-    state.large.take(holder, 1, "large requests (bodies worked on in worker threads)")
-    rlog.at_end(lambda: state.large.give(holder))
+    rlog.hold(state.large, caller.holder)
 
 
 def parse_json(raw: bytes) -> Any:
@@ -253,7 +251,7 @@ def _bounded(request: HTTPConnection) -> None:
         raise CredentialTooLong(str(exc), param="headers") from exc
 
 
-async def until_disconnect(request: Request, work: Awaitable[Answer]) -> Answer:
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run ``work``; a client that disconnects before it is done cancels it (the upstream call
     with it) and raises ClientGone. Once the body is read, the next thing a client can send
     is a disconnect; a stream has its own listener (LiveStreamResponse)."""

@@ -16,20 +16,26 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from ..errors import InvalidRequest, NotFound, PermissionDenied
 from ..ops.admin import admin_routes
 from ..ops.inspector import inspector_routes
+from ..pipeline.accounting import CLIENT_CLOSED, LARGE_WORK
 from ..pipeline.offload import is_large_body, offload
 from ..pipeline.references import stored_references
 from ..pipeline.relay import refuse_held_key, refuse_stored
+from ..pipeline.shares import Held
+from ..pipeline.upstream import UpstreamResponse
+from ..pipeline.values import Caller
 from ..state import state_of
 from .chat import PATH as CHAT_PATH
 from .chat import chat_completions
 from .http import (
     ASGIResponse,
+    ClientGone,
     LiveStreamResponse,
     anthropic_path,
     authenticate,
     json_response,
     read_body,
     shaped_errors,
+    until_disconnect,
 )
 from .messages import COUNT_PATH, count_tokens, messages
 from .messages import PATH as MESSAGES_PATH
@@ -151,8 +157,26 @@ async def passthrough(request: Request) -> ASGIResponse:
                        f"no such endpoint (the proxy answers /v1/messages and "
                        f"/v1/messages/count_tokens itself)")
     raw = await read_body(request, state.config.server.max_body_bytes)
-    if caller.shared_key and raw:  # what the body names, as the conversation endpoints
-        refuse_stored(await offload(is_large_body(raw), lambda: body_references(
+    # a large body the proxy walks (what it names, for a key other tenants share) is worked
+    # on in a worker thread: it holds one of its tenant's large requests until it ends, as a
+    # conversation's does (a body relayed unread holds none: no work is done on it)
+    walked = caller.shared_key and bool(raw)
+    held = Held(state.large if walked and is_large_body(raw) else None, caller.holder)
+    held.take(1, LARGE_WORK)
+    try:
+        return await _relayed(request, caller, path, raw, walked, held)
+    except BaseException:
+        held.release()
+        raise
+
+
+async def _relayed(request: Request, caller: Caller, path: str, raw: bytes, walked: bool,
+                   held: Held) -> ASGIResponse:
+    """The pass-through request sent and its answer relayed as it comes; ``held`` given
+    back once the answer is done."""
+    state = state_of(request)
+    if walked:  # what the body names, as the conversation endpoints
+        refuse_stored(await offload(held.amount > 0, lambda: body_references(
             request.headers.get("content-type", ""),
             request.headers.get("content-encoding", ""), raw,
             state.config.server.max_body_bytes)))
@@ -160,21 +184,49 @@ async def passthrough(request: Request) -> ASGIResponse:
     # the answer comes back as the upstream encodes it, so only in what the client accepts
     headers["Accept-Encoding"] = request.headers.get("accept-encoding", "identity")
     client = caller.client(state.upstreams)
-    resp = await client.request(request.method, path, headers, raw or None,
-                                query=request.url.query, raw=True, holder=caller.holder)
-    state.metrics.passthrough_requests.labels(caller.label, str(resp.status)).inc()
-    refuse_held_key(caller, resp)
-
-    async def relay() -> Any:
-        try:
-            async for chunk in resp.iter_chunks():
-                yield chunk
-        finally:
-            resp.close()
+    try:  # a client gone before the answer cancels the upstream call (and gives back all)
+        resp = await until_disconnect(request, client.request(
+            request.method, path, headers, raw or None, query=request.url.query, raw=True,
+            holder=caller.holder))
+    except ClientGone:
+        held.release()
+        return Response(status_code=CLIENT_CLOSED)  # nobody reads it
+    try:
+        state.metrics.passthrough_requests.labels(caller.label, str(resp.status)).inc()
+        refuse_held_key(caller, resp)
+    except BaseException:
+        resp.close()
+        raise
 
     # relayed as it arrives, as the upstream encoded it: never held whole, never inflated
     sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-    return LiveStreamResponse(relay(), resp.status, dict(caller.answer_headers(resp)), sse=sse)
+    return LiveStreamResponse(_Relay(resp, held), resp.status, dict(caller.answer_headers(resp)),
+                              sse=sse)
+
+
+class _Relay:
+    """A pass-through answer's chunks as they come; closed (the upstream's answer, and what
+    the request held given back) when the response is done with it, whether or not it read
+    a chunk — a client gone before the first one included."""
+
+    def __init__(self, resp: UpstreamResponse, held: Held) -> None:
+        self._resp, self._held = resp, held
+        self._chunks = resp.iter_chunks()
+
+    def __aiter__(self) -> _Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        try:
+            aclose = getattr(self._chunks, "aclose", None)  # an async generator's
+            if aclose is not None:
+                await aclose()
+        finally:
+            self._resp.close()
+            self._held.release()
 
 
 async def healthz(request: Request) -> Response:

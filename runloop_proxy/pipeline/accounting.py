@@ -10,8 +10,11 @@ from typing import Any
 from ..ops import logs
 from ..ops.metrics import OTHER_MODEL, BoundMetrics, Metrics
 from ..savings import Prompt
+from .shares import Shares
 
 log = logs.get("request")
+# what a request whose large work runs in worker threads holds (``server.large_requests``)
+LARGE_WORK = "large requests (bodies worked on in worker threads)"
 UNAUTHENTICATED = "unauthenticated"  # the tenant label of a request refused for its key
 CLIENT_CLOSED = 499  # nginx's "client closed request", for logs and metrics
 
@@ -48,6 +51,7 @@ class RequestLog:
         self.billed: dict[str, Any] | None = None
         self._bound: BoundMetrics | None = None
         self._at_end: list[Callable[[], None]] = []  # run once the request is done
+        self._holds: set[int] = set()  # the Shares this request holds a unit of (``hold``)
 
     def at_end(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` when the request is done (``finish``, or its frame's end: a request
@@ -57,6 +61,16 @@ class RequestLog:
             fn()
         else:
             self._at_end.append(fn)
+
+    def hold(self, shares: Shares, holder: str, what: str = LARGE_WORK) -> None:
+        """One unit of ``shares`` held for ``holder`` until the request ends — once, however
+        many of its stages find their work large (the body read, then the stored
+        conversation it continues): past the share a 429, past the whole a 503."""
+        if id(shares) in self._holds:
+            return
+        shares.take(holder, 1, what)
+        self._holds.add(id(shares))
+        self.at_end(lambda: shares.give(holder))
 
     def ended(self) -> None:
         """What waits for the request's end, run once."""

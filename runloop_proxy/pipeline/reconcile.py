@@ -27,6 +27,7 @@ from ..history.store import Prepared, RedisStore, prepare
 from ..ops import logs
 from ..savings import Prompt
 from ..state import AppState
+from .accounting import RequestLog
 from .framing import Frame
 from .offload import answer_is_large, is_large, offload
 from .values import History, Recent, Turn
@@ -98,9 +99,12 @@ def held_bytes(p: Prepared) -> int:
     return 2 * len(p.body) + 450 + 250 * p.body.count(b"{")
 
 
-async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Session, History]:
+async def reconcile(state: AppState, turn: Turn, session: Session, rlog: RequestLog
+                    ) -> tuple[Session, History]:
     """The session the turn belongs to (a trimmed history continues the session it came
-    from) and what the store holds for it."""
+    from) and what the store holds for it. A stored conversation that makes the turn's work
+    large (server-history mode, a trimmed history continued) holds one of its tenant's
+    ``server.large_requests`` before that work is done, as a large body does."""
     messages = turn.messages
     ns, store = turn.caller.namespace, state.store
     if turn.server_history and turn.wire.api != "chat":
@@ -140,7 +144,7 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
         if turn.chained:
             return await _chained(state, turn, session, store, ns, hashed)
         if turn.server_history:
-            history = await _server_history(state, turn, session, store, ns, hashed)
+            history = await _server_history(state, turn, session, store, ns, hashed, rlog)
             store.check_limits(len(history.prepared), largest)
             return session, history
         store.check_limits(len(hashed), largest)
@@ -148,7 +152,8 @@ async def reconcile(state: AppState, turn: Turn, session: Session) -> tuple[Sess
         earlier: list[Message] = []
         large = turn.large
         if internal is None:
-            session, earlier, large = await _continuation(turn, session, store, ns)
+            session, earlier, large = await _continuation(state, turn, session, store, ns,
+                                                          rlog)
             enc, _ = state.tokens.encoding(turn.model,
                                            turn.caller.tenant.encoding_for(turn.model))
             loaded = await store.load(ns, session.id, [p.hash for p in hashed], enc.name,
@@ -190,7 +195,7 @@ def _known_dates(state: AppState, ns: str, session_id: str, dates: dict[str, int
 
 
 async def _server_history(state: AppState, turn: Turn, session: Session, store: RedisStore,
-                          ns: str, hashed: list[Prepared]) -> History:
+                          ns: str, hashed: list[Prepared], rlog: RequestLog) -> History:
     """The stored conversation with the new messages after it (a system prompt the request
     sends stands in for the stored one this turn)."""
     messages = turn.messages
@@ -213,6 +218,8 @@ async def _server_history(state: AppState, turn: Turn, session: Session, store: 
         internal = (await store.load(ns, session.id, [], "")).internal
     # the work this turn brings is the stored conversation's as well as the request's
     large = turn.large or is_large(size + len(turn.raw), len(full))
+    if large:
+        rlog.hold(state.large, turn.caller.holder)
     counted_full = await offload(large, lambda: counted(state, turn, full))
     return History(full, counted_full, internal,
                    appended=(await _counted(state, turn, messages, hashed), system),
@@ -274,8 +281,8 @@ async def _chained(state: AppState, turn: Turn, session: Session, store: RedisSt
                             chain_to=chain_to, owed=owed if isinstance(owed, list) else [])
 
 
-async def _continuation(turn: Turn, session: Session, store: RedisStore,
-                        ns: str) -> tuple[Session, list[Message], bool]:
+async def _continuation(state: AppState, turn: Turn, session: Session, store: RedisStore,
+                        ns: str, rlog: RequestLog) -> tuple[Session, list[Message], bool]:
     """A fingerprinted request its fingerprint does not know, carrying replies recorded in
     another session of the namespace: a client that trimmed its history (or restarted it
     under a new system prompt). It is *stored* in that session when its messages line up with
@@ -305,6 +312,8 @@ async def _continuation(turn: Turn, session: Session, store: RedisStore,
         return session, [], large
     head, size = await store.head_sized(ns, other)
     large = large or is_large(size, len(head))
+    if large:
+        rlog.hold(state.large, turn.caller.holder)
     stored = [m for _, m in head]
     at = await offload(large, lambda: continued(stored, turn.messages))
     if at is None:

@@ -28,7 +28,7 @@ from .values import Answer, Turn
 async def serve(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     session = identify(turn.headers, turn.body, turn.messages, turn.caller.namespace or "",
                        state.config.server.session_header, turn.caller.tenant.session_sources)
-    session, history = await reconcile(state, turn, session)
+    session, history = await reconcile(state, turn, session, rlog)
     rlog.session, rlog.degraded = session.id, unrecorded(state, turn, history)
     told = await _window_told(state, turn)
     out = await shape(state, turn, session, history, rlog)
@@ -87,7 +87,7 @@ async def count(state: AppState, turn: Turn, rlog: RequestLog) -> Answer:
     reports, or (``policy.count_tokens = "upstream"``) the upstream's own for that window."""
     session = identify(turn.headers, turn.body, turn.messages, turn.caller.namespace or "",
                        state.config.server.session_header, turn.caller.tenant.session_sources)
-    session, history = await reconcile(state, turn, session)
+    session, history = await reconcile(state, turn, session, rlog)
     rlog.session, rlog.degraded = session.id, unrecorded(state, turn, history)
     out = await shape(state, turn, session, history, rlog)
     out.taken()
