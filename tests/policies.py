@@ -6,8 +6,9 @@ stands in for what is left out). A test of a lever's mechanics — a reduction's
 omission batch, a marker, the inspector's rendering of a reduced loop — needs past loops kept
 in view, long enough messages and no summary unless it turns one on: it states that by running
 under ``MECHANISM`` (``mechanism()`` for a ``Policy``, ``mechanism_toml()`` for a tenant file,
-``make_proxy(policy=MECHANISM)`` for a proxy), and says its own fields on top. Tests of what
-the defaults do for a user run on ``Policy()`` itself."""
+``make_proxy(policy=MECHANISM)`` for a proxy, ``mechanism_set()`` for ``runloop-proxy
+replay``), and says its own fields on top. Tests of what the defaults do for a user run on
+``Policy()`` itself."""
 
 from __future__ import annotations
 
@@ -42,3 +43,12 @@ def _toml_value(value: Any) -> str:
 def mechanism_toml(**fields: Any) -> str:
     """``MECHANISM`` with a test's own fields on top, as the lines of a [policy] table."""
     return "".join(f"{k} = {_toml_value(v)}\n" for k, v in {**MECHANISM, **fields}.items())
+
+
+def mechanism_set(**fields: Any) -> list[str]:
+    """``MECHANISM`` with a test's own fields on top, as ``runloop-proxy replay`` options
+    (``--set FIELD=VALUE`` each; ``summary_model=`` with nothing after it: no summaries)."""
+    def value(v: Any) -> str:
+        return "" if v is None else _toml_value(v) if isinstance(v, bool) else str(v)
+    return [arg for k, v in {**MECHANISM, **fields}.items()
+            for arg in ("--set", f"{k}={value(v)}")]

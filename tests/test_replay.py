@@ -12,6 +12,7 @@ from typing import Any
 from runloop_proxy.ops.replay_offline import cached_cost
 from runloop_proxy.pricing import Block, PrefixCache
 from runloop_proxy.scripted import PromptCache, ScriptedUpstream
+from tests.policies import mechanism_set
 
 
 def conversation(steps: int) -> dict[str, object]:
@@ -307,9 +308,13 @@ def support_like(loops: int) -> dict[str, object]:
 
 
 def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None:
+    """The retention ledger of reduced past loops, without a summary (``MECHANISM``): what
+    a reduction hides, what a digest brings back into view, what a priced summary costs.
+    The defaults' digest puts a reduced loop's identifiers on an ``ids:`` line in it, so
+    under them nothing of this conversation is hidden to count (asserted last)."""
     f = tmp_path / "s.jsonl"
     f.write_text(json.dumps(support_like(14)) + "\n")
-    plain = json.loads(run(f, "--json", "--set", "max_run_loops=3").stdout)
+    plain = json.loads(run(f, "--json", *mechanism_set(max_run_loops=3)).stdout)
     r, rp = plain["retention"], plain["retention_passthrough"]
     assert rp["retained"] == 1.0 and rp["references"] == r["references"] > 20
     assert r["current_loop"] == 1.0 and r["past_loops"] < 1.0  # reductions hide past ones
@@ -317,19 +322,19 @@ def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None
     hidden = r["references"] - round(r["retained"] * r["references"])
     assert hidden > 0 and r["hidden"] == hidden
     assert r["recallable_by_ref"] + r["found_by_search"] == hidden and r["lost"] == 0
-    digest = json.loads(run(f, "--json", "--set", "max_run_loops=3", "--set",
-                            "summary_model=extractive").stdout)
+    digest = json.loads(run(f, "--json", *mechanism_set(
+        max_run_loops=3, summary_model="extractive")).stdout)
     assert digest["retention"]["past_loops"] > r["past_loops"]
     assert digest["summaries"] > 0 and digest["summary_tokens"] == 0  # extractive: free
-    priced = json.loads(run(f, "--json", "--set", "max_run_loops=3", "--set",
-                            "summary_model=gpt-4o-mini", "--summary-cost", "500").stdout)
+    priced = json.loads(run(f, "--json", *mechanism_set(
+        max_run_loops=3, summary_model="gpt-4o-mini"), "--summary-cost", "500").stdout)
     assert priced["summary_tokens"] == 500 * priced["summaries"]
     assert priced["forwarded_tokens"] == digest["forwarded_tokens"] + priced["summary_tokens"]
     # the summary calls are paid in every cost model, at full price (a mutation sample's
     # survivor: they were added to the tokens and to no cost)
     for cost in ("forwarded_cost", "forwarded_cost_strict"):
         assert priced[cost] == digest[cost] + priced["summary_tokens"], cost
-    human = run(f, "--set", "max_run_loops=3")
+    human = run(f, *mechanism_set(max_run_loops=3))
     assert "references kept window" in human.stdout and "pass-through 100.0%" in human.stdout
     assert ", lost 0" in human.stdout
     # and the careful reader's figures, as --json gives them (a mutation sample's survivor:
@@ -339,6 +344,10 @@ def test_retention_is_printed_and_pass_through_reads_100(tmp_path: Path) -> None
     careful = next(line for line in human.stdout.splitlines() if "careful reader" in line)
     assert f"{rc['references']:,} references" in careful, careful
     assert f"lost {rc['lost']:,}" in careful and f"{rc['retained']:.1%}" in careful, careful
+    # the defaults: every tracking number a reduced loop's result held is on its ids: line
+    tuned = json.loads(run(f, "--json", "--set", "max_run_loops=3").stdout)["retention"]
+    assert (tuned["references"], tuned["past_loops"], tuned["hidden"]) == \
+        (r["references"], 1.0, 0)
 
 
 def test_replay_reads_responses_conversations(tmp_path: Path) -> None:
