@@ -30,6 +30,7 @@ from tests.parcels import (
     conversation,
     decides_from_its_window,
 )
+from tests.policies import mechanism_set
 
 JUDGE_MODEL = "qwen3-32b-2025-04-29"
 
@@ -151,13 +152,16 @@ def test_the_judge_speaks_messages_to_an_anthropic_upstream(
     """``--judge-format messages``: every point asked as Messages (system apart, tool_use and
     tool_result blocks, Anthropic's tools, max_tokens, the key as x-api-key) of the scripted
     Messages upstream, its answers read as Messages: the same verdicts as the chat judge's.
-    Planted: the answer read as a chat completion (every step empty, all agree: red), and
-    the key sent as a Bearer token (red)."""
+    Under ``MECHANISM`` (no summary), where a reduced loop hides what its result held; the
+    defaults' digest keeps the order id on the reduced loop's ``ids:`` line (asserted
+    last). Planted: the answer read as a chat completion (every step empty, all agree:
+    red), and the key sent as a Bearer token (red)."""
     upstream.responder = decides_from_its_window
     key = anthropic_key(77)
     out = tmp_path / "judged.jsonl"
-    r = _run(_two(tmp_path, tools=True), upstream, out, "--judge-format", "messages",
-             "--judge-key", key)
+    path = _two(tmp_path, tools=True)
+    r = _run(path, upstream, out, "--judge-format", "messages", "--judge-key", key,
+             *mechanism_set())
     assert r.returncode == 0, r.stderr
     rows = {row["point"]: row for row in map(orjson.loads, out.read_bytes().splitlines())}
     # with the conversation's tools, the window reduces the past loop at the last point
@@ -174,6 +178,16 @@ def test_the_judge_speaks_messages_to_an_anthropic_upstream(
     full = upstream.requests[-2]  # the last point's full window
     assert [b["type"] for t in full["messages"] if isinstance(t["content"], list)
             for b in t["content"]] == ["tool_use", "tool_result"]
+    tuned = tmp_path / "tuned.jsonl"
+    r = _run(path, upstream, tuned, "--judge-format", "messages", "--judge-key", key)
+    assert r.returncode == 0, r.stderr
+    rows = {row["point"]: row for row in map(orjson.loads, tuned.read_bytes().splitlines())}
+    assert (rows["conv-hidden:6"]["outcome"], rows["conv-hidden:6"]["levers"]) == (
+        "agree", ["past_loops"])
+    # what the judge read there: the reduced loop's ids line (conv-kept's final answer
+    # shows the id, so its line has only the date)
+    said = [orjson.dumps(b).decode() for b in upstream.requests[-12:]]
+    assert sum("ids: ORD-7731" in b for b in said) == 1
 
 
 def test_the_models_own_agreement_is_measured_beside_the_figure(
