@@ -75,6 +75,11 @@ class Recall:
         self.asked = 0
         self.lexical = 0
         self.hybrid = 0
+        # those of a loop with more past loops than the top holds (with fewer, a ranking
+        # that names every past loop finds it: a fusion always does, filled by meaning)
+        self.deep = 0
+        self.deep_lexical = 0
+        self.deep_hybrid = 0
         self.segments = 0
         self.embed_s = 0.0
 
@@ -143,6 +148,10 @@ class Recall:
                 self.asked += 1
                 self.lexical += bool(holders & set(by_words))
                 self.hybrid += bool(holders & set(by_both))
+                if here > TOP:
+                    self.deep += 1
+                    self.deep_lexical += bool(holders & set(by_words))
+                    self.deep_hybrid += bool(holders & set(by_both))
 
         replayer.conversation(conv, Tally(), seen)
 
@@ -243,7 +252,8 @@ def main() -> int:
                 queries += [str(m.get("content"))[:200] for m in body
                             if m.get("role") == "user"][:3]
         _report(f"{path.name} ({args.half}, {len(convs)} conversations)", one)
-        for name in ("asked", "lexical", "hybrid", "segments"):
+        for name in ("asked", "lexical", "hybrid", "segments", "deep", "deep_lexical",
+                     "deep_hybrid"):
             setattr(total, name, getattr(total, name) + getattr(one, name))
         total.embed_s += one.embed_s
     if len(traces) > 1:
@@ -292,6 +302,10 @@ def _report(what: str, r: Recall) -> None:
     lex, hyb = 100 * r.lexical / r.asked, 100 * r.hybrid / r.asked
     print(f"{what}: {r.asked} hidden past references; the loop holding it in the top {TOP}: "
           f"lexical {lex:.1f}%, hybrid {hyb:.1f}% ({hyb - lex:+.1f} points)")
+    if r.deep:
+        lex, hyb = 100 * r.deep_lexical / r.deep, 100 * r.deep_hybrid / r.deep
+        print(f"  of them {r.deep} in a loop with more than {TOP} past loops: lexical "
+              f"{lex:.1f}%, hybrid {hyb:.1f}% ({hyb - lex:+.1f} points)")
 
 
 if __name__ == "__main__":

@@ -115,3 +115,29 @@ def test_split_keeps_every_word_in_order_within_the_size(text: str, limit: int) 
     assert all(0 < len(p) <= limit for p in got)
     if len(got) < MAX_PARTS:
         assert "".join("".join(got).split()) == "".join(text.split())
+
+
+def _last_boundary(text: str, lo: int, hi: int) -> int:
+    """The obvious cut: every match of each boundary in ``text[lo:hi]``, the last's end."""
+    import re
+
+    for pattern in (r"\n\s*\n", r"\n", r"(?<=[.!?;])\s", r"\s"):
+        ends = [m.end() for m in re.compile(pattern).finditer(text, lo, hi)]
+        if ends:
+            return ends[-1]
+    return hi
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from("ab .;!?\n\t\r\x0b\u2028\u00a0"), max_size=120),
+       st.data())
+def test_a_long_text_is_cut_where_a_list_of_every_boundary_says(text: str, data: Any) -> None:
+    """The cut matched from the end (the greedy prefix backing off to the last boundary)
+    is the last boundary's end a scan of every match finds, in any window. Catches: the
+    first boundary taken (planted: a lazy prefix, red), the window's start ignored
+    (planted: ``match(text, 0, hi)``, red)."""
+    from runloop_proxy.conversation.segments import _cut
+
+    lo = data.draw(st.integers(0, len(text)))
+    hi = data.draw(st.integers(lo, len(text)))
+    assert _cut(text, lo, hi) == _last_boundary(text, lo, hi)
