@@ -249,10 +249,35 @@ def test_a_tenant_may_name_sessions_by_user(tmp_path: Path, make_proxy: Any,
     assert len(sessions(proxy, "acme")) == 1
 
 
-def test_a_trimmed_history_stays_one_session(aproxy: ProxyServer,
-                                             upstream: ScriptedUpstream) -> None:
+# what is written behind an answer (the conversation's sync, the reply's anchor) this late:
+# longer than the gap between a tool loop's requests, as on a busy machine or a far Redis
+BEHIND_WRITE_DELAY_S = 0.45
+
+
+@pytest.mark.parametrize("late", [(), ("anchor",), ("anchor", "sync")],
+                         ids=["on-time", "late-anchor", "late-anchor-and-sync"])
+def test_a_trimmed_history_stays_one_session(aproxy: ProxyServer, upstream: ScriptedUpstream,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             late: tuple[str, ...]) -> None:
     """A client that sends its system prompt and only its last messages: one session, one
-    branch, every message stored once and in order."""
+    branch, every message stored once and in order — whenever the writes behind the
+    answers land. Each request after a tool call carries that call (the reply it anchors
+    by) and nothing older the session was fingerprinted by, and comes the moment the
+    answer arrived: this forked into a second session about one run in four on a loaded
+    machine, the reply's anchor not yet in Redis (``late`` makes that every run)."""
+    import asyncio
+
+    from runloop_proxy.history.store import RedisStore
+
+    call = RedisStore._call
+
+    async def behind(self: RedisStore, op: str, make: Any) -> Any:
+        if op in late:
+            await asyncio.sleep(BEHIND_WRITE_DELAY_S)
+        return await call(self, op, make)
+
+    monkeypatch.setattr(RedisStore, "_call", behind)
+
     def respond(body: dict[str, Any]) -> dict[str, Any]:
         last = body["messages"][-1]
         if last["role"] == "user":

@@ -892,7 +892,8 @@ class RedisStore:
                            anchors: list[str]) -> str | None:
         """For a fingerprinted request its fingerprint did not find: the session one of its
         replies (``anchors``, newest first) was recorded in, if the fingerprint's session does
-        not exist (it then is a new conversation, or one whose client trimmed its history)."""
+        not exist (it then is a new conversation, or one whose client trimmed its history).
+        An anchor this replica noted (``note_anchor``) is found before Redis holds it."""
         p = self.prefix(namespace, session_id)
 
         async def run() -> list[Any]:
@@ -905,7 +906,11 @@ class RedisStore:
         replies = await self._call("read", run)
         if replies[0]:
             return None
-        return next((_s(r) for r in replies[1:] if r), None)
+        for a, stored in zip(anchors, replies[1:], strict=True):
+            found = self._anchors.get((namespace, a)) or (_s(stored) if stored else None)
+            if found:
+                return found
+        return None
 
     def note_anchor(self, namespace: str, anchor: str, session_id: str) -> None:
         """An anchor this replica is about to store (``set_anchor``, written behind the

@@ -41,7 +41,8 @@ CONTINUED_FLOOR = 512
 CONTINUED_PER_MESSAGE = 4
 # server-history mode reads the conversation it forwards from Redis: a turn still queued to
 # be written (Redis refusing writes, or the next request sent the moment an answer arrived)
-# is waited for this long, then the request fails closed (503) rather than go without it
+# is waited for this long, then the request fails closed (503) rather than go without it;
+# a trimmed history waits as long for the turn it continues (then goes on without it)
 WRITTEN_WAIT_S = 2.0
 
 
@@ -304,6 +305,10 @@ async def _continuation(state: AppState, turn: Turn, session: Session, store: Re
     other = await store.continuation(ns, session.id, keys)
     if other is None or other == session.id:
         return session, [], large
+    # its last turn may still be on its way to Redis (the anchor is noted before it is
+    # written): the request lines up with the conversation only once that turn is there
+    if not store.refusing_writes:
+        await store.written(ns, other, WRITTEN_WAIT_S)
     held = await store.head_length(ns, other)
     if held > CONTINUED_FLOOR + CONTINUED_PER_MESSAGE * len(turn.messages):
         log.info("trimmed history not continued: the stored conversation outweighs it",
@@ -366,6 +371,13 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
                   tokens: tuple[int, int] | None, frame: dict[str, Any] | None,
                   chain: str | None, usage: dict[str, Any] | None,
                   prompts: tuple[Prompt, Prompt] | None) -> None:
+    # noted before anything here waits, as the response anchors below are: a client that
+    # trims its history may send its next request the moment this reply arrives, carrying
+    # the reply and none of what the session was fingerprinted by
+    reply_anchor = anchor(reply, session.scope) \
+        if reply is not None and session.kind is SessionKind.FINGERPRINT else None
+    if reply_anchor is not None:
+        store.note_anchor(ns, reply_anchor, session.id)
     chainable = answer_id is not None and turn.wire.api == "responses" \
         and turn.body.get("store") is not False
     if chainable and chain is not None:
@@ -423,10 +435,8 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
         # the loops this answer closed, into long-term memory (in the background)
         state.memory.after_answer(store, turn.caller.label, ns, session.id,
                                   [*history.messages, reply], retention)
-    if reply is not None and session.kind is SessionKind.FINGERPRINT:
-        key = anchor(reply, session.scope)
-        if key is not None:
-            state.spawn(_anchor(store, ns, key, session.id, retention))
+    if reply_anchor is not None:
+        state.spawn(_anchor(store, ns, reply_anchor, session.id, retention))
     if answer_id is not None and turn.wire.api == "responses" \
             and turn.body.get("store") is not False and not session.explicit:
         # a later request that chains on this response finds its session by the id (only a
