@@ -13,6 +13,7 @@ import openai
 import pytest
 import redis
 
+from runloop_proxy.conversation.messages import message_hash, message_refs
 from runloop_proxy.conversation.segments import closed_loops, segments
 from runloop_proxy.errors import EmbeddingError
 from runloop_proxy.pipeline.memory import FIELD_CHARS, fuse, nearest
@@ -146,7 +147,11 @@ def test_closed_loops_are_indexed_once_and_a_past_turn_is_found_by_meaning_and_o
     hits = found.splitlines()[1:]
     assert found.startswith(f"{len(hits)} best match(es) for '{QUERY}', by words and meaning:")
     refund = next(h for h in hits if "reimbursement of $54.04" in h)
-    assert refund.startswith("- [turn 0, assistant, iteration 1, segment 4 response, open=s:")
+    said = next(m for m in ask if "reimbursement of $54.04" in str(m.get("content")))
+    ref = dict(zip(map(id, ask), message_refs([message_hash(m) for m in ask]),
+                   strict=True))[id(said)]  # what recall_tool_call takes for the message
+    assert refund.startswith(f"- [turn 0, assistant id={ref}, iteration 1, segment 4 response, "
+                             f"open=s:")
     assert " response, open=s:" in refund and "meaning 0." in refund
     rain = next((i for i, h in enumerate(hits) if "Lisbon" in h), len(hits))
     assert hits.index(refund) < rain

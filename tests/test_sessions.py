@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer
+from .policies import MECHANISM
 from .test_config import ACME_KEY, GLOBEX_KEY, write_config
 from .test_tools import recall_name
 
@@ -163,11 +164,13 @@ SMOL_OBSERVATION = "Observation:\n" + "\n".join(
 
 
 def test_smolagents_restated_replies_do_not_fork_and_cut_observations_stay_recallable(
-        aproxy: ProxyServer, upstream: ScriptedUpstream) -> None:
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """smolagents sends the model's tool calls back as assistant text and their results as
     user "Observation:" messages: the restated reply replaces the recorded one (no fork per
     request), and an Observation cut in a later window comes back whole through the ref its
-    cut carries."""
+    cut carries. Past loops kept in view and cut (``MECHANISM``): under the defaults every
+    Observation starts a loop, and the one before is omitted, not cut (the next test)."""
+    aproxy: ProxyServer = make_proxy(admin_key=ADMIN, policy=MECHANISM)
     recalled: list[str] = []
 
     def respond(body: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +208,59 @@ def test_smolagents_restated_replies_do_not_fork_and_cut_observations_stay_recal
     assert len(view["branches"]) == 1
     # the two replies the client restated (the third request got the final answer)
     assert [r["kind"] for r in view["compression_records"]].count("reply_restated") == 2
+
+
+def test_under_the_defaults_an_omitted_smolagents_observation_is_found_and_recalled_whole(
+        make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """The defaults (``Policy()``) omit every loop but the open one, and each smolagents
+    Observation (a user message) opens a loop: the Observation before the last is not in the
+    window at all. The model gets it back as it does any past turn — search_history finds it,
+    and recall_tool_call takes the id the hit names and returns it byte for byte."""
+    proxy: ProxyServer = make_proxy(admin_key=ADMIN)
+    recalled: list[str] = []
+    hits: list[str] = []
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last.get("tool_call_id") == "sh_obs":
+            hits.append(str(last["content"]))
+            hit = next((h for h in str(last["content"]).splitlines()
+                        if ", user id=" in h), "")
+            ref = re.search(r", user id=([0-9a-f]+)", hit)
+            if ref is None:
+                return {"content": "the search named no id to recall"}
+            return {"tool_calls": [{"id": "rc_obs", "name": recall_name(body),
+                                    "arguments": {"call_id": ref.group(1)}}]}
+        if last.get("tool_call_id") == "rc_obs":
+            recalled.append(str(last["content"]))
+            return {"content": "final answer"}
+        shown = "".join(str(m.get("content")) for m in body["messages"])
+        search = recall_name(body, "search_history")
+        if search and "Earlier turns are not shown" in shown and "row 399" not in shown:
+            # the first Observation left the window (the marker says turns are omitted)
+            return {"tool_calls": [{"id": "sh_obs", "name": search,
+                                    "arguments": {"query": "row 399"}}]}
+        return {"tool_calls": [{"id": f"call_{len(body['messages'])}", "name": "lookup",
+                                "arguments": {"q": "x"}}]}
+
+    upstream.responder = respond
+    c = sdk(proxy)
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a smol agent."},
+                                  {"role": "user", "content": "New task: find it"}]
+    observations = [SMOL_OBSERVATION, "Observation:\nno rows for x", "Observation:\nnone"]
+    for observation in observations:
+        reply = c.chat.completions.create(model="gpt-5.1", messages=msgs,  # type: ignore[arg-type]
+                                          tools=TOOLS).choices[0].message
+        if reply.tool_calls is None:
+            break
+        calls = [{"id": t.id, "type": "function", "function": {
+            "name": t.function.name, "arguments": orjson.loads(t.function.arguments)}}
+            for t in reply.tool_calls]
+        msgs += [{"role": "assistant", "content": f"Calling tools:\n{calls}"},
+                 {"role": "user", "content": observation}]
+    assert hits, "the first Observation left the window and the model searched for it"
+    assert recalled == [SMOL_OBSERVATION], ("the omitted Observation came back byte for byte",
+                                            hits)
 
 
 def test_different_system_prompts_are_different_sessions(aproxy: ProxyServer,

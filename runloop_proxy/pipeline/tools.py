@@ -426,12 +426,18 @@ class ToolRunner:
 
 
 def _where(key: str, m: Message, loop_of: dict[str, int], ref_of: dict[str, str]) -> str:
+    """Where a hit is, and the id recall_tool_call takes for it: every message the request
+    carries has one (a snippet is a piece; an Observation smolagents sends as a user message,
+    in a loop the window omitted, comes back whole only by it)."""
     where = f"turn {loop_of[key]}" if key in loop_of else "another branch"
     ids = ""
     if m.get("role") == "tool":
         ids = f" id={ref_of.get(key) or m.get('tool_call_id')}"
-    elif m.get("tool_calls"):
-        ids = " calls=" + ",".join(str(c.get("id")) for c in m["tool_calls"])
+    else:
+        if key in ref_of:
+            ids = f" id={ref_of[key]}"
+        if m.get("tool_calls"):
+            ids += " calls=" + ",".join(str(c.get("id")) for c in m["tool_calls"])
     return f"{where}, {m.get('role')}{ids}"
 
 
