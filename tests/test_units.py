@@ -448,7 +448,10 @@ def test_summary_tokens_are_what_the_summary_model_reported(
 
 def test_times_are_told_in_their_units(make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """A session used now: the admin API's times are milliseconds of now, the inspector's
-    dates are today's (UTC) — and a session without proxy tool rounds says so."""
+    dates are today's (UTC), every one of them — and a session without proxy tool rounds
+    says so. Under the defaults the extractive digest of the loop is made ahead (the next
+    request would omit it): its compression record is dated too, and today."""
+    import re
     import time
 
     admin = "admin-0123456789abcdef"
@@ -458,18 +461,30 @@ def test_times_are_told_in_their_units(make_proxy: Any, upstream: ScriptedUpstre
         "X-Session-Id": "timed"}).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "what time is it"}])
     proxy.settle()
+
+    def viewed() -> dict[str, Any]:
+        return httpx.get(proxy.base + "/admin/sessions/timed",  # type: ignore[no-any-return]
+                         headers={"Authorization": f"Bearer {admin}"}).json()
+
+    # the digest is made in the background, behind the answer
+    until(lambda: viewed()["compression_records"], what="the loop's digest recorded")
     end = time.time()
-    view = httpx.get(proxy.base + "/admin/sessions/timed",
-                     headers={"Authorization": f"Bearer {admin}"}).json()
+    view = viewed()
     for field in ("created_ms", "updated_ms"):
         assert start * 1000 - 1000 <= view[field] <= end * 1000 + 1000, (field, view[field])
+    records = view["compression_records"]
+    assert [r["kind"] for r in records] == ["summary"], records
+    for r in records:
+        assert start * 1000 - 1000 <= r["ts"] <= end * 1000 + 1000, r
     days = {time.strftime("%Y-%m-%d", time.gmtime(t)) for t in (start, end)}
     c = httpx.Client(base_url=proxy.base)
     assert c.post("/admin/ui/login", data={"key": admin}).status_code == 303
-    # the list: the session first seen and last used; its page: created and last used
-    for page, shown in (("/admin/ui", 2), ("/admin/ui/session?id=timed", 2)):
+    # the list: the session first seen and last used; its page: created and last used, and
+    # each compression record's time
+    for page, shown in (("/admin/ui", 2), ("/admin/ui/session?id=timed", 2 + len(records))):
         html = c.get(page).text
-        assert sum(html.count(f"{d} ") for d in days) == shown, (page, days)
+        dates = re.findall(r"\b\d{4}-\d{2}-\d{2} ", html)
+        assert len(dates) == shown and {d.strip() for d in dates} <= days, (page, dates, days)
     assert "The model has not called recall_tool_call or search_history in this session" in \
         c.get("/admin/ui/session?id=timed").text
 
