@@ -244,12 +244,14 @@ def _text(n: int, tag: str) -> str:
 def _pending(i: int) -> Any:
     """A summary waiting for its session's reply: the session's 40 messages of 4 KB (tool
     results of distinct ids, as an agent's are), its keys, a stored summary."""
+    from runloop_proxy.caches import messages_bytes
     from runloop_proxy.history.summaries import _Pending
 
     messages = [{"role": ("user", "assistant", "tool")[k % 3], "content": _text(4096, f"{i}.{k}")}
                 for k in range(40)]
     keys = [f"{i:06d}{k:058d}" for k in range(40)]
-    return _Pending.of(Any, messages, keys, 8, {f"omit:8:{i}": _text(2000, str(i))})
+    return _Pending.of(Any, messages, messages_bytes(messages), keys, 8,
+                       {f"omit:8:{i}": _text(2000, str(i))})
 
 
 def _prompts(i: int) -> Any:

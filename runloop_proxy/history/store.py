@@ -166,6 +166,18 @@ def session_slug(session_id: str) -> str:
     return "x-" + hashlib.sha256(session_id.encode()).hexdigest()[:32]
 
 
+def client_identity() -> dict[str, Any]:
+    """What the store's connections name themselves to Redis (CLIENT SETINFO), resolved once:
+    left to redis-py 7+, every connection it opens reads the package's metadata from disk and
+    parses it as mail headers (about 1,300 calls on the event loop, as many times as a burst
+    opens connections)."""
+    try:
+        from redis.driver_info import DriverInfo
+    except ImportError:  # redis-py before 7: its default version is read once, at import
+        return {}
+    return {"driver_info": DriverInfo()}
+
+
 class RedisStore:
     """Redis-backed history. Every failure becomes StoreError; the caller fails open."""
 
@@ -179,12 +191,12 @@ class RedisStore:
         if url.startswith("redis+cluster://"):
             self.client: Any = RedisCluster.from_url(
                 "redis://" + url.removeprefix("redis+cluster://"), socket_timeout=timeout,
-                socket_connect_timeout=timeout)
+                socket_connect_timeout=timeout, **client_identity())
         else:
             # A blocking pool: a burst waits for a connection instead of failing.
             self._pool = aioredis.BlockingConnectionPool.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout, max_connections=64,
-                timeout=timeout, health_check_interval=30)
+                timeout=timeout, health_check_interval=30, **client_identity())
             # retries are ours (_call): one on a fresh connection, then the store is down
             self.client = aioredis.Redis(connection_pool=self._pool, retry=Retry(NoBackoff(), 0))
         self._sync = self.client.register_script(SYNC_LUA)

@@ -32,12 +32,12 @@ import asyncio
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import orjson
 import xxhash
 
-from ..caches import SHARES, ByteLRU, messages_bytes
+from ..caches import MESSAGE_OVERHEAD, SHARES, ByteLRU, message_bytes, messages_bytes
 from ..config import Policy, UpstreamSpec
 from ..conversation.messages import Message, message_text, text_of, tool_calls_of
 from ..conversation.runloops import RunLoop, preamble_end, segment
@@ -128,21 +128,27 @@ def covers(keys: Sequence[str], loops: Sequence[RunLoop], batch: int,
     return out
 
 
-Covering = tuple[Sequence[RunLoop], dict[int, str]]
+class Covering(NamedTuple):
+    """What a window's summary planning reads, made where the window was."""
+
+    loops: Sequence[RunLoop]
+    cover: dict[int, str]  # ``covers``
+    held: int  # the bytes the messages hold (``messages_bytes``): a pending summary's size
 
 
 def covering(policy: Policy, window: Window, messages: list[Message], keys: list[str],
              entries: dict[str, str]) -> Covering | None:
-    """The loops and the covers (``covers``) a window's summary planning reads, None without
-    summaries: O(loops) (at batch 1 a cover a loop), so made where the window is, off the
-    event loop for a large request."""
+    """The loops, the covers (``covers``) and the messages' size a window's summary planning
+    reads, None without summaries: O(messages) (at batch 1 a cover a loop), so made where
+    the window is, off the event loop for a large request."""
     if not policy.summary_model:
         return None
     # no carry while some loop is older than max_time_range (the clock decides too):
     # segment afresh then, or sessions with an old loop would never plan a summary
     loops = window.carry.conv.loops if window.carry is not None else segment(messages)
     also = {window.omitted_loops, *counts_of(entries)}
-    return loops, covers(keys, loops, policy.omission_batch, also)
+    return Covering(loops, covers(keys, loops, policy.omission_batch, also),
+                    messages_bytes(messages))
 
 
 def next_call(previous: str | None, budget: int, count: Callable[[str], int]
@@ -378,19 +384,20 @@ class _Pending:
 
     job: Job
     messages: list[Message]
+    held: int  # what the messages hold (``messages_bytes``, counted where the window was)
     keys: list[str]
     e: int
     entries: dict[str, str]
-    # what it holds, in bytes: the session's messages above all (counted once when made;
-    # a pending summary may outlive every other reference to them)
+    # what it holds, in bytes: the session's messages above all (a pending summary may
+    # outlive every other reference to them)
     size: int = 0
 
     @classmethod
-    def of(cls, job: Job, messages: list[Message], keys: list[str], e: int,
+    def of(cls, job: Job, messages: list[Message], held: int, keys: list[str], e: int,
            entries: dict[str, str]) -> _Pending:
-        held = messages_bytes(messages) + 160 * len(keys) \
+        size = 256 + held + 160 * len(keys) \
             + sum(100 + len(k) + len(v) for k, v in entries.items())
-        return cls(job, messages, keys, e, entries, 256 + held)
+        return cls(job, messages, held, keys, e, entries, size)
 
 
 class Host(Protocol):
@@ -466,7 +473,7 @@ class SummaryService:
         policy, ns = turn.policy, turn.caller.namespace
         if covering is None or ns is None or self.state.store is None:
             return False
-        loops, cover = covering
+        loops, cover, nbytes = covering
         e = window.omitted_loops
         # a digest standing in for the model's summary counts as its summary missing: a
         # failing summariser's requests say so (a merely late one's do not: shaping.py)
@@ -492,14 +499,15 @@ class SummaryService:
         wanted = model_field(nxt, cover[nxt]) if uses_model(policy) and nxt in cover \
             else field(nxt, cover[nxt]) if nxt in cover else None
         if wanted is not None and wanted not in entries and due(policy, nxt, closed, pressed):
-            self._spawn(Job.of(turn), session.id, messages, keys, loops, cover, nxt, entries)
+            self._spawn(Job.of(turn), session.id, messages, nbytes, keys, loops, cover, nxt,
+                        entries)
         elif loops and loops[-1].final_position is None and closed + 1 >= nxt \
                 and (pressed or event_at(policy, nxt) <= closed + 1):
             # the reply to this request closes the last loop the summary needs, and its event
             # may come with the very next request (max_run_loops below the batch): start it
             # as soon as the reply is in (``replied``), while the user reads and types
-            self.pending[(ns, session.id)] = _Pending.of(Job.of(turn), messages, keys, nxt,
-                                                      entries)
+            self.pending[(ns, session.id)] = _Pending.of(Job.of(turn), messages, nbytes,
+                                                      keys, nxt, entries)
         return missing
 
     def replied(self, ns: str, session_id: str, reply: Message, key: str) -> None:
@@ -523,10 +531,12 @@ class SummaryService:
         cover = covers(keys, loops, p.job.policy.omission_batch)
         if p.e in cover and field(p.e, cover[p.e]) not in p.entries \
                 and model_field(p.e, cover[p.e]) not in p.entries:
-            self._spawn(p.job, session_id, messages, keys, loops, cover, p.e, p.entries)
+            nbytes = p.held + message_bytes(messages[-1]) + MESSAGE_OVERHEAD  # and the reply
+            self._spawn(p.job, session_id, messages, nbytes, keys, loops, cover, p.e,
+                        p.entries)
 
-    def _spawn(self, job: Job, session_id: str, messages: list[Message], keys: list[str],
-               loops: Sequence[RunLoop], cover: dict[int, str], e: int,
+    def _spawn(self, job: Job, session_id: str, messages: list[Message], nbytes: int,
+               keys: list[str], loops: Sequence[RunLoop], cover: dict[int, str], e: int,
                entries: dict[str, str]) -> None:
         """Make the summary of the first ``e`` loops, unless one of this session's is being
         made in this process: then it is made when that one is done, if still the newest
@@ -535,13 +545,14 @@ class SummaryService:
         if at in self.running:
             held = self.wanted.get(at)
             if held is None or held.e <= e:
-                self.wanted[at] = _Pending.of(job, messages, keys, e, entries)
+                self.wanted[at] = _Pending.of(job, messages, nbytes, keys, e, entries)
             return
         self.running[at] = e
-        self.state.spawn(self._run(job, session_id, messages, keys, loops, cover, e, entries))
+        self.state.spawn(self._run(job, session_id, messages, nbytes, keys, loops, cover, e,
+                                   entries))
 
-    async def _run(self, job: Job, session_id: str, messages: list[Message], keys: list[str],
-                   loops: Sequence[RunLoop], cover: dict[int, str], e: int,
+    async def _run(self, job: Job, session_id: str, messages: list[Message], nbytes: int,
+                   keys: list[str], loops: Sequence[RunLoop], cover: dict[int, str], e: int,
                    entries: dict[str, str]) -> None:
         at = (job.namespace, session_id)
         held = uses_model(job.policy)
@@ -554,7 +565,7 @@ class SummaryService:
                 self.running.pop(at, None)
                 p = self.wanted.pop(at, None)
                 self.waiting[at] = p if p is not None and p.e > e else _Pending.of(
-                    job, messages, keys, e, entries)
+                    job, messages, nbytes, keys, e, entries)
                 self.state.metrics.summaries.labels(job.label, "deferred").inc()
                 return
         try:
@@ -596,7 +607,8 @@ class SummaryService:
         cover = covers(p.keys, loops, p.job.policy.omission_batch, counts_of(entries))
         name = model_field if uses_model(p.job.policy) else field
         if p.e in cover and name(p.e, cover[p.e]) not in entries:
-            self._spawn(p.job, session_id, p.messages, p.keys, loops, cover, p.e, entries)
+            self._spawn(p.job, session_id, p.messages, p.held, p.keys, loops, cover, p.e,
+                        entries)
 
     async def _late(self, ns: str, session_id: str, name: str,
                     retention: float | None) -> None:
@@ -638,10 +650,12 @@ class SummaryService:
             return self.state.tokens.text(enc, text)
         # what the new loops hold is read whole (their tool results too): off the event loop
         # when it is large, as a large request is — this runs beside every other request
-        # by its messages first: summing their sizes is a walk of them too
-        items = sum(lp.end - lp.start for lp in (*skipped, *new))
-        large = is_large(0, items) or is_large(sum(len(message_text(m)) for lp in (
-            *skipped, *new) for m in messages[lp.start:lp.end]))
+        # by its messages first (the loops' span, not a walk of the loops: at batch 1 a
+        # session's first summary reads thousands), then, when few, their sizes
+        read = (*skipped, *new)
+        first, last = (read[0].start, read[-1].end) if read else (0, 0)
+        large = is_large(0, last - first) or is_large(
+            sum(len(message_text(m)) for m in messages[first:last]))
         lost: list[str] = []
         try:
             if policy.summary_model == "extractive":
