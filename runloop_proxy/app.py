@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import orjson
 from starlette.applications import Starlette
@@ -18,7 +17,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from .api.http import ClientGone, error_response, error_shape
 from .api.routes import CONVERSATIONS, base_url_hint, routes
-from .caches import SHARES
+from .caches import SHARES, STORE_CACHES
 from .config import ProxyConfig, Settings, load_config
 from .environment import settings_from_env
 from .errors import error_body
@@ -33,7 +32,6 @@ from .state import AppState
 from .tasks import forever
 
 log = logs.get("app")
-BACKGROUND_WORKERS = 4  # worker threads beside one per large request (server.large_requests)
 
 
 def create_app(settings: Settings, config: ProxyConfig | None = None,
@@ -43,11 +41,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        loop = asyncio.get_running_loop()
-        # the worker threads large work runs in (offload.py): one per large request
-        # admitted (state.large) and a few for background work (summaries' digests, DNS)
-        loop.set_default_executor(ThreadPoolExecutor(
-            config.server.large_requests + BACKGROUND_WORKERS, thread_name_prefix="runloop"))
+        loop = asyncio.get_running_loop()  # its worker threads are the state's (resize)
         state = AppState(settings=settings, config=config, metrics=metrics or Metrics(),
                          tokens=TokenCounter(), loop=loop)
         app.state.runloop = state
@@ -62,7 +56,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
         budget = config.server.cache_mb << 20
         state.store = RedisStore(redis_url, config.store, state.metrics,
                                  {name: int(budget * SHARES[name])
-                                  for name in ("sessions", "chains", "anchors", "indexed")})
+                                  for name in STORE_CACHES})
         await state.store.start()
         await state.store.ping()
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):

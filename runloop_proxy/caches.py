@@ -23,6 +23,10 @@ SHARES = {"carries": 0.19, "recent": 0.145, "prompts": 0.02, "bills": 0.005, "me
           "vectors": 0.08}
 
 
+# the caches the history store keeps (RedisStore), by their names in SHARES
+STORE_CACHES = ("sessions", "chains", "anchors", "indexed")
+
+
 def approx_size(obj: Any, budget: int = 1 << 16) -> int:
     """Roughly the bytes ``obj`` holds (strings by length, containers by entry), walking at
     most ``budget`` objects: an estimate, cheap enough for every insertion."""
@@ -100,6 +104,15 @@ class ByteLRU(MutableMapping[K, V], Generic[K, V]):
             self._data[key] = (value, n)
             self.bytes += n
             while self.bytes > self.max_bytes:
+                _, (_, dropped) = self._data.popitem(last=False)
+                self.bytes -= dropped
+
+    def resize(self, max_bytes: int) -> None:
+        """Keep at most ``max_bytes`` from now on: what a smaller bound leaves over goes now,
+        least recently used first (a reload that shrinks ``cache_mb``)."""
+        with self._lock:
+            self.max_bytes = max_bytes
+            while self.bytes > max_bytes:
                 _, (_, dropped) = self._data.popitem(last=False)
                 self.bytes -= dropped
 

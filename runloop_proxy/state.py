@@ -7,14 +7,22 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import HTTPConnection
 
 from . import savings
-from .caches import SHARES, ByteLRU, message_bytes
-from .config import ProxyConfig, Settings, config_mtimes, load_config, redact_url
+from .caches import SHARES, STORE_CACHES, ByteLRU, message_bytes
+from .config import (
+    ProxyConfig,
+    ServerSection,
+    Settings,
+    config_mtimes,
+    load_config,
+    redact_url,
+)
 from .errors import ConfigError, StoreError
 from .history.embedded import EmbeddedRedis
 from .history.store import RedisStore
@@ -37,6 +45,7 @@ from .window.builder import Carry
 
 log = logs.get("state")
 RELOAD_POLL_S = 2.0
+BACKGROUND_WORKERS = 4  # worker threads beside one per large request (server.large_requests)
 ADMIN_LOGIN_S = 12 * 3600  # an inspector login's life
 FIRST_SEEN_ENTRY_BYTES = 320  # a session, a position, a message hash and a timestamp
 BILL_ENTRY_BYTES = 1400  # a session's Meter, its chains and totals (tracemalloc: 1.13 KB), a key
@@ -56,50 +65,89 @@ class AppState:
     loop: asyncio.AbstractEventLoop | None = None  # the one the app runs on (set at startup)
     # the admin's logins' epoch when there is no store to keep it in (one replica's own)
     local_logins: str = field(default_factory=lambda: secrets.token_hex(16))
+    # the loop's worker threads and how many (``start_workers``)
+    _workers: tuple[ThreadPoolExecutor, int] | None = field(default=None, init=False,
+                                                            repr=False)
 
     def __post_init__(self) -> None:
-        # every per-process cache, bounded in bytes: its share of server.cache_mb
-        budget = self.config.server.cache_mb << 20
-
-        def share(name: str) -> int:
-            return int(budget * SHARES[name])
-
-        self.cuts: ByteLRU[tuple[str, int], Any] = ByteLRU(share("cuts"))
-        self.first_seen: ByteLRU[str, int] = ByteLRU(share("first_seen"),
-                                                     lambda k, v: FIRST_SEEN_ENTRY_BYTES)
-        self.window_memo: ByteLRU[tuple[str, ...], Any] = ByteLRU(share("memo"))
+        # every per-process cache, bounded in bytes: its share of server.cache_mb, given
+        # by ``resize`` (at start and at each reload)
+        self.cuts: ByteLRU[tuple[str, int], Any] = ByteLRU(0)
+        self.first_seen: ByteLRU[str, int] = ByteLRU(0, lambda k, v: FIRST_SEEN_ENTRY_BYTES)
+        self.window_memo: ByteLRU[tuple[str, ...], Any] = ByteLRU(0)
         # (namespace, session) -> the last window's carry (window/builder.py)
-        self.carries: ByteLRU[tuple[str, str], Carry] = ByteLRU(share("carries"), carry_size)
+        self.carries: ByteLRU[tuple[str, str], Carry] = ByteLRU(0, carry_size)
         # (namespace, session) -> its last request, hashed and counted (pipeline/reconcile.py)
-        self.recent: ByteLRU[tuple[str, str], Recent] = ByteLRU(share("recent"),
-                                                                lambda k, v: v.size)
+        self.recent: ByteLRU[tuple[str, str], Recent] = ByteLRU(0, lambda k, v: v.size)
         # (namespace, session) -> its prompts' bills, both sides (savings.py): what the
         # dashboard's headline adds up; a session evicted starts its chains again
-        self.bills: ByteLRU[tuple[str, str], Meter] = ByteLRU(share("bills"),
-                                                              lambda k, v: BILL_ENTRY_BYTES)
+        self.bills: ByteLRU[tuple[str, str], Meter] = ByteLRU(0, lambda k, v: BILL_ENTRY_BYTES)
         self._bill_prices: tuple[Any, list[Provider]] | None = None
         # (namespace, session) -> its last recorded prompts, as sent and as forwarded: what
         # the next request's point says it shares with them (``compared``)
         self.prompts: ByteLRU[tuple[str, str], tuple[Prompt, Prompt]] = ByteLRU(
-            share("prompts"), prompts_size)
-        self.tokens.resize(share("tokens"), share("factors"), share("models"))
+            0, prompts_size)
         # (scope, model) -> the window its upstream's overflow error said (pipeline/limits.py)
-        self.windows = LearnedWindows(share("windows"))
+        self.windows = LearnedWindows(0)
         # the tables that mask the credentials of a request in its answer (upstream.py)
-        self.masks = MaskTables(share("masks"))
+        self.masks = MaskTables(0)
         server = self.config.server
         # answers read whole, in bytes: a share each tenant (pipeline/shares.py)
         self.answers = Shares("room for answers read whole", server.held_answers_mb << 20,
                               server.tenant_share, self._refused)
-        # requests whose large body is worked on in worker threads: a share each tenant,
-        # so one tenant's huge bodies leave the threads (and the GIL) to the others
+        # requests whose large work is done in worker threads: a share each tenant, so
+        # one tenant's huge bodies leave the threads (and the GIL) to the others
         self.large = Shares("large requests", server.large_requests, server.tenant_share,
                             self._refused)
         self.summaries = SummaryService(self)
         # long-term memory (policy.memory): the embedded model loads on first use
-        self.memory = Memory(StaticEmbedder(), self.metrics, self.spawn, share("vectors"))
+        self.memory = Memory(StaticEmbedder(), self.metrics, self.spawn, 0)
+        self.resize(server)
         self.shadows = ShadowBook()  # shadow comparisons and spend, per tenant (today's)
         self.metrics.prices = self.config.prices
+
+    def resize(self, server: ServerSection) -> None:
+        """Every bound of ``server`` the process holds made what it says, for what comes
+        next (at start, and at a reload that changed them): each cache's share of
+        ``cache_mb`` (what a smaller one leaves over dropped now), the answers read whole
+        (``held_answers_mb``), the large requests and their worker threads
+        (``large_requests``), each tenant's ``tenant_share`` of them."""
+        budget = server.cache_mb << 20
+
+        def share(name: str) -> int:
+            return int(budget * SHARES[name])
+
+        for name, cache in (("cuts", self.cuts), ("first_seen", self.first_seen),
+                            ("memo", self.window_memo), ("carries", self.carries),
+                            ("recent", self.recent), ("bills", self.bills),
+                            ("prompts", self.prompts)):
+            cache.resize(share(name))
+        self.tokens.resize(share("tokens"), share("factors"), share("models"))
+        self.windows.resize(share("windows"))
+        self.masks.resize(share("masks"))
+        self.memory.vectors.resize(share("vectors"))
+        if self.store is not None:
+            self.store.resize({name: share(name) for name in STORE_CACHES})
+        self.summaries.resize(budget * SHARES["summaries"])
+        self.answers.resize(server.held_answers_mb << 20, server.tenant_share)
+        self.large.resize(server.large_requests, server.tenant_share)
+        if self.loop is not None:
+            self.start_workers(server.large_requests + BACKGROUND_WORKERS)
+
+    def start_workers(self, n: int) -> None:
+        """The worker threads large work runs in (offload.py: the loop's default executor),
+        ``n`` of them: one per large request admitted (``large``) and a few for background
+        work (summaries' digests, DNS). Made again when their number changes; the old ones
+        finish what they were given, then end."""
+        if self._workers is not None and self._workers[1] == n:
+            return
+        assert self.loop is not None
+        old = self._workers
+        pool = ThreadPoolExecutor(n, thread_name_prefix="runloop")
+        self.loop.set_default_executor(pool)
+        self._workers = (pool, n)
+        if old is not None:
+            old[0].shutdown(wait=False)
 
     def compared(self, namespace: str, session_id: str, prompts: tuple[Prompt, Prompt] | None
                  ) -> dict[str, list[int]]:
@@ -226,6 +274,7 @@ class AppState:
             return False
         await self.warm_encodings(config)
         await self.sync_upstreams(config)
+        self.resize(config.server)
         self.metrics.prices = config.prices
         self.init_metrics()
         self.metrics.config_reloads.labels("ok").inc()

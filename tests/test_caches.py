@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import random
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -19,6 +21,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 import runloop_proxy
 from runloop_proxy.caches import ENTRY_OVERHEAD, SHARES, ByteLRU, approx_size
 from runloop_proxy.scripted import ScriptedUpstream
+
+from .keys import openai_project_key
 
 
 def test_the_least_recently_used_goes_first() -> None:
@@ -462,3 +466,54 @@ class _ByteLRUAgainstAList(RuleBasedStateMachine):
 _ByteLRUAgainstAList.TestCase.settings = settings(
     max_examples=60, stateful_step_count=60, deadline=None)
 test_byte_lru_over_long_runs_is_the_model = _ByteLRUAgainstAList.TestCase
+
+
+def _config_dir(root: Path, url: str, cache_mb: int) -> Path:
+    (root / "tenants").mkdir(parents=True, exist_ok=True)
+    (root / "runloop.toml").write_text(
+        f'[server]\ncache_mb = {cache_mb}\n[upstreams.main]\nurl = "{url}"\n'
+        f'api_key = "{openai_project_key(3)}"\n')
+    (root / "tenants" / "acme.toml").write_text(
+        f'keys = ["sk-acme-proxy-{openai_project_key(4)[8:40]}"]\nupstream = "main"\n')
+    return root
+
+
+def test_a_reload_that_changes_cache_mb_resizes_every_cache(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding: a reload (SIGHUP, a file change) that changed ``server.cache_mb`` moved no
+    cache: every one kept the budget it was made with, so an operator shrinking it to
+    stop a replica's growth saw nothing until a restart. Now a reload resizes every
+    ByteLRU the proxy reaches (the sweep of ``_budgets``: a cache added later is covered)
+    to what a proxy started with the new value has, and what a smaller budget leaves over
+    goes at once. 48 MB -> 20 MB by editing the file: every budget moved, each equal to a
+    fresh 20 MB proxy's; a cache filled to its 48 MB share holds at most its 20 MB one.
+    Planted, red: the reload resizing nothing (every budget as before); the store's caches
+    left out of the resize (state.store._sessions and three more at their old budgets);
+    ByteLRU.resize setting the bound without dropping what is over it (first_seen over);
+    memory's vectors left out (state.memory.vectors._kept at its old budget)."""
+    import time
+
+    root = _config_dir(tmp_path / "cfg", upstream.url, 48)
+    proxy = make_proxy(config_dir=str(root))
+    fresh = _budgets(make_proxy(config_dir=str(
+        _config_dir(tmp_path / "cfg20", upstream.url, 20))).state)
+    before = _budgets(proxy.state)
+    seen = proxy.state.first_seen
+    for i in range(3000):  # 320 bytes each: ~0.96 MB, within the 48 MB share (~1 MB)
+        seen[f"{NAMESPACE}\0{SESSION}\0{i:064x}"] = 1764650000000 + i
+    assert seen.bytes > int((20 << 20) * SHARES["first_seen"])  # over the new share
+    reloads = proxy.state.metrics.config_reloads.labels("ok")
+    done = reloads._value.get()
+    toml = root / "runloop.toml"
+    toml.write_text(toml.read_text().replace("cache_mb = 48", "cache_mb = 20"))
+    os.utime(toml, (time.time() + 5, time.time() + 5))  # a change the poll sees
+    deadline = time.monotonic() + 30
+    while reloads._value.get() == done:
+        assert time.monotonic() < deadline, "the file change never reloaded the config"
+        time.sleep(0.1)
+    after = _budgets(proxy.state)
+    assert after.keys() == fresh.keys() == before.keys()
+    assert {p for p in after if after[p] == before[p]} == set(), "caches not resized"
+    assert after == fresh
+    assert seen.max_bytes == int((20 << 20) * SHARES["first_seen"])
+    assert 0 < seen.bytes <= seen.max_bytes

@@ -9,6 +9,7 @@ it ends (its client gone included)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -490,3 +491,59 @@ async def test_a_trimmed_history_continuing_a_large_conversation_holds_a_large_r
         r = await send(trimmed(2))
         assert r.status_code == 200, r.text
         assert large.in_use == 0
+
+
+async def test_a_reload_that_changes_large_requests_bounds_the_next_request(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding: ``server.large_requests`` was read once, at start: a reload (a file change,
+    SIGHUP) that lowered it left every tenant its old share, and the worker threads their
+    old number. Now the reload resizes the bound, the share and the threads for the next
+    request: at 8 (acme's share 4) two of acme's large requests are held upstream at once;
+    the file edited to 2 (a share of 1), one held and the second a 429 saying 1 of 2; the
+    worker threads 2 + 4. Planted, red: the reload resizing no Shares (still (8, 4)); the
+    share's per-tenant part kept ((2, 4)); the worker threads not made again (12)."""
+    from runloop_proxy.state import BACKGROUND_WORKERS
+
+    root = config(tmp_path / "cfg", upstream.url)
+    toml = root / "runloop.toml"
+    toml.write_text(toml.read_text().replace(
+        "tenant_share = 0.5\n", "tenant_share = 0.5\nlarge_requests = 8\n")
+        .replace(f"max_connections = {POOL}", "max_connections = 16"))
+    proxy = make_proxy(config_dir=str(root))
+    large = proxy.state.large
+    assert (large.total, large.per_holder) == (8, 4)
+
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=90) as c:
+        def send(k: int, headers: dict[str, str] | None = None) -> Any:
+            return c.post("/chat/completions", json=_large_body("acme", k), headers={
+                "Authorization": f"Bearer {KEYS['acme']}", **(headers or {})})
+
+        held = [asyncio.ensure_future(send(k, SLOW)) for k in (0, 1)]
+        await eventually(lambda: large.held("acme") == 2 and len(upstream.requests) == 2,
+                         "two large requests held at 8")
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        await eventually(lambda: large.in_use == 0, "their units back")
+
+        reloads = proxy.state.metrics.config_reloads.labels("ok")
+        done = reloads._value.get()
+        toml.write_text(toml.read_text().replace("large_requests = 8", "large_requests = 2"))
+        os.utime(toml, (time.time() + 5, time.time() + 5))  # a change the poll sees
+        await eventually(lambda: reloads._value.get() > done, "the edit reloaded", 30)
+        assert (large.total, large.per_holder) == (2, 1)
+        assert proxy.state._workers is not None
+        assert proxy.state._workers[1] == 2 + BACKGROUND_WORKERS
+
+        one = asyncio.ensure_future(send(2, SLOW))
+        await eventually(lambda: large.held("acme") == 1 and len(upstream.requests) == 3,
+                         "one large request held at 2")
+        r = await send(3)
+        assert r.status_code == 429, r.text
+        assert "(1 of 2)" in r.json()["error"]["message"]
+        assert len(upstream.requests) == 3
+        one.cancel()
+        await asyncio.gather(one, return_exceptions=True)
+        await eventually(lambda: large.in_use == 0, "its unit back")
+        r = await send(4)
+        assert r.status_code == 200, r.text

@@ -232,6 +232,13 @@ class RedisStore:
         self._anchors: ByteLRU[tuple[str, str], str] = ByteLRU(
             share("anchors"), lambda k, v: 200 + len(k[0]) + len(k[1]) + len(v))
 
+    def resize(self, cache_bytes: dict[str, int]) -> None:
+        """Its caches' new budgets, by name (a reload that changed ``cache_mb``)."""
+        for name, cache in (("sessions", self._sessions), ("chains", self._chains),
+                            ("anchors", self._anchors), ("indexed", self._indexed)):
+            if name in cache_bytes:
+                cache.resize(cache_bytes[name])
+
     # -- health ---------------------------------------------------------------------------
 
     @property

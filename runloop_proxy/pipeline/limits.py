@@ -25,6 +25,10 @@ class LearnedWindows:
                                                              self._size)
         self._asked: ByteLRU[tuple[str, str], float] = ByteLRU(max_bytes // 4, self._size)
 
+    def resize(self, max_bytes: int) -> None:
+        self._known.resize(max_bytes - max_bytes // 4)
+        self._asked.resize(max_bytes // 4)
+
     @staticmethod
     def _size(key: tuple[str, str], value: object) -> int:
         return ENTRY_BYTES + len(key[0]) + len(key[1])

@@ -147,7 +147,7 @@ class MaskTables:
         return self._kept.bytes
 
     def resize(self, max_bytes: int) -> None:
-        self._kept.max_bytes = max_bytes
+        self._kept.resize(max_bytes)
 
     def of(self, values: tuple[str, ...]) -> MaskTable | None:
         if not values:

@@ -25,12 +25,19 @@ class Shares:
     def __init__(self, resource: str, total: int, share: float,
                  refused: Callable[[str, str], None] | None = None):
         self.resource = resource
-        self.total = total
-        self.per_holder = max(1, math.floor(total * share))
         self.in_use = 0
         self._held: dict[str, int] = {}  # only holders holding something: bounded by total
         self._refused = refused
         self._lock = threading.Lock()
+        self.total = self.per_holder = 0
+        self.resize(total, share)
+
+    def resize(self, total: int, share: float) -> None:
+        """A new bound and share (a reload), for what is taken next: what is held past them
+        stays held until it is given back, and nothing more is taken until then."""
+        with self._lock:
+            self.total = total
+            self.per_holder = max(1, math.floor(total * share))
 
     def held(self, holder: str) -> int:
         return self._held.get(holder, 0)

@@ -92,11 +92,11 @@ class TokenCounter:
 
     def resize(self, cache_bytes: int, factor_bytes: int | None = None,
                model_bytes: int | None = None) -> None:
-        self._cache.max_bytes = cache_bytes
+        self._cache.resize(cache_bytes)
         if factor_bytes is not None:
-            self._factors.max_bytes = factor_bytes
+            self._factors.resize(factor_bytes)
         if model_bytes is not None:
-            self._by_model.max_bytes = model_bytes
+            self._by_model.resize(model_bytes)
 
     def encoding(self, model: str, override: str | None = None) -> tuple[tiktoken.Encoding, bool]:
         """The model's encoding and whether it is exact (else: fallback + calibration)."""

@@ -95,6 +95,9 @@ class VectorCache:
         self._kept: ByteLRU[tuple[str, str, str], SessionVectors] = ByteLRU(
             max_bytes, lambda k, v: v.nbytes() + sum(len(p) + 49 for p in k))
 
+    def resize(self, max_bytes: int) -> None:
+        self._kept.resize(max_bytes)
+
     def get(self, at: tuple[str, str, str]) -> SessionVectors | None:
         return self._kept.get(at)
 
