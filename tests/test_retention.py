@@ -28,6 +28,8 @@ from runloop_proxy.window.digest import (
 )
 from runloop_proxy.window.retention import Conversation, candidates, careful_candidates, holds
 
+from .policies import mechanism
+
 
 def call(name: str, args: str, cid: str = "c1") -> dict[str, Any]:
     return {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
@@ -132,6 +134,9 @@ def test_roll_is_bounded_and_keeps_identifiers_longest() -> None:
 
 
 def test_with_summaries_the_drop_note_keeps_the_identifiers_of_what_it_drops() -> None:
+    """The drop note of an open loop's dropped exchanges, with and without summaries: the
+    mechanism, so under ``MECHANISM`` (no summary unless the test turns one on — the
+    defaults' is the extractive digest, which the plain window must not have)."""
     from runloop_proxy.config import Policy
 
     from .test_window import OPS, S, U, build
@@ -142,14 +147,17 @@ def test_with_summaries_the_drop_note_keeps_the_identifiers_of_what_it_drops() -
             call("get_order", f'{{"order_id": "#W{k:03d}77"}}', f"c{k}")]},
             {"role": "tool", "tool_call_id": f"c{k}",
              "content": f"order #W{k:03d}77 ships via carrier-{k}9 " + "pad " * 60}]
-    plain = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0),  # type: ignore[arg-type]
-                  working=900)
-    digest = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0,  # type: ignore[arg-type]
-                                summary_model="extractive"), working=900)
+    plain = build(msgs, mechanism(keep_recent_tool_results=2, clear_at_least=0), working=900)
+    digest = build(msgs, mechanism(keep_recent_tool_results=2, clear_at_least=0,
+                                   summary_model="extractive"), working=900)
     assert "Identifiers from them" not in plain.messages[1]["content"]
     note = digest.messages[1]["content"]
     assert "Identifiers from them: #W00077 #W00177 #W00277" in note
     assert digest.fits and OPS.count(digest.messages[1]) < 400
+    # the defaults summarise (extractive): their drop note is the digest's
+    defaults = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0),  # type: ignore[arg-type]
+                     working=900)
+    assert defaults.messages[1]["content"] == note
 
 
 def test_roll_appends_while_it_fits_then_condenses_to_half_the_budget() -> None:
