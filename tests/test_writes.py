@@ -5,16 +5,26 @@ into a later one happens only when the later one carries it whole."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
+from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import orjson
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from runloop_proxy.config import StoreSection
+from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.conversation.messages import Message
 from runloop_proxy.history.store import RedisStore, prepare
 from runloop_proxy.ops.metrics import Metrics
+from runloop_proxy.scripted import ScriptedUpstream
+
+from .keys import openai_project_key
+from .slow_link import SlowLink
 
 # what a client does next: say more, regenerate the last reply, or edit an earlier message
 STEPS = st.lists(st.sampled_from(["grow", "grow", "regenerate", "edit"]), min_size=1,
@@ -349,3 +359,109 @@ def test_a_refused_jobs_wait_doubles_at_each_refusal_up_to_its_bound() -> None:
 
 async def _never_run(batch: list[object]) -> list[object]:
     raise AssertionError("nothing is sent in this test")
+
+
+SLOW_REDIS_S = 0.12  # each command reaches Redis this late: longer than a turn's gap here
+SLOW_LINK_BPS = 100_000  # and each connection carries this much a second towards it
+PT_KEY = openai_project_key(7)  # a pass-through caller's own key, 164 characters
+
+
+def _log(turn: int) -> str:
+    """16 KB of a build's log, as an agent pastes it into a turn (distinct each turn)."""
+    return "\n".join(f"[{turn:02d}:{n:04d}] ci-runner-7f3a: step {n} ok in {n * 37 % 997} ms "
+                     f"sha256:{hashlib.sha256(f'{turn}.{n}'.encode()).hexdigest()[:32]}"
+                     for n in range(180))[:16_384]
+
+
+@pytest.fixture
+def slow_redis(redis_url: str) -> Iterator[SlowLink]:
+    """The suite's Redis behind a relay that can make it slow (set up before the proxy
+    that uses it, so it ends after it)."""
+    host, _, rest = redis_url.removeprefix("redis://").partition(":")
+    port, _, db = rest.partition("/")
+    link = SlowLink(host, int(port)).start()
+    link.url = f"redis://127.0.0.1:{link.port}/{db or 0}"
+    yield link
+    link.stop()
+
+
+def test_turns_sent_faster_than_a_slow_redis_writes_them_are_stored_whole_and_in_order(
+        slow_redis: SlowLink, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """A real slow Redis while traffic flows (a relay: every command 120 ms late, each
+    connection carrying 100 KB/s, so a large pipeline reaches Redis after a small read
+    sent after it on another connection). Six agents send eight turns each, each the moment
+    its previous answer came, so a session's next turn arrives while the write-behind is
+    still sending its previous one; a server-history session sends six turns of 16 KB logs.
+    Once the queue has drained, each agent's stored conversation is its last request's
+    messages and the reply, in the order sent, on one branch (nothing lost, reordered or
+    forked); every request upstream of the server-history session held every earlier turn
+    in order (compression off: the conversation as the proxy read it), and its stored one
+    all six with their answers. Planted, red: a job being sent left as its session's queued
+    one (the next turn merged into the batch already on the wire: an agent's stored
+    conversation ends at its first turn — no other test in this file sees it); a write
+    counted done when its batch is sent, not when Redis answered (the server-history
+    answer ends before its turn is in Redis and the next turn reads without it: entries
+    0, 2 for 0, 1, 2) — green twice with the relay not slowing anything, which is why this
+    test runs slow."""
+    link = slow_redis
+    # compression off: each request upstream is the conversation the proxy read, whole
+    proxy = make_proxy(redis=link.url, store={"timeout_s": 3.0}, policy={"enabled": False})
+    link.delay, link.bytes_per_s = SLOW_REDIS_S, SLOW_LINK_BPS
+    ns = "pt-" + hashlib.sha256(PT_KEY.encode()).hexdigest()[:16]
+    headers = {"Authorization": f"Bearer {PT_KEY}", "x-scripted-unique-replies": "1"}
+    sent: dict[str, list[dict[str, Any]]] = {}
+
+    async def agent(c: httpx.AsyncClient, k: int) -> None:
+        session = f"agent-{k}-{uuid.uuid4().hex[:12]}"
+        messages: list[dict[str, Any]] = [
+            {"role": "system", "content": f"You are build agent {k}."}]
+        for turn in range(8):
+            messages.append({"role": "user", "content": f"agent {k} step {turn}: go on"})
+            r = await c.post("/chat/completions", json={
+                "model": "gpt-5.1", "messages": messages},
+                headers={**headers, "X-Session-Id": session})
+            assert r.status_code == 200, r.text
+            assert "x-runloop-degraded" not in r.headers, r.headers
+            messages.append({"role": "assistant",
+                             "content": r.json()["choices"][0]["message"]["content"]})
+        sent[session] = messages
+
+    async def server_history(c: httpx.AsyncClient) -> str:
+        session = f"ledger-{uuid.uuid4().hex[:12]}"
+        for turn in range(6):
+            r = await c.post("/chat/completions", json={
+                "model": "gpt-5.1", "messages": [
+                    {"role": "user", "content": f"ledger entry {turn}\n{_log(turn)}"}]},
+                headers={**headers, "X-Session-Id": session,
+                         "X-Runloop-History": "server"})
+            assert r.status_code == 200, r.text
+        return session
+
+    async def traffic() -> str:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=120) as c:
+            *_, ledger = await asyncio.gather(*(agent(c, k) for k in range(6)),
+                                              server_history(c))
+            return str(ledger)
+
+    ledger = asyncio.run(traffic())
+    assert link.chunks > 50  # the traffic went through the slow relay
+    proxy.settle(30)
+    store = proxy.state.store
+    for session, messages in sent.items():
+        stored = [{"role": m["role"], "content": m["content"]}
+                  for _, m in proxy.run(store.head(ns, named_key(session)))]
+        assert stored == messages, session
+        assert proxy.run(store.client.zcard(store.prefix(ns, named_key(session)) + ":bused")) == 1
+    # the server-history session: each request upstream held every earlier turn
+    asked = [[m["content"] for m in body["messages"]] for body in upstream.requests
+             if any("ledger entry" in str(m.get("content")) for m in body["messages"])]
+    assert len(asked) == 6
+    for turn, contents in enumerate(asked):
+        entries = [str(c).split("\n")[0] for c in contents
+                   if str(c).startswith("ledger entry")]
+        assert entries == [f"ledger entry {t}" for t in range(turn + 1)], entries
+    stored = [m["content"] for _, m in proxy.run(store.head(ns, named_key(ledger)))]
+    assert [c.split("\n")[0] for c in stored if c.startswith("ledger entry")] == \
+        [f"ledger entry {t}" for t in range(6)]
+    assert len(stored) == 12  # each entry and its answer
+    link.delay = 0.0
