@@ -133,13 +133,15 @@ def test_roll_is_bounded_and_keeps_identifiers_longest() -> None:
     assert all(i.startswith("item-") or i.isdigit() for i in ids)
 
 
-def test_with_summaries_the_drop_note_keeps_the_identifiers_of_what_it_drops() -> None:
-    """The drop note of an open loop's dropped exchanges, with and without summaries: the
-    mechanism, so under ``MECHANISM`` (no summary unless the test turns one on — the
-    defaults' is the extractive digest, which the plain window must not have)."""
+def test_summaries_change_nothing_in_a_window_that_omits_no_loop() -> None:
+    """Summaries stand for omitted loops: a one-loop agent run (a coding task) whose window
+    drops and elides its own tool exchanges is forwarded the same with them on as off, the
+    drop note included (it names the calls, and search_history and recall reach them). Under
+    ``MECHANISM`` (no summary unless the test turns one on), and the defaults' (the extractive
+    digest) alike."""
     from runloop_proxy.config import Policy
 
-    from .test_window import OPS, S, U, build
+    from .test_window import S, U, build
 
     msgs: list[dict[str, Any]] = [S, U(tag="task")]
     for k in range(60):
@@ -150,14 +152,13 @@ def test_with_summaries_the_drop_note_keeps_the_identifiers_of_what_it_drops() -
     plain = build(msgs, mechanism(keep_recent_tool_results=2, clear_at_least=0), working=900)
     digest = build(msgs, mechanism(keep_recent_tool_results=2, clear_at_least=0,
                                    summary_model="extractive"), working=900)
-    assert "Identifiers from them" not in plain.messages[1]["content"]
-    note = digest.messages[1]["content"]
-    assert "Identifiers from them: #W00077 #W00177 #W00277" in note
-    assert digest.fits and OPS.count(digest.messages[1]) < 400
-    # the defaults summarise (extractive): their drop note is the digest's
     defaults = build(msgs, Policy(keep_recent_tool_results=2, clear_at_least=0),  # type: ignore[arg-type]
                      working=900)
-    assert defaults.messages[1]["content"] == note
+    assert plain.omitted_loops == digest.omitted_loops == defaults.omitted_loops == 0
+    note = plain.messages[1]["content"]
+    assert "tool exchange(s) after this message (calls c0 … " in note and "search_history" in note
+    assert digest.messages == plain.messages == defaults.messages
+    assert digest.fits
 
 
 def test_roll_appends_while_it_fits_then_condenses_to_half_the_budget() -> None:

@@ -652,10 +652,9 @@ class Conversation:
                     f"(calls {first} … {last}) are not shown to save context; "
                     f"{self.search}(query) searches them and {self.recall}(call_id) "
                     f"returns any result.")
-            if self.policy.summary_model:  # what they produced, as the digest keeps it
-                ids = self.identifiers(at + 1, upto)
-                if ids:
-                    note += f" Identifiers from them: {' '.join(ids)}"
+            # No identifiers digest here, summaries on or not: summaries stand for omitted
+            # loops, and these exchanges are the open loop's (the coding traces' tune half:
+            # 6,670 strict tokens for 6 of 30,898 references more in view, 3 fewer plainly).
             if self.policy.names_kept:  # the names the agent wrote in them
                 kept = self.dropped_names(at, upto)
                 if kept:
