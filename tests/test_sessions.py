@@ -310,17 +310,39 @@ def test_a_tenant_may_name_sessions_by_user(tmp_path: Path, make_proxy: Any,
 BEHIND_WRITE_DELAY_S = 0.45
 
 
-@pytest.mark.parametrize("late", [(), ("anchor",), ("anchor", "sync")],
-                         ids=["on-time", "late-anchor", "late-anchor-and-sync"])
+def streamed_reply(c: openai.OpenAI, **kw: Any) -> dict[str, Any]:
+    """A streamed chat answer put together as a client does: its text and its calls."""
+    content, calls = "", {}
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            got = calls.setdefault(tc.index, {"id": "", "type": "function",
+                                              "function": {"name": "", "arguments": ""}})
+            got["id"] = tc.id or got["id"]
+            got["function"]["name"] += (tc.function and tc.function.name) or ""
+            got["function"]["arguments"] += (tc.function and tc.function.arguments) or ""
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+    reply: dict[str, Any] = {"role": "assistant"}
+    if content:
+        reply["content"] = content
+    if calls:
+        reply["tool_calls"] = [calls[k] for k in sorted(calls)]
+    return reply
+
+
+@pytest.mark.parametrize(("late", "stream"), [
+    ((), False), (("anchor",), False), (("anchor", "sync"), False), (("anchor", "sync"), True)],
+    ids=["on-time", "late-anchor", "late-anchor-and-sync", "streamed-late-anchor-and-sync"])
 def test_a_trimmed_history_stays_one_session(aproxy: ProxyServer, upstream: ScriptedUpstream,
                                              monkeypatch: pytest.MonkeyPatch,
-                                             late: tuple[str, ...]) -> None:
+                                             late: tuple[str, ...], stream: bool) -> None:
     """A client that sends its system prompt and only its last messages: one session, one
     branch, every message stored once and in order — whenever the writes behind the
     answers land. Each request after a tool call carries that call (the reply it anchors
     by) and nothing older the session was fingerprinted by, and comes the moment the
     answer arrived: this forked into a second session about one run in four on a loaded
-    machine, the reply's anchor not yet in Redis (``late`` makes that every run)."""
+    machine, the reply's anchor not yet in Redis (``late`` makes that every run; a
+    streamed answer is recorded after its last event went out)."""
     import asyncio
 
     from runloop_proxy.history.store import RedisStore
@@ -348,11 +370,14 @@ def test_a_trimmed_history_stays_one_session(aproxy: ProxyServer, upstream: Scri
     for t in range(5):
         full.append({"role": "user", "content": f"q{t}"})
         for _ in range(2):  # the tool call, then the answer
-            reply = c.chat.completions.create(model="m", messages=[system, *full[-4:]],  # type: ignore[arg-type]
-                                              tools=TOOLS).choices[0].message
-            full.append(reply.model_dump(exclude_none=True))
-            if reply.tool_calls:
-                full.append({"role": "tool", "tool_call_id": reply.tool_calls[0].id,
+            sent: dict[str, Any] = {"model": "m", "messages": [system, *full[-4:]],
+                                    "tools": TOOLS}
+            reply = streamed_reply(c, **sent) if stream else \
+                c.chat.completions.create(**sent).choices[0].message.model_dump(
+                    exclude_none=True)
+            full.append(reply)
+            if reply.get("tool_calls"):
+                full.append({"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"],
                              "content": f"r{t}"})
     views = sessions(aproxy)
     assert len(views) == 1, list(views)
