@@ -205,6 +205,12 @@ class ProxyServer:
         assert self.run(self.state.store.drain(timeout), timeout + 5), \
             "the write-behind queue did not drain"
 
+    def quiet(self, timeout: float = 30) -> None:
+        """Wait until what the proxy runs behind its answers (summaries, their records,
+        dates) has ended and the write-behind queue has reached Redis."""
+        until(lambda: not self.state.background, timeout, "the background work's end")
+        self.settle()
+
     def start(self) -> ProxyServer:
         config = self.config or load_config(self.settings)
         self.server = ThreadedServer(self.app, server=config.server)

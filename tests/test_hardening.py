@@ -574,13 +574,6 @@ def test_too_many_tools_are_named_as_the_reason(proxy: ProxyServer,
     assert upstream.requests == []
 
 
-def _quiet(proxy: ProxyServer) -> None:
-    """Wait until what the proxy runs behind its answers (summaries, their records, dates)
-    has ended and the write-behind queue has reached Redis."""
-    until(lambda: not proxy.state.background, timeout=30, what="the background work's end")
-    proxy.settle()
-
-
 def _loop_calls(proxy: ProxyServer, work: Any) -> int:
     """The calls made on the proxy's event-loop thread while ``work`` runs and while what it
     leaves behind runs (a profiler hook set in that thread only: what a worker thread does
@@ -598,11 +591,11 @@ def _loop_calls(proxy: ProxyServer, work: Any) -> int:
     async def set_hook(h: Any) -> None:
         sys.setprofile(h)
 
-    _quiet(proxy)
+    proxy.quiet()
     proxy.run(set_hook(hook))
     try:
         work()
-        _quiet(proxy)  # the write-behind flush and the summaries run on the loop too
+        proxy.quiet()  # the write-behind flush and the summaries run on the loop too
     finally:
         proxy.run(set_hook(None))
     return count[0]

@@ -183,8 +183,10 @@ def test_the_proxys_rounds_are_hidden_and_the_next_turn_goes_on_from_what_the_cl
     goes on from the response as it saw it, and the upstream is sent no call left
     unanswered. Red with the proxy's call left in the response the client ends with (so in
     what the connection keeps) and with the proxy's tools echoed in it."""
-    proxy = make_proxy(config_dir=passthrough(tmp_path, upstream, (  # a small window
-        f'[defaults.models."{MODEL}"]\ncontext_window = 16000\n'
+    # a small window (six outputs of 11,689 tokens), with room for the recalled one whole
+    # beside the latest: a recalled result is cut to what the window leaves
+    proxy = make_proxy(config_dir=passthrough(tmp_path, upstream, (
+        f'[defaults.models."{MODEL}"]\ncontext_window = 32000\n'
         f'[defaults.policy]\nkeep_recent_tool_results = 1\n')), admin_key=ADMIN)
     steps = 6
 

@@ -14,6 +14,7 @@ and holds the growth to about four times (counted, not timed: it holds on any ma
 
 from __future__ import annotations
 
+import itertools
 import sys
 import uuid
 from typing import Any
@@ -33,11 +34,15 @@ KEY = "sk-work-bounds"
 HTTP = httpx.Client(timeout=60)
 DEPTHS = (1, 4, 13)  # levels of the generated shape: a baseline, then n and 4n more
 SLACK = 400  # calls a request's own handling varies by (its session, its write: ~40)
+DESCRIBED = b'"Looks it up."'  # every body's tool, as ``bodies`` describes it
+SENDS = itertools.count(100_000)
 
 
 def loop_calls(proxy: ProxyServer, work: Any) -> int:
     """The calls made on the proxy's event-loop thread while ``work`` runs and while what it
-    leaves behind is written (a profiler hook set in that thread only)."""
+    leaves behind runs (a profiler hook set in that thread only), from a quiet proxy to a
+    quiet one: each request's summary runs behind its answer (the defaults make one), and
+    one ending in the next request's window moved a count by 300 to 500 calls."""
     count = [0]
 
     def hook(frame: Any, event: str, arg: Any) -> None:
@@ -47,10 +52,11 @@ def loop_calls(proxy: ProxyServer, work: Any) -> int:
     async def set_hook(h: Any) -> None:
         sys.setprofile(h)
 
+    proxy.quiet()
     proxy.run(set_hook(hook))
     try:
         work()
-        proxy.settle()
+        proxy.quiet()
     finally:
         proxy.run(set_hook(None))
     return count[0]
@@ -78,20 +84,26 @@ def bodies(schema: dict[str, Any]) -> dict[str, tuple[str, dict[str, Any]]]:
 
 def send(proxy: ProxyServer, path: str, body: dict[str, Any]) -> int:
     """The event loop's calls for one request (a session of its own), answered 200: the
-    fewer of two sends (what else the loop ran meanwhile — a timer, an earlier request's
-    write — adds to one of them, never takes away)."""
+    fewest of three sends (what else the loop ran meanwhile — a timer, a Redis reply read
+    in parts, a few more store calls — adds 100 to 200 to one of them, never takes away;
+    the one level's count is multiplied by five in ``growth``). Each send's tool is
+    described apart (a number of six digits, two tokens): the same tools again were
+    counted from the cache of their tokens, and the fewer was always that one — a render
+    of the schema gone quadratic stayed green."""
     raw = orjson.dumps(body)
     assert not is_large_body(raw), "the body must stay on the event loop to be measured"
+    assert raw.count(DESCRIBED) == 1
 
     def once() -> int:
         got: list[httpx.Response] = []
+        told = raw.replace(DESCRIBED, f'"Looks it up, {next(SENDS)}."'.encode())
         calls = loop_calls(proxy, lambda: got.append(HTTP.post(
-            proxy.url + path, content=raw, headers={
+            proxy.url + path, content=told, headers={
                 "Authorization": f"Bearer {KEY}", "Content-Type": "application/json",
                 "X-Session-Id": uuid.uuid4().hex})))
         assert got[0].status_code == 200, got[0].text[:300]
         return calls
-    return min(once(), once())
+    return min(once(), once(), once())
 
 
 def schema_of(levels: list[Any], leaf: Any, depth: int, width: int) -> dict[str, Any]:
