@@ -52,10 +52,11 @@ def main() -> int:
     ap.add_argument("--model", default="gpt-4o")
     ap.add_argument("--set", action="append", metavar="FIELD=VALUE")
     args = ap.parse_args()
-    convs = _read(Path(args.file))
-    if isinstance(convs, str):
-        print(convs, file=sys.stderr)
+    read = _read(Path(args.file))
+    if isinstance(read, str):
+        print(read, file=sys.stderr)
         return 2
+    convs = [conv for _, conv in read]
     if args.half:
         convs = [c for c in convs if half_of(c) == args.half]
     tenant = _tenant(args)
