@@ -15,12 +15,14 @@ from hypothesis import strategies as st
 
 from runloop_proxy.conversation.identity import named_key
 from runloop_proxy.conversation.messages import message_hash, message_refs
+from runloop_proxy.pipeline.tokens import TokenCounter
 from runloop_proxy.pipeline.tools import (
     MAX_CALLS,
     MAX_QUERY_CHARS,
     MAX_QUERY_TERMS,
     ProxyTools,
     ToolRunner,
+    definitions_tokens,
     query_terms,
     rank,
 )
@@ -77,6 +79,20 @@ def recalling_responder(target: str = "call_0") -> Any:
                 "prompt_tokens": 100}
         return {"content": "no recall needed", "prompt_tokens": 100}
     return respond
+
+
+def test_the_proxy_tools_cost_their_names_and_parameters_alone() -> None:
+    """They ride in every request of a session with client tools, so they carry no
+    description: the window's notes say which one returns what, with the argument to pass
+    (recall_tool_call(call_id="…"), search_history(query)). 32 tokens as gpt-4o renders
+    them (41 with the descriptions they had, 59 with sentences)."""
+    counter = TokenCounter()
+    enc, exact = counter.encoding("gpt-4o")
+    functions = ProxyTools.for_request(CLIENT_TOOLS).functions()
+    assert exact and [(f["name"], sorted(f), f["parameters"]["required"]) for f in functions] \
+        == [("recall_tool_call", ["name", "parameters"], ["call_id"]),
+            ("search_history", ["name", "parameters"], ["query"])]
+    assert definitions_tokens(counter, enc) == 32
 
 
 def test_window_is_compressed_and_recall_is_answered_by_the_proxy(

@@ -57,20 +57,17 @@ EXPAND_CHARS = 6_000  # of what an opened segment shows in all
 
 
 def _function(name: str, kind: str) -> dict[str, Any]:
-    # Short on purpose: these ride along in every request of a session with client tools, from
-    # its first (41 tokens; the notes the window shows say how to use them, with the id to
-    # pass). Their cost is what makes a short session cost more than without the proxy
-    # (bench/loss_sources.py); the longer descriptions they had (59 tokens) made 29 of the
-    # support traces' 94 held-out sessions cost more under the default policy, these 21.
-    if kind == RECALL:
-        return {"name": name,
-                "description": "Earlier result by id",
-                "parameters": {"type": "object", "properties": {"call_id": {"type": "string"}},
-                               "required": ["call_id"]}}
+    # Names and parameters only: these ride along in every request of a session with client
+    # tools, from its first, and their cost is what makes a short session cost more than
+    # without the proxy (bench/loss_sources.py). Every note the window shows that hides
+    # something says which tool returns it and with what ("recall_tool_call(call_id="…")
+    # returns it", "search_history(query) searches them"), so a description repeats the
+    # name: 59 tokens with sentences, 41 with "Earlier result by id" / "Search all turns",
+    # 32 (gpt-4o's rendering) without.
+    param = "call_id" if kind == RECALL else "query"
     return {"name": name,
-            "description": "Search all turns",
-            "parameters": {"type": "object", "properties": {"query": {"type": "string"}},
-                           "required": ["query"]}}
+            "parameters": {"type": "object", "properties": {param: {"type": "string"}},
+                           "required": [param]}}
 
 
 def definitions_tokens(counter: TokenCounter, enc: tiktoken.Encoding) -> int:
