@@ -285,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="send every request through a running proxy instead of building offline")
     r.add_argument("--api-key", default=os.environ.get("RUNLOOP_REPLAY_KEY"),
                    help="with --proxy: the tenant's proxy key (default: $RUNLOOP_REPLAY_KEY)")
+    r.add_argument("--admin-key", default=os.environ.get("RUNLOOP_ADMIN_KEY"),
+                   help="with --proxy: the proxy's admin key, to price the headline from the "
+                        "points the proxy stored (default: $RUNLOOP_ADMIN_KEY)")
     r.add_argument("--direct-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="with --direct: the upstream's key (default: $OPENAI_API_KEY)")
     r.add_argument("--direct", default=None, metavar="URL",

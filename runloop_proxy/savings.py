@@ -23,10 +23,11 @@ it, labelled.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
+from .conversation.messages import content_hash
 from .pipeline.tokens import REPLY_PRIMING
 from .pricing import Bill, Block, Price, PriceTable, Provider
 
@@ -120,17 +121,23 @@ class Prompt:
     keys: tuple[str, ...]  # mostly the messages' own hashes, held by the conversation
     ends: array[int]  # four bytes a block: a session's last prompts stay small
     head: int  # the system messages' and tool schemas' tokens (the first breakpoint)
+    # the tokens before each breakpoint the proxy adds itself (``cache_breakpoints =
+    # "auto"``), between the head and the end: Anthropic's cache reads at these too
+    marks: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, system: Sequence[Block], tools: Sequence[Block], rest: Sequence[Block]
-           ) -> Prompt:
+    def of(cls, system: Sequence[Block], tools: Sequence[Block], rest: Sequence[Block],
+           after: Sequence[int] = ()) -> Prompt:
+        """``after``: the proxy's own breakpoints, each after ``rest[:k]``."""
         keys, ends, total = [], array("I"), 0
         for b in (*system, *tools, *rest):
             total += b.tokens
             keys.append(b.key)
             ends.append(total)
         head = sum(b.tokens for b in system) + sum(b.tokens for b in tools)
-        return cls(tuple(keys), ends, head)
+        fixed = len(system) + len(tools)
+        marks = tuple(sorted({ends[fixed + k - 1] for k in after if 0 < k <= len(rest)}))
+        return cls(tuple(keys), ends, head, marks)
 
     @property
     def tokens(self) -> int:
@@ -147,6 +154,36 @@ class Prompt:
                 break
             n += 1
         return self.ends[n - 1] if n else 0
+
+
+class Placed(NamedTuple):
+    """Where a request's own breakpoints went (``cache_breakpoints = "auto"``, as
+    ``api/messages_wire`` sends them), in the window's messages: the marker's note sent as a
+    text block per piece it grew by (its position and pieces; None: sent as it is), and
+    each breakpoint the proxy added after ``messages[:k]``, in ``after``."""
+
+    note: tuple[int, tuple[str, ...]] | None
+    after: tuple[int, ...]
+
+
+def placed_blocks(blocks: Sequence[Block], placed: Placed, count: Callable[[str], int]
+                  ) -> tuple[list[Block], tuple[int, ...]]:
+    """A window's messages as blocks (one a message) as ``placed`` sent them: the note's a
+    block per piece (the message's own frame in the first), so the next omission, which
+    appends a piece, shares them; and its breakpoints, each after the first k of these."""
+    parts, shift = list(blocks), 0
+    note = placed.note
+    if note is not None and note[0] < len(blocks):
+        k, pieces = note
+        tokens = [count(p) for p in pieces]
+        tokens[0] += max(0, blocks[k].tokens - sum(tokens))
+        parts[k:k + 1] = [Block(content_hash(p.encode()), n, p, blocks[k].role)
+                          for p, n in zip(pieces, tokens, strict=True)]
+        shift = len(pieces) - 1
+    else:
+        note = None
+    return parts, tuple(sorted({a + (shift if note is not None and a > note[0] else 0)
+                                for a in placed.after}))
 
 
 @dataclass
@@ -169,15 +206,16 @@ class Chain:
     entries: dict[int, float] = field(default_factory=dict)
 
     def bill(self, tokens: int, price: Price, at: float | None, shared: int | None = None,
-             head: int = 0) -> float:
+             head: int = 0, marks: Sequence[int] = ()) -> float:
         """``shared``: the tokens this prompt shares with the last (None: not recorded — as
         much as the last when it grew, nothing when it shrank); ``head``: its system
-        messages' and tool schemas' tokens (Anthropic's first breakpoint)."""
+        messages' and tool schemas' tokens (Anthropic's first breakpoint); ``marks``: the
+        tokens before each breakpoint the proxy added (``Prompt.marks``)."""
         if shared is None:
             shared = self.last if tokens >= self.last else 0
         shared = min(shared, self.last, tokens) if self.started else 0
         if self.spec.cache == "breakpoints":
-            bill = self._breakpoints(tokens, head, shared, at)
+            bill = self._breakpoints(tokens, head, shared, at, marks)
         else:
             bill = self._prefix(tokens, shared, at)
         self.last, self.at, self.started = tokens, at, True
@@ -193,12 +231,13 @@ class Chain:
             if shared >= spec.cache_min and self._live(self.at, at) else 0
         return Bill(tokens - cached, cached)
 
-    def _breakpoints(self, tokens: int, head: int, shared: int, at: float | None) -> Bill:
+    def _breakpoints(self, tokens: int, head: int, shared: int, at: float | None,
+                     added: Sequence[int] = ()) -> Bill:
         """Breakpoints after the head and after the last message, before the reply's
-        priming (where agents put them)."""
+        priming (where agents put them), and the proxy's own (``added``)."""
         spec = self.spec
         kept = {k: t for k, t in self.entries.items() if k <= shared}
-        marks = sorted({m for m in (head, tokens - REPLY_PRIMING) if 0 < m <= tokens})
+        marks = sorted({m for m in (head, *added, tokens - REPLY_PRIMING) if 0 < m <= tokens})
         marks = marks[-spec.max_breakpoints:] if spec.max_breakpoints else []
         last = marks[-1] if marks else 0
         read = max((k for k, t in kept.items() if k <= last and self._live(t, at)), default=0)
@@ -229,11 +268,13 @@ class Meter:
         return None
 
     def add(self, model: str, client: int, forwarded: int, at: float | None = None,
-            shared: Sequence[int] | None = None, head: Sequence[int] = (0, 0)) -> Savings:
+            shared: Sequence[int] | None = None, head: Sequence[int] = (0, 0),
+            marks: Sequence[Sequence[int]] = ((), ())) -> Savings:
         """One request (its whole prompt's tokens on each side, its time in seconds, and on
-        each side the tokens it shares with the last prompt and its head: ``Prompt``);
-        what it cost and saved. Without ``shared`` (a point recorded before points carried
-        it) a prompt that grew extends the last, one that shrank is cached nothing."""
+        each side the tokens it shares with the last prompt, its head and the proxy's own
+        breakpoints: ``Prompt``); what it cost and saved. Without ``shared`` (a point
+        recorded before points carried it) a prompt that grew extends the last, one that
+        shrank is cached nothing."""
         found = self._find(model)
         if found is None:
             one = Savings(1, client, forwarded, unpriced=frozenset({model or "(none)"}))
@@ -244,9 +285,11 @@ class Meter:
                 chains = self._chains[spec.name] = (Chain(spec), Chain(spec))
             one = Savings(1, client, forwarded,
                           chains[0].bill(client, price, at,
-                                         None if shared is None else shared[0], head[0]),
+                                         None if shared is None else shared[0], head[0],
+                                         marks[0]),
                           chains[1].bill(forwarded, price, at,
-                                         None if shared is None else shared[1], head[1]))
+                                         None if shared is None else shared[1], head[1],
+                                         marks[1]))
         self.total = self.total + one
         return one
 
@@ -259,9 +302,13 @@ def providers(prices: PriceTable, provider: str | None = None) -> list[Provider]
 def of_points(points: Iterable[Mapping[str, Any]], prices: PriceTable,
               provider: str | None = None) -> Savings:
     """A session's savings from its stored points (the proxy's per-request records: ``ts``
-    in ms, ``client``, ``forwarded``, ``model``, and ``shared``, ``head`` as pairs, client
-    then forwarded); points without token counts are skipped."""
-    meter = Meter(providers(prices, provider))
+    in ms, ``client``, ``forwarded``, ``model``, and ``shared``, ``head``, ``marks`` as
+    pairs, client then forwarded); points without token counts are skipped."""
+    return priced(points, Meter(providers(prices, provider)))
+
+
+def priced(points: Iterable[Mapping[str, Any]], meter: Meter) -> Savings:
+    """A session's stored points priced by ``meter`` (``of_points``)."""
     for p in points:
         client, forwarded = p.get("client"), p.get("forwarded")
         if not isinstance(client, int) or not isinstance(forwarded, int):
@@ -269,8 +316,32 @@ def of_points(points: Iterable[Mapping[str, Any]], prices: PriceTable,
         ts = p.get("ts")
         meter.add(str(p.get("model") or ""), client, forwarded,
                   ts / 1000 if isinstance(ts, (int, float)) else None,
-                  _pair(p.get("shared")), _pair(p.get("head")) or (0, 0))
+                  _pair(p.get("shared")), _pair(p.get("head")) or (0, 0),
+                  marks_of(p.get("marks")))
     return meter.total
+
+
+def facts(prompts: tuple[Prompt, Prompt], last: tuple[Prompt, Prompt] | None
+          ) -> dict[str, list[Any]]:
+    """What a point keeps of its prompts (as sent, as forwarded) for the headline: what
+    each shares with the side's ``last`` (not known: left out), their heads, and the
+    proxy's own breakpoints when it added any."""
+    out: dict[str, list[Any]] = {"head": [prompts[0].head, prompts[1].head]}
+    if last is not None:
+        out["shared"] = [prompts[0].shared(last[0]), prompts[1].shared(last[1])]
+    if prompts[0].marks or prompts[1].marks:
+        out["marks"] = [list(prompts[0].marks), list(prompts[1].marks)]
+    return out
+
+
+def marks_of(value: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A point's breakpoints the proxy added, on each side (none when it has none)."""
+    if isinstance(value, (list, tuple)) and len(value) == 2 \
+            and all(isinstance(v, list) for v in value):
+        a, b = value
+        return (tuple(int(x) for x in a if isinstance(x, int)),
+                tuple(int(x) for x in b if isinstance(x, int)))
+    return (), ()
 
 
 def _pair(value: Any) -> tuple[int, int] | None:

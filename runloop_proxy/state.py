@@ -150,7 +150,7 @@ class AppState:
             old[0].shutdown(wait=False)
 
     def compared(self, namespace: str, session_id: str, prompts: tuple[Prompt, Prompt] | None
-                 ) -> dict[str, list[int]]:
+                 ) -> dict[str, list[Any]]:
         """What a recorded request's prompts (as sent, as forwarded) share with the session's
         last ones and their heads, as its point keeps them (``savings``); nothing when the
         last ones are not known here (the session's first request, one this replica has not
@@ -161,13 +161,10 @@ class AppState:
         key = (namespace, session_id)
         last = self.prompts.get(key)
         self.prompts[key] = prompts
-        head = {"head": [prompts[0].head, prompts[1].head]}
-        if last is None:
-            return head
-        return {"shared": [prompts[0].shared(last[0]), prompts[1].shared(last[1])], **head}
+        return savings.facts(prompts, last)
 
     def bill(self, namespace: str, session_id: str, label: str, model: str,
-             tokens: tuple[int, int], at: float, facts: dict[str, list[int]] | None = None
+             tokens: tuple[int, int], at: float, facts: dict[str, list[Any]] | None = None
              ) -> Savings:
         """A recorded request's prompt priced on both sides (``savings``; ``facts``: what
         ``compared`` said of it), counted in runloop_prompt_bill_usd_total under its tenant
@@ -182,7 +179,8 @@ class AppState:
         facts = facts or {}
         shared, head = facts.get("shared"), facts.get("head")
         one = meter.add(model, tokens[0], tokens[1], at, shared,
-                        (head[0], head[1]) if head else (0, 0))
+                        (head[0], head[1]) if head else (0, 0),
+                        savings.marks_of(facts.get("marks")))
         self.bills[key] = meter
         if one.priced:
             b = self.metrics.bound(label, self.metrics.model_label(label, model))
@@ -312,7 +310,8 @@ def prompts_size(key: tuple[str, str], prompts: tuple[Prompt, Prompt]) -> int:
     own = [k for k in forwarded.keys if k not in mine] if forwarded is not client else []
     # map, not a generator: the sum is made on the event loop, in C, not a call a message
     strings = STR_BYTES * (len(mine) + len(own)) + sum(map(len, mine)) + sum(map(len, own))
-    return 400 + 12 * (len(client.keys) + len(forwarded.keys)) + strings
+    marks = 8 * (len(client.marks) + len(forwarded.marks))
+    return 400 + 12 * (len(client.keys) + len(forwarded.keys)) + strings + marks
 
 
 def carry_size(key: tuple[str, str], carry: Carry) -> int:

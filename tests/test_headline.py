@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import re
 import time
+from pathlib import Path
 from typing import Any
 
+import anthropic
 import httpx
+import orjson
 import pytest
 
 from runloop_proxy import savings
+from runloop_proxy.api.breakpoints import marks
+from runloop_proxy.conversation.blocks import chat_to_tool, to_anthropic
 from runloop_proxy.ops.demo import TOOLS, sample_conversation
 from runloop_proxy.ops.replay_offline import Replayer
 from runloop_proxy.ops.replay_tally import Tally
@@ -108,3 +113,84 @@ def test_a_session_with_compactions_shows_one_figure_everywhere(
         assert tally.savings.bill_saved == pytest.approx(finer, abs=0.005), provider
         if provider == "openai":
             assert tally.savings.headline() == figure
+
+
+ANTHROPIC_MODEL = "claude-sonnet-4-6"
+TENANT_KEY = "acme-proxy-key-" + "Qm7rT2vX9kLp4sWz" * 6  # 111 characters, as Anthropic's
+
+
+def support_session(turns: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A support agent as globex's (its long fixed policy, each turn a lookup with a large
+    result and a short answer), in chat form, and its tools."""
+    conversation: list[dict[str, Any]] = [{"role": "system", "content": POLICY}]
+    for k in range(turns):
+        booking = f"BK{k:02d}X{k * 7 % 10}9"
+        conversation += [
+            {"role": "user", "content": f"Please move booking {booking} to flight EA{100 + k} "
+                                        f"on 2026-12-{3 + k:02d}."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": f"toolu_01{k:02d}Hx7Rz", "type": "function", "function": {
+                    "name": "lookup_booking", "arguments": f'{{"booking": "{booking}"}}'}}]},
+            {"role": "tool", "tool_call_id": f"toolu_01{k:02d}Hx7Rz", "content": orjson.dumps(
+                {"booking": booking, "seats": [{"seat": f"{r}A", "fare": 100 + r * 3}
+                                               for r in range(50)]}).decode()},
+            {"role": "assistant", "content": f"Done: {booking} is now on EA{100 + k}."}]
+    tools = [{"type": "function", "function": {
+        "name": "lookup_booking", "description": "Look a booking up by its id.",
+        "parameters": {"type": "object", "properties": {"booking": {"type": "string"}},
+                       "required": ["booking"]}}}]
+    return conversation, tools
+
+
+def test_the_headline_prices_the_breakpoints_the_proxy_adds(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Bug class: the headline pricing a prompt at other breakpoints than the ones the
+    proxy sends. A support session through the Messages API to an Anthropic upstream with
+    ``cache_breakpoints = "auto"`` (globex's): the stored points' bill saved (the inspector's,
+    the dashboard's) equals the finer model's — the replay's, every block priced by
+    Anthropic's own cache at the breakpoints of the body the live proxy sends — for the same
+    requests, and the replay's headline. Planted: the proxy's own breakpoints left out of
+    the points (red: 5.6% against 10.2%), and the replay marking after the summary instead
+    of after the turn the live body merges it into (red)."""
+    (tmp_path / "cfg" / "tenants").mkdir(parents=True)
+    (tmp_path / "cfg" / "runloop.toml").write_text(
+        f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
+        f'api_key = "sk-ant-upstream"\n')
+    (tmp_path / "cfg" / "tenants" / "acme.toml").write_text(
+        f'keys = ["{TENANT_KEY}"]\nupstream = "claude"\n[policy]\n'
+        'cache_breakpoints = "auto"\n')
+    proxy = make_proxy(config_dir=str(tmp_path / "cfg"), admin_key=ADMIN)
+    conversation, tools = support_session(10)
+    sid = "support-auto-breakpoints-2026-12-02"
+    client = anthropic.Anthropic(base_url=proxy.base, api_key=TENANT_KEY, max_retries=0,
+                                 default_headers={"X-Session-Id": sid})
+    for i, m in enumerate(conversation):
+        if m.get("role") == "assistant":
+            system, turns = to_anthropic(conversation[:i])
+            client.messages.create(model=ANTHROPIC_MODEL, max_tokens=1024, system=system,
+                                   messages=turns, tools=[chat_to_tool(t["function"])
+                                                          for t in tools])
+    proxy.settle()
+    sent = upstream.requests
+    assert len(sent) == 20 and sum(len(marks(b)) >= 3 for b in sent) >= 10, \
+        "the proxy marked the note and the merged turn after it"
+    points = httpx.get(f"{proxy.base}/admin/sessions/{sid}", params={
+        "points": "1", "tenant": "acme"}, headers={"Authorization": f"Bearer {ADMIN}"},
+        timeout=30).json()["points"]
+    assert len(points) == 20
+    # the proxy's own breakpoints, between the head and the end, on the forwarded side only
+    assert all(p["marks"][0] == [] and all(p["head"][1] < k < p["forwarded"]
+                                           for k in p["marks"][1])
+               for p in points if "marks" in p)
+    assert sum(len(p.get("marks", [[], []])[1]) >= 2 for p in points) >= 10
+    stored = savings.of_points(points, PriceTable.load())
+    tenant = proxy.state.config.tenants["acme"]
+    replayer = Replayer(tenant, ANTHROPIC_MODEL, None,
+                        provider=PriceTable.load().provider("anthropic"))
+    tally = Tally()
+    replayer.conversation({"messages": conversation, "tools": tools}, tally)
+    finer = 1 - tally.money[1] / tally.money[0]
+    assert stored.bill_saved is not None and tally.savings.bill_saved is not None
+    print(stored.headline(), tally.savings.headline(), f"finer {finer:.1%}")
+    assert stored.bill_saved == pytest.approx(finer, abs=0.005)
+    assert tally.savings.bill_saved == pytest.approx(stored.bill_saved, abs=0.002)

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from runloop_proxy.ops.replay_offline import cached_cost
 from runloop_proxy.pricing import Block, PrefixCache
 from runloop_proxy.scripted import PromptCache, ScriptedUpstream
@@ -152,6 +154,48 @@ def test_replay_through_a_running_proxy(tmp_path: Path, proxy: object,
     assert "cache-aware n/a, strict n/a (of 1)" in human.stdout, human.stdout
     assert data["compaction_events"] is None and data["worst"] is None
     assert data["costing_more"] == {"cache_aware": None, "strict": None}
+
+
+def test_replay_through_a_proxy_gives_the_headline_the_inspector_gives(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Bug class: ``replay --proxy`` pricing its headline by another rule than the one every
+    other place uses. Through a proxy the headline is the session's stored points priced
+    by ``savings.of_points`` (the inspector's, the dashboard's), and equal to the offline
+    replay's of the same conversation, which prices the same facts. Planted: each request
+    priced from its two token counts alone (the old rule: a compaction's shrunk prompt
+    cached nothing; red, 65.93% against the points' 65.92%: few of this conversation's
+    prompts shrink)."""
+    from runloop_proxy import savings
+    from runloop_proxy.pricing import PriceTable
+
+    admin = "admin-" + "5e2b" * 8
+    proxy = make_proxy(admin_key=admin)
+    f = tmp_path / "c.jsonl"
+    f.write_text(json.dumps(conversation(30)) + "\n")
+    model = ("--model", "gpt-4o-2024-08-06", "--provider", "openai")
+    key = "sk-proj-" + "Tq8mV3zK1xNw6RbY4pLc" * 7 + "hJ2u"  # 164 characters, as OpenAI's
+    out = run(f, "--json", *model, "--proxy", proxy.base, "--api-key", key,
+              "--admin-key", admin)
+    assert out.returncode == 0, out.stderr
+    through = json.loads(out.stdout)["headline"]
+    offline = json.loads(run(f, "--json", *model).stdout)["headline"]
+    auth = {"Authorization": f"Bearer {admin}"}
+    (tenant,) = [t["tenant"] for t in httpx.get(f"{proxy.base}/admin/tenants",
+                                               headers=auth).json()["tenants"]
+                 if t.get("sessions")]
+    (row,) = httpx.get(f"{proxy.base}/admin/sessions", params={"tenant": tenant},
+                       headers=auth).json()["sessions"]
+    points = httpx.get(f"{proxy.base}/admin/sessions/{row['session_id']}",
+                       params={"points": "1", "tenant": tenant}, headers=auth).json()["points"]
+    stored = savings.of_points(points, PriceTable.load(), "openai").as_dict()
+    print(through, offline)
+    assert through["requests"] == len(points) == 31
+    assert through == stored == offline
+    assert 0 < through["bill_saved"] < through["raw_saved"]
+    # without the admin key the proxy's points cannot be read: no headline, and why
+    bare = run(f, "--json", *model, "--proxy", proxy.base, "--api-key", key)
+    assert json.loads(bare.stdout)["headline"]["bill_saved"] is None
+    assert "--admin-key" in bare.stderr
 
 
 def test_replay_says_when_the_proxy_cannot_be_reached(tmp_path: Path) -> None:
@@ -547,18 +591,35 @@ def test_anthropics_bill_reads_the_proxy_breakpoints_on_the_summary(tmp_path: Pa
 
 
 def test_auto_marks_split_the_note_and_mark_its_last_piece_and_the_stable_prefix() -> None:
-    from runloop_proxy.ops.replay_offline import auto_marked
+    """The replay puts the proxy's breakpoints where the live body has them: the note a
+    block per piece, a mark after its last piece, one at the end of the turn holding the
+    last message the window rewrote — which the Messages API merges with the kept final
+    reply after it, so the mark follows the reply — and one at the end. Planted: the
+    stable mark after the rewritten message itself (the replay's old rule: red)."""
+    from runloop_proxy.conversation.messages import message_hash
+    from runloop_proxy.ops.replay_offline import auto_placed
+    from runloop_proxy.savings import placed_blocks
     from runloop_proxy.window.builder import Window
 
-    rest = [Block("opening", 10), Block("note", 30, "head\none\ntwo", "assistant"),
-            Block("reply", 5), Block("question", 7)]
-    window = Window([], True, True, 0, 0, note=(2, ("head", "one", "two")))
-    parts, after = auto_marked(rest, window, 1, {"opening", "question"}, len)
-    assert [p.key for p in parts][:1] == ["opening"] and len(parts) == 6
-    assert [p.text for p in parts[1:4]] == ["head", "one", "two"]
-    assert sum(p.tokens for p in parts) == sum(b.tokens for b in rest)  # nothing lost
-    # after the note's last piece (4 blocks in), and after the kept reply (the last
-    # message the request does not carry as it is)
-    assert after == (4, 5)
-    none = auto_marked(rest, Window([], True, True, 0, 0), 1, {"opening", "question"}, len)
-    assert none == (rest, (3,))
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are the support agent of Example Air."},
+        {"role": "user", "content": "Change booking BK0X09 to EA100."},
+        {"role": "assistant", "content": "[runloop-proxy] note\nBK0X09: EA100\nBK1X19: EA101"},
+        {"role": "assistant", "content": "Done: BK1X19 is on EA101."},
+        {"role": "user", "content": "And BK2X29 to EA102?"}]
+    window = Window(messages, True, True, 0, 0,
+                    note=(2, ("[runloop-proxy] note", "BK0X09: EA100", "BK1X19: EA101")))
+    sent = {message_hash(m) for i, m in enumerate(messages) if i != 2}
+    placed = auto_placed(window, sent)
+    assert placed.note == window.note
+    # after the note (3 messages in), after the reply its turn ends with, and at the end
+    assert placed.after == (3, 4, 5)
+    blocks = [Block(message_hash(m), 10 + i, str(m["content"]), str(m["role"]))
+              for i, m in enumerate(messages)]
+    parts, after = placed_blocks(blocks, placed, lambda text: 2)
+    assert [p.text for p in parts[2:5]] == list(window.note[1]) and len(parts) == 7
+    assert sum(p.tokens for p in parts) == sum(b.tokens for b in blocks)  # nothing lost
+    assert after == (5, 6, 7)
+    # without a note (nothing omitted), a mark after the last rewritten message's turn
+    plain = auto_placed(Window(messages, True, True, 0, 0), sent)
+    assert plain == (None, (4, 5))

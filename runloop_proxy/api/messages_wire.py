@@ -11,8 +11,9 @@ from ..conversation.messages import Message, message_hash
 from ..errors import ContextLengthExceeded
 from ..pipeline.tools import ProxyTools
 from ..pipeline.wire import Decision, Native, Reply, Step, bad_reply
+from ..savings import Placed
 from ..window.builder import Note
-from .breakpoints import with_auto
+from .breakpoints import marks, with_auto
 from .messages_stream import MessagesObserver, MessagesRelay, error_type, usage_of
 
 TOOL_KEYS = ("tools", "tool_choice")
@@ -29,6 +30,8 @@ class MessagesWire(Native):
         self.auto_cache = auto_cache
         self.stable: int | None = None  # the last message of the window's stable prefix
         self.note: Note | None = None  # the marker's note, as the pieces it grew by
+        # where the last body's own breakpoints went: what the headline prices
+        self.placed: Placed | None = None
 
     def outgoing(self, body: dict[str, Any], messages: list[Message],
                  extra_tools: list[dict[str, Any]], note: Note | None = None
@@ -46,11 +49,8 @@ class MessagesWire(Native):
             return out
         if self.stable is None:  # the first body: later rounds keep its stable prefix
             self.stable, self.note = last_rewritten(body, messages), note
-        at = None
-        if self.note is not None and self.note[0] < len(turn_of):
-            out["messages"], at = in_pieces(out["messages"], turn_of[self.note[0]],
-                                             self.note[1])
-        return with_auto(out, turn_of[self.stable] if self.stable >= 0 else None, at)
+        out, self.placed = auto_marked(out, turn_of, self.stable, self.note)
+        return out
 
     def next_round(self, sent: dict[str, Any], messages: list[Message],
                    withdraw: frozenset[str]) -> dict[str, Any]:
@@ -93,6 +93,30 @@ class MessagesWire(Native):
 
     def observer(self, limit: int) -> MessagesObserver:
         return MessagesObserver(limit)
+
+
+def auto_marked(out: dict[str, Any], turn_of: list[int], stable: int, note: Note | None
+                ) -> tuple[dict[str, Any], Placed]:
+    """``out`` (a window's body, ``turn_of`` its messages' turns: ``to_anthropic``) with
+    the proxy's breakpoints: the marker's ``note`` in pieces, marks at its end, at the end
+    of the turn of message ``stable`` (the last the window rewrote, -1: none) and at the
+    end; and where they went in the window's messages (``Placed``; a turn merges messages
+    of one role, so a mark at a turn's end follows its last message)."""
+    at = None
+    if note is not None and note[0] < len(turn_of):
+        out["messages"], at = in_pieces(out["messages"], turn_of[note[0]], note[1])
+    before = {m[:3] for m in marks(out)}
+    body = with_auto(out, turn_of[stable] if stable >= 0 else None, at)
+    last_of = {t: i for i, t in enumerate(turn_of)}
+    after = set()
+    for part, t, b, _ in marks(body):
+        if part != 2 or (part, t, b) in before:
+            continue  # the client's own, or the system prompt's (the head's)
+        if at is not None and note is not None and (t, b) == at:
+            after.add(note[0] + 1)
+        elif t in last_of:
+            after.add(last_of[t] + 1)
+    return body, Placed(note if at is not None else None, tuple(sorted(after)))
 
 
 def in_pieces(turns: list[dict[str, Any]], t: int, pieces: tuple[str, ...]

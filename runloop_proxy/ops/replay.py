@@ -22,6 +22,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from .. import savings
 from ..api.chat import json_kind, validate_chat_request
 from ..api.messages import validate_messages_request
 from ..api.responses import validate_responses_request
@@ -32,7 +33,6 @@ from ..conversation.messages import Message, content_hash
 from ..errors import ConfigError, InvalidRequest
 from ..pipeline.accounting import prompt_usage
 from ..pricing import PriceTable, Provider
-from ..savings import Meter
 from ..window.builder import Window
 from .replay_judge import (
     Judge,
@@ -50,13 +50,17 @@ from .replay_report import Run, as_json, report
 from .replay_tally import SEPARATE, Tally
 
 HALVES = ("tune", "holdout")
+POINTS_WAIT_S = 10.0  # a proxy writes a session's points behind its answers
 DEFAULT_MODELS = {"openai": "gpt-4o", "anthropic": "claude-sonnet-4"}
 
 class HttpReplay:
     """Every request point sent through a running proxy, in one proxy session per conversation.
 
     Raw sizes come from the proxy's ``X-Runloop-Tokens`` header (the whole prompt as sent and as
-    forwarded, counted as the offline replay counts). With ``direct`` each request also goes
+    forwarded, counted as the offline replay counts). The headline is priced as the inspector
+    prices it, from the points the proxy stored for each session (``savings.of_points``: what
+    each prompt shares with the last, its head, the proxy's own breakpoints), read with the
+    admin key; without one it is not given. With ``direct`` each request also goes
     straight to the upstream, and both sides are measured by the upstream's own usage: prompt
     tokens and the cached tokens its prefix cache served (the cache-aware cost). The scripted
     upstream keeps the two sides' caches apart (``X-Scripted-Cache-Scope``, which real
@@ -75,6 +79,9 @@ class HttpReplay:
         self.direct = httpx.Client(base_url=args.direct.rstrip("/"), timeout=120,
                                    headers=_bearer(args.direct_key)) if args.direct else None
         self.cached = 0  # upstream-reported cached tokens, both sides
+        key = getattr(args, "admin_key", None)
+        self.admin = httpx.Client(base_url=args.proxy.rstrip("/"), timeout=60,
+                                  headers=_bearer(key)) if key else None
 
     def summary_tokens(self) -> int:
         """What the proxy's summary calls have used so far (its /metrics), to net them out."""
@@ -87,17 +94,36 @@ class HttpReplay:
 
     def close(self) -> None:
         self.proxy.close()
+        if self.admin is not None:
+            self.admin.close()
         if self.direct is not None:
             self.direct.close()
 
     def conversation(self, conv: dict[str, Any], idx: int, tally: Tally) -> None:
-        meter = self.replayer.meter()
         try:
-            self._requests(conv, idx, tally, meter)
+            self._requests(conv, idx, tally)
         finally:
-            tally.savings = meter.total
+            tally.savings = savings.Savings(tally.requests, tally.client, tally.forwarded)
+        if self.admin is not None:
+            tally.savings = savings.priced(self._points(idx, tally.requests - tally.rejected),
+                                           self.replayer.meter())
 
-    def _requests(self, conv: dict[str, Any], idx: int, tally: Tally, meter: Meter) -> None:
+    def _points(self, idx: int, answered: int) -> list[dict[str, Any]]:
+        """The points the proxy stored for conversation ``idx``'s session, once all
+        ``answered`` are written (they are written behind the answers)."""
+        deadline = time.monotonic() + POINTS_WAIT_S
+        while True:
+            r = self.admin.get(f"/admin/sessions/{self.run}-{idx}",  # type: ignore[union-attr]
+                               params={"points": "1"})
+            if r.status_code != 200 and r.status_code != 404:
+                raise ReplayError(f"conversation {idx}: the proxy's admin API answered "
+                                  f"{r.status_code} {r.text[:200]}")
+            points = r.json().get("points") or [] if r.status_code == 200 else []
+            if len(points) >= answered or time.monotonic() > deadline:
+                return list(points)
+            time.sleep(0.05)
+
+    def _requests(self, conv: dict[str, Any], idx: int, tally: Tally) -> None:
         messages = conv["messages"]
         for i in range(1, len(messages)):
             if messages[i].get("role") != "assistant":
@@ -117,7 +143,6 @@ class HttpReplay:
                 tally.forwarded += client
                 tally.over_client += 1
                 tally.over_forwarded += 1
-                meter.add(self.model, client, client)
                 continue
             if r.status_code != 200 or not header:
                 raise ReplayError(f"conversation {idx}, request {tally.requests}: the proxy "
@@ -125,7 +150,6 @@ class HttpReplay:
             client, forwarded = map(int, header.split(";"))
             tally.client += client
             tally.forwarded += forwarded
-            meter.add(self.model, client, forwarded)
             tally.over_client += client > self.context
             tally.over_forwarded += forwarded > self.context
             if self.direct is None:
@@ -439,6 +463,9 @@ def run_replay(args: argparse.Namespace) -> int:
     twice = baseline_points(points, getattr(args, "judge_baseline", 0), args.judge_seed) \
         if judge else set()
     http = HttpReplay(args, replayer) if args.proxy else None
+    if http is not None and http.admin is None:
+        print("replay: through a proxy the headline is priced from the points it stores: "
+              "give --admin-key (or RUNLOOP_ADMIN_KEY) for it", file=sys.stderr)
     summary_before = http.summary_tokens() if http is not None else 0
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     started = time.monotonic()

@@ -10,8 +10,8 @@ priced with a provider's own cache and a model's prices (``pricing``): OpenAI's 
 prefix cache over the system messages, the tools, then the rest; or Anthropic's breakpoints
 over the tools, the system prompt and the messages, with a breakpoint after the system prompt
 and one at the end of each prompt, the placement both sides get (as Claude Code places them);
-with ``cache_breakpoints = "auto"`` the proxy's side gets the proxy's own as well
-(``auto_marked``).
+with ``cache_breakpoints = "auto"`` the proxy's side gets the proxy's own as well, where the
+live proxy's body puts them (``auto_placed``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import Any
 
 import orjson
 
+from ..api.messages_wire import auto_marked
 from ..caches import ByteLRU
 from ..config import Policy, TenantSpec
+from ..conversation.blocks import to_anthropic
 from ..conversation.items import to_items
 from ..conversation.messages import (
     Message,
@@ -36,7 +38,7 @@ from ..history.summaries import digest, due
 from ..pipeline.tokens import REPLY_PRIMING, TokenCounter, WindowTokens, encoding_name_for
 from ..pipeline.tools import Doc, ProxyTools, doc, query_terms, rank_docs
 from ..pricing import Block, BreakpointCache, PrefixCache, Price, Provider
-from ..savings import Meter, Prompt
+from ..savings import Meter, Placed, Prompt, placed_blocks
 from ..window.builder import Window, build_window
 from ..window.forms import Budget
 from ..window.retention import Conversation as RetentionMeter
@@ -97,29 +99,17 @@ class Side:
 Marked = tuple[list[Block], tuple[int, ...]] | None
 
 
-def auto_marked(rest: list[Block], window: Window, at: int, sent: set[str],
-                count: Callable[[str], int]) -> Marked:
-    """What ``cache_breakpoints = "auto"`` makes of a window's messages after the system
-    prompt (``rest``, the window's from position ``at``), as ``api/messages_wire`` does:
-    the marker's note a block per piece it grew by, a breakpoint after its last piece and
-    one after the last message the request does not carry as it is (``sent``: the hashes
-    of the request's messages)."""
-    parts, after = list(rest), []
-    shift = 0
-    if window.note is not None and window.note[0] >= at:
-        k = window.note[0] - at
-        pieces = window.note[1]
-        tokens = [count(p) for p in pieces]
-        tokens[0] += max(0, rest[k].tokens - sum(tokens))  # the message's own frame
-        parts[k:k + 1] = [Block(content_hash(p.encode()), n, p, rest[k].role)
-                          for p, n in zip(pieces, tokens, strict=True)]
-        shift = len(pieces) - 1
-        after.append(k + shift + 1)
-    stable = next((k for k in range(len(rest) - 1, -1, -1) if rest[k].key not in sent), None)
-    if stable is not None:
-        after.append(stable + 1 + (shift if window.note is not None
-                                   and stable >= window.note[0] - at else 0))
-    return parts, tuple(after)
+def auto_placed(window: Window, sent: set[str]) -> Placed:
+    """Where ``cache_breakpoints = "auto"`` puts the proxy's breakpoints in ``window``'s
+    messages: the body ``api/messages_wire`` sends for it, its turns merged as the live
+    proxy merges them (``sent``: the hashes of the request's messages; the last message
+    not among them ends the stable prefix)."""
+    turn_of: list[int] = []
+    system, turns = to_anthropic(window.messages, None, turn_of)
+    out: dict[str, Any] = {"messages": turns, **({} if system is None else {"system": system})}
+    stable = next((k for k in range(len(window.messages) - 1, -1, -1)
+                   if message_hash(window.messages[k]) not in sent), -1)
+    return auto_marked(out, turn_of, stable, window.note)[1]
 
 
 class Replayer:
@@ -249,19 +239,25 @@ class Replayer:
             tally.forwarded += fwd_total
             cblocks = [block(m) for m in req]
             wpre = preamble_end(window.messages)
+            # the proxy's own breakpoints, where the live proxy's body puts them (it converts
+            # a window that changed or offers its tools)
+            placed = auto_placed(window, set(keys[:i])) \
+                if policy.cache_breakpoints == "auto" and (window.changed or with_tools) \
+                else None
+            fblocks, after = placed_blocks(wblocks, placed, lambda t: self.counter.text(
+                self.enc, t)) if placed is not None else (wblocks, ())
+            marks = tuple(k - wpre for k in after)
             # the headline's facts, as the proxy records them (``savings.Prompt``)
             prompts = (Prompt.of(cblocks[:pre], tools_block, [*cblocks[pre:], *primed]),
-                       Prompt.of(wblocks[:wpre],
+                       Prompt.of(fblocks[:wpre],
                                  [*tools_block, *(proxy_block if with_tools else [])],
-                                 [*wblocks[wpre:], *primed]))
+                                 [*fblocks[wpre:], *primed], marks))
             meter.add(self.model, client_total, fwd_total, None,
                       (prompts[0].shared(last[0]), prompts[1].shared(last[1])),
-                      (prompts[0].head, prompts[1].head))
+                      (prompts[0].head, prompts[1].head), (prompts[0].marks, prompts[1].marks))
             last = prompts
             c_sep, c_strict, c_money = client.bill(cblocks[:pre], tools_block, cblocks[pre:])
-            marked = auto_marked(wblocks[wpre:], window, wpre, set(keys[:i]),
-                                 lambda t: self.counter.text(self.enc, t)) \
-                if policy.cache_breakpoints == "auto" and window.changed else None
+            marked = (fblocks[wpre:], marks) if placed is not None else None
             f_sep, f_strict, f_money = forwarded.bill(
                 wblocks[:wpre], [*tools_block, *(proxy_block if with_tools else [])],
                 wblocks[wpre:], marked)

@@ -21,7 +21,7 @@ from ..conversation.messages import Message, content_hash, message_hash
 from ..conversation.runloops import RunLoop, preamble_end, segment
 from ..history.summaries import Made, counts_of, covers, inline_digest, summaries_of
 from ..pricing import Block
-from ..savings import Prompt
+from ..savings import Placed, Prompt, placed_blocks
 from ..state import AppState
 from ..window.builder import Carry, Stamps, Window, aged_loops, build_window
 from ..window.forms import DEFAULT_NAMES, Budget, SessionMemo, ToolNames
@@ -247,26 +247,35 @@ class FirstSeen:
 
 def prompts_of(state: AppState, tenant: TenantSpec, frame: Frame,
                tools: list[dict[str, Any]] | None, messages: list[Message], keys: list[str],
-               window: Window | None, with_proxy_tools: bool) -> tuple[Prompt, Prompt]:
+               window: Window | None, with_proxy_tools: bool, placed: Placed | None = None
+               ) -> tuple[Prompt, Prompt]:
     """The request's prompt as the client sent it (``messages``, the proxy's exchanges
     spliced in) and as it goes upstream (``window``'s; None: as sent), in the blocks the
     replay prices them in (``ops/replay_offline``): what the headline compares with the
-    session's last prompts (``savings.Prompt``). A message the window rewrote is hashed
-    here, as counting it did."""
+    session's last prompts (``savings.Prompt``), with the breakpoints the proxy added
+    (``placed``: the body's). A message the window rewrote is hashed here, as counting it
+    did."""
     enc, _ = state.tokens.encoding(frame.model, tenant.encoding_for(frame.model))
     schemas = [Block("tools:" + content_hash(orjson.dumps(tools)), frame.tools_tokens)] \
         if tools else []
     primed = [Block("priming", REPLY_PRIMING)]
 
-    def prompt(ms: list[Message], ks: list[str], extra: list[Block]) -> Prompt:
-        blocks = [Block(k, state.tokens.message(enc, m, k)) for m, k in zip(ms, ks, strict=True)]
+    def prompt(ms: list[Message], ks: list[str], extra: list[Block],
+               placed: Placed | None = None) -> Prompt:
+        blocks = [Block(k, state.tokens.message(enc, m, k), role=str(m.get("role")))
+                  for m, k in zip(ms, ks, strict=True)]
         pre = preamble_end(ms)
-        return Prompt.of(blocks[:pre], [*schemas, *extra], [*blocks[pre:], *primed])
+        after: tuple[int, ...] = ()
+        if placed is not None:
+            blocks, after = placed_blocks(blocks, placed, lambda t: state.tokens.text(enc, t))
+        return Prompt.of(blocks[:pre], [*schemas, *extra], [*blocks[pre:], *primed],
+                         [k - pre for k in after])
 
     client = prompt(messages, keys, [])
-    if window is None or (window.messages is messages and not with_proxy_tools):
+    if window is None or (window.messages is messages and not with_proxy_tools
+                          and placed is None):
         return client, client
     own = {id(m): k for m, k in zip(messages, keys, strict=True)}
     sent = [own.get(id(m)) or message_hash(m) for m in window.messages]
     extra = [Block("proxy-tools", proxy_tools_tokens(state, enc))] if with_proxy_tools else []
-    return client, prompt(window.messages, sent, extra)
+    return client, prompt(window.messages, sent, extra, placed)

@@ -14,6 +14,7 @@ from ..conversation.messages import Message
 from ..errors import ContextLengthExceeded, StoreError
 from ..history.summaries import Covering, Made, covering
 from ..ops import logs
+from ..savings import Placed
 from ..state import AppState
 from ..window.builder import CompactionKind, Event, Note, Window
 from .accounting import RequestLog
@@ -93,15 +94,22 @@ async def shape(state: AppState, turn: Turn, session: Session, history: History,
                                           spliced is not history.messages)
     rlog.prompt_tokens = prompt_tokens(state, turn.caller.tenant, frame, window.tokens_in,
                                        window.tokens_out, with_tools)
-    if not turn.counting:
-        rlog.prompts = await offload(turn.large or history.large, lambda: prompts_of(
-            state, turn.caller.tenant, frame, turn.chat_tools, spliced, spliced_keys, window,
-            with_tools))
+
+    async def prompts(placed: Placed | None = None) -> None:
+        if not turn.counting:
+            rlog.prompts = await offload(turn.large or history.large, lambda: prompts_of(
+                state, turn.caller.tenant, frame, turn.chat_tools, spliced, spliced_keys,
+                window, with_tools, placed))
     if not (window.changed or offer or turn.server_history):
+        await prompts()
         return Outgoing(await _as_sent(turn, history), steps=steps)
     extra = turn.wire.tool_definitions(tools) if with_tools else []
     body = await _converted(turn, turn.large or history.large, window.messages, extra,
                             window.note)
+    # the breakpoints the body carries that the proxy added (Messages, cache_breakpoints =
+    # "auto"): the headline prices them
+    placed = getattr(turn.wire, "placed", None)
+    await prompts(placed if isinstance(placed, Placed) else None)
     if not turn.counting:
         steps.append(lambda: log_events(state, turn, session, window))
     return Outgoing(body, tools if with_tools else None, window, spliced, spliced_keys, steps)
