@@ -463,9 +463,6 @@ def run_replay(args: argparse.Namespace) -> int:
     twice = baseline_points(points, getattr(args, "judge_baseline", 0), args.judge_seed) \
         if judge else set()
     http = HttpReplay(args, replayer) if args.proxy else None
-    if http is not None and http.admin is None:
-        print("replay: through a proxy the headline is priced from the points it stores: "
-              "give --admin-key (or RUNLOOP_ADMIN_KEY) for it", file=sys.stderr)
     summary_before = http.summary_tokens() if http is not None else 0
     show = not args.no_progress and not args.json and sys.stderr.isatty()
     started = time.monotonic()
@@ -513,6 +510,9 @@ def run_replay(args: argparse.Namespace) -> int:
             tally.summary_tokens += spent
             tally.spend(spent)
             http.close()
+    if http is not None and http.admin is None:
+        print("replay: through a proxy the headline is priced from the points it stores: "
+              "give --admin-key (or RUNLOOP_ADMIN_KEY) for it", file=sys.stderr)
     # through a proxy, a cache-aware cost needs the upstream's word on both sides
     measured = http is None or (http.direct is not None and http.cached > 0)
     run = Run(path, len(convs), model, replayer, tenant.policy, provider, args.half,
