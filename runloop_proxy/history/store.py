@@ -1101,7 +1101,8 @@ class RedisStore:
                                 sum(_count(p, "client") for p in points),
                                 sum(_count(p, "forwarded") for p in points),
                                 tuple({k: p.get(k) for k in ("ts", "model", "client",
-                                                             "forwarded", "shared", "head")}
+                                                             "forwarded", "shared", "head",
+                                                             "marks")}
                                       for p in points),
                                 int(created or 0), int(updated or 0)))
         return out
