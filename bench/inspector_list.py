@@ -5,8 +5,9 @@ filtering read each tenant's most recently used sessions, up to ``inspector_list
 
 Stores N sessions of P request points each (as the proxy writes them) in an embedded
 redis-server of its own, serves the proxy, logs in, and times
-``GET /admin/ui`` for the tenant — sorted by last use, and by money saved with a model
-filter — printing the median and its ratio to the smallest N in one run.
+``GET /admin/ui`` for the tenant: its first view (every session read and priced), then
+sorted by last use, and by money saved with a model filter (sessions unchanged: their rows
+kept, ``state.listed``) — printing the median and its ratio to the smallest N in one run.
 """
 
 from __future__ import annotations
@@ -71,11 +72,14 @@ def main() -> int:
             http = httpx.Client(base_url=base, timeout=120)
             http.post("/admin/ui/login", data={"key": ADMIN_KEY})
             store = app.state.runloop.store
-            rows: list[tuple[int, float, float]] = []
+            rows: list[tuple[int, float, float, float]] = []
             for n in args.sessions:
                 tenant = f"pt-bench{n:08d}"
                 seed(client, store, tenant, n, args.points)
                 times: dict[str, list[float]] = {"last": [], "saved": []}
+                t = time.perf_counter()  # the first view: every session priced
+                assert http.get("/admin/ui", params={"tenant": tenant}).status_code == 200
+                first_view = (time.perf_counter() - t) * 1000
                 for _ in range(args.repeat):
                     for sort, extra in (("last", {}), ("saved", {"model": "gpt-4o-mini"})):
                         t = time.perf_counter()
@@ -84,7 +88,7 @@ def main() -> int:
                         times[sort].append(time.perf_counter() - t)
                         assert r.status_code == 200, r.text[:300]
                         assert f"{min(n, inspector_list.TALLIED):,}" in r.text
-                rows.append((n, statistics.median(times["last"]) * 1000,
+                rows.append((n, first_view, statistics.median(times["last"]) * 1000,
                              statistics.median(times["saved"]) * 1000))
                 # the next size alone: the page would read every tenant's sessions
                 client.delete(store._index_key(tenant), *(
@@ -93,10 +97,10 @@ def main() -> int:
             first = rows[0]
             print(f"landing page, {args.points} request points a session "
                   f"(median of {args.repeat}):")
-            for n, last, saved in rows:
-                print(f"  {n:>6,} sessions: by last use {last:8.1f} ms "
-                      f"({last / first[1]:5.1f}x), by money saved, one model "
-                      f"{saved:8.1f} ms ({saved / first[2]:5.1f}x)")
+            for n, cold, last, saved in rows:
+                print(f"  {n:>6,} sessions: first view {cold:8.1f} ms, then by last use "
+                      f"{last:8.1f} ms ({last / first[2]:5.1f}x), by money saved, one model "
+                      f"{saved:8.1f} ms ({saved / first[3]:5.1f}x)")
         finally:
             client.close()
             server.stop()

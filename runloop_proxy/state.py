@@ -9,7 +9,7 @@ import secrets
 from collections.abc import Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from starlette.requests import HTTPConnection
 
@@ -87,6 +87,9 @@ class AppState:
         # the next request's point says it shares with them (``compared``)
         self.prompts: ByteLRU[tuple[str, str], tuple[Prompt, Prompt]] = ByteLRU(
             0, prompts_size)
+        # (namespace, session) -> its row in the inspector's list, priced, and what says
+        # whether it changed since (ops/inspector_list.py)
+        self.listed: ByteLRU[tuple[str, str], Listed] = ByteLRU(0, listed_size)
         # (scope, model) -> the window its upstream's overflow error said (pipeline/limits.py)
         self.windows = LearnedWindows(0)
         # the tables that mask the credentials of a request in its answer (upstream.py)
@@ -120,7 +123,7 @@ class AppState:
         for name, cache in (("cuts", self.cuts), ("first_seen", self.first_seen),
                             ("memo", self.window_memo), ("carries", self.carries),
                             ("recent", self.recent), ("bills", self.bills),
-                            ("prompts", self.prompts)):
+                            ("prompts", self.prompts), ("listed", self.listed)):
             cache.resize(share(name))
         self.tokens.resize(share("tokens"), share("factors"), share("models"))
         self.windows.resize(share("windows"))
@@ -312,6 +315,24 @@ def prompts_size(key: tuple[str, str], prompts: tuple[Prompt, Prompt]) -> int:
     strings = STR_BYTES * (len(mine) + len(own)) + sum(map(len, mine)) + sum(map(len, own))
     marks = 8 * (len(client.marks) + len(forwarded.marks))
     return 400 + 12 * (len(client.keys) + len(forwarded.keys)) + strings + marks
+
+
+class Listed(NamedTuple):
+    """A session's row in the inspector's list, as priced when the session was as
+    ``stamp`` says (``store.stamps``), at ``prices``."""
+
+    stamp: tuple[int, int, int, int, int]
+    prices: Any  # the price table it was priced at (a reload's new table prices it again)
+    row: Any  # listing.Row
+
+
+def listed_size(key: tuple[str, str], listed: Listed) -> int:
+    """What a listed row holds: the key's strings and the row's (its tenant and id, its
+    models' names; counted apart, though the row's are mostly the key's), the stamp's ints,
+    the row's and its bill's objects."""
+    row = listed.row
+    strings = sum(STR_BYTES + len(t) for t in (*key, row.tenant, row.session_id, *row.models))
+    return 620 + strings + 8 * len(row.models)
 
 
 def carry_size(key: tuple[str, str], carry: Carry) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import pkgutil
@@ -286,6 +287,29 @@ def _vectors(i: int) -> Any:
     return assemble({f"{n}:{i:08x}": block(keys[n::3], rows[n::3]) for n in range(3)}, 256)
 
 
+def _listed(i: int) -> Any:
+    """A session's row in the inspector's list, as the page keeps it: its id the key's,
+    two models, its bill."""
+    from runloop_proxy.ops.listing import Row
+    from runloop_proxy.savings import Savings
+    from runloop_proxy.state import Listed
+
+    sid = f"{SESSION}{i}"
+    row = Row(NAMESPACE, sid, 1764650000000 + i, 1764640000000 + i, 2 * i + 40,
+              (f"gpt-4o-mini-2024-07-18-ft-{i:020d}", f"gpt-4o-2024-08-06-ft-{i:024d}"),
+              Savings(60 + i, 300_000 + i, 120_000 + i, 0.75 + i / 1e6, 0.25 + i / 1e6))
+    return (NAMESPACE, sid), Listed((2 * i + 40, 1764640000000 + i, 1764650000000 + i, 60,
+                                     hash(str(i))), _prices(), row)
+
+
+@functools.cache
+def _prices() -> Any:
+    """One price table, as every row of a process's list shares its config's."""
+    from runloop_proxy.pricing import PriceTable
+
+    return PriceTable.load()
+
+
 SESSION = "sess_" + "7" * 123  # a session id as long as a plain one may be (128 characters)
 NAMESPACE = "pt-" + "c" * 61  # a pass-through caller's namespace: its key's digest
 
@@ -305,6 +329,7 @@ FILLS: dict[str, Any] = {
     "state.tokens._factors": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"),
                                         1.0 + i / 1e6),
     "state.prompts": lambda i: ((NAMESPACE, f"{SESSION}{i}"), _prompts(i)),
+    "state.listed": _listed,
     "state.first_seen": lambda i: (f"{NAMESPACE}\0{SESSION}\0{i:064x}", 1764650000000 + i),
     "state.windows._known": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"), 128_000),
     "state.windows._asked": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"),

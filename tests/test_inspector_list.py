@@ -321,3 +321,37 @@ def _chosen(page: str, k: int) -> str:
 
     hrefs = [href for r in Tables(page).tables["totals"][1:-1] for _, href in r if href]
     return parse_qs(urlsplit(html.unescape(hrefs[k])).query)["tenant"][0]
+
+
+def test_a_sessions_row_is_priced_again_only_when_it_changed(
+        listed: ProxyServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The list keeps each session's priced row until the session changes: a page shown
+    again prices no session, and after one more turn of desk-b only desk-b, whose row then
+    shows its new bill (priced here from its points). Bug class: a cached figure that
+    outlives what it was made of, or a cache that spares nothing. Planted: the stamp not
+    compared (red: desk-b's old row shown after its turn), the cache never read (red:
+    every session priced again on each page)."""
+    priced: list[int] = []
+    real = inspector_list.savings.of_points
+
+    def counted(points: Any, prices: Any, provider: str | None = None) -> savings.Savings:
+        priced.append(len(points))
+        return real(points, prices, provider)
+
+    monkeypatch.setattr(inspector_list.savings, "of_points", counted)
+    c = httpx.Client(base_url=listed.base)
+    assert c.post("/admin/ui/login", data={"key": ADMIN_KEY}).status_code == 303
+    first = c.get("/admin/ui", params={"tenant": "acme"}).text
+    assert len(priced) == 4  # acme's three and globex's one, for the totals
+    priced.clear()
+    assert c.get("/admin/ui", params={"tenant": "acme"}).text == first
+    assert priced == []
+    before = bills(listed)["acme", "desk-b"]
+    talk(listed, ACME_KEY, "desk-b", "gpt-4o-2024-08-06", 1, start=3)
+    after = bills(listed)["acme", "desk-b"]
+    assert after.requests > before.requests
+    priced.clear()  # (bills priced them here too)
+    page = c.get("/admin/ui", params={"tenant": "acme"}).text
+    assert priced == [after.requests]  # desk-b alone, with its new points
+    table = {r[0]: r for r in rows(page, "sessions")}
+    assert table["desk-b"][2:7] == figures(after) != figures(before)

@@ -1107,6 +1107,27 @@ class RedisStore:
                                 int(created or 0), int(updated or 0)))
         return out
 
+    async def stamps(self, namespace: str, session_ids: list[str]
+                     ) -> list[tuple[int, int, int, int, int]]:
+        """What says whether each session changed since its ``Overview`` was read, in one
+        round trip of a few hundred bytes a session: its messages, first and last stored
+        times, how many points it keeps, and its newest point's hash (a point added to a
+        session's full list of ``MAX_POINTS`` changes that one)."""
+        async def run() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for sid in session_ids:
+                p = self.prefix(namespace, sid)
+                pipe.hmget(p + ":meta", "len", "created", "updated")
+                pipe.llen(p + ":req")
+                pipe.lindex(p + ":req", -1)
+            return list(await pipe.execute()) if session_ids else []
+
+        replies = await self._call("list", run)
+        return [(int(length or 0), int(created or 0), int(updated or 0), int(n or 0),
+                 hash(last) if last else 0)
+                for (length, created, updated), n, last in zip(
+                    replies[::3], replies[1::3], replies[2::3], strict=True)]
+
     async def namespaces(self) -> list[tuple[str, int]]:
         """Every namespace with stored sessions (tenants, pass-through keys), with its count."""
         prefix = f"{self.cfg.key_prefix}:t:"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import urllib.parse
 from collections.abc import Sequence
+from dataclasses import replace
 from html import escape
 from typing import Any
 
@@ -25,7 +26,7 @@ from ..errors import StoreError
 from ..pipeline.offload import offload
 from ..pricing import PriceTable
 from ..savings import DEFINITION, HEADLINE, Savings, percent, usd
-from ..state import AppState
+from ..state import AppState, Listed
 from . import params
 from .inspector_shell import BASE, VALID_S, error, guard, link, page, tenant_name
 from .listing import (
@@ -77,18 +78,32 @@ async def _read(state: AppState, tallied: list[str]) -> dict[str, list[Row]]:
 
 
 async def _rows(state: AppState, tenant: str, most: int) -> list[Row]:
-    """A tenant's ``most`` most recently used sessions, each priced (``savings``)."""
+    """A tenant's ``most`` most recently used sessions, each priced (``savings``). A
+    session's row is kept (``state.listed``) until the session changes (``store.stamps``)
+    or the prices do: a page reads and prices only the sessions that changed since."""
     assert state.store is not None
     listed, _ = await state.store.list_sessions(tenant, 0, most)
-    overviews = await state.store.overviews(tenant, [sid for sid, _ in listed])
+    ids = [sid for sid, _ in listed]
+    stamps = await state.store.stamps(tenant, ids)
     prices = state.config.prices or PriceTable.load()
+    kept: dict[str, Row] = {}
+    for sid, stamp in zip(ids, stamps, strict=True):
+        hit = state.listed.get((tenant, sid))
+        if hit is not None and hit.stamp == stamp and hit.prices is prices:
+            kept[sid] = hit.row
+    changed = [(sid, stamp) for sid, stamp in zip(ids, stamps, strict=True)
+               if sid not in kept]
+    overviews = await state.store.overviews(tenant, [sid for sid, _ in changed])
 
-    def priced() -> list[Row]:
-        return [Row(tenant, sid, o.updated_ms or ts, o.created_ms, o.messages, models_of(o.points),
-                    savings.of_points(o.points, prices))
-                for (sid, ts), o in zip(listed, overviews, strict=True)]
+    def priced() -> None:
+        for (sid, stamp), o in zip(changed, overviews, strict=True):
+            row = kept[sid] = Row(tenant, sid, o.updated_ms, o.created_ms, o.messages,
+                                  models_of(o.points), savings.of_points(o.points, prices))
+            state.listed[(tenant, sid)] = Listed(stamp, prices, row)
 
-    return await offload(sum(o.requests for o in overviews) > LARGE_POINTS, priced)
+    await offload(sum(o.requests for o in overviews) > LARGE_POINTS, priced)
+    # the list's own time when the session's is not stored (a session from before it was)
+    return [replace(kept[sid], last_ms=kept[sid].last_ms or ts) for sid, ts in listed]
 
 
 class Links:

@@ -129,6 +129,8 @@ class Replayer:
         self.ops = WindowTokens(self.counter, self.enc, ByteLRU(256 << 20))
         self.provider = provider
         self.price = provider.price(model) if provider is not None else None
+        # a provider whose cache reads at breakpoints (Anthropic's): the proxy adds its own
+        self.breakpoints = provider is not None and provider.cache == "breakpoints"
 
     def meter(self) -> Meter:
         """A conversation's headline figure, priced by the replay's provider."""
@@ -239,11 +241,11 @@ class Replayer:
             tally.forwarded += fwd_total
             cblocks = [block(m) for m in req]
             wpre = preamble_end(window.messages)
-            # the proxy's own breakpoints, where the live proxy's body puts them (it converts
-            # a window that changed or offers its tools)
+            # the proxy's own breakpoints, where the live proxy's Messages body puts them (it
+            # converts a window that changed or offers its tools); OpenAI's has none
             placed = auto_placed(window, set(keys[:i])) \
-                if policy.cache_breakpoints == "auto" and (window.changed or with_tools) \
-                else None
+                if policy.cache_breakpoints == "auto" and self.breakpoints \
+                and (window.changed or with_tools) else None
             fblocks, after = placed_blocks(wblocks, placed, lambda t: self.counter.text(
                 self.enc, t)) if placed is not None else (wblocks, ())
             marks = tuple(k - wpre for k in after)
