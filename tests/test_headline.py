@@ -149,9 +149,10 @@ def test_the_headline_prices_the_breakpoints_the_proxy_adds(
     ``cache_breakpoints = "auto"`` (globex's): the stored points' bill saved (the inspector's,
     the dashboard's) equals the finer model's — the replay's, every block priced by
     Anthropic's own cache at the breakpoints of the body the live proxy sends — for the same
-    requests, and the replay's headline; the inspector's list and session page show it.
-    Planted: the proxy's own breakpoints left out of the bill (red: 12.3% against 20.6%),
-    and the inspector's list reading the points without them (red)."""
+    requests, and the replay's headline; the inspector's list and session page show it,
+    the dashboard's counters add up to it. Planted: the proxy's own breakpoints left out of
+    the bill (red: 12.3% against 20.6%), the inspector's list reading the points without
+    them (red), the dashboard's counters billing without them (red)."""
     (tmp_path / "cfg" / "tenants").mkdir(parents=True)
     (tmp_path / "cfg" / "runloop.toml").write_text(
         f'[upstreams.claude]\nurl = "{upstream.url}"\nformat = "anthropic"\n'
@@ -184,6 +185,11 @@ def test_the_headline_prices_the_breakpoints_the_proxy_adds(
                for p in points if "marks" in p)
     assert sum(len(p.get("marks", [[], []])[1]) >= 2 for p in points) >= 10
     stored = savings.of_points(points, PriceTable.load())
+    # the dashboard's counters: the same bills
+    text = httpx.get(proxy.base + "/metrics").text
+    assert (_samples(text, BILL, side="client"), _samples(text, BILL, side="forwarded")) == \
+        (pytest.approx(stored.client_usd, rel=1e-9),
+         pytest.approx(stored.forwarded_usd, rel=1e-9))
     # the inspector's list and the session's page: the same figure
     ui = httpx.Client(base_url=proxy.base, follow_redirects=False, timeout=30)
     assert ui.post("/admin/ui/login", data={"key": ADMIN}).status_code == 303
