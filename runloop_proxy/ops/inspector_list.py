@@ -5,7 +5,9 @@ by any column, a page at a time (``listing`` decides which rows and in what orde
 What it reads is bounded: each tenant's ``TALLIED`` most recently used sessions, for at most
 ``TENANTS`` tenants, ``READ`` sessions in all (the chosen tenant's first); the page says when
 a figure counts fewer sessions than the tenant holds, and which tenants it left out. Pricing
-each session's points (``savings``) is most of the page's time (``bench/inspector_list.py``).
+each session's points (``savings``) is most of a first view's time; a session's priced row is
+kept until the session changes, so a later view prices only those that did
+(``bench/inspector_list.py``).
 """
 
 from __future__ import annotations
