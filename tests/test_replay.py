@@ -623,3 +623,18 @@ def test_auto_marks_split_the_note_and_mark_its_last_piece_and_the_stable_prefix
     # without a note (nothing omitted), a mark after the last rewritten message's turn
     plain = auto_placed(Window(messages, True, True, 0, 0), sent)
     assert plain == (None, (4, 5))
+
+
+def test_auto_breakpoints_change_nothing_at_openais_prices(tmp_path: Path) -> None:
+    """cache_breakpoints = "auto" marks the Messages API's bodies alone: priced as OpenAI
+    bills, the replay's headline and money are the same with it and without it. Planted:
+    the summary in pieces and the marks put into every provider's forwarded prompt (red:
+    the headline moved, its forwarded bill $0.09693 against $0.10125)."""
+    f = tmp_path / "s.jsonl"
+    f.write_text(json.dumps(support_conversation(12)) + "\n")
+    base = ("--json", "--provider", "openai", *mechanism_set(
+        summary_model="extractive", max_run_loops=0, omit_batch=1))
+    plain = json.loads(run(f, *base).stdout)
+    auto = json.loads(run(f, *base, "--set", "cache_breakpoints=auto").stdout)
+    assert plain["compaction_events"]["loop_omission"] >= 9
+    assert auto["headline"] == plain["headline"] and auto["money"] == plain["money"]
