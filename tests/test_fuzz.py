@@ -88,7 +88,7 @@ def fuzz_proxy(proxy: ProxyServer, upstream: ScriptedUpstream) -> ProxyServer:
     return proxy
 
 
-@settings(max_examples=1500, deadline=None, derandomize=True,
+@settings(max_examples=1000, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(body=from_schema(SCHEMA))
@@ -139,7 +139,7 @@ def mutated(draw: Any) -> Any:
     return body
 
 
-@settings(max_examples=1500, deadline=None, derandomize=True,
+@settings(max_examples=1000, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(body=mutated())
 def test_mutated_bodies(fuzz_proxy: ProxyServer, body: Any) -> None:

@@ -405,7 +405,7 @@ policies = st.builds(
     payback_requests=st.sampled_from([None, 0, 2]),
     summary_model=st.sampled_from([None, "extractive"]), summary_lines=st.booleans())
 
-PROPS = settings(max_examples=int(os.environ.get("WINDOW_EXAMPLES", "120")), deadline=None,
+PROPS = settings(max_examples=int(os.environ.get("WINDOW_EXAMPLES", "80")), deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
