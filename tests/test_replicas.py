@@ -22,6 +22,7 @@ from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import serve_command
 from .keys import openai_project_key
+from .test_sessions import ADMIN, BEHIND_WRITE_DELAY_S, TOOLS, sessions, streamed_reply, texts
 
 SESSIONS = 6
 TURNS = 10
@@ -236,3 +237,94 @@ def test_an_acknowledged_turn_survives_kill_9(stream: bool, upstream: ScriptedUp
                 assert sent[at + 1] == f"echo: {text}", (text, sent[at:at + 2])
         assert not lost, f"{len(lost)} of {sum(map(len, acked.values()))} acknowledged " \
                          f"turns lost to kill -9: {lost[:5]}"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
+def test_a_trimmed_history_stays_one_session_across_replicas(
+        stream: bool, make_proxy: Any, upstream: ScriptedUpstream,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that sends its system prompt and only its last messages, each request the
+    moment the answer came, to the other replica each time (two replicas on one Redis),
+    while both write late: every history write WRITE_DELAY_S, each anchor write
+    BEHIND_WRITE_DELAY_S. Each request after a tool call carries that call (the reply its
+    session is found by) and nothing the session was fingerprinted by. Bug class: what a
+    session has written known to one process only — the anchor noted on the replica that
+    answered, its write behind the answer, so the other replica found no session and began
+    one of its own (and, once it found it, did not wait for the turn the first was still
+    writing). One session, one branch, every message stored once and in order; every
+    upstream request carried what the client sent, in order."""
+    import asyncio
+    import hashlib
+
+    from runloop_proxy.history.store import RedisStore
+
+    from .conftest import ProxyServer
+
+    call = RedisStore._call
+
+    async def late_anchor(self: RedisStore, op: str, make: Any) -> Any:
+        if op == "anchor":
+            await asyncio.sleep(BEHIND_WRITE_DELAY_S)
+        return await call(self, op, make)
+
+    monkeypatch.setattr(RedisStore, "_call", late_anchor)
+    first: ProxyServer = make_proxy(admin_key=ADMIN)
+    second = ProxyServer(first.settings, first.config).start()
+    try:
+        for replica in (first, second):
+            writes = replica.state.store.writes
+            run = writes._run
+
+            async def slow(batch: Any, run: Any = run) -> Any:
+                await asyncio.sleep(WRITE_DELAY_S)
+                return await run(batch)
+
+            writes._run = slow
+
+        def respond(body: dict[str, Any]) -> dict[str, Any]:
+            last = body["messages"][-1]
+            if last["role"] == "user":
+                return {"tool_calls": [{"id": f"call_{last['content']}", "name": "lookup",
+                                        "arguments": {"q": last["content"]}}]}
+            return {"content": f"found {last['content']}"}
+
+        upstream.responder = respond
+        key = openai_project_key(43)
+        clients = [openai.OpenAI(base_url=p.url, api_key=key, max_retries=0, timeout=60)
+                   for p in (first, second)]
+        system = {"role": "system", "content": "You trim your history to its last four."}
+        full: list[dict[str, Any]] = []
+        sent_upstream: list[list[tuple[str, Any]]] = []
+        carried: list[list[tuple[str, Any]]] = []
+        n = 0
+        for t in range(4):
+            full.append({"role": "user", "content": f"look up order {t}"})
+            for _ in range(2):  # the tool call, then the answer
+                messages = [system, *full[-4:]]
+                sent: dict[str, Any] = {"model": "gpt-5.1", "messages": messages,
+                                        "tools": TOOLS}
+                c = clients[n % 2]
+                n += 1
+                seen = len(upstream.requests)
+                reply = streamed_reply(c, **sent) if stream else \
+                    c.chat.completions.create(**sent).choices[0].message.model_dump(
+                        exclude_none=True)
+                assert len(upstream.requests) == seen + 1
+                carried.append([(m["role"], m.get("content")) for m in messages])
+                sent_upstream.append([(m["role"], m.get("content"))
+                                      for m in upstream.requests[-1]["messages"]])
+                full.append(reply)
+                if reply.get("tool_calls"):
+                    full.append({"role": "tool", "tool_call_id": reply["tool_calls"][0]["id"],
+                                 "content": f"order {t}: shipped"})
+        for c in clients:
+            c.close()
+        assert sent_upstream == carried
+        second.settle()
+        views = sessions(first, "pt-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+        assert len(views) == 1, list(views)
+        (view,) = views.values()
+        assert len(view["branches"]) == 1
+        assert texts(view)[1:] == [str(m.get("content")) for m in full]
+    finally:
+        second.stop()

@@ -821,13 +821,29 @@ class RedisStore:
             await self._call("summary", lambda: self._unlock(
                 keys=[self.prefix(namespace, session_id) + ":sumlock"], args=[token]))
 
-    async def set_anchor(self, namespace: str, anchor: str, session_id: str,
-                         retention_days: float | None) -> None:
-        """Remember which session a recorded reply belongs to (a client that trims its
-        history still sends its latest replies)."""
-        await self._call("anchor", lambda: self.client.set(
-            self._anchor_key(namespace, anchor), session_id,
-            px=self._ttl_ms(retention_days)))
+    async def announce(self, namespace: str, session_id: str, anchors: list[tuple[str, str]],
+                       retention_days: float | None, announced_ms: int) -> None:
+        """Before an answer ends, in one round trip: its anchors (key and value: which
+        session a recorded reply or response belongs to, or what a response chains on; a
+        client that trims its history still sends its latest replies), kept as long as the
+        session; and that a write of the session is on its way (``announced``, for
+        ``announced_ms``): a request the client sends the moment it has the answer, to
+        another replica, finds the session and waits for the write there."""
+        ttl = self._ttl_ms(retention_days)
+
+        async def run() -> None:
+            pipe = self.client.pipeline(transaction=False)
+            for key, value in anchors:
+                pipe.set(self._anchor_key(namespace, key), value, px=ttl)
+            pipe.set(self.prefix(namespace, session_id) + ":announced", "1", px=announced_ms)
+            await pipe.execute()
+
+        await self._call("anchor", run)
+
+    async def announced(self, namespace: str, session_id: str) -> bool:
+        """Whether a replica announced a write of the session lately (``announce``)."""
+        return bool(await self._call("read", lambda: self.client.exists(
+            self.prefix(namespace, session_id) + ":announced")))
 
     # -- reads ----------------------------------------------------------------------------
 
@@ -932,9 +948,9 @@ class RedisStore:
         return None
 
     def note_anchor(self, namespace: str, anchor: str, session_id: str) -> None:
-        """An anchor this replica is about to store (``set_anchor``, written behind the
-        answer): found at once here, so a request that chains on the answer the moment it
-        arrives finds its session (it raced the write and began a session of its own)."""
+        """An anchor this replica is about to store (``announce``): found at once here, so a
+        request that chains on the answer the moment it arrives finds its session (it raced
+        the write and began a session of its own)."""
         self._anchors[(namespace, anchor)] = session_id
 
     async def anchored(self, namespace: str, anchor: str) -> str | None:

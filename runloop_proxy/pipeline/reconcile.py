@@ -5,6 +5,8 @@ mode, where the client does not hold its conversation and a window without it wo
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import time
 from typing import Any
 
@@ -44,6 +46,9 @@ CONTINUED_PER_MESSAGE = 4
 # is waited for this long, then the request fails closed (503) rather than go without it;
 # a trimmed history waits as long for the turn it continues (then goes on without it)
 WRITTEN_WAIT_S = 2.0
+# how often a trimmed history that came to another replica than the one writing the turn it
+# continues looks again whether that turn is in Redis (within WRITTEN_WAIT_S)
+ANNOUNCED_POLL_S = 0.02
 
 
 def counted(state: AppState, turn: Turn, messages: list[Message],
@@ -305,24 +310,36 @@ async def _continuation(state: AppState, turn: Turn, session: Session, store: Re
     other = await store.continuation(ns, session.id, keys)
     if other is None or other == session.id:
         return session, [], large
-    # its last turn may still be on its way to Redis (the anchor is noted before it is
-    # written): the request lines up with the conversation only once that turn is there
+    # its last turn may still be on its way to Redis (the anchor is in Redis, or noted
+    # here, before the answer ended; the turn is written behind it): the request lines up
+    # with the conversation only once that turn is there — waited for here when this replica
+    # writes it, and while one announced it (``RedisStore.announce``) when another does
+    deadline = time.monotonic() + WRITTEN_WAIT_S
     if not store.refusing_writes:
         await store.written(ns, other, WRITTEN_WAIT_S)
-    held = await store.head_length(ns, other)
-    if held > CONTINUED_FLOOR + CONTINUED_PER_MESSAGE * len(turn.messages):
-        log.info("trimmed history not continued: the stored conversation outweighs it",
-                 extra={"tenant": turn.caller.tenant.name, "session": other,
-                        "messages": len(turn.messages), "stored": held})
-        return session, [], large
-    head, size = await store.head_sized(ns, other)
-    large = large or is_large(size, len(head))
-    if large:
-        rlog.hold(state.large, turn.caller.holder)
-    stored = [m for _, m in head]
-    at = await offload(large, lambda: continued(stored, turn.messages))
-    if at is None:
-        return session, [], large
+    read, holding = -1, False
+    while True:
+        held = await store.head_length(ns, other)
+        if held > CONTINUED_FLOOR + CONTINUED_PER_MESSAGE * len(turn.messages):
+            log.info("trimmed history not continued: the stored conversation outweighs it",
+                     extra={"tenant": turn.caller.tenant.name, "session": other,
+                            "messages": len(turn.messages), "stored": held})
+            return session, [], large
+        if held != read:
+            read = held
+            head, size = await store.head_sized(ns, other)
+            large = large or is_large(size, len(head))
+            if large and not holding:
+                rlog.hold(state.large, turn.caller.holder)
+                holding = True
+            stored = [m for _, m in head]
+            at = await offload(large, functools.partial(continued, stored, turn.messages))
+            if at is not None:
+                break
+        if store.refusing_writes or time.monotonic() >= deadline \
+                or not await store.announced(ns, other):
+            return session, [], large
+        await asyncio.sleep(ANNOUNCED_POLL_S)
     log.info("trimmed history continues its session", extra={
         "tenant": turn.caller.tenant.name, "session": other, "earlier": at})
     return (Session(other, SessionKind.FINGERPRINT, "continuation", session.scope,
@@ -342,7 +359,8 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
                  tokens: tuple[int, int] | None = None,
                  frame: dict[str, Any] | None = None, chain: str | None = None,
                  usage: dict[str, Any] | None = None,
-                 prompts: tuple[Prompt, Prompt] | None = None) -> None:
+                 prompts: tuple[Prompt, Prompt] | None = None,
+                 announced: asyncio.Future[bool] | None = None) -> None:
     """After a 2xx, off the request path: add the client's side of the turn and the answer it
     got to the session's history (written behind), the proxy's part of the turn to splice
     back next time, and for a fingerprinted session an anchor that finds it again from its
@@ -350,19 +368,26 @@ async def record(state: AppState, turn: Turn, session: Session, history: History
     request chaining on ``answer_id`` must go on from (``toolloop.Outcome.chain``).
     ``usage``: the upstream's bill for the request (``accounting.billed``), kept with its
     point; ``prompts``: its prompts as blocks (``framing.prompts_of``), what the point says
-    they share with the session's last ones (the headline's facts, ``savings``)."""
+    they share with the session's last ones (the headline's facts, ``savings``).
+    ``announced``: told, before anything else here waits, whether Redis holds the answer's
+    anchors (``RedisStore.announce``): the answer ends after that (``relay.kept``)."""
     store, ns = state.store, turn.caller.namespace
-    if store is None or ns is None or history.degraded == "store":
-        return
-    # outstanding from the first step, before anything here waits (a large answer is counted
-    # in a thread): a server-history request that comes the moment this answer arrives waits
-    # for this turn (``_server_history``), where it read Redis before the turn was queued
-    store.reserve(ns, session.id)
     try:
-        await _record(state, turn, session, history, store, ns, reply, kept, large,
-                      answer_id, tokens, frame, chain, usage, prompts)
+        if store is None or ns is None or history.degraded == "store":
+            return
+        # outstanding from the first step, before anything here waits (a large answer is
+        # counted in a thread): a server-history request that comes the moment this answer
+        # arrives waits for this turn (``_server_history``), where it read Redis before the
+        # turn was queued
+        store.reserve(ns, session.id)
+        try:
+            await _record(state, turn, session, history, store, ns, reply, kept, large,
+                          answer_id, tokens, frame, chain, usage, prompts, announced)
+        finally:
+            store.release(ns, session.id)
     finally:
-        store.release(ns, session.id)
+        if announced is not None and not announced.done():
+            announced.set_result(True)  # nothing to announce (or nothing recorded)
 
 
 async def _record(state: AppState, turn: Turn, session: Session, history: History,
@@ -370,30 +395,37 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
                   kept: dict[str, Any] | None, large: bool, answer_id: str | None,
                   tokens: tuple[int, int] | None, frame: dict[str, Any] | None,
                   chain: str | None, usage: dict[str, Any] | None,
-                  prompts: tuple[Prompt, Prompt] | None) -> None:
-    # noted before anything here waits, as the response anchors below are: a client that
-    # trims its history may send its next request the moment this reply arrives, carrying
-    # the reply and none of what the session was fingerprinted by
-    reply_anchor = anchor(reply, session.scope) \
-        if reply is not None and session.kind is SessionKind.FINGERPRINT else None
-    if reply_anchor is not None:
-        store.note_anchor(ns, reply_anchor, session.id)
+                  prompts: tuple[Prompt, Prompt] | None,
+                  announced: asyncio.Future[bool] | None) -> None:
+    # what a request sent the moment this answer arrives looks its session up by, to this
+    # replica or another: noted here and written to Redis before anything else here waits
+    # (the answer ends once Redis holds them, ``relay.kept``). A client that trims its
+    # history sends the reply and none of what the session was fingerprinted by; a client
+    # chaining on a response sends its id
+    found: list[tuple[str, str]] = []
+    if reply is not None and session.kind is SessionKind.FINGERPRINT:
+        reply_anchor = anchor(reply, session.scope)
+        if reply_anchor is not None:
+            found.append((reply_anchor, session.id))
     chainable = answer_id is not None and turn.wire.api == "responses" \
         and turn.body.get("store") is not False
     if chainable and chain is not None:
-        # noted before anything here waits, as the anchor below is: the client may chain on
-        # the answer the moment it has it
-        _keep_anchor(state, turn, store, ns, response_alias(str(answer_id)), chain)
+        found.append((response_alias(str(answer_id)), chain))
     if chainable and kept is not None and kept.get("after"):
         # the answer mixed the proxy's calls with the client's: the client answers its own
         # when it chains on it, and the proxy's outputs go with them (the upstream wants all)
-        owed = orjson.dumps(to_items(kept["after"])[1]).decode()
-        _keep_anchor(state, turn, store, ns, response_owed(str(answer_id)), owed)
-    if answer_id is not None and turn.wire.api == "responses" \
-            and turn.body.get("store") is not False and not session.explicit:
-        # before anything here waits: a request chaining on this answer may come before
-        # Redis holds its anchor (written below, behind the answer), and find it here
-        store.note_anchor(ns, response_anchor(answer_id), session.id)
+        found.append((response_owed(str(answer_id)),
+                      orjson.dumps(to_items(kept["after"])[1]).decode()))
+    if chainable and not session.explicit:
+        # a named session is found only by its name
+        found.append((response_anchor(str(answer_id)), session.id))
+    for key, value in found:
+        store.note_anchor(ns, key, value)
+    if found:
+        told = await _announce(store, ns, session.id, found,
+                               turn.caller.tenant.retention_days)
+        if announced is not None and not announced.done():
+            announced.set_result(told)
     large = large or answer_is_large(reply)  # every path's answer, weighed here
     answer = await offload(large, lambda: counted(state, turn, [reply], reply=True)) \
         if reply is not None else []
@@ -435,13 +467,6 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
         # the loops this answer closed, into long-term memory (in the background)
         state.memory.after_answer(store, turn.caller.label, ns, session.id,
                                   [*history.messages, reply], retention)
-    if reply_anchor is not None:
-        state.spawn(_anchor(store, ns, reply_anchor, session.id, retention))
-    if answer_id is not None and turn.wire.api == "responses" \
-            and turn.body.get("store") is not False and not session.explicit:
-        # a later request that chains on this response finds its session by the id (only a
-        # stored response can be chained on); a named session is found only by its name
-        state.spawn(_anchor(store, ns, response_anchor(answer_id), session.id, retention))
 
 
 def request_point(state: AppState, turn: Turn, history: History,
@@ -461,15 +486,6 @@ def request_point(state: AppState, turn: Turn, history: History,
     return out
 
 
-def _keep_anchor(state: AppState, turn: Turn, store: RedisStore, ns: str, key: str,
-                 value: str) -> None:
-    """A value a request chained on an answer may look up the moment the answer arrives:
-    noted on this replica now, and written to Redis behind it (kept as long as the
-    tenant's sessions are)."""
-    store.note_anchor(ns, key, value)
-    state.spawn(_anchor(store, ns, key, value, turn.caller.tenant.retention_days))
-
-
 async def _keep_internal(store: RedisStore, namespace: str, session_id: str, at: str,
                          kept: dict[str, Any], retention: float | None) -> None:
     try:
@@ -478,9 +494,16 @@ async def _keep_internal(store: RedisStore, namespace: str, session_id: str, at:
         log.warning("proxy tool exchange not stored", extra={"error": str(exc)})
 
 
-async def _anchor(store: RedisStore, namespace: str, key: str, session_id: str,
-                  retention: float | None) -> None:
+async def _announce(store: RedisStore, namespace: str, session_id: str,
+                    found: list[tuple[str, str]], retention: float | None) -> bool:
+    """An answer's anchors into Redis (kept as long as the tenant's sessions are), and its
+    session's write announced for as long as a request continuing it waits for that write
+    (``_continuation``). False when Redis did not take them (the answer says so)."""
     try:
-        await store.set_anchor(namespace, key, session_id, retention)
+        await store.announce(namespace, session_id, found, retention,
+                             int(WRITTEN_WAIT_S * 1000))
     except StoreError as exc:
-        log.warning("session anchor not stored", extra={"error": str(exc)})
+        log.warning("session anchors not stored", extra={"error": str(exc),
+                                                        "session": session_id})
+        return False
+    return True

@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from ..conversation.identity import Session
+from ..conversation.identity import Session, SessionKind
 from ..conversation.messages import Message
 from ..errors import (
     PermissionDenied,
@@ -40,6 +40,8 @@ log = logs.get("relay")
 # (then it ends saying so); every replica reads the session from Redis, and the client may
 # send the next turn to any of them the moment it has this answer
 DURABLE_WAIT_S = 2.0
+# how long an answer's end waits for its anchors to be in Redis (one round trip)
+ANNOUNCE_WAIT_S = 1.0
 # what a stream says, before its end, when its server-history turn is not in Redis yet
 # (an SSE comment: the SDKs skip it; the turn is queued and written when Redis takes it)
 NOT_STORED_EVENT = b": X-Runloop-Degraded: history (this turn is not stored yet)\n\n"
@@ -112,10 +114,10 @@ async def relay(state: AppState, turn: Turn, session: Session, history: History,
         headers.setdefault("X-Runloop-Degraded", "memory")
     _calibrate(state, turn, rlog, outcome.first)
     rlog.usage(outcome.usage)
-    if not await kept(state, turn, session, history, record(
+    if not await kept(state, turn, session, history, lambda told: record(
             state, turn, session, history, outcome.shown, outcome.kept,
             answer_id=outcome.id, tokens=rlog.prompt_tokens, prompts=rlog.prompts,
-            frame=rlog.frame, usage=rlog.billed, chain=outcome.chain)):
+            frame=rlog.frame, usage=rlog.billed, chain=outcome.chain, announced=told)):
         headers["X-Runloop-Degraded"] = "history"
     shadow_after(state, turn, history, out, rlog, outcome.shown)
     rlog.finish(200)
@@ -127,10 +129,18 @@ async def _answered(state: AppState, turn: Turn, session: Session, history: Hist
     """An answer relayed unchanged: learn from its usage and record it (``kept``)."""
     _calibrate(state, turn, rlog, reply.usage if reply else None)
     rlog.usage(reply.usage if reply else None)
-    return await kept(state, turn, session, history, record(
+    return await kept(state, turn, session, history, lambda told: record(
         state, turn, session, history, reply.message if reply else None, None, large,
         reply.id if reply else None, rlog.prompt_tokens, rlog.frame, usage=rlog.billed,
-        prompts=rlog.prompts))
+        prompts=rlog.prompts, announced=told))
+
+
+def announces(turn: Turn, session: Session) -> bool:
+    """Whether this turn's answer ends only once Redis holds its anchors (``kept``): its
+    session is fingerprinted (a client trimming its history finds it by its reply), or its
+    response may be chained on."""
+    return session.kind is SessionKind.FINGERPRINT or (
+        turn.wire.api == "responses" and turn.body.get("store") is not False)
 
 
 def durable(turn: Turn, history: History) -> bool:
@@ -141,16 +151,32 @@ def durable(turn: Turn, history: History) -> bool:
 
 
 async def kept(state: AppState, turn: Turn, session: Session, history: History,
-               recording: Coroutine[Any, Any, None]) -> bool:
-    """Record a turn (``reconcile.record``): behind the answer — or, for server history
-    (``durable``), before its end: the answer waits (at most DURABLE_WAIT_S) until Redis
-    holds the turn. False when it does not yet: Redis refusing writes or slow (the turn stays
-    queued and is written when Redis takes it); the caller's answer says so. The recording
-    runs on if the client goes away meanwhile (the upstream answered: the turn is kept)."""
-    task = state.spawn(recording)
+               recording: Callable[[asyncio.Future[bool]], Coroutine[Any, Any, None]]
+               ) -> bool:
+    """Record a turn (``reconcile.record``): behind the answer — after its anchors are in
+    Redis (at most ANNOUNCE_WAIT_S: a request the client sends the moment it has the answer,
+    to any replica, finds its session by them) — or, for server history (``durable``),
+    before its end: the answer waits (at most DURABLE_WAIT_S) until Redis holds the turn.
+    False when it does not yet: Redis refusing writes or slow (the turn stays queued and is
+    written when Redis takes it); the caller's answer says so. The recording runs on if the
+    client goes away meanwhile (the upstream answered: the turn is kept)."""
+    announced: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    task = state.spawn(recording(announced))
     store, ns = state.store, turn.caller.namespace
-    if not durable(turn, history) or store is None or ns is None:
+    if store is None or ns is None:
         return True
+    if not durable(turn, history):
+        try:
+            async with asyncio.timeout(ANNOUNCE_WAIT_S):
+                if await asyncio.shield(announced):
+                    return True
+        except TimeoutError:
+            pass
+        state.metrics.degraded.labels(turn.caller.label, "history").inc()
+        log.warning("session anchors not in Redis before the answer ended: a request sent "
+                    "to another replica at once may begin a session of its own",
+                    extra={"tenant": turn.caller.tenant.name, "session": session.id})
+        return False
     try:
         async with asyncio.timeout(DURABLE_WAIT_S):
             await asyncio.shield(task)  # the turn queued (``record`` catches what it raises)
@@ -364,7 +390,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                 observer.feed(ev)
                 return ()
 
-            behind = durable(turn, history)
+            behind = durable(turn, history) or announces(turn, session)
             recorded = False
             async for chunk in resp.iter_chunks():
                 rlog.first_byte()
@@ -415,7 +441,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
             rounds = _rounds(state, turn, session, history, out, rlog)
             # server history: each piece goes one behind, so the last (the answer's end)
             # waits for the turn's write
-            behind = durable(turn, history)
+            behind = durable(turn, history) or announces(turn, session)
             last: bytes | None = None
             try:
                 async for piece in answer_stream(rounds, resp, turn.body, outcomes.append):
@@ -430,11 +456,11 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                 _count_calls(state, turn, rounds)
             _calibrate(state, turn, rlog, outcomes[0].first)
             rlog.usage(outcomes[0].usage)
-            if not await kept(state, turn, session, history, record(
+            if not await kept(state, turn, session, history, lambda told: record(
                     state, turn, session, history, outcomes[0].shown, outcomes[0].kept,
                     answer_id=outcomes[0].id, tokens=rlog.prompt_tokens,
                     prompts=rlog.prompts, frame=rlog.frame, usage=rlog.billed,
-                    chain=outcomes[0].chain)):
+                    chain=outcomes[0].chain, announced=told)):
                 yield NOT_STORED_EVENT
             shadow_after(state, turn, history, out, rlog, outcomes[0].shown)
             if last is not None:
