@@ -114,7 +114,8 @@ class AppState:
         next (at start, and at a reload that changed them): each cache's share of
         ``cache_mb`` (what a smaller one leaves over dropped now), the answers read whole
         (``held_answers_mb``), the large requests and their worker threads
-        (``large_requests``), each tenant's ``tenant_share`` of them."""
+        (``large_requests``), the summaries' model calls (``summary_calls``), each
+        tenant's ``tenant_share`` of them. (An upstream's connections: ``sync_upstreams``.)"""
         budget = server.cache_mb << 20
 
         def share(name: str) -> int:
@@ -131,7 +132,8 @@ class AppState:
         self.memory.vectors.resize(share("vectors"))
         if self.store is not None:
             self.store.resize({name: share(name) for name in STORE_CACHES})
-        self.summaries.resize(budget * SHARES["summaries"])
+        self.summaries.resize(budget * SHARES["summaries"], server.summary_calls,
+                              server.tenant_share)
         self.answers.resize(server.held_answers_mb << 20, server.tenant_share)
         self.large.resize(server.large_requests, server.tenant_share)
         if self.loop is not None:
@@ -221,19 +223,25 @@ class AppState:
     async def sync_upstreams(self, config: ProxyConfig | None = None) -> None:
         """The clients of ``config``'s upstreams (the current config's when None), made
         before either changes; then the config and its clients are swapped in one step, so
-        no request ever reads a key from one config and the client of another."""
+        no request ever reads a key from one config and the client of another. A client
+        kept takes the new ``tenant_share`` of its connections; one whose connection pool
+        changes (its spec, or the connections kept for ``summary_calls``) is made again."""
         config = config or self.config
+        server = config.server
         old = self.upstreams
         new: dict[str, UpstreamClient] = {}
         for name, spec in config.upstreams.items():
             client = old.get(name)
-            if client is None or client.spec != spec:
+            if client is not None and client.spec == spec \
+                    and client.summary_connections == server.summary_calls:
+                client.connections.resize(spec.max_connections, server.tenant_share)
+            else:
                 # the pass-through upstream is the URL its user typed (--upstream): errors
                 # name it so; a configured one is named by its name alone
                 typed = config.passthrough is not None and name == config.passthrough.upstream
                 client = UpstreamClient(name, spec, redact_url(spec.url) if typed else None,
-                                        self.masks, config.server.tenant_share, self.answers,
-                                        self._refused, config.server.summary_calls)
+                                        self.masks, server.tenant_share, self.answers,
+                                        self._refused, server.summary_calls)
                 await client.start()
             new[name] = client
         self.config, self.upstreams = config, new

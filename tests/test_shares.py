@@ -547,3 +547,62 @@ async def test_a_reload_that_changes_large_requests_bounds_the_next_request(
         await eventually(lambda: large.in_use == 0, "its unit back")
         r = await send(4)
         assert r.status_code == 200, r.text
+
+
+async def test_a_reload_resizes_a_tenants_share_of_connections_and_the_summary_calls(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Finding: a reload resized every Shares but two: an upstream's connections kept the
+    ``tenant_share`` it was made with (its client is made again only when its spec
+    changes), and the summaries' model calls kept ``summary_calls`` and its share, until a
+    restart. Now: ``tenant_share`` 0.5 -> 0.25 by the file, the upstream's client is kept and
+    acme's share of its 12 connections is 3 (three held, the fourth a 429 saying 3 of 12),
+    the summary calls' share 8 of 32; then ``summary_calls`` 32 -> 6, the upstream's client
+    is made again with 6 connections kept for them (a pool of 18), the summary calls 6, 1
+    each."""
+    root = config(tmp_path / "cfg", upstream.url)
+    toml = root / "runloop.toml"
+    toml.write_text(toml.read_text().replace(f"max_connections = {POOL}",
+                                             "max_connections = 12"))
+    proxy = make_proxy(config_dir=str(root))
+    state = proxy.state
+    client = state.upstreams["main"]
+    assert (client.connections.total, client.connections.per_holder) == (12, 6)
+    assert (state.summaries.calls.total, state.summaries.calls.per_holder) == (32, 16)
+    reloads = state.metrics.config_reloads.labels("ok")
+
+    async def edited(old: str, new: str) -> None:
+        done = reloads._value.get()
+        toml.write_text(toml.read_text().replace(old, new))
+        os.utime(toml, (time.time() + 5, time.time() + 5))  # a change the poll sees
+        await eventually(lambda: reloads._value.get() > done, "the edit reloaded", 30)
+
+    await edited("tenant_share = 0.5\n", "tenant_share = 0.25\n")
+    assert state.upstreams["main"] is client  # its spec did not change: kept
+    assert (client.connections.total, client.connections.per_holder) == (12, 3)
+    assert (state.summaries.calls.total, state.summaries.calls.per_holder) == (32, 8)
+    async with httpx.AsyncClient(base_url=proxy.url, timeout=90) as c:
+        def send(headers: dict[str, str] | None = None) -> Any:
+            return c.post("/chat/completions", json=CHAT, headers={
+                "Authorization": f"Bearer {KEYS['acme']}", **(headers or {})})
+
+        held = [asyncio.ensure_future(send(SLOW)) for _ in range(3)]
+        await eventually(lambda: client.connections.held("acme") == 3
+                         and len(upstream.requests) == 3, "three held at a share of 3")
+        r = await send()
+        assert r.status_code == 429, r.text
+        assert "(3 of 12)" in r.json()["error"]["message"]
+        assert len(upstream.requests) == 3
+        for t in held:
+            t.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+        await eventually(lambda: client.connections.in_use == 0, "the connections back")
+
+    await edited("tenant_share = 0.25\n", "tenant_share = 0.25\nsummary_calls = 6\n")
+    remade = state.upstreams["main"]
+    assert remade is not client
+    assert remade.summary_connections == 6
+    assert remade._session is not None and remade._session.connector is not None
+    assert remade._session.connector.limit == 12 + 6
+    assert (remade.connections.total, remade.connections.per_holder) == (12, 3)
+    assert (state.summaries.calls.total, state.summaries.calls.per_holder) == (6, 1)
+

@@ -457,12 +457,13 @@ class SummaryService:
         self.waiting: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
             part("waiting"), lambda k, v: v.size)
 
-    def resize(self, budget: float) -> None:
-        """The summaries' new share of ``cache_mb``, in bytes (a reload), split as at
-        start."""
+    def resize(self, budget: float, calls: int, share: float) -> None:
+        """The summaries' new share of ``cache_mb``, in bytes, split as at start, and their
+        model calls' bound and ``tenant_share`` of it (a reload)."""
         for name in SUMMARY_PARTS:
             cache: ByteLRU[Any, Any] = getattr(self, name)
             cache.resize(int(budget * SUMMARY_PARTS[name]))
+        self.calls.resize(calls, share)
 
     async def stored(self, turn: Turn, session: Session) -> dict[str, str]:
         """What the store holds for the session (fail-open: nothing)."""
