@@ -15,7 +15,9 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
+import orjson
 import pytest
 
 from runloop_proxy.scripted import ScriptedUpstream
@@ -326,5 +328,83 @@ def test_a_trimmed_history_stays_one_session_across_replicas(
         (view,) = views.values()
         assert len(view["branches"]) == 1
         assert texts(view)[1:] == [str(m.get("content")) for m in full]
+    finally:
+        second.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
+def test_a_response_chained_on_another_replica_carries_the_proxys_outputs(
+        stream: bool, make_proxy: Any, upstream: ScriptedUpstream,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer mixing the client's call with the proxy's, from one replica; the client
+    chains on it at once through the other (two replicas on one Redis), every anchor write
+    BEHIND_WRITE_DELAY_S late. The chained request needs the proxy's outputs kept with the
+    answer's id (the upstream refuses a call left without output). Bug class: what a
+    response's chain needs known to the answering process only (its anchors written behind
+    the answer): the other replica sent the client's output alone. Streamed, the client
+    acts at ``response.completed`` (as Codex does), not when the body closes."""
+    import asyncio
+
+    from runloop_proxy.history.store import RedisStore
+
+    from .conftest import ProxyServer
+    from .test_responses import BIG, KEY, agent_turns, proxy_tool
+    from .test_responses import TOOLS as RESPONSE_TOOLS
+    from .test_responses import sdk as responses_sdk
+
+    def completed(proxy: ProxyServer, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """A streamed answer's response as its ``response.completed`` event has it: the
+        client goes on from there."""
+        with httpx.stream("POST", proxy.url + "/responses", json={**body, "stream": True},
+                          timeout=60, headers={"Authorization": f"Bearer {KEY}",
+                                               "X-Session-Id": name}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    event = orjson.loads(line[len("data: "):])
+                    if event.get("type") == "response.completed":
+                        return event["response"]  # type: ignore[no-any-return]
+        raise AssertionError("the stream ended without response.completed")
+
+    call = RedisStore._call
+
+    async def late_anchor(self: RedisStore, op: str, make: Any) -> Any:
+        if op == "anchor":
+            await asyncio.sleep(BEHIND_WRITE_DELAY_S)
+        return await call(self, op, make)
+
+    monkeypatch.setattr(RedisStore, "_call", late_anchor)
+    first: ProxyServer = make_proxy()
+    second = ProxyServer(first.settings, first.config).start()
+    try:
+        def respond(body: dict[str, Any]) -> dict[str, Any]:
+            given = body["input"] if isinstance(body["input"], list) else []
+            if any(i.get("call_id") == "client_1" and "output" in i for i in given):
+                return {"content": "all done"}
+            return {"tool_calls": [{"id": "rc_9", "name": proxy_tool(body),
+                                    "arguments": {"call_id": "call_1"}},
+                                   {"id": "client_1", "name": "shell",
+                                    "arguments": {"cmd": "ls"}}]}
+
+        upstream.responder = lambda body: {**respond(body),
+                                           "response_id": f"resp_m{len(upstream.requests)}"}
+        name = f"replica-chain-{stream}"
+        a, b = responses_sdk(first, name), responses_sdk(second, name)
+        body = {"model": "gpt-5.1", "input": agent_turns(14, tasks=False),
+                "tools": RESPONSE_TOOLS}
+        answer = completed(first, name, body) if stream else \
+            a.responses.create(**body).model_dump()  # type: ignore[call-overload]
+        assert [o["call_id"] for o in answer["output"] if o["type"] == "function_call"] == \
+            ["client_1"]
+        mine = [{"type": "function_call_output", "call_id": "client_1", "output": "a b"}]
+        follow = b.responses.create(model="gpt-5.1", previous_response_id=answer["id"],
+                                    input=mine, tools=RESPONSE_TOOLS)  # type: ignore[arg-type]
+        assert follow.output_text == "all done"
+        sent = upstream.requests[-1]
+        assert sent["previous_response_id"] == answer["id"] == "resp_m1"
+        outputs = [i for i in sent["input"] if i.get("type") == "function_call_output"]
+        assert [i["call_id"] for i in outputs] == ["rc_9", "client_1"]
+        assert outputs[0]["output"] == BIG.format(k=1) and sent["input"][-1] == mine[0]
+        a.close()
+        b.close()
     finally:
         second.stop()
