@@ -59,6 +59,7 @@ from .scripted_world import (
     Latency,
     Pauses,
     chat_completion_id,
+    ids_follow,
     is_summary_call,
     openai_call_id,
     responses_id,
@@ -169,6 +170,9 @@ class PromptCache:
 class ScriptedUpstream:
     def __init__(self, prompt_cache: bool = False) -> None:
         self.prompt_cache = PromptCache() if prompt_cache else None
+        # ids drawn from the request answered, not from the process's count: a test comparing
+        # two runs byte for byte gets the same ids for the same request
+        self.ids_by_request = False
         self.script: collections.deque[Reply] = collections.deque()
         self.responder: Callable[[dict[str, Any]], Reply] | None = None
         self.requests: list[dict[str, Any]] = []
@@ -295,6 +299,8 @@ class ScriptedUpstream:
             body = orjson.loads(raw)
             if not isinstance(body, dict):
                 raise ValueError("the body is not an object")
+            if self.ids_by_request:
+                ids_follow(raw)
             if self.keep_requests:
                 self.requests.append(body)
                 self.raw_bodies.append(raw)

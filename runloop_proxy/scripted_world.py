@@ -12,6 +12,7 @@ timing anything.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import hashlib
 import itertools
@@ -26,6 +27,16 @@ KINDS: tuple[CallKind, ...] = ("first_byte", "between_events", "summary", "count
 BASE62 = string.digits + string.ascii_letters
 HEX = "0123456789abcdef"
 _serial = itertools.count(1)
+# set by an upstream whose ids follow from the request they answer (ids_by_request): the
+# request's digest and a count of the ids drawn for it
+_request_ids: contextvars.ContextVar[tuple[str, itertools.count[int]] | None] = \
+    contextvars.ContextVar("scripted_request_ids", default=None)
+
+
+def ids_follow(raw: bytes) -> None:
+    """From here on in this task, the ids drawn follow from ``raw`` alone: the same request
+    gets the same ids, whatever else the process answered before it."""
+    _request_ids.set((hashlib.blake2b(raw, digest_size=16).hexdigest(), itertools.count(1)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +106,10 @@ def is_summary_call(body: dict[str, Any]) -> bool:
 
 def provider_id(prefix: str, length: int, alphabet: str = BASE62) -> str:
     """``prefix`` + ``length`` characters of ``alphabet``: distinct on every call, the same
-    sequence on every run (drawn from a counter's hash, not from the clock)."""
-    n = next(_serial)
+    sequence on every run (drawn from a counter's hash, not from the clock); under
+    ``ids_follow``, from the request's digest and the ids drawn for it."""
+    seeded = _request_ids.get()
+    n: int | str = next(_serial) if seeded is None else f"{seeded[0]}.{next(seeded[1])}"
     out = ""
     block = 0
     while len(out) < length:

@@ -262,7 +262,9 @@ def run(tmp: Path, name: str, make_proxy: Any, policy: str, api: str,
         line_up: LineUp, with_victim: bool) -> list[bytes]:
     """Fresh upstream and proxy; the victim's turns (if any), then the stranger's: the bodies
     the upstream received for the stranger."""
-    upstream = ScriptedUpstream(prompt_cache=True).start()
+    upstream = ScriptedUpstream(prompt_cache=True)
+    upstream.ids_by_request = True  # the same request answered with the same ids either way
+    upstream.start()
     try:
         upstream.responder = model
         root = write_config(tmp / name, upstream.url, acme_policy=policy)
@@ -291,7 +293,9 @@ def interleaved(tmp: Path, name: str, make_proxy: Any, policy: str, api: str,
     """Fresh upstream and proxy; the victim's turns, each followed (if ``with_stranger``) by a
     turn of a stranger who opens alike (one fingerprint, one stored session): the bodies the
     upstream received for the victim."""
-    upstream = ScriptedUpstream(prompt_cache=True).start()
+    upstream = ScriptedUpstream(prompt_cache=True)
+    upstream.ids_by_request = True  # the same request answered with the same ids either way
+    upstream.start()
     try:
         upstream.responder = model
         root = write_config(tmp / name, upstream.url, acme_policy=policy)
