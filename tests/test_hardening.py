@@ -581,12 +581,16 @@ def _loop_calls(proxy: ProxyServer, work: Any) -> int:
     summary ending in the window, or this one's ending after it, made the count vary by
     a summary (4,000 to 6,000 calls in 18,000, measured)."""
     import sys
+    from collections import Counter
 
     count = [0]
+    where: Counter[str] = Counter()
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         if event == "call" or event == "c_call":
             count[0] += 1
+            code = frame.f_code
+            where[f"{code.co_filename.rsplit('/', 2)[-1]}:{code.co_name}"] += 1
 
     async def set_hook(h: Any) -> None:
         sys.setprofile(h)
@@ -598,7 +602,22 @@ def _loop_calls(proxy: ProxyServer, work: Any) -> int:
         proxy.quiet()  # the write-behind flush and the summaries run on the loop too
     finally:
         proxy.run(set_hook(None))
-    return count[0]
+    return LoopCalls(count[0], where.most_common(8))
+
+
+class LoopCalls(int):
+    """A count of calls on the event loop that says, in a failing assertion's message, in
+    which functions they were made (the 8 busiest callers)."""
+
+    top: list[tuple[str, int]]
+
+    def __new__(cls, n: int, top: list[tuple[str, int]]) -> LoopCalls:
+        calls = super().__new__(cls, n)
+        calls.top = top
+        return calls
+
+    def __repr__(self) -> str:
+        return f"{int(self)} (busiest: {self.top})"
 
 
 def _many(kind: str, n: int) -> tuple[str, dict[str, Any]]:
