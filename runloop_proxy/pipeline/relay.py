@@ -380,6 +380,9 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
     status = 200
     outcomes: list[Outcome] = []
     relay = turn.wire.relay(turn.body)
+    # the piece held back until the turn's write (``behind``): a stream cut after it still
+    # gets it, before the error event, as an answer not held back would have
+    last: bytes | None = None
     try:
         if out.tools is None and not turn.wire.translates:
             limit = state.config.store.max_message_bytes
@@ -442,7 +445,6 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
             # server history: each piece goes one behind, so the last (the answer's end)
             # waits for the turn's write
             behind = durable(turn, history) or announces(turn, session)
-            last: bytes | None = None
             try:
                 async for piece in answer_stream(rounds, resp, turn.body, outcomes.append):
                     rlog.first_byte()
@@ -464,16 +466,21 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                 yield NOT_STORED_EVENT
             shadow_after(state, turn, history, out, rlog, outcomes[0].shown)
             if last is not None:
-                yield last
+                piece, last = last, None
+                yield piece
     except UpstreamError as exc:
         status = exc.status
         log.warning("upstream failed mid-stream", extra={"tenant": turn.caller.tenant.name,
                                                          "error": exc.log_text})
+        if last is not None:
+            yield last
         yield relay.error(exc)
     except Unavailable as exc:  # a round's call past its tenant's share: said, not a crash
         status = exc.status
         log.warning("request refused mid-stream", extra={"tenant": turn.caller.tenant.name,
                                                          "error": exc.log_text})
+        if last is not None:
+            yield last
         yield relay.error(exc)
     except (GeneratorExit, asyncio.CancelledError):
         status = CLIENT_CLOSED  # the client went away: the relay was cancelled
@@ -481,6 +488,8 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
     except Exception as exc:  # noqa: BLE001 - the client gets an error event, not a cut stream
         status = 500
         log.exception("stream failed", extra={"tenant": turn.caller.tenant.name})
+        if last is not None:
+            yield last
         yield relay.error(exc)
     finally:
         resp.close()
