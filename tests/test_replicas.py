@@ -120,6 +120,22 @@ def test_every_turn_reaches_the_upstream_whatever_replica_answered_the_last(
 WRITE_DELAY_S = 0.35  # every history write of both replicas reaches Redis this late
 
 
+def _writes_late(*replicas: Any) -> None:
+    """Each replica's history writes reach Redis WRITE_DELAY_S late (its write-behind's
+    batches wait before they are sent)."""
+    import asyncio
+
+    for replica in replicas:
+        writes = replica.state.store.writes
+        run = writes._run
+
+        async def slow(batch: Any, run: Any = run) -> Any:
+            await asyncio.sleep(WRITE_DELAY_S)
+            return await run(batch)
+
+        writes._run = slow
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "streamed"])
 def test_a_slow_write_is_waited_for_by_the_answer_not_by_luck(
         stream: bool, make_proxy: Any, upstream: ScriptedUpstream) -> None:
@@ -129,22 +145,13 @@ def test_a_slow_write_is_waited_for_by_the_answer_not_by_luck(
     end not waiting for the write (planted: ``durable`` False), JSON and streamed; and, the
     second bug of the class, with the wait made after the stream's ending chunk was sent
     (planted: that chunk yielded before ``kept``) — red on the second turn too."""
-    import asyncio
 
     from .conftest import ProxyServer
 
     first: ProxyServer = make_proxy()
     second = ProxyServer(first.settings, first.config).start()
     try:
-        for replica in (first, second):
-            writes = replica.state.store.writes
-            run = writes._run
-
-            async def slow(batch: Any, run: Any = run) -> Any:
-                await asyncio.sleep(WRITE_DELAY_S)
-                return await run(batch)
-
-            writes._run = slow
+        _writes_late(first, second)
         key = openai_project_key(41)
         name = "slow-write-" + ("sse" if stream else "json")
         clients = [openai.OpenAI(base_url=p.url, api_key=key, max_retries=0, timeout=60,
@@ -273,15 +280,7 @@ def test_a_trimmed_history_stays_one_session_across_replicas(
     first: ProxyServer = make_proxy(admin_key=ADMIN)
     second = ProxyServer(first.settings, first.config).start()
     try:
-        for replica in (first, second):
-            writes = replica.state.store.writes
-            run = writes._run
-
-            async def slow(batch: Any, run: Any = run) -> Any:
-                await asyncio.sleep(WRITE_DELAY_S)
-                return await run(batch)
-
-            writes._run = slow
+        _writes_late(first, second)
 
         def respond(body: dict[str, Any]) -> dict[str, Any]:
             last = body["messages"][-1]
