@@ -163,6 +163,21 @@ SMOL_OBSERVATION = "Observation:\n" + "\n".join(
     f"row {i}:  value\t{i * 7}  \u00e9t\u00e9 \U0001f600" for i in range(400))
 
 
+def _smol_step(c: openai.OpenAI, model: str, msgs: list[Any], observation: str) -> bool:
+    """One smolagents step: the model's tool calls restated as its text, then
+    ``observation`` as the user's; False when the model answered without calling."""
+    reply = c.chat.completions.create(model=model, messages=msgs,  # type: ignore[arg-type]
+                                      tools=TOOLS).choices[0].message
+    if reply.tool_calls is None:
+        return False
+    calls = [{"id": t.id, "type": "function", "function": {
+        "name": t.function.name, "arguments": orjson.loads(t.function.arguments)}}
+        for t in reply.tool_calls]
+    msgs += [{"role": "assistant", "content": f"Calling tools:\n{calls}"},
+             {"role": "user", "content": observation}]
+    return True
+
+
 def test_smolagents_restated_replies_do_not_fork_and_cut_observations_stay_recallable(
         make_proxy: Any, upstream: ScriptedUpstream) -> None:
     """smolagents sends the model's tool calls back as assistant text and their results as
@@ -194,15 +209,8 @@ def test_smolagents_restated_replies_do_not_fork_and_cut_observations_stay_recal
     msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a smol agent."},
                                   {"role": "user", "content": "New task: find it"}]
     for _ in range(5):
-        reply = c.chat.completions.create(model="gpt-4o-mini", messages=msgs,  # type: ignore[arg-type]
-                                          tools=TOOLS).choices[0].message
-        if reply.tool_calls is None:
+        if not _smol_step(c, "gpt-4o-mini", msgs, SMOL_OBSERVATION):
             break
-        calls = [{"id": t.id, "type": "function", "function": {
-            "name": t.function.name, "arguments": orjson.loads(t.function.arguments)}}
-            for t in reply.tool_calls]
-        msgs += [{"role": "assistant", "content": f"Calling tools:\n{calls}"},
-                 {"role": "user", "content": SMOL_OBSERVATION}]
     assert recalled == [SMOL_OBSERVATION], "the cut Observation came back byte for byte"
     (view,) = sessions(aproxy).values()
     assert len(view["branches"]) == 1
@@ -249,15 +257,8 @@ def test_under_the_defaults_an_omitted_smolagents_observation_is_found_and_recal
                                   {"role": "user", "content": "New task: find it"}]
     observations = [SMOL_OBSERVATION, "Observation:\nno rows for x", "Observation:\nnone"]
     for observation in observations:
-        reply = c.chat.completions.create(model="gpt-5.1", messages=msgs,  # type: ignore[arg-type]
-                                          tools=TOOLS).choices[0].message
-        if reply.tool_calls is None:
+        if not _smol_step(c, "gpt-5.1", msgs, observation):
             break
-        calls = [{"id": t.id, "type": "function", "function": {
-            "name": t.function.name, "arguments": orjson.loads(t.function.arguments)}}
-            for t in reply.tool_calls]
-        msgs += [{"role": "assistant", "content": f"Calling tools:\n{calls}"},
-                 {"role": "user", "content": observation}]
     assert hits, "the first Observation left the window and the model searched for it"
     assert recalled == [SMOL_OBSERVATION], ("the omitted Observation came back byte for byte",
                                             hits)
