@@ -81,6 +81,7 @@ def create_app(settings: Settings, config: ProxyConfig | None = None,
             await state.store.close()
             if state.embedded:
                 state.embedded.stop()
+            logs.flush()  # a worker process ends without its atexit handlers
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import pytest
 from runloop_proxy.app import create_app
 from runloop_proxy.config import Policy, ProxyConfig, Settings, load_config
 from runloop_proxy.history.embedded import find_redis_server
+from runloop_proxy.ops import logs
 from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream, ThreadedServer
 
@@ -42,6 +44,32 @@ def _tracer_put_back() -> Iterator[None]:
     assert after[0] is before[0], f"the test left sys.settrace at {after[0]!r}, not {before[0]!r}"
     assert after[1] is before[1], \
         f"the test left threading.settrace at {after[1]!r}, not {before[1]!r}"
+
+
+@pytest.fixture(autouse=True)
+def _logging_put_back() -> Iterator[None]:
+    """Every test leaves the ``runloop`` loggers as it found them: a test that runs
+    ``serve`` in this process configures them (info, to stderr), and every in-process proxy
+    after it then logged a line per window step, which the event-loop bounds counted."""
+    root = logging.getLogger(logs.LOGGER)
+    was = root.level, list(root.handlers), root.propagate
+    yield
+    logs.flush()
+    root.level, root.handlers[:], root.propagate = was
+
+
+@contextlib.contextmanager
+def logged_as_served(stream: Any) -> Iterator[None]:
+    """The ``runloop`` loggers as ``serve`` sets them (info, JSON lines through their writer
+    thread), written to ``stream``; every line written when the block ends."""
+    logs.configure("info", "json")
+    handler = logs.stream_handler()
+    assert handler is not None
+    handler.setStream(stream)
+    try:
+        yield
+    finally:
+        logs.flush()
 
 
 def until(cond: Any, timeout: float = 10, what: str = "the condition") -> float:

@@ -421,7 +421,12 @@ def test_rolling_summary_input_stays_bounded_over_40_turns(
         proxy.settle()
 
     converse(proxy, "sum-40", 40, after=settled)
-    until(lambda: len(prompts) >= 15, timeout=20, what="a summary per omission batch")
+    try:
+        until(lambda: len(prompts) >= 15, timeout=20, what="a summary per omission batch")
+    except AssertionError as exc:  # what the proxy says of its summaries, to find why
+        outcomes = [line for line in httpx.get(proxy.base + "/metrics").text.splitlines()
+                    if line.startswith("runloop_summaries_total")]
+        raise AssertionError(f"{exc}: {len(prompts)} calls; {outcomes}") from exc
     turns = [p.split("Turns to add:\n", 1)[1] for p in prompts]
     previous = [p.split("Turns to add:\n", 1)[0].rsplit(":\n", 2)[-2] for p in prompts]
     assert max(len(t) for t in turns) < 1.2 * min(len(t) for t in turns)  # one batch each

@@ -74,18 +74,14 @@ def test_pretty_indents_json_and_leaves_the_rest(text: str, shown: str) -> None:
 
 
 def logged(fmt: str, **extra: Any) -> str:
-    root = logging.getLogger(logs.LOGGER)
-    was = (root.level, list(root.handlers), root.propagate)
-    logs.configure("info", fmt)
+    logs.configure("info", fmt)  # conftest puts the loggers back after the test
     stream = io.StringIO()
-    handler = root.handlers[0]
+    handler = logs.stream_handler()
     assert isinstance(handler, logging.StreamHandler)
     handler.setStream(stream)
-    try:
-        logs.get("test").info("request", extra=extra)
-        logs.get("test").debug("not at info")
-    finally:
-        root.level, root.handlers[:], root.propagate = was[0], was[1], was[2]
+    logs.get("test").info("request", extra=extra)
+    logs.get("test").debug("not at info")
+    logs.flush()
     return stream.getvalue()
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import logging.handlers
+import queue
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -90,13 +94,60 @@ class TextFormatter(_Bounded):
         return text + ("\n" + self.formatException(record.exc_info) if record.exc_info else "")
 
 
+class _Enqueue(logging.handlers.QueueHandler):
+    """What a logging call does in the caller's thread (the event loop's, most often): its
+    message rendered, the record queued. Formatting and the write to stderr are the
+    listener thread's, so a request that logs a line per window step, or a stderr pipe
+    that is full, costs the event loop no more than the queueing."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        record.msg, record.args = record.getMessage(), None  # its arguments, as they are now
+        return record  # exc_info kept: the writer's formatter bounds its traceback
+
+
+class _Writer(logging.handlers.QueueListener):
+    def handle(self, record: Any) -> None:
+        if isinstance(record, threading.Event):  # flush(): all before it is written
+            record.set()
+            return
+        super().handle(record)
+
+
+_writer: _Writer | None = None
+FLUSH_WAIT_S = 5.0
+
+
 def configure(level: str = "info", fmt: str = "json") -> None:
+    """The ``runloop`` loggers at ``level``, written as ``fmt`` to stderr by a thread of
+    their own (``_Enqueue``); a later call replaces the earlier one's writer."""
+    global _writer
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    lines: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    writer = _Writer(lines, handler)
+    writer.start()
     root = logging.getLogger(LOGGER)
-    root.handlers[:] = [handler]
+    root.handlers[:] = [_Enqueue(lines)]
     root.setLevel(level.upper())
     root.propagate = False
+    if _writer is not None:
+        _writer.stop()
+    else:
+        atexit.register(flush)
+    _writer = writer
+
+
+def stream_handler() -> logging.StreamHandler | None:  # type: ignore[type-arg]
+    """The handler ``configure``'s writer writes through (its stream can be set)."""
+    return None if _writer is None else _writer.handlers[0]  # type: ignore[return-value]
+
+
+def flush() -> None:
+    """Every line logged before this call written (a server's shutdown, a test's read)."""
+    if _writer is not None and _writer._thread is not None:
+        done = threading.Event()
+        _writer.queue.put_nowait(done)
+        done.wait(FLUSH_WAIT_S)
 
 
 class _Named(logging.LoggerAdapter):  # type: ignore[type-arg]
