@@ -59,10 +59,10 @@ def _logging_put_back() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def logged_as_served(stream: Any) -> Iterator[None]:
-    """The ``runloop`` loggers as ``serve`` sets them (info, JSON lines through their writer
-    thread), written to ``stream``; every line written when the block ends."""
-    logs.configure("info", "json")
+def logged_as_served(stream: Any, fmt: str = "json") -> Iterator[None]:
+    """The ``runloop`` loggers as ``serve`` sets them (info, ``fmt`` lines through their
+    writer thread), written to ``stream``; every line written when the block ends."""
+    logs.configure("info", fmt)
     handler = logs.stream_handler()
     assert handler is not None
     handler.setStream(stream)

@@ -5,7 +5,6 @@ own wording is test_views.py's."""
 from __future__ import annotations
 
 import io
-import logging
 from typing import Any
 
 import orjson
@@ -21,6 +20,8 @@ from runloop_proxy.ops.views import (
     record_line,
 )
 from runloop_proxy.window.builder import CompactionKind
+
+from .conftest import logged_as_served
 
 
 @pytest.mark.parametrize(("span", "said"), [
@@ -74,14 +75,10 @@ def test_pretty_indents_json_and_leaves_the_rest(text: str, shown: str) -> None:
 
 
 def logged(fmt: str, **extra: Any) -> str:
-    logs.configure("info", fmt)  # conftest puts the loggers back after the test
     stream = io.StringIO()
-    handler = logs.stream_handler()
-    assert isinstance(handler, logging.StreamHandler)
-    handler.setStream(stream)
-    logs.get("test").info("request", extra=extra)
-    logs.get("test").debug("not at info")
-    logs.flush()
+    with logged_as_served(stream, fmt):  # conftest puts the loggers back after the test
+        logs.get("test").info("request", extra=extra)
+        logs.get("test").debug("not at info")
     return stream.getvalue()
 
 
