@@ -5,6 +5,7 @@ own wording is test_views.py's."""
 from __future__ import annotations
 
 import io
+import threading
 from typing import Any
 
 import orjson
@@ -118,3 +119,24 @@ def test_replay_says_what_is_wrong_and_nothing_it_was_told_not_to(tmp_path: Any)
     alone = replay("--no-progress", "--direct", "http://127.0.0.1:9/v1")
     assert alone.returncode == 2
     assert "--direct compares against a proxy: give --proxy as well" in alone.stderr
+
+
+def test_a_line_is_formatted_in_the_writers_thread_not_the_callers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A logging call on the event loop only queues its record: every formatter's fields
+    (``logs.fields``) are made in the writer's thread. The event-loop bounds let a little
+    formatting on the loop pass (planted: the record formatted in ``_Enqueue.prepare``,
+    green there); this is red with it."""
+    made_in: list[threading.Thread] = []
+    fields = logs.fields
+
+    def where(record: Any) -> dict[str, Any]:
+        made_in.append(threading.current_thread())
+        return fields(record)
+
+    monkeypatch.setattr(logs, "fields", where)
+    stream = io.StringIO()
+    with logged_as_served(stream):
+        logs.get("test").info("request", extra={"tenant": "acme"})
+    assert made_in and threading.current_thread() not in made_in
+    assert orjson.loads(stream.getvalue())["tenant"] == "acme"
