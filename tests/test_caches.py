@@ -322,6 +322,7 @@ FILLS: dict[str, Any] = {
     "state.summaries.waiting": lambda i: ((NAMESPACE, f"{SESSION}{i}"), _pending(i)),
     "state.summaries.failures": lambda i: (f"{NAMESPACE}{i}", i),
     "state.summaries.paused_until": lambda i: (f"{NAMESPACE}{i}", i + 0.5),
+    "state.summaries.unreleased": lambda i: ((NAMESPACE, f"{SESSION}{i}"), f"{i:032x}"),
     "state.store._anchors": lambda i: ((NAMESPACE, f"{i:064x}"), f"{SESSION}{i}"),
     "state.store._indexed": lambda i: ((NAMESPACE, f"{SESSION}{i}"), i + 0.25),
     "state.tokens._by_model": lambda i: ((f"claude-sonnet-4-5-20250929-ft-{i:034d}", None),

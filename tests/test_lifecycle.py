@@ -133,7 +133,8 @@ def test_one_callers_failing_summaries_pause_no_other_callers() -> None:
 
     asked: list[str] = []
 
-    async def lock_summary(ns: str, session_id: str, ttl: float) -> bool:
+    async def lock_summary(ns: str, session_id: str, ttl: float,
+                           unreleased: str | None = None) -> bool:
         asked.append(ns)
         return False  # another replica makes it: the call ends there
 

@@ -210,7 +210,13 @@ def test_a_summary_lock_is_released_only_by_its_holder(redis_url: str) -> None:
         await b.unlock_summary("acme", session, second)
         third = await a.lock_summary("acme", session, 30)
         assert third and third not in (first, second)
-        await a.unlock_summary("acme", session, third)
+        # a lock its holder could not release is that holder's to take over, never another's
+        # (planted, red: the takeover whatever the lock's token)
+        assert await b.lock_summary("acme", session, 30, unreleased=second) is None
+        fourth = await a.lock_summary("acme", session, 30, unreleased=third)
+        assert fourth and fourth != third
+        assert await b.lock_summary("acme", session, 30) is None
+        assert await a.unlock_summary("acme", session, fourth)
         await a.close()
         await b.close()
 

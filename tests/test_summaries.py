@@ -19,7 +19,7 @@ from runloop_proxy.scripted import ScriptedUpstream
 from runloop_proxy.window.builder import batch_omission
 from runloop_proxy.window.digest import VERSION as EXTRACTIVE
 
-from .conftest import ProxyServer, serve_command, until
+from .conftest import ProxyServer, RedisServer, serve_command, until
 from .test_config import ACME_KEY, write_config
 
 ADMIN = {"Authorization": "Bearer admin-0123456789abcdef"}
@@ -462,6 +462,51 @@ def test_rolling_summary_input_stays_bounded_over_40_turns(
     made = httpx.post(proxy.base + "/admin/sessions/sum-40/compact", headers=ADMIN).json()
     # (the last two batches were not due yet: they would be made one loop before their event)
     assert all(m["ok"] for m in made["made"]) and len(made["made"]) <= 2
+
+
+def test_a_summary_redis_would_not_take_stops_no_later_summary(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """Redis pausing writes (CLIENT PAUSE, past the store's timeout) while a summary is made
+    loses that summary alone: counted as `store`, and the next batches' summaries are made
+    and reach the window. Planted, red: the session's summary lock left held when the write
+    failed (every later summary skipped, silently, for the lock's 35 s), as the whole suite
+    once saw on a loaded machine; and the lock released but not taken over (Redis, paused,
+    also refused the release: the same)."""
+    import redis
+
+    server = RedisServer().start()
+    paused: list[float] = []
+
+    def summary(body: dict[str, Any]) -> dict[str, Any]:
+        if not paused:  # the first summary's answer comes back to a Redis pausing writes
+            paused.append(time.monotonic())
+            redis.Redis(port=server.port).execute_command("CLIENT", "PAUSE", "1800", "WRITE")
+        return {"content": f"Goals: orders. Identifiers: #S{len(paused)}{time.time_ns()}"}
+
+    try:
+        upstream.responder = model(summary)
+        proxy = make_proxy(config_dir=config(tmp_path, upstream, model="gpt-4o-mini"),
+                           redis=server.url)
+
+        def quiet(k: int) -> None:
+            if paused and time.monotonic() - paused[0] < 3:
+                time.sleep(3 - (time.monotonic() - paused[0]))  # Redis back (a probe)
+            until(lambda: proxy.state.store.available, what="the store back")
+            proxy.quiet()
+        converse(proxy, "paused-sum", 14, after=quiet)
+        text = httpx.get(proxy.base + "/metrics").text
+        outcomes = {line.split('outcome="')[1].split('"')[0]: float(line.split()[-1])
+                    for line in text.splitlines()
+                    if line.startswith("runloop_summaries_total{") and 'tenant="acme"' in line}
+        assert outcomes["store"] == 1, outcomes  # the summary Redis did not take
+        assert outcomes["ok"] >= 3, outcomes  # and the later batches' made
+        calls = [b for b in upstream.requests if is_summary_call(b)]
+        assert len(calls) >= 4, len(calls)
+        # the last window carries a summary made after the pause
+        last = marker([b for b in upstream.requests if not is_summary_call(b)][-1]) or ""
+        assert "Identifiers: #S1" in last, last
+    finally:
+        server.cleanup()
 
 
 def test_compact_now_summarises_and_omits_from_the_next_request(

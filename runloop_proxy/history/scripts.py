@@ -116,6 +116,18 @@ end
 return 0
 """
 
+# A summary's lock taken: KEYS[1] is the lock, ARGV[1] the new token, ARGV[2] its life in
+# milliseconds, ARGV[3] a token this holder took it with before and could not release (Redis
+# refused the release): free, or still that one, it is this holder's again; 1 when taken.
+LOCK_LUA = r"""
+local held = redis.call('GET', KEYS[1])
+if held == false or (ARGV[3] ~= '' and held == ARGV[3]) then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return 1
+end
+return 0
+"""
+
 # A summary's lock released by the holder that took it: KEYS[1] is the lock, ARGV[1] the
 # token it was taken with. A holder whose lock expired (and was taken by another replica)
 # deletes nothing: the other's summary stays the only one in flight.

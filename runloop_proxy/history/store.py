@@ -64,6 +64,7 @@ from .scripts import (
     APPEND_LUA,
     EXPIRE_WITH_SESSION_LUA,
     LOAD_LUA,
+    LOCK_LUA,
     MISSING_LUA,
     PUT_DATES_LUA,
     SYNC_LUA,
@@ -204,6 +205,7 @@ class RedisStore:
         self._load = self.client.register_script(LOAD_LUA)
         self._add_internal = self.client.register_script(ADD_INTERNAL_LUA)
         self._missing = self.client.register_script(MISSING_LUA)
+        self._lock = self.client.register_script(LOCK_LUA)
         self._unlock = self.client.register_script(UNLOCK_LUA)
         budgets = cache_bytes or {}
 
@@ -804,22 +806,29 @@ class RedisStore:
             self.prefix(namespace, session_id) + ":sum"))
         return {_s(k): _s(v) for k, v in (found or {}).items()}
 
-    async def lock_summary(self, namespace: str, session_id: str, ttl_s: float) -> str | None:
+    async def lock_summary(self, namespace: str, session_id: str, ttl_s: float,
+                           unreleased: str | None = None) -> str | None:
         """One summary in flight per session, across replicas and workers: the token this
         holder took the lock with (``unlock_summary`` needs it), or None when another holds
-        it. Expires on its own (a replica that died holding it)."""
+        it. Expires on its own (a replica that died holding it). ``unreleased``: a token this
+        holder took it with before and could not release; a lock still held by it is taken
+        over (the holder's own, never another's)."""
         token = secrets.token_hex(16)
-        taken = await self._call("summary", lambda: self.client.set(
-            self.prefix(namespace, session_id) + ":sumlock", token, nx=True,
-            px=int(ttl_s * 1000)))
+        taken = await self._call("summary", lambda: self._lock(
+            keys=[self.prefix(namespace, session_id) + ":sumlock"],
+            args=[token, max(1, int(ttl_s * 1000)), unreleased or ""]))
         return token if taken else None
 
-    async def unlock_summary(self, namespace: str, session_id: str, token: str) -> None:
+    async def unlock_summary(self, namespace: str, session_id: str, token: str) -> bool:
         """Release the lock taken with ``token``, if it is still that one (compared and
-        deleted in one script: never a lock another holder took after this one expired)."""
-        with contextlib.suppress(StoreError):
+        deleted in one script: never a lock another holder took after this one expired).
+        False when Redis did not answer: the lock may still be held by ``token``."""
+        try:
             await self._call("summary", lambda: self._unlock(
                 keys=[self.prefix(namespace, session_id) + ":sumlock"], args=[token]))
+        except StoreError:
+            return False
+        return True
 
     async def announce(self, namespace: str, session_id: str, anchors: list[tuple[str, str]],
                        retention_days: float | None, announced_ms: int) -> None:

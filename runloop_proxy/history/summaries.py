@@ -100,8 +100,8 @@ LATE = "late"
 # the summaries' share of server.cache_mb (SHARES["summaries"]), split between the summaries
 # to make (pending, wanted, waiting: each holds its session's messages) and the failure
 # counts and pauses; a session larger than its part waits for its next request instead
-SUMMARY_PARTS = {"pending": 0.5, "wanted": 0.2, "waiting": 0.2, "failures": 0.05,
-                 "paused_until": 0.05}
+SUMMARY_PARTS = {"pending": 0.48, "wanted": 0.2, "waiting": 0.2, "failures": 0.05,
+                 "paused_until": 0.05, "unreleased": 0.02}
 OMIT = "omit:"  # a compaction's field: omit:<e>:<cover> -> the request point it applies from
 MODEL = "model:"  # a model's summary of the first e loops: model:<e>:<cover> -> its record
 WAKE_SCAN = 64  # waiting sessions looked at when a call ends (the oldest first)
@@ -440,6 +440,11 @@ class SummaryService:
         self.failures: ByteLRU[str, int] = ByteLRU(part("failures"), lambda k, v: 100 + len(k))
         self.paused_until: ByteLRU[str, float] = ByteLRU(part("paused_until"),
                                                           lambda k, v: 100 + len(k))
+        # per session, the token of a summary lock this process took and Redis did not let
+        # it release: its next summary takes that lock over (``lock_summary``) rather than
+        # wait out the lock's life, every summary of the session skipped meanwhile
+        self.unreleased: ByteLRU[tuple[str, str], str] = ByteLRU(
+            part("unreleased"), lambda k, v: 150 + len(k[0]) + len(k[1]) + len(v))
         # per session, a summary the reply to its last request will make due (bounded)
         self.pending: ByteLRU[tuple[str, str], _Pending] = ByteLRU(
             part("pending"), lambda k, v: v.size)
@@ -649,12 +654,34 @@ class SummaryService:
         if time.monotonic() < (self.paused_until.get(ns) or 0.0):
             self.state.metrics.summaries.labels(tl, "backoff").inc()
             return None
+        at = (ns, session_id)
         try:
-            token = await store.lock_summary(ns, session_id, policy.summary_timeout_s + 5)
+            token = await store.lock_summary(ns, session_id, policy.summary_timeout_s + 5,
+                                             self.unreleased.get(at))
         except StoreError:
+            self._unstored(tl, tenant, session_id, "lock")
             return None
         if not token:
             return None  # another replica (or worker) is making it
+        self.unreleased.pop(at, None)
+        try:
+            return await self._locked(job, session_id, messages, loops, e, cover, previous,
+                                      entries)
+        finally:
+            # released however the making ended; one Redis did not let go of is taken over
+            # by the next (a lock left behind stopped every later summary of the session
+            # for the lock's life, silently)
+            if not await store.unlock_summary(ns, session_id, token):
+                self.unreleased[at] = token
+
+    async def _locked(self, job: Job, session_id: str, messages: list[Message],
+                      loops: Sequence[RunLoop], e: int, cover: str,
+                      previous: tuple[int, str] | None, entries: dict[str, str]
+                      ) -> str | None:
+        """``make``'s work, with the session's summary lock held."""
+        store, ns, policy = self.state.store, job.namespace, job.policy
+        tl, tenant = job.label, job.tenant
+        assert store is not None and policy.summary_model
         started = time.perf_counter()
         prev_e, prev_text = _rolled_from(entries, previous)
         new = loops[prev_e:e]
@@ -699,12 +726,10 @@ class SummaryService:
             log.warning("summary failed: the window stays without one",
                         extra={"tenant": tenant, "session": session_id, "outcome": outcome,
                                "error": type(exc).__name__})
-            await store.unlock_summary(ns, session_id, token)
             return None
         ms = round((time.perf_counter() - started) * 1000, 1)
         self.failures[ns] = 0
         metrics = self.state.metrics
-        metrics.summaries.labels(tl, "ok").inc()
         metrics.summary_seconds.labels(tl).observe(ms / 1000)
         for kind, n in (("prompt", usage.get("prompt_tokens", 0)),
                         ("completion", usage.get("completion_tokens", 0))):
@@ -721,10 +746,18 @@ class SummaryService:
                 await store.put_summary(ns, session_id, model_field(e, cover),
                                         orjson.dumps(record).decode(), job.retention_days)
             await self._put(ns, session_id, field(e, cover), record, job.retention_days)
-            await store.unlock_summary(ns, session_id, token)
         except StoreError:
+            self._unstored(tl, tenant, session_id, "write")
             return None
+        metrics.summaries.labels(tl, "ok").inc()
         return text
+
+    def _unstored(self, label: str, tenant: str, session_id: str, step: str) -> None:
+        """A summary Redis did not take (its lock or its write): counted and said; the
+        window goes on with the digest, and the next omission event makes it again."""
+        self.state.metrics.summaries.labels(label, "store").inc()
+        log.warning("summary not stored: Redis refused or was slow; the window keeps the "
+                    "digest", extra={"tenant": tenant, "session": session_id, "step": step})
 
     async def _put(self, ns: str, session_id: str, name: str, record: dict[str, Any],
                    retention: float | None) -> bool:

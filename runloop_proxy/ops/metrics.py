@@ -31,7 +31,7 @@ COMPACTION_KINDS = ("past_loop_reduction", "in_loop_elision", "in_loop_drop", "l
                     "summary", "hard_truncation", "rejection")
 RECALL_OUTCOMES = {"recall_tool_call": ("hit", "not_found", "bad_arguments", "store_error"),
                    "search_history": ("hit", "miss", "bad_arguments")}
-SUMMARY_OUTCOMES = ("ok", "error", "timeout", "backoff", "late", "deferred")
+SUMMARY_OUTCOMES = ("ok", "error", "timeout", "backoff", "late", "deferred", "store")
 COST_KINDS = ("input", "cached_input", "cache_write", "output")
 # the levers a shadow comparison is counted under (pipeline/shadow.py LEVERS, and "any")
 SHADOW_LEVERS = ("past_loops", "elided", "dropped", "omission", "summary", "hard_limit",
