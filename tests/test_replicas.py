@@ -407,3 +407,60 @@ def test_a_response_chained_on_another_replica_carries_the_proxys_outputs(
         b.close()
     finally:
         second.stop()
+
+
+def test_a_large_answer_relayed_as_it_arrives_is_found_on_the_other_replica_at_once(
+        make_proxy: Any, upstream: ScriptedUpstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that sends no tools gets a large JSON answer (over 128 KB: relayed as it
+    arrives, never held whole) from one replica, then sends its next turn the moment it has
+    it — to the other replica, its history trimmed to its last question and that answer
+    (what its session is found by) — while every anchor write is BEHIND_WRITE_DELAY_S late.
+    Bug class: an answer whose end does not wait for its anchors, on the path that relays
+    a large answer as it arrives (``relay._passed_through``): the other replica finds no
+    session and begins one of its own (planted, red: the record spawned behind the answer,
+    two sessions). One session, every turn in it, in order."""
+    import asyncio
+    import hashlib
+
+    from runloop_proxy.history.store import RedisStore
+
+    from .conftest import ProxyServer
+
+    call = RedisStore._call
+
+    async def late_anchor(self: RedisStore, op: str, make: Any) -> Any:
+        if op == "anchor":
+            await asyncio.sleep(BEHIND_WRITE_DELAY_S)
+        return await call(self, op, make)
+
+    monkeypatch.setattr(RedisStore, "_call", late_anchor)
+    first: ProxyServer = make_proxy(admin_key=ADMIN)
+    second = ProxyServer(first.settings, first.config).start()
+    try:
+        report = "\n".join(f"line {i}: carrier-{i * 7} delivered order #W{i:05d}"
+                           for i in range(5_000))  # 212 KB
+        upstream.responder = lambda body: {"content": {
+            "report every delivery": report, "hello": "Hello, what do you need?"}.get(
+                body["messages"][-1]["content"], "noted")}
+        key = openai_project_key(44)
+        a, b = (openai.OpenAI(base_url=p.url, api_key=key, max_retries=0, timeout=60)
+                for p in (first, second))
+        system = {"role": "system", "content": "You report deliveries."}
+        said = [{"role": "user", "content": t}
+                for t in ("hello", "report every delivery", "thanks")]
+        full: list[dict[str, Any]] = [system]
+        for k, (client, trim) in enumerate(((a, 0), (a, 0), (b, 2))):
+            full.append(said[k])
+            got = client.chat.completions.create(  # type: ignore[call-overload]
+                model=MODEL, messages=[system, *full[1 + trim:]])
+            full.append(got.choices[0].message.model_dump(exclude_none=True))
+        assert full[4]["content"] == report and full[6]["content"] == "noted"
+        a.close()
+        b.close()
+        second.settle()
+        views = sessions(first, "pt-" + hashlib.sha256(key.encode()).hexdigest()[:16])
+        assert len(views) == 1, list(views)
+        (view,) = views.values()
+        assert texts(view) == [m["content"] for m in full]
+    finally:
+        second.stop()

@@ -200,10 +200,11 @@ async def _passed_through(state: AppState, turn: Turn, session: Session, history
     limit = state.config.store.max_message_bytes
     held: list[bytes] = []
     size = 0
-    # server history: the last chunk waits for the turn's write (``kept``), so the answer
-    # is not whole at the client before its turn is in Redis
+    # the last chunk waits for the turn's write (server history) or its anchors (``kept``),
+    # so the answer is not whole at the client before Redis holds what its next request,
+    # sent to any replica the moment it has it, finds the session by
     last: bytes | None = None
-    behind = durable(turn, history)
+    behind = durable(turn, history) or announces(turn, session)
     try:
         async for chunk in resp.iter_chunks():
             if not behind:
