@@ -24,6 +24,7 @@ from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, RedisServer, free_cluster_port, until
+from .keys import openai_project_key
 
 ADMIN = "admin-key-for-tests-0123456789"
 KEY = "sk-store-tests"
@@ -187,6 +188,39 @@ def test_concurrent_full_resends_keep_every_message(aproxy: ProxyServer,
 
 def _url(proxy: ProxyServer) -> str:
     return str(proxy.settings.redis_url)
+
+
+def test_an_announced_write_ends_when_it_lands_and_a_newer_one_stays(
+        make_proxy: Any, upstream: ScriptedUpstream, redis_url: str) -> None:
+    """An answer announces its session's write (a request to another replica that does not
+    line up with the session waits while it is announced); once the write is in Redis the
+    announcement is gone, not left to expire WRITTEN_WAIT_S later (planted, red: no
+    ``_landed``: every request in those 2 s that did not line up waited them out). A landing
+    ends only its own announcement: a newer one, from any replica, stays (planted, red: the
+    announcement deleted whatever its token)."""
+    upstream.responder = lambda body: {"content": "Your order #W81723 left the depot. " * 12}
+    proxy = make_proxy()
+    c = openai.OpenAI(base_url=proxy.url, api_key=openai_project_key(45), max_retries=0)
+    c.chat.completions.create(model="gpt-4o-mini-2024-07-18", messages=[
+        {"role": "user", "content": "where is my order?"}])
+    proxy.quiet()
+    r = redis.Redis.from_url(redis_url)
+    prefix = proxy.state.store.cfg.key_prefix
+    assert any(True for _ in r.scan_iter(match=f"{prefix}*", count=1000))  # it was recorded
+    assert not list(r.scan_iter(match=f"{prefix}*:announced", count=1000))
+
+    async def go() -> None:
+        store = RedisStore(redis_url, StoreSection(key_prefix=f"t-ann-{uuid.uuid4().hex[:8]}-"),
+                           Metrics())
+        session = "fp-4f1c2b7e9d0a8e6c5b3a1f2e4d6c8b0a"
+        await store.announce("acme", session, [], None, 2_000, "a" * 16)
+        await store.announce("acme", session, [], None, 2_000, "b" * 16)  # a newer answer
+        await store.unannounce("acme", session, "a" * 16)
+        assert await store.announced("acme", session)
+        await store.unannounce("acme", session, "b" * 16)
+        assert not await store.announced("acme", session)
+        await store.close()
+    asyncio.run(go())
 
 
 def test_a_summary_lock_is_released_only_by_its_holder(redis_url: str) -> None:

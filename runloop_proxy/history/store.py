@@ -831,23 +831,34 @@ class RedisStore:
         return True
 
     async def announce(self, namespace: str, session_id: str, anchors: list[tuple[str, str]],
-                       retention_days: float | None, announced_ms: int) -> None:
+                       retention_days: float | None, announced_ms: int,
+                       token: str = "1") -> None:
         """Before an answer ends, in one round trip: its anchors (key and value: which
         session a recorded reply or response belongs to, or what a response chains on; a
         client that trims its history still sends its latest replies), kept as long as the
         session; and that a write of the session is on its way (``announced``, for
         ``announced_ms``): a request the client sends the moment it has the answer, to
-        another replica, finds the session and waits for the write there."""
+        another replica, finds the session and waits for the write there (until
+        ``unannounce`` with the same ``token`` says it landed)."""
         ttl = self._ttl_ms(retention_days)
 
         async def run() -> None:
             pipe = self.client.pipeline(transaction=False)
             for key, value in anchors:
                 pipe.set(self._anchor_key(namespace, key), value, px=ttl)
-            pipe.set(self.prefix(namespace, session_id) + ":announced", "1", px=announced_ms)
+            pipe.set(self.prefix(namespace, session_id) + ":announced", token, px=announced_ms)
             await pipe.execute()
 
         await self._call("anchor", run)
+
+    async def unannounce(self, namespace: str, session_id: str, token: str) -> None:
+        """The write ``announce`` said was on its way with ``token`` has landed: a request
+        that does not line up with the session stops waiting for it. A newer answer's
+        announcement (another token, from any replica) stays (compared and deleted in one
+        script)."""
+        with contextlib.suppress(StoreError):
+            await self._call("anchor", lambda: self._unlock(
+                keys=[self.prefix(namespace, session_id) + ":announced"], args=[token]))
 
     async def announced(self, namespace: str, session_id: str) -> bool:
         """Whether a replica announced a write of the session lately (``announce``)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import secrets
 import time
 from typing import Any
 
@@ -421,9 +422,10 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
         found.append((response_anchor(str(answer_id)), session.id))
     for key, value in found:
         store.note_anchor(ns, key, value)
-    if found:
+    token = secrets.token_hex(8) if found else None
+    if token is not None:
         told = await _announce(store, ns, session.id, found,
-                               turn.caller.tenant.retention_days)
+                               turn.caller.tenant.retention_days, token)
         if announced is not None and not announced.done():
             announced.set_result(told)
     large = large or answer_is_large(reply)  # every path's answer, weighed here
@@ -463,6 +465,8 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
         log.warning("history not stored", extra={"tenant": turn.caller.tenant.name,
                                                  "error": str(exc)})
         return
+    if token is not None:
+        state.spawn(_landed(store, ns, session.id, token))
     if reply is not None and turn.policy.memory != "off":
         # the loops this answer closed, into long-term memory (in the background)
         state.memory.after_answer(store, turn.caller.label, ns, session.id,
@@ -495,15 +499,25 @@ async def _keep_internal(store: RedisStore, namespace: str, session_id: str, at:
 
 
 async def _announce(store: RedisStore, namespace: str, session_id: str,
-                    found: list[tuple[str, str]], retention: float | None) -> bool:
+                    found: list[tuple[str, str]], retention: float | None,
+                    token: str) -> bool:
     """An answer's anchors into Redis (kept as long as the tenant's sessions are), and its
-    session's write announced for as long as a request continuing it waits for that write
-    (``_continuation``). False when Redis did not take them (the answer says so)."""
+    session's write announced until it lands (``_landed``), at most for as long as a request
+    continuing it waits for that write (``_continuation``). False when Redis did not take
+    them (the answer says so)."""
     try:
         await store.announce(namespace, session_id, found, retention,
-                             int(WRITTEN_WAIT_S * 1000))
+                             int(WRITTEN_WAIT_S * 1000), token)
     except StoreError as exc:
         log.warning("session anchors not stored", extra={"error": str(exc),
                                                         "session": session_id})
         return False
     return True
+
+
+async def _landed(store: RedisStore, namespace: str, session_id: str, token: str) -> None:
+    """Once this replica's writes of the session are in Redis, its announcement of them
+    (``token``) ends: a request to another replica whose messages do not line up with the
+    session stops waiting then, not when the announcement expires (WRITTEN_WAIT_S later)."""
+    if await store.written(namespace, session_id, WRITTEN_WAIT_S):
+        await store.unannounce(namespace, session_id, token)
