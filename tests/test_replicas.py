@@ -120,6 +120,23 @@ def test_every_turn_reaches_the_upstream_whatever_replica_answered_the_last(
 WRITE_DELAY_S = 0.35  # every history write of both replicas reaches Redis this late
 
 
+def _anchors_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every replica's anchor writes (an answer's anchors and its write's announcement)
+    reach Redis BEHIND_WRITE_DELAY_S late."""
+    import asyncio
+
+    from runloop_proxy.history.store import RedisStore
+
+    call = RedisStore._call
+
+    async def late_anchor(self: RedisStore, op: str, make: Any) -> Any:
+        if op == "anchor":
+            await asyncio.sleep(BEHIND_WRITE_DELAY_S)
+        return await call(self, op, make)
+
+    monkeypatch.setattr(RedisStore, "_call", late_anchor)
+
+
 def _writes_late(*replicas: Any) -> None:
     """Each replica's history writes reach Redis WRITE_DELAY_S late (its write-behind's
     batches wait before they are sent)."""
@@ -262,21 +279,11 @@ def test_a_trimmed_history_stays_one_session_across_replicas(
     one of its own (and, once it found it, did not wait for the turn the first was still
     writing). One session, one branch, every message stored once and in order; every
     upstream request carried what the client sent, in order."""
-    import asyncio
     import hashlib
-
-    from runloop_proxy.history.store import RedisStore
 
     from .conftest import ProxyServer
 
-    call = RedisStore._call
-
-    async def late_anchor(self: RedisStore, op: str, make: Any) -> Any:
-        if op == "anchor":
-            await asyncio.sleep(BEHIND_WRITE_DELAY_S)
-        return await call(self, op, make)
-
-    monkeypatch.setattr(RedisStore, "_call", late_anchor)
+    _anchors_late(monkeypatch)
     first: ProxyServer = make_proxy(admin_key=ADMIN)
     second = ProxyServer(first.settings, first.config).start()
     try:
@@ -342,12 +349,10 @@ def test_a_response_chained_on_another_replica_carries_the_proxys_outputs(
     response's chain needs known to the answering process only (its anchors written behind
     the answer): the other replica sent the client's output alone. Streamed, the client
     acts at ``response.completed`` (as Codex does), not when the body closes."""
-    import asyncio
 
-    from runloop_proxy.history.store import RedisStore
 
     from .conftest import ProxyServer
-    from .test_responses import BIG, KEY, agent_turns, proxy_tool
+    from .test_responses import BIG, KEY, agent_turns, mixed_answer
     from .test_responses import TOOLS as RESPONSE_TOOLS
     from .test_responses import sdk as responses_sdk
 
@@ -364,27 +369,11 @@ def test_a_response_chained_on_another_replica_carries_the_proxys_outputs(
                         return event["response"]  # type: ignore[no-any-return]
         raise AssertionError("the stream ended without response.completed")
 
-    call = RedisStore._call
-
-    async def late_anchor(self: RedisStore, op: str, make: Any) -> Any:
-        if op == "anchor":
-            await asyncio.sleep(BEHIND_WRITE_DELAY_S)
-        return await call(self, op, make)
-
-    monkeypatch.setattr(RedisStore, "_call", late_anchor)
+    _anchors_late(monkeypatch)
     first: ProxyServer = make_proxy()
     second = ProxyServer(first.settings, first.config).start()
     try:
-        def respond(body: dict[str, Any]) -> dict[str, Any]:
-            given = body["input"] if isinstance(body["input"], list) else []
-            if any(i.get("call_id") == "client_1" and "output" in i for i in given):
-                return {"content": "all done"}
-            return {"tool_calls": [{"id": "rc_9", "name": proxy_tool(body),
-                                    "arguments": {"call_id": "call_1"}},
-                                   {"id": "client_1", "name": "shell",
-                                    "arguments": {"cmd": "ls"}}]}
-
-        upstream.responder = lambda body: {**respond(body),
+        upstream.responder = lambda body: {**mixed_answer(body),
                                            "response_id": f"resp_m{len(upstream.requests)}"}
         name = f"replica-chain-{stream}"
         a, b = responses_sdk(first, name), responses_sdk(second, name)
@@ -419,21 +408,11 @@ def test_a_large_answer_relayed_as_it_arrives_is_found_on_the_other_replica_at_o
     a large answer as it arrives (``relay._passed_through``): the other replica finds no
     session and begins one of its own (planted, red: the record spawned behind the answer,
     two sessions). One session, every turn in it, in order."""
-    import asyncio
     import hashlib
-
-    from runloop_proxy.history.store import RedisStore
 
     from .conftest import ProxyServer
 
-    call = RedisStore._call
-
-    async def late_anchor(self: RedisStore, op: str, make: Any) -> Any:
-        if op == "anchor":
-            await asyncio.sleep(BEHIND_WRITE_DELAY_S)
-        return await call(self, op, make)
-
-    monkeypatch.setattr(RedisStore, "_call", late_anchor)
+    _anchors_late(monkeypatch)
     first: ProxyServer = make_proxy(admin_key=ADMIN)
     second = ProxyServer(first.settings, first.config).start()
     try:
@@ -451,8 +430,8 @@ def test_a_large_answer_relayed_as_it_arrives_is_found_on_the_other_replica_at_o
         full: list[dict[str, Any]] = [system]
         for k, (client, trim) in enumerate(((a, 0), (a, 0), (b, 2))):
             full.append(said[k])
-            got = client.chat.completions.create(  # type: ignore[call-overload]
-                model=MODEL, messages=[system, *full[1 + trim:]])
+            messages: Any = [system, *full[1 + trim:]]
+            got = client.chat.completions.create(model=MODEL, messages=messages)
             full.append(got.choices[0].message.model_dump(exclude_none=True))
         assert full[4]["content"] == report and full[6]["content"] == "noted"
         a.close()

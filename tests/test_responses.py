@@ -359,6 +359,17 @@ def test_mixed_calls_the_client_gets_its_own_and_the_proxys_are_spliced_back(
     assert recalled["output"] == BIG.format(k=1)
 
 
+def mixed_answer(body: dict[str, Any]) -> dict[str, Any]:
+    """A model that answers with the proxy's call and the client's (``client_1``) in one
+    response, then, once the client's output is given, "all done"."""
+    given = body["input"] if isinstance(body["input"], list) else []
+    if any(i.get("call_id") == "client_1" and "output" in i for i in given):
+        return {"content": "all done"}
+    return {"tool_calls": [{"id": "rc_9", "name": proxy_tool(body),
+                            "arguments": {"call_id": "call_1"}},
+                           {"id": "client_1", "name": "shell", "arguments": {"cmd": "ls"}}]}
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_request_chained_on_a_mixed_answer_carries_the_proxys_outputs(
         proxy: ProxyServer, upstream: ScriptedUpstream, stream: bool) -> None:
@@ -367,16 +378,7 @@ def test_a_request_chained_on_a_mixed_answer_carries_the_proxys_outputs(
     chained on that response answered only it — the upstream refuses a chain with a call
     left without output ("No tool output found"). The outputs of the proxy's calls are kept
     with the answer's id, and go before the client's input in the chained request."""
-    def respond(body: dict[str, Any]) -> dict[str, Any]:
-        given = body["input"] if isinstance(body["input"], list) else []
-        if any(i.get("call_id") == "client_1" and "output" in i for i in given):
-            return {"content": "all done"}
-        return {"tool_calls": [{"id": "rc_9", "name": proxy_tool(body),
-                                "arguments": {"call_id": "call_1"}},
-                               {"id": "client_1", "name": "shell",
-                                "arguments": {"cmd": "ls"}}]}
-
-    upstream.responder = lambda body: {**respond(body),
+    upstream.responder = lambda body: {**mixed_answer(body),
                                        "response_id": f"resp_m{len(upstream.requests)}"}
     c = sdk(proxy, f"mixed-chain-{stream}")
     kw: dict[str, Any] = {"model": "gpt-4o-mini", "input": agent_turns(14, tasks=False),
