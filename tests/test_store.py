@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 import threading
@@ -188,6 +189,96 @@ def test_concurrent_full_resends_keep_every_message(aproxy: ProxyServer,
 
 def _url(proxy: ProxyServer) -> str:
     return str(proxy.settings.redis_url)
+
+
+class ReplyCutter:
+    """A TCP relay in front of a redis-server that, once armed, lets a command holding
+    ``marker`` reach Redis and cuts the connection instead of relaying Redis's reply (a
+    master that died after the write, a network that dropped the answer): the write is
+    applied, and its sender cannot know."""
+
+    def __init__(self, port: int, marker: bytes):
+        import socket
+
+        self.target, self.marker = port, marker
+        self.armed = threading.Event()
+        self.cut = 0
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while True:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.target))
+            doomed = threading.Event()
+            threading.Thread(target=self._pump, args=(client, server, doomed, True),
+                             daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, doomed, False),
+                             daemon=True).start()
+
+    def _pump(self, src: Any, dst: Any, doomed: threading.Event, to_redis: bool) -> None:
+        try:
+            while data := src.recv(65536):
+                if to_redis and self.armed.is_set() and self.marker in data:
+                    self.armed.clear()
+                    doomed.set()
+                elif not to_redis and doomed.is_set():
+                    self.cut += 1
+                    break  # Redis answered: the answer goes nowhere
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_an_append_redis_applied_but_whose_reply_was_lost_is_stored_once(
+        redis_url: str) -> None:
+    """Server history appends what the turn adds to the stored conversation. A write Redis
+    applied whose reply never came back (the connection cut after the command, as when a
+    Redis Cluster master dies) is sent again on a fresh connection: it must be applied
+    once. Found by the cluster test under load (a server-history turn stored twice); here
+    the reply is cut by a relay in front of a real redis-server, every time (planted, red:
+    the append's token not checked — the answer stored twice)."""
+    import hashlib
+
+    from runloop_proxy.history.scripts import APPEND_LUA
+
+    server = RedisServer().start()
+    cutter = ReplyCutter(server.port, hashlib.sha1(APPEND_LUA.encode()).hexdigest().encode())
+
+    async def go() -> list[str]:
+        store = RedisStore(f"redis://127.0.0.1:{cutter.port}/0",
+                           StoreSection(key_prefix=f"t-once-{uuid.uuid4().hex[:8]}-"), Metrics())
+        await store.start()
+        session = "n:sess_01JDQ8Y7X2K4M6P9R3T5V7W9YB"
+        turn = [{"role": "user", "content": "where is order #W5102934?"},
+                {"role": "assistant", "content": "It left the depot at 09:14."}]
+        store.submit_append("acme", session, [prepare(turn[0])])
+        assert await store.drain(10)
+        cutter.armed.set()
+        store.submit_append("acme", session, [prepare(turn[1], reply=True)])
+        assert await store.drain(10)
+        got = [str(m.get("content")) for _, m in await store.head("acme", session)]
+        await store.close()
+        return got
+    try:
+        got = asyncio.run(go())
+        assert cutter.cut == 1  # the reply was cut, and the write sent again
+        assert got == ["where is order #W5102934?", "It left the depot at 09:14."]
+    finally:
+        cutter.close()
+        server.cleanup()
 
 
 def test_an_announced_write_ends_when_it_lands_and_a_newer_one_stays(

@@ -333,11 +333,16 @@ APPEND_LUA = COMMON + r"""
 local p = ARGV[1]; local now = ARGV[2]
 local ttl = tonumber(ARGV[3]); local maxm = tonumber(ARGV[4])
 local sid = ARGV[5]; local nsys = tonumber(ARGV[6]); local maxs = tonumber(ARGV[7])
+local token = ARGV[8]
 local meta = p .. ':meta'
 local head = redis.call('HGET', meta, 'head') or '0'
 local L = tonumber(redis.call('HGET', meta, 'len') or '0')
 local tip = redis.call('HGET', meta, 'tip') or ''
-local k = (#ARGV - 7) / 6
+-- a job sent again after Redis applied it (its reply lost with the connection, a master
+-- that died after the write): applied once, whatever the tries
+local done = redis.call('HGET', meta, 'wtok') or ''
+if token ~= '' and string.find(done, token, 1, true) then return {'ok', tostring(L)} end
+local k = (#ARGV - 8) / 6
 local first = 0
 if L > 0 then first = nsys end  -- a system prompt is history only when it opens the session
 if L + k - first > maxm then return {'limit'} end
@@ -346,7 +351,7 @@ local bl = p .. ':b:' .. head
 local cl = p .. ':c:' .. head
 local tipk = nil
 for i = first, k - 1 do
-  local j = 8 + i * 6
+  local j = 9 + i * 6
   local h = ARGV[j]
   store_message(p, h, ARGV[j + 2], ARGV[j + 3], ARGV[j + 4], now)
   tip = redis.sha1hex(tip .. ARGV[j + 1])
@@ -354,7 +359,10 @@ for i = first, k - 1 do
   redis.call('RPUSH', cl, tip)
   L = L + 1; tipk = ARGV[j + 5]
 end
-redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid)
+-- the newest appends' tokens (a batch sent again holds several of one session)
+done = string.sub(token .. ',' .. done, 1, 16 * (#token + 1))
+redis.call('HSET', meta, 'head', head, 'len', L, 'tip', tip, 'updated', now, 'sid', sid,
+           'wtok', done)
 if tipk then redis.call('HSET', meta, 'tipk', tipk) end
 redis.call('HSETNX', meta, 'created', now)
 redis.call('HSET', meta, 'xat', 0)  -- appends are rare: refresh every branch's expiry now

@@ -492,7 +492,8 @@ class RedisStore:
         self._check_sizes(items)
         self._sessions.pop((namespace, session_id), None)
         self.writes.submit(Job(namespace, session_id, items, retention_days, append=True,
-                               system=system, points=[kept_json(point)] if point else []))
+                               system=system, points=[kept_json(point)] if point else [],
+                               token=secrets.token_hex(8)))
 
     def chains(self, namespace: str, session_id: str, items: list[Prepared]) -> list[str]:
         """The chain hash after each of ``items`` (a conversation from its start; index 0 is
@@ -524,7 +525,7 @@ class RedisStore:
         if job.append:
             args: list[Any] = [p, now, self._ttl_ms(job.retention_days),
                                self.cfg.max_messages_per_session, job.session_id, job.system,
-                               self.cfg.max_stored_messages]
+                               self.cfg.max_stored_messages, job.token]
             for it in job.items:
                 args += [it.hash, it.match, it.body, it.tool_call_id, _tokens_field(it),
                          it.kind]

@@ -83,6 +83,8 @@ class Job:
     items: list[Prepared]
     retention_days: float | None
     append: bool = False  # an append job (server-history mode), else a sync
+    # append: what makes it applied once however often it is sent (APPEND_LUA)
+    token: str = ""
     system: int = 0  # append: leading system items, stored only when they open the session
     chains: list[str] = field(default_factory=list)  # sync: chain after each item
     hint: int = 0
