@@ -166,8 +166,17 @@ def test_closed_loops_are_indexed_once_and_a_past_turn_is_found_by_meaning_and_o
         f">> [iteration 1, response] {PAST[3]['content']}",
         f'1 earlier segment(s) of this turn: recall_tool_call(call_id="s:{user.key[:8]}")']
     # the same conversation again, echoed: nothing more to embed
-    until(lambda: proxy.metrics.memory.labels("acme", "index", "ok")._value.get() == embedded
-          and _fields(proxy, key) == want | {"_upto", "_tail"}, what="nothing re-embedded")
+    def indexed() -> tuple[float, set[str]]:
+        return proxy.metrics.memory.labels("acme", "index", "ok")._value.get(), \
+            _fields(proxy, key)
+    try:
+        until(lambda: indexed() == (embedded, want | {"_upto", "_tail"}),
+              what="nothing re-embedded")
+    except AssertionError as exc:  # red once in a whole-suite run: say what it held
+        count, fields = indexed()
+        raise AssertionError(f"{exc}: {count} embedded (was {embedded}); fields added "
+                             f"{sorted(fields - want)}, missing {sorted(want - fields)}"
+                             ) from exc
 
 
 def test_with_memory_off_the_search_is_by_words_alone(
