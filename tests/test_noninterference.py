@@ -324,21 +324,11 @@ def interleaved(tmp: Path, name: str, make_proxy: Any, policy: str, api: str,
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_a_stranger_in_her_session_changes_nothing_she_is_sent(
         tmp_path: Path, make_proxy: Any, monkeypatch: pytest.MonkeyPatch,
-        request: pytest.FixtureRequest, policy: str, api: str) -> None:
+        policy: str, api: str) -> None:
     """The other way round: a stranger who opens as she did shares her stored session, turn
     for turn. What her model reads is what it would read had he never come (nothing of his,
     and nothing the session keeps between requests — a window carried, a summary pending, a
     request remembered — taken from his turns)."""
-    if (policy, api) == ("summaries", "responses"):
-        # A known race, open under issue 40 (found 2026-12-02, also at d92798e): about half
-        # the runs, alone or in the suite, her third request shows her first turn omitted
-        # behind its summary with him beside her, in full without him (nothing of his in it:
-        # the assertions on his turns hold). Not background work (the same with
-        # ProxyServer.quiet between turns) nor hash order (PYTHONHASHSEED fixed). Marked so
-        # that a CI run does not hang on a coin; the case still runs and reports XPASS/XFAIL.
-        request.applymarker(pytest.mark.xfail(
-            reason="issue 40: her window's shape depends on the stranger's turns by timing",
-            strict=False))
     monkeypatch.setenv("TEST_UPSTREAM_KEY", "sk-up")
     monkeypatch.setenv("TEST_ACME_KEY", ACME_KEY)
     alone = interleaved(tmp_path, "alone", make_proxy, POLICIES[policy], api, False)

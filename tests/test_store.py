@@ -512,6 +512,38 @@ def test_a_sync_reads_the_proxys_exchanges_it_has_not_read() -> None:
         server.cleanup()
 
 
+def test_an_exchange_kept_while_a_sync_is_out_is_never_forgotten() -> None:
+    """The proxy's exchange written while a sync of the session is out (the sync's script
+    ran first, its reply came back after the exchange landed: the write-behind's order
+    under load): what this replica then knows of the session holds the exchange, or is
+    read again — never the sync's reply without it (issue 40: the session's next request
+    spliced nothing, its window shaped by that timing)."""
+    server = RedisServer().start()
+    try:
+        cfg = StoreSection(key_prefix="t-race-")
+
+        async def go() -> None:
+            a = RedisStore(server.url, cfg, Metrics())
+            msgs = [prepare({"role": "user", "content": "q0"}),  # type: ignore[arg-type]
+                    prepare({"role": "assistant", "content": "a0"})]  # type: ignore[arg-type]
+            await a.sync("t", "s", msgs[:1])
+            run_one = a._run_one
+
+            async def late_reply(job: Any) -> Any:
+                reply = await run_one(job)
+                await a.add_internal("t", "s", "anchor", {"before": ["kept"]})
+                return reply
+            a._run_one = late_reply  # type: ignore[method-assign]
+            await a.sync("t", "s", msgs)
+            known = a.cached_internal("t", "s")
+            assert known is None or "anchor" in known, known
+            await a.close()
+
+        asyncio.run(go())
+    finally:
+        server.cleanup()
+
+
 def test_limits_degrade_instead_of_failing(make_proxy: Any, upstream: ScriptedUpstream) -> None:
     proxy = make_proxy(admin_key=ADMIN, store={"max_messages_per_session": 10})
     c = sdk(proxy, "s-big")

@@ -230,6 +230,13 @@ class RedisStore:
         # next request of the session splices them whatever the write's timing (a window's
         # shape must not depend on when a background write landed)
         self._writing_internal: dict[tuple[str, str], dict[str, Any]] = {}
+        # per session, the sequence number of the last exchange write begun or ended
+        # (``add_internal``, numbered across sessions by ``_internal_seq``): a sync sent
+        # before then may have read the exchange log without it, and its reply must not
+        # become what this replica knows
+        self._internal_seq = 0
+        self._internal_begun: ByteLRU[tuple[str, str], int] = ByteLRU(
+            share("anchors"), lambda k, v: 100 + len(k[0]) + len(k[1]))
         # anchors this replica set, until Redis holds them (a few hundred bytes each)
         self._anchors: ByteLRU[tuple[str, str], str] = ByteLRU(
             share("anchors"), lambda k, v: 200 + len(k[0]) + len(k[1]) + len(v))
@@ -522,6 +529,7 @@ class RedisStore:
         """The script's arguments for a job."""
         p = self.prefix(job.namespace, job.session_id)
         job.written_ms = now = _now_ms()
+        job.internal_seq = self._internal_seq
         if job.append:
             args: list[Any] = [p, now, self._ttl_ms(job.retention_days),
                                self.cfg.max_messages_per_session, job.session_id, job.system,
@@ -593,7 +601,14 @@ class RedisStore:
         if status == "ok":
             length = int(reply[1])
             chain = job.chains[length] if length <= len(job.items) else ""
-            self._remember(job.key, length, chain, *self._exchanges(job, reply))
+            if (self._internal_begun.get(job.key) or 0) > job.internal_seq:
+                # an exchange write began or ended after this sync was sent: the reply holds
+                # the log without it, whichever of the two Redis ran first (under load
+                # the sync's reply came after the exchange had landed, and the session's
+                # next request spliced nothing: issue 40). Read it all again
+                self._remember(job.key, length, chain, None)
+            else:
+                self._remember(job.key, length, chain, *self._exchanges(job, reply))
             if reply[6]:
                 pruned = _s(reply[6]).split(",")
                 self.metrics.branches_pruned.inc(len(pruned))
@@ -730,12 +745,16 @@ class RedisStore:
         p = self.prefix(namespace, session_id)
         key = (namespace, session_id)
         self._writing_internal.setdefault(key, {})[anchor] = entry
+        self._internal_seq += 1
+        self._internal_begun[key] = self._internal_seq
         try:
             # the hash and the log a replica's sync reads on from, written together
             logged, gen, fresh = await self._call("internal", lambda: self._add_internal(
                 keys=[p + ":meta"], args=[p, anchor, orjson.dumps(entry), new_generation(),
                                               self._ttl_ms(retention_days)]))
         finally:
+            self._internal_seq += 1  # a sync sent before this landed may not hold it
+            self._internal_begun[key] = self._internal_seq
             writing = self._writing_internal.get(key)
             if writing is not None:
                 writing.pop(anchor, None)

@@ -96,6 +96,7 @@ class Job:
     points: list[bytes] = field(default_factory=list)  # per-request token points it carries
     # the time its write gave the session (its last use): the sessions' listing says the same
     written_ms: int = 0
+    internal_seq: int = 0  # RedisStore._internal_seq when its script was sent
 
     @property
     def key(self) -> tuple[str, str]:
