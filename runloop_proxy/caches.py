@@ -16,7 +16,7 @@ MESSAGE_OVERHEAD = 400  # a parsed message's dict, its role and keys (tracemallo
 
 # each cache's share of server.cache_mb (they add up to the whole, no more)
 SHARES = {"carries": 0.185, "listed": 0.005, "recent": 0.145, "prompts": 0.02, "bills": 0.005,
-          "memo": 0.10,
+          "memo": 0.095, "exchanges": 0.005,
           "cuts": 0.075, "tokens": 0.095, "chains": 0.09, "first_seen": 0.02, "sessions": 0.05,
           "masks": 0.03, "factors": 0.015, "windows": 0.005, "summaries": 0.06,
           "anchors": 0.005, "indexed": 0.01, "models": 0.005,
@@ -25,7 +25,7 @@ SHARES = {"carries": 0.185, "listed": 0.005, "recent": 0.145, "prompts": 0.02, "
 
 
 # the caches the history store keeps (RedisStore), by their names in SHARES
-STORE_CACHES = ("sessions", "chains", "anchors", "indexed")
+STORE_CACHES = ("sessions", "chains", "anchors", "indexed", "exchanges")
 
 
 def approx_size(obj: Any, budget: int = 1 << 16) -> int:

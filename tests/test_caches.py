@@ -325,6 +325,7 @@ FILLS: dict[str, Any] = {
     "state.summaries.unreleased": lambda i: ((NAMESPACE, f"{SESSION}{i}"), f"{i:032x}"),
     "state.store._anchors": lambda i: ((NAMESPACE, f"{i:064x}"), f"{SESSION}{i}"),
     "state.store._indexed": lambda i: ((NAMESPACE, f"{SESSION}{i}"), i + 0.25),
+    "state.store._internal_begun": lambda i: ((NAMESPACE, f"{SESSION}{i}"), 10_000_000 + i),
     "state.tokens._by_model": lambda i: ((f"claude-sonnet-4-5-20250929-ft-{i:034d}", None),
                                          (None, False)),
     "state.tokens._factors": lambda i: ((NAMESPACE, f"gpt-4o-2024-08-06-ft-{i:043d}"),

@@ -185,7 +185,8 @@ class RedisStore:
     def __init__(self, url: str, cfg: StoreSection, metrics: Metrics,
                  cache_bytes: Mapping[str, int] | None = None):
         """``cache_bytes``: what each of its caches may hold, by its name in ``SHARES``
-        (sessions, chains, anchors, indexed); unnamed, its share of the default cache_mb."""
+        (sessions, chains, anchors, indexed, exchanges); unnamed, its share of the default
+        cache_mb."""
         self.cfg = cfg
         self.metrics = metrics
         timeout = cfg.timeout_s
@@ -236,7 +237,7 @@ class RedisStore:
         # become what this replica knows
         self._internal_seq = 0
         self._internal_begun: ByteLRU[tuple[str, str], int] = ByteLRU(
-            share("anchors"), lambda k, v: 100 + len(k[0]) + len(k[1]))
+            share("exchanges"), lambda k, v: 100 + len(k[0]) + len(k[1]))
         # anchors this replica set, until Redis holds them (a few hundred bytes each)
         self._anchors: ByteLRU[tuple[str, str], str] = ByteLRU(
             share("anchors"), lambda k, v: 200 + len(k[0]) + len(k[1]) + len(v))
@@ -244,7 +245,8 @@ class RedisStore:
     def resize(self, cache_bytes: dict[str, int]) -> None:
         """Its caches' new budgets, by name (a reload that changed ``cache_mb``)."""
         for name, cache in (("sessions", self._sessions), ("chains", self._chains),
-                            ("anchors", self._anchors), ("indexed", self._indexed)):
+                            ("anchors", self._anchors), ("indexed", self._indexed),
+                            ("exchanges", self._internal_begun)):
             if name in cache_bytes:
                 cache.resize(cache_bytes[name])
 
