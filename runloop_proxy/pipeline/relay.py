@@ -329,11 +329,13 @@ def _memory(state: AppState, turn: Turn, session: Session, history: History
     usable = store if ns is not None and history.degraded != "store" else None
 
     cut: list[Carried] = []  # the request's segments, cut once for all its searches
+    model = state.memory_model(turn)
 
     async def search(query: str, messages: list[Message]) -> Found:
         if not cut:
             cut.append(await offload(True, lambda: carried(messages)))
-        return await state.memory.search(usable, ns or "", session.id, query, cut[0])
+        return await state.memory.search(usable, ns or "", session.id, query, cut[0],
+                                         model=model)
 
     return search
 
