@@ -131,6 +131,7 @@ class AppState:
         self.windows.resize(share("windows"))
         self.masks.resize(share("masks"))
         self.memory.vectors.resize(share("vectors"))
+        self.memory.cuts.resize(share("segment_cuts"))
         if self.store is not None:
             self.store.resize({name: share(name) for name in STORE_CACHES})
         self.summaries.resize(budget * SHARES["summaries"], server.summary_calls,

@@ -19,7 +19,11 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+import xxhash
+
+from ..caches import ENTRY_OVERHEAD, ByteLRU
 from ..conversation.messages import Message
+from ..conversation.runloops import RunLoop
 from ..conversation.segments import Segment, closed_loops, loop_segments
 from ..errors import EmbeddingError, StoreError
 from ..history.store import RedisStore
@@ -98,15 +102,51 @@ class Carried(NamedTuple):
     wanted: Any  # numpy array of S{KEY_BYTES}
 
 
+def loop_digest(lp: RunLoop, keys: list[str]) -> bytes:
+    """What a loop's segments follow from: its place and its messages' content hashes (a
+    changed or forked message, or the loop moved, is another digest)."""
+    h = xxhash.xxh3_128(f"{lp.index}:{lp.start}:{lp.end}:{lp.final_position}".encode())
+    for key in keys[lp.start:lp.end]:
+        h.update(key.encode())
+    return h.digest()
+
+
+def cut_bytes(cut: dict[bytes, list[Segment]]) -> int:
+    """About what a session's kept cut holds (``Memory.cuts``): each segment's text, key
+    and anchor, each loop's entry."""
+    return ENTRY_OVERHEAD + sum(96 + sum(len(s.text) + 260 for s in segs)
+                                for segs in cut.values())
+
+
 def carried(messages: list[Message]) -> Carried:
+    return cut_carried(messages)[0]
+
+
+def cut_carried(messages: list[Message], keys: list[str] | None = None,
+                kept: dict[bytes, list[Segment]] | None = None
+                ) -> tuple[Carried, dict[bytes, list[Segment]]]:
+    """The request's segments, and its loops' cut by digest (to keep for the session's
+    next request). ``kept``: a previous request's cut, whose loops of the same digest
+    (``loop_digest`` over ``keys``, the messages' content hashes) are taken, not cut again."""
     import numpy as np
 
-    segs = conversation_segments(messages)
+    cut: dict[bytes, list[Segment]] = {}
+    segs: list[Segment] = []
+    for lp in closed_loops(messages):
+        if keys is None:
+            segs.extend(loop_segments(messages, lp))
+            continue
+        d = loop_digest(lp, keys)
+        got = kept.get(d) if kept is not None else None
+        cut[d] = got if got is not None else loop_segments(messages, lp)
+        segs.extend(cut[d])
+    segs = segs[-MAX_SEARCH_SEGMENTS:]
     first: dict[str, Segment] = {}
     for s in segs:
         first.setdefault(field_of(s), s)
     fields = list(first)
-    return Carried(segs, first, fields, np.array([f.encode() for f in fields], f"S{KEY_BYTES}"))
+    return Carried(segs, first, fields, np.array([f.encode() for f in fields],
+                                                 f"S{KEY_BYTES}")), cut
 
 
 class Model(Protocol):
@@ -151,6 +191,7 @@ class Memory:
 
     def __init__(self, embedder: Embedder, metrics: Metrics,
                  spawn: Callable[[Coroutine[Any, Any, object]], object], cache_bytes: int,
+                 cut_cache_bytes: int = 0,
                  host: Host | None = None, calls: Shares | None = None,
                  given: Callable[[], None] | None = None):
         self.embedder = embedder
@@ -158,6 +199,10 @@ class Memory:
         # calls' shares (the summaries'), and what to tell when a call gives its share back
         self.host, self.calls, self._given = host, calls, given
         self.vectors = VectorCache(cache_bytes)
+        # per session, the last request's segments by loop (``carried``): a request cuts
+        # only the loops it does not share with the one before (a share of cache_mb)
+        self.cuts: ByteLRU[tuple[str, str], dict[bytes, list[Segment]]] = ByteLRU(
+            cut_cache_bytes, lambda k, v: cut_bytes(v) + len(k[0]) + len(k[1]) + 100)
         self.metrics = metrics
         self._spawn = spawn
         # the sessions being indexed, each with the turn to index after (None: none yet)
@@ -166,6 +211,16 @@ class Memory:
         # one embedding at a time in the process: indexing is background work, and the
         # machine's cores are the requests'
         self._embedding = asyncio.Semaphore(1)
+
+    async def carried(self, namespace: str, session_id: str, messages: list[Message],
+                      keys: list[str]) -> Carried:
+        """The request's segments (``carried``, in a worker thread), the loops the
+        session's last request had cut taken from the process's cache."""
+        at = (namespace, session_id)
+        kept = self.cuts.get(at)
+        got, cut = await asyncio.to_thread(cut_carried, messages, keys, kept)
+        self.cuts[at] = cut
+        return got
 
     def local(self) -> Local:
         return Local(self.embedder, self._embedding)
