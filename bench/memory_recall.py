@@ -162,6 +162,7 @@ def search_costs(embedder: StaticEmbedder, messages: list[Message], n: int, url:
     ``RedisStore``) over one conversation of ``n`` segments of recorded loops."""
     from runloop_proxy.caches import SHARES
     from runloop_proxy.config import ServerSection, StoreSection
+    from runloop_proxy.conversation.messages import message_hash
     from runloop_proxy.history.store import RedisStore
     from runloop_proxy.ops.metrics import Metrics
     from runloop_proxy.pipeline.memory import Memory, carried, conversation_segments
@@ -172,7 +173,8 @@ def search_costs(embedder: StaticEmbedder, messages: list[Message], n: int, url:
     async def run() -> list[float]:
         store = RedisStore(url, StoreSection(key_prefix="bench-memory"), Metrics())
         share = int((ServerSection().cache_mb << 20) * SHARES["vectors"])  # the default's
-        memory = Memory(embedder, store.metrics, asyncio.ensure_future, share)
+        memory = Memory(embedder, store.metrics, asyncio.ensure_future, share,
+                        int((ServerSection().cache_mb << 20) * SHARES["segment_cuts"]))
         ns, sid = "bench", "n:memory-recall"
         try:
             t = time.perf_counter()
@@ -192,6 +194,14 @@ def search_costs(embedder: StaticEmbedder, messages: list[Message], n: int, url:
             t = time.perf_counter()
             cut = carried(messages)
             out["cut_ms"] = (time.perf_counter() - t) * 1000
+            # as the proxy cuts: the session's last cut kept (Memory.cuts), the next
+            # request the same conversation and one more turn
+            keys = [message_hash(m) for m in messages]
+            await memory.carried(ns, sid, messages[:-2], keys[:-2])
+            t = time.perf_counter()
+            kept = await memory.carried(ns, sid, messages, keys)
+            out["cut_kept_ms"] = (time.perf_counter() - t) * 1000
+            assert kept.fields == cut.fields, "the kept cut differs from a fresh one"
             t = time.perf_counter()  # the first: the session's blocks read and assembled
             found = await memory.search(store, ns, sid, queries[0], cut)
             out["cold_ms"] = (time.perf_counter() - t) * 1000
@@ -289,7 +299,8 @@ def main() -> int:
           f"{c['p99_ms']:.1f} ms (Memory.search, the session's matrix in the process: its "
           f"blocks' names asked, the query embedded, exact cosine; off the event loop); the "
           f"first, its blocks read and assembled: {c['cold_ms']:.1f} ms; the conversation "
-          f"cut into its segments first, once a request: {c['cut_ms']:.0f} ms")
+          f"cut into its segments first, once a request: {c['cut_ms']:.0f} ms, "
+          f"{c['cut_kept_ms']:.0f} ms with the session's last cut kept (a turn more)")
     print(f"memory per 1,000 segments: {c['redis_mb_per_1000']:.2f} MB in Redis, "
           f"{c['matrix_mb']:.2f} MB in the process (its cache of the session's matrix)")
     return 0

@@ -15,13 +15,14 @@ ENTRY_OVERHEAD = 120  # a dict slot, the key tuple, the value's box: roughly, in
 MESSAGE_OVERHEAD = 400  # a parsed message's dict, its role and keys (tracemalloc: ~370 B)
 
 # each cache's share of server.cache_mb (they add up to the whole, no more)
-SHARES = {"carries": 0.185, "listed": 0.005, "recent": 0.145, "prompts": 0.02, "bills": 0.005,
+SHARES = {"carries": 0.135, "listed": 0.005, "recent": 0.145, "prompts": 0.02, "bills": 0.005,
           "memo": 0.095, "exchanges": 0.005,
           "cuts": 0.075, "tokens": 0.095, "chains": 0.09, "first_seen": 0.02, "sessions": 0.05,
           "masks": 0.03, "factors": 0.015, "windows": 0.005, "summaries": 0.06,
           "anchors": 0.005, "indexed": 0.01, "models": 0.005,
           # long-term memory's sessions as matrices: 10,000 segments in the default 128 MB
-          "vectors": 0.08}
+          # (vectors), and their segments as the last request cut them (segment_cuts)
+          "vectors": 0.08, "segment_cuts": 0.05}
 
 
 # the caches the history store keeps (RedisStore), by their names in SHARES

@@ -121,12 +121,28 @@ class Policy(_Strict):
                            "Mistral's reject a second system message or an assistant turn first)")
     max_tool_rounds: int = Field(4, ge=0, le=16)
     search_results: int = Field(5, ge=1, le=50)
-    memory: Literal["off", "embedded"] = Field(
+    memory: Literal["off", "embedded", "upstream"] = Field(
         "off", description='long-term memory: "embedded" cuts every closed run loop into '
                            'segments, embeds them after the answer with the model the package '
                            'ships (no network, no download) and kept with the session, and '
-                           'search_history ranks by meaning as well as by words; "off": by '
-                           'words alone')
+                           'search_history ranks by meaning as well as by words; "upstream": '
+                           'the same with embedding_model through the tenant\'s upstream '
+                           '(or embedding_upstream) /v1/embeddings; "off": by words alone')
+    embedding_model: str | None = Field(
+        None, description='with memory = "upstream": the model the segments and the '
+                          'searches are embedded with (e.g. "text-embedding-3-small")')
+    embedding_dimensions: int | None = Field(
+        None, ge=1, le=16_384, description='with memory = "upstream": how many numbers its '
+                                           'vectors have (1536 for text-embedding-3-small); '
+                                           'an answer of another size is refused, never kept')
+    embedding_upstream: str | None = Field(
+        None, description="the configured upstream (by name) the embedding calls go to, "
+                          "with its own api_key (default: the tenant's upstream and key)")
+    embedding_daily_tokens: int | None = Field(
+        None, ge=1, description="tokens the embedding calls (indexing and searches) may "
+                                "spend per UTC day, every replica's; reached, they stop "
+                                "until the next day and searches answer by words (unset: "
+                                "no cap)")
     summary_model: str | None = Field(
         "extractive", description='what summarises the loops an omission leaves out: '
                                   '"extractive" (a deterministic digest, no LLM), a model name '
@@ -177,6 +193,14 @@ class Policy(_Strict):
     @classmethod
     def _empty_is_off(cls, v: str | None) -> str | None:
         return v or None  # a TOML file cannot say null: "" turns summaries off
+
+    @model_validator(mode="after")
+    def _upstream_memory_named(self) -> Policy:
+        if self.memory == "upstream" and not (self.embedding_model and
+                                               self.embedding_dimensions):
+            raise ValueError('memory = "upstream" needs embedding_model and '
+                             'embedding_dimensions')
+        return self
 
     @field_validator("target")
     @classmethod
@@ -663,19 +687,22 @@ def load_config(settings: Settings, *, secrets: bool = True) -> ProxyConfig:
 
 def _check_summary_upstream(tenant: TenantSpec, upstreams: dict[str, UpstreamSpec],
                             where: str) -> None:
-    """A summary upstream is a configured one; another than the tenant's own is called with
-    its own ``api_key`` only (a key goes only to the upstream it was given for)."""
-    name = tenant.policy.summary_upstream
-    if name is None or name == tenant.upstream:
-        return
-    if name not in upstreams:
-        raise ConfigError(where, "policy.summary_upstream",
-                          f"unknown upstream {name!r} "
-                          f"(known: {', '.join(sorted(upstreams)) or 'none'})")
-    if not upstreams[name].api_key:
-        raise ConfigError(where, "policy.summary_upstream",
-                          f"upstream {name!r} has no api_key: the proxy calls a summary "
-                          f"upstream with its own key only, never the tenant's or a client's")
+    """A summary (or embedding) upstream is a configured one; another than the tenant's own
+    is called with its own ``api_key`` only (a key goes only to the upstream it was given
+    for)."""
+    for what, name in (("summary", tenant.policy.summary_upstream),
+                       ("embedding", tenant.policy.embedding_upstream)):
+        if name is None or name == tenant.upstream:
+            continue
+        if name not in upstreams:
+            raise ConfigError(where, f"policy.{what}_upstream",
+                              f"unknown upstream {name!r} "
+                              f"(known: {', '.join(sorted(upstreams)) or 'none'})")
+        if not upstreams[name].api_key:
+            raise ConfigError(where, f"policy.{what}_upstream",
+                              f"upstream {name!r} has no api_key: the proxy calls a {what} "
+                              f"upstream with its own key only, never the tenant's or a "
+                              f"client's")
 
 
 def describe(config: ProxyConfig) -> dict[str, Any]:

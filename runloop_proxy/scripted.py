@@ -55,6 +55,7 @@ from .pipeline.tokens import (
     billed_tokens,
 )
 from .scripted_world import (
+    EMBEDDING_DIM,
     CallKind,
     Latency,
     Pauses,
@@ -63,6 +64,7 @@ from .scripted_world import (
     is_summary_call,
     openai_call_id,
     responses_id,
+    scripted_embedding,
     system_fingerprint,
 )
 
@@ -194,6 +196,10 @@ class ScriptedUpstream:
         self.summary_calls = 0  # summary calls received
         self.summaries_answered = 0  # and answered
         self.embedded = 0  # embeddings calls received
+        # each embeddings call: its headers and body (the inputs, the model)
+        self.embedding_calls: list[tuple[dict[str, str], dict[str, Any]]] = []
+        self.embedding_dim = EMBEDDING_DIM
+        self.embeddings_fail: int | None = None  # a status every embeddings call answers
         self.server: ThreadedServer | None = None
         self.port = 0
         self._anthropic: anthropic.AnthropicCache | None = None
@@ -217,6 +223,9 @@ class ScriptedUpstream:
         self.pauses.clear()
         self.summary_gate = None
         self.summary_calls = self.summaries_answered = self.embedded = 0
+        self.embedding_calls = []
+        self.embedding_dim = EMBEDDING_DIM
+        self.embeddings_fail = None
 
     @property
     def delay(self) -> float:
@@ -377,13 +386,26 @@ class ScriptedUpstream:
             body = orjson.loads(raw)
             inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
             self.embedded += 1
+            if self.keep_requests:
+                self.embedding_calls.append((dict(request.headers), body))
             if header := request.headers.get("x-scripted-delay-ms"):  # a slow one, held
                 await self.pause("first_byte", float(header) / 1000)
+            else:
+                await self.pause("embeddings", self.latency.embeddings)
+            if self.embeddings_fail is not None:
+                return Response(orjson.dumps({"error": {
+                    "message": "The server had an error while processing your request.",
+                    "type": "server_error", "param": None, "code": None}}),
+                    self.embeddings_fail, media_type="application/json")
+            # usage as OpenAI counts it: the inputs' tokens (here, their words)
+            tokens = sum(max(1, len(str(t).split())) for t in inputs)
             return Response(orjson.dumps({"object": "list", "model": body.get("model"),
                                           "data": [{"object": "embedding", "index": i,
-                                                    "embedding": [0.1, 0.2, 0.3]}
-                                                   for i, _ in enumerate(inputs)],
-                                          "usage": {"prompt_tokens": 3, "total_tokens": 3}}),
+                                                    "embedding": scripted_embedding(
+                                                        str(t), self.embedding_dim)}
+                                                   for i, t in enumerate(inputs)],
+                                          "usage": {"prompt_tokens": tokens,
+                                                    "total_tokens": tokens}}),
                             media_type="application/json")
 
         async def anything(request: Request) -> Response:

@@ -16,13 +16,16 @@ import contextvars
 import dataclasses
 import hashlib
 import itertools
+import math
 import os
+import re
 import string
 import threading
 from typing import Any, Literal
 
-CallKind = Literal["first_byte", "between_events", "summary", "count_tokens"]
-KINDS: tuple[CallKind, ...] = ("first_byte", "between_events", "summary", "count_tokens")
+CallKind = Literal["first_byte", "between_events", "summary", "count_tokens", "embeddings"]
+KINDS: tuple[CallKind, ...] = ("first_byte", "between_events", "summary", "count_tokens",
+                               "embeddings")
 
 BASE62 = string.digits + string.ascii_letters
 HEX = "0123456789abcdef"
@@ -49,7 +52,8 @@ class Latency:
       Messages events), added to a reply's own ``chunk_delay``;
     - ``summary``: instead of ``first_byte``, for a call the proxy's summariser makes (its
       prompt is the summariser's; see ``is_summary_call``);
-    - ``count_tokens``: before ``/v1/messages/count_tokens`` answers.
+    - ``count_tokens``: before ``/v1/messages/count_tokens`` answers;
+    - ``embeddings``: before ``/v1/embeddings`` answers.
 
     A reply's ``delay`` (or the ``X-Scripted-Delay-Ms`` header) still overrides the wait
     before that one answer."""
@@ -58,6 +62,7 @@ class Latency:
     between_events: float = 0.0
     summary: float = 0.0
     count_tokens: float = 0.0
+    embeddings: float = 0.0
 
     def __post_init__(self) -> None:
         for kind in KINDS:
@@ -149,3 +154,24 @@ def anthropic_message_id() -> str:
 def anthropic_tool_use_id() -> str:
     """``toolu_01`` + 22 base62 characters: a ``tool_use`` block's id."""
     return provider_id("toolu_01", 22)
+
+
+# The scripted embedding model: a text's vector is its bag of words, each word hashed to a
+# dimension and a sign, and the words of one meaning (``SAME_MEANING``) on the same one — so
+# that "refund" finds "reimbursement" as a real model would, and a test can compute the
+# cosine the proxy should report (``scripted_embedding``).
+EMBEDDING_DIM = 1536  # text-embedding-3-small's
+SAME_MEANING = {w: "<money back>" for w in (
+    "refund", "refunds", "refunded", "reimbursement", "reimbursed", "reimburse", "repaid")}
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+def scripted_embedding(text: str, dim: int = EMBEDDING_DIM) -> list[float]:
+    """``text``'s unit vector of ``dim`` numbers (a text of no word: zeros)."""
+    out = [0.0] * dim
+    for word in _WORD.findall(text.lower()):
+        h = hashlib.blake2b(SAME_MEANING.get(word, word).encode(), digest_size=8).digest()
+        n = int.from_bytes(h, "little")
+        out[n % dim] += 1.0 if n >> 63 else -1.0
+    norm = math.sqrt(sum(x * x for x in out))
+    return [round(x / norm, 6) for x in out] if norm else out

@@ -26,18 +26,18 @@ from .config import (
 from .errors import ConfigError, StoreError
 from .history.embedded import EmbeddedRedis
 from .history.store import RedisStore
-from .history.summaries import SummaryService
+from .history.summaries import Job, SummaryService
 from .ops import logs
 from .ops.metrics import Metrics
 from .pipeline.embeddings import StaticEmbedder
 from .pipeline.limits import LearnedWindows
 from .pipeline.masking import MaskTables
-from .pipeline.memory import Memory
+from .pipeline.memory import Memory, Model
 from .pipeline.shadow import ShadowBook
 from .pipeline.shares import Shares
 from .pipeline.tokens import WARM_ENCODINGS, TokenCounter, encoding_name_for
 from .pipeline.upstream import UpstreamClient
-from .pipeline.values import Recent
+from .pipeline.values import Recent, Turn
 from .pricing import PriceTable, Provider
 from .savings import Meter, Prompt, Savings
 from .tasks import once
@@ -104,7 +104,8 @@ class AppState:
                             self._refused)
         self.summaries = SummaryService(self)
         # long-term memory (policy.memory): the embedded model loads on first use
-        self.memory = Memory(StaticEmbedder(), self.metrics, self.spawn, 0)
+        self.memory = Memory(StaticEmbedder(), self.metrics, self.spawn, 0, host=self,
+                             calls=self.summaries.calls, given=self.summaries.wake)
         self.resize(server)
         self.shadows = ShadowBook()  # shadow comparisons and spend, per tenant (today's)
         self.metrics.prices = self.config.prices
@@ -130,6 +131,7 @@ class AppState:
         self.windows.resize(share("windows"))
         self.masks.resize(share("masks"))
         self.memory.vectors.resize(share("vectors"))
+        self.memory.cuts.resize(share("segment_cuts"))
         if self.store is not None:
             self.store.resize({name: share(name) for name in STORE_CACHES})
         self.summaries.resize(budget * SHARES["summaries"], server.summary_calls,
@@ -216,6 +218,13 @@ class AppState:
         """Every tenant's series exported from the start (see Metrics.init_tenants)."""
         cfg = self.config
         self.metrics.init_tenants(["passthrough"] if cfg.passthrough else list(cfg.tenants))
+
+    def memory_model(self, turn: Turn) -> Model:
+        """What ``turn``'s long-term memory embeds with (``Memory.model_for``): its tenant's
+        model through the upstream with the key its summaries take, or the embedded one."""
+        if turn.policy.memory != "upstream" or turn.caller.namespace is None:
+            return self.memory.local()
+        return self.memory.model_for(Job.of(turn))
 
     def upstream(self, name: str) -> UpstreamClient:
         return self.upstreams[name]

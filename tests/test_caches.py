@@ -310,6 +310,18 @@ def _prices() -> Any:
     return PriceTable.load()
 
 
+def _cut(i: int) -> Any:
+    """A session's kept cut (``Memory.cuts``): the segments of 40 support loops by their
+    digests, distinct each time."""
+    from runloop_proxy.conversation.messages import message_hash
+    from runloop_proxy.pipeline.memory import cut_carried
+
+    from .test_memory_vectors import _conversation
+
+    messages = _conversation(range(i * 40, i * 40 + 40))
+    return cut_carried(messages, [message_hash(m) for m in messages])[1]
+
+
 SESSION = "sess_" + "7" * 123  # a session id as long as a plain one may be (128 characters)
 NAMESPACE = "pt-" + "c" * 61  # a pass-through caller's namespace: its key's digest
 
@@ -338,6 +350,7 @@ FILLS: dict[str, Any] = {
                                        i + 0.75),
     "state.memory.vectors._kept": lambda i: ((NAMESPACE, f"{SESSION}{i}",
                                               "wordllama-l2_supercat-256"), _vectors(i)),
+    "state.memory.cuts": lambda i: ((NAMESPACE, f"{SESSION}{i}"), _cut(i)),
 }
 
 

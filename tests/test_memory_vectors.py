@@ -195,3 +195,49 @@ def test_a_matrix_finds_each_stored_row_by_its_key(blocks: list[list[str]],
         assert len(got) == len(want)
         for g, w in zip(got, want, strict=True):
             assert np.array_equal(g, w)
+
+
+def test_a_sessions_kept_cut_is_the_fresh_cut_and_cuts_only_what_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory.carried keeps a session's segments by loop between its requests: each
+    request's segments equal a fresh cut of its messages (``carried``), whatever the last
+    request was — the same with a turn more, a past message edited (a fork), a loop
+    moved by a message inserted before it — and only the loops whose digest is new are cut
+    again. Red with: the digest over the loop's place alone (planted: the keys left out:
+    the edited reply's old text comes back), the cut never kept (planted: ``kept``
+    ignored: every loop cut again, red on the count)."""
+    from runloop_proxy.conversation.messages import message_hash
+    from runloop_proxy.ops.metrics import Metrics
+    from runloop_proxy.pipeline import memory as memory_mod
+    from runloop_proxy.pipeline.memory import Memory, carried
+
+    cuts: list[int] = []
+    real = memory_mod.loop_segments
+
+    def counted(messages: Any, lp: Any, *a: Any) -> Any:
+        cuts.append(lp.index)
+        return real(messages, lp, *a)
+    monkeypatch.setattr(memory_mod, "loop_segments", counted)
+    mem = Memory(StaticEmbedder(), Metrics(), asyncio.ensure_future, 1 << 20, 8 << 20)
+
+    def request(messages: list[dict[str, Any]]) -> Any:
+        keys = [message_hash(m) for m in messages]
+        cuts.clear()
+        got = asyncio.run(mem.carried("acme", "n:s", messages, keys))
+        fresh = cuts.copy()
+        cuts.clear()
+        want = carried(messages)
+        assert got.segments == want.segments and got.fields == want.fields
+        return fresh
+
+    base = _conversation(range(6))
+    assert request(base) == list(range(6))  # nothing kept yet: every loop cut
+    more = [*base[:-1], {"role": "user", "content": "One more thing."},
+            {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "Bye."}]
+    assert request(more) == [6]  # a turn more: only the loop it closed
+    edited = [dict(m) for m in more]
+    edited[8] = {**edited[8], "content": "Done: reservation moved; no confirmation."}
+    assert request(edited) == [1]  # loop 1's reply edited: that loop alone
+    moved = [edited[0], {"role": "user", "content": "Hello."},
+             {"role": "assistant", "content": "Hi."}, *edited[1:]]
+    assert len(request(moved)) == 8  # every loop moved: each cut again

@@ -388,22 +388,24 @@ class RedisStore:
     def _logins_key(self) -> str:
         return f"{self.cfg.key_prefix}:admin:logins"
 
-    def _shadow_key(self, tenant: str, day: str) -> str:
+    def _spend_key(self, tenant: str, day: str, kind: str) -> str:
         digest = hashlib.sha256(tenant.encode()).hexdigest()[:32]
-        return f"{self.cfg.key_prefix}:shadow:{digest}:{day}"
+        return f"{self.cfg.key_prefix}:{kind}:{digest}:{day}"
 
-    async def shadow_spend(self, tenant: str, day: str) -> tuple[int, int]:
-        """What ``tenant``'s shadow calls spent on the UTC ``day``, every replica's: tokens,
-        and money in millionths of a dollar."""
-        raw = await self._call("shadow", lambda: self.client.hmget(
-            self._shadow_key(tenant, day), "tokens", "micro_usd"))
+    async def shadow_spend(self, tenant: str, day: str, kind: str = "shadow"
+                           ) -> tuple[int, int]:
+        """What ``tenant``'s shadow calls (or another ``kind`` of calls it is charged for:
+        ``embedding``) spent on the UTC ``day``, every replica's: tokens, and money in
+        millionths of a dollar."""
+        raw = await self._call(kind, lambda: self.client.hmget(
+            self._spend_key(tenant, day, kind), "tokens", "micro_usd"))
         return int(raw[0] or 0), int(raw[1] or 0)
 
     async def add_shadow_spend(self, tenant: str, day: str, tokens: int,
-                               micro_usd: int) -> None:
-        """Add a shadow call's cost to ``day``'s (each field's increment atomic, whichever
+                               micro_usd: int, kind: str = "shadow") -> None:
+        """Add a call's cost to ``day``'s (each field's increment atomic, whichever
         replica adds at the same moment); the day's key outlives the day by one."""
-        key = self._shadow_key(tenant, day)
+        key = self._spend_key(tenant, day, kind)
 
         async def run() -> None:
             pipe = self.client.pipeline(transaction=False)
@@ -412,7 +414,7 @@ class RedisStore:
             pipe.pexpire(key, SHADOW_DAY_TTL_MS)
             await pipe.execute()
 
-        await self._call("shadow", run)
+        await self._call(kind, run)
 
     async def logins_epoch(self, ttl_ms: int, start: bool = False) -> str | None:
         """The admin's logins' epoch, which every login cookie is signed with (so every

@@ -601,10 +601,11 @@ class SummaryService:
             if nxt is not None and nxt.e > e:
                 self.state.spawn(self._again(session_id, nxt))
             elif held:
-                self._wake()
+                self.wake()
 
-    def _wake(self) -> None:
-        """A call ended: the oldest waiting session whose tenant has room in its share is
+    def wake(self) -> None:
+        """A call ended (a summary's, or memory's embedding call, which hold the same
+        shares): the oldest waiting session whose tenant has room in its share is
         made next (one per call ended)."""
         for at in list(self.waiting)[:WAKE_SCAN]:
             p = self.waiting.get(at)

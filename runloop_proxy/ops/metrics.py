@@ -96,6 +96,10 @@ class Metrics:
             "runloop_memory_total", "Long-term memory's work: segments indexed after answers "
             "and searches by meaning, by outcome (a failed or slow one leaves words alone)",
             ["tenant", "op", "outcome"], registry=r)
+        self.memory_tokens = Counter(
+            "runloop_memory_embedding_tokens_total", "Tokens a tenant's embedding model "
+            "used through its upstream (memory = upstream), as the upstream's usage says, by "
+            "op (index, search)", ["tenant", "op"], registry=r)
         self.summaries = Counter("runloop_summaries_total", "Summaries by outcome",
                                  ["tenant", "outcome"], registry=r)
         self.summary_seconds = Histogram("runloop_summary_latency_seconds",

@@ -17,19 +17,26 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+import xxhash
+
+from ..caches import ENTRY_OVERHEAD, ByteLRU
 from ..conversation.messages import Message
+from ..conversation.runloops import RunLoop
 from ..conversation.segments import Segment, closed_loops, loop_segments
 from ..errors import EmbeddingError, StoreError
 from ..history.store import RedisStore
 from ..ops import logs
 from ..ops.metrics import Metrics
 from .embeddings import KEY_BYTES, Embedder, block
+from .remote_embeddings import Job, UpstreamModel
 from .vectors import SessionVectors, VectorCache, assemble, empty, rows_of, scores
 
 if TYPE_CHECKING:
     from .embeddings import Vectors
+    from .remote_embeddings import Host
+    from .shares import Shares
 
 log = logs.get("memory")
 FIELD_CHARS = KEY_BYTES  # of a segment's key, as its field in the session's hash
@@ -95,15 +102,79 @@ class Carried(NamedTuple):
     wanted: Any  # numpy array of S{KEY_BYTES}
 
 
+def loop_digest(lp: RunLoop, keys: list[str]) -> bytes:
+    """What a loop's segments follow from: its place and its messages' content hashes (a
+    changed or forked message, or the loop moved, is another digest)."""
+    h = xxhash.xxh3_128(f"{lp.index}:{lp.start}:{lp.end}:{lp.final_position}".encode())
+    for key in keys[lp.start:lp.end]:
+        h.update(key.encode())
+    return h.digest()
+
+
+def cut_bytes(cut: dict[bytes, list[Segment]]) -> int:
+    """About what a session's kept cut holds (``Memory.cuts``): each segment's text, key
+    and anchor, each loop's entry."""
+    return ENTRY_OVERHEAD + sum(96 + sum(len(s.text) + 260 for s in segs)
+                                for segs in cut.values())
+
+
 def carried(messages: list[Message]) -> Carried:
+    return cut_carried(messages)[0]
+
+
+def cut_carried(messages: list[Message], keys: list[str] | None = None,
+                kept: dict[bytes, list[Segment]] | None = None
+                ) -> tuple[Carried, dict[bytes, list[Segment]]]:
+    """The request's segments, and its loops' cut by digest (to keep for the session's
+    next request). ``kept``: a previous request's cut, whose loops of the same digest
+    (``loop_digest`` over ``keys``, the messages' content hashes) are taken, not cut again."""
     import numpy as np
 
-    segs = conversation_segments(messages)
+    cut: dict[bytes, list[Segment]] = {}
+    segs: list[Segment] = []
+    for lp in closed_loops(messages):
+        if keys is None:
+            segs.extend(loop_segments(messages, lp))
+            continue
+        d = loop_digest(lp, keys)
+        got = kept.get(d) if kept is not None else None
+        cut[d] = got if got is not None else loop_segments(messages, lp)
+        segs.extend(cut[d])
+    segs = segs[-MAX_SEARCH_SEGMENTS:]
     first: dict[str, Segment] = {}
     for s in segs:
         first.setdefault(field_of(s), s)
     fields = list(first)
-    return Carried(segs, first, fields, np.array([f.encode() for f in fields], f"S{KEY_BYTES}"))
+    return Carried(segs, first, fields, np.array([f.encode() for f in fields],
+                                                 f"S{KEY_BYTES}")), cut
+
+
+class Model(Protocol):
+    """What a piece of memory's work embeds with: the embedded model, or a tenant's through
+    its upstream (``remote_embeddings.UpstreamModel``). ``name``: what its vectors are kept
+    under (a session's vectors of one model never meet another's); ``inline``: whether a
+    search embeds the segments not indexed yet itself (the embedded model: no cost)."""
+
+    name: str
+    dim: int
+    inline: bool
+
+    async def vectors(self, texts: list[str], op: str) -> Vectors:
+        """Unit vectors, a row per text (float32); ``op``: "index" or "search"."""
+
+
+class Local:
+    """The embedded model, in a worker thread, one embedding at a time in the process."""
+
+    inline = True
+
+    def __init__(self, embedder: Embedder, one: asyncio.Semaphore):
+        self.embedder, self._one = embedder, one
+        self.name, self.dim = embedder.name, embedder.dim
+
+    async def vectors(self, texts: list[str], op: str) -> Vectors:
+        async with self._one:
+            return await asyncio.to_thread(self.embedder.embed, texts)
 
 
 @dataclass
@@ -119,69 +190,103 @@ class Memory:
     """The process's long-term memory: its embedder, the indexings under way, searches."""
 
     def __init__(self, embedder: Embedder, metrics: Metrics,
-                 spawn: Callable[[Coroutine[Any, Any, object]], object], cache_bytes: int):
+                 spawn: Callable[[Coroutine[Any, Any, object]], object], cache_bytes: int,
+                 cut_cache_bytes: int = 0,
+                 host: Host | None = None, calls: Shares | None = None,
+                 given: Callable[[], None] | None = None):
         self.embedder = embedder
+        # for tenants' models through their upstreams: the app, the background model
+        # calls' shares (the summaries'), and what to tell when a call gives its share back
+        self.host, self.calls, self._given = host, calls, given
         self.vectors = VectorCache(cache_bytes)
+        # per session, the last request's segments by loop (``carried``): a request cuts
+        # only the loops it does not share with the one before (a share of cache_mb)
+        self.cuts: ByteLRU[tuple[str, str], dict[bytes, list[Segment]]] = ByteLRU(
+            cut_cache_bytes, lambda k, v: cut_bytes(v) + len(k[0]) + len(k[1]) + 100)
         self.metrics = metrics
         self._spawn = spawn
         # the sessions being indexed, each with the turn to index after (None: none yet)
         self._next: dict[tuple[str, str], tuple[RedisStore, str, list[Message],
-                                                float | None] | None] = {}
+                                                float | None, Model] | None] = {}
         # one embedding at a time in the process: indexing is background work, and the
         # machine's cores are the requests'
         self._embedding = asyncio.Semaphore(1)
 
-    async def _embed(self, texts: list[str]) -> Vectors:
-        """Unit vectors (as stored: float32), in a worker thread."""
-        async with self._embedding:
-            return await asyncio.to_thread(self.embedder.embed, texts)
+    async def carried(self, namespace: str, session_id: str, messages: list[Message],
+                      keys: list[str]) -> Carried:
+        """The request's segments (``carried``, in a worker thread), the loops the
+        session's last request had cut taken from the process's cache."""
+        at = (namespace, session_id)
+        kept = self.cuts.get(at)
+        got, cut = await asyncio.to_thread(cut_carried, messages, keys, kept)
+        self.cuts[at] = cut
+        return got
+
+    def local(self) -> Local:
+        return Local(self.embedder, self._embedding)
+
+    def model_for(self, job: Job | None) -> Model:
+        """What a piece of work embeds with: ``job``'s tenant's model through its upstream
+        (policy.memory = "upstream", ``job`` as its summaries would be made for), else the
+        embedded one."""
+        if job is None or job.policy.memory != "upstream":
+            return self.local()
+        assert self.host is not None and self.calls is not None
+        return UpstreamModel(self.host, job, self.calls, self._given)
 
     def after_answer(self, store: RedisStore, tenant: str, namespace: str, session_id: str,
-                     messages: list[Message], retention_days: float | None) -> None:
+                     messages: list[Message], retention_days: float | None,
+                     model: Model | None = None) -> None:
         """Index the loops this turn closed, in the background: one indexing a session at
         a time (a turn answered meanwhile is indexed after it, the newest only), at most
         ``MAX_PENDING`` sessions at once (a skipped one is caught up by its next answer)."""
         at = (namespace, session_id)
+        model = model or self.local()
         if at in self._next:
-            self._next[at] = (store, tenant, messages, retention_days)
+            self._next[at] = (store, tenant, messages, retention_days, model)
             return
         if len(self._next) >= MAX_PENDING:
             self.metrics.memory.labels(tenant, "index", "skipped").inc()
             return
         self._next[at] = None
-        self._spawn(self._indexing(at, store, tenant, messages, retention_days))
+        self._spawn(self._indexing(at, store, tenant, messages, retention_days, model))
 
     async def _indexing(self, at: tuple[str, str], store: RedisStore, tenant: str,
-                        messages: list[Message], retention_days: float | None) -> None:
+                        messages: list[Message], retention_days: float | None,
+                        model: Model) -> None:
         try:
             while True:
-                await self._index(store, tenant, *at, messages, retention_days)
+                await self._index(store, tenant, *at, messages, retention_days, model)
                 later = self._next.get(at)
                 if later is None:
                     return
                 self._next[at] = None
-                store, tenant, messages, retention_days = later
+                store, tenant, messages, retention_days, model = later
         finally:
             self._next.pop(at, None)
 
     async def _index(self, store: RedisStore, tenant: str, namespace: str, session_id: str,
-                     messages: list[Message], retention_days: float | None) -> None:
+                     messages: list[Message], retention_days: float | None,
+                     model: Model) -> None:
         try:
-            done = await self.index(store, namespace, session_id, messages, retention_days)
+            done = await self.index(store, namespace, session_id, messages, retention_days,
+                                    model)
             self.metrics.memory.labels(tenant, "index", "ok").inc(done)
         except (StoreError, EmbeddingError) as exc:
             self.metrics.memory.labels(tenant, "index", "failed").inc()
             log.warning("memory: segments not indexed", extra={
-                "tenant": tenant, "error": str(exc)})
+                "tenant": tenant, "model": model.name, "error": str(exc)})
 
     async def index(self, store: RedisStore, namespace: str, session_id: str,
-                    messages: list[Message], retention_days: float | None) -> int:
+                    messages: list[Message], retention_days: float | None,
+                    model: Model | None = None) -> int:
         """Embed and keep the closed loops' segments the session has no vector of; how
         many were embedded. The loops a previous indexing covered (its mark: how many, and
         its last segment's key, which a fork changes) are not looked at again."""
         import numpy as np
 
-        name = self.embedder.name
+        model = model or self.local()
+        name = model.name
         by_loop = await asyncio.to_thread(
             lambda: [loop_segments(messages, lp) for lp in closed_loops(messages)])
         upto, tail = await store.memory_mark(namespace, session_id, name)
@@ -202,7 +307,8 @@ class Memory:
         mark = (upto, field_of(last) if last is not None else "")
         rows = []
         for i in range(0, len(taken), EMBED_BATCH):
-            rows.append(await self._embed([todo[f][1].text for f in taken[i:i + EMBED_BATCH]]))
+            rows.append(await model.vectors([todo[f][1].text
+                                             for f in taken[i:i + EMBED_BATCH]], "index"))
         packed = await asyncio.to_thread(
             lambda: block(taken, np.concatenate(rows)) if rows else b"")
         await store.put_vectors(namespace, session_id, name, taken, packed, mark,
@@ -210,12 +316,14 @@ class Memory:
         return len(taken)
 
     async def search(self, store: RedisStore | None, namespace: str, session_id: str,
-                     query: str, request: Carried, k: int = CANDIDATES) -> Found:
+                     query: str, request: Carried, k: int = CANDIDATES,
+                     model: Model | None = None) -> Found:
         """Of the segments the request carries (``carried``: no other segment is read),
         those nearest ``query`` by meaning, under ``SEARCH_TIMEOUT_S``."""
         try:
             async with asyncio.timeout(SEARCH_TIMEOUT_S):
-                return await self._search(store, namespace, session_id, query, request, k)
+                return await self._search(store, namespace, session_id, query, request, k,
+                                          model or self.local())
         except TimeoutError:
             return Found([], f"the search by meaning took over {SEARCH_TIMEOUT_S:g} s")
         except EmbeddingError as exc:
@@ -224,12 +332,13 @@ class Memory:
             log.exception("memory: the search by meaning failed")
             return Found([], f"the search by meaning failed ({type(exc).__name__})")
 
-    async def session_vectors(self, store: RedisStore, namespace: str, session_id: str
-                              ) -> SessionVectors:
+    async def session_vectors(self, store: RedisStore, namespace: str, session_id: str,
+                              model: Model | None = None) -> SessionVectors:
         """The session's stored vectors as one matrix: from the process's cache while Redis
         holds the same blocks (asked by name only), the new blocks read and added, and read
         whole (one HGETALL) when not cached or a block is gone (the session expired)."""
-        name, dim = self.embedder.name, self.embedder.dim
+        model = model or self.local()
+        name, dim = model.name, model.dim
         at = (namespace, session_id, name)
         kept = self.vectors.get(at)
         got: SessionVectors | None = None
@@ -249,16 +358,16 @@ class Memory:
         return got
 
     async def _search(self, store: RedisStore | None, namespace: str, session_id: str,
-                      query: str, request: Carried, k: int) -> Found:
+                      query: str, request: Carried, k: int, model: Model) -> Found:
         import numpy as np
 
         if not request.segments:
             return Found([])
         note = ""
-        vectors = empty(self.embedder.dim)
+        vectors = empty(model.dim)
         if store is not None:
             try:
-                vectors = await self.session_vectors(store, namespace, session_id)
+                vectors = await self.session_vectors(store, namespace, session_id, model)
             except StoreError as exc:
                 note = f"stored vectors unavailable ({exc})"
 
@@ -284,12 +393,21 @@ class Memory:
             q = self.embedder.embed([query])
             return rows, absent, ranked(rows, q[0], q[1:], [])
 
+        if not model.inline:
+            # a tenant's model: the query alone goes to it; what is not indexed yet is
+            # searched by words alone until its indexing lands
+            q = await model.vectors([query], "search")
+            rows, absent = await asyncio.to_thread(plan)
+            if absent:
+                note = f"{len(absent)} segments not indexed yet"
+            return Found(await asyncio.to_thread(ranked, rows, q[0], q[1:], []), note)
         rows, absent, hits = await asyncio.to_thread(indexed)
         if hits is not None:
             return Found(hits, note)
         embedded = absent[-INLINE_EMBED:]  # the newest: likeliest not indexed yet
         if len(absent) > len(embedded):
             note = f"{len(absent) - len(embedded)} older segments not indexed yet"
-        inline = await self._embed([query, *(request.first[f].text for f in embedded)])
+        inline = await model.vectors([query, *(request.first[f].text for f in embedded)],
+                                     "search")
         return Found(await asyncio.to_thread(ranked, rows, inline[0], inline[1:], embedded),
                      note)

@@ -470,7 +470,8 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
     if reply is not None and turn.policy.memory != "off":
         # the loops this answer closed, into long-term memory (in the background)
         state.memory.after_answer(store, turn.caller.label, ns, session.id,
-                                  [*history.messages, reply], retention)
+                                  [*history.messages, reply], retention,
+                                  state.memory_model(turn))
 
 
 def request_point(state: AppState, turn: Turn, history: History,

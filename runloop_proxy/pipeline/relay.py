@@ -24,7 +24,7 @@ from ..errors import (
 from ..ops import logs
 from ..state import AppState
 from .accounting import CLIENT_CLOSED, RequestLog, prompt_usage
-from .memory import Carried, Found, carried
+from .memory import Carried, Found
 from .offload import events, is_large, offload
 from .reconcile import record
 from .shadowing import shadow_after
@@ -298,7 +298,7 @@ def _rounds(state: AppState, turn: Turn, session: Session, history: History, out
         if named else None,
         # each of the up to MAX_CALLS calls reads the request's conversation: charged so
         large=turn.large or history.large or is_large(MAX_CALLS * len(turn.raw)),
-        memory=_memory(state, turn, session, history), **_room(state, turn, out))
+        memory=_memory(state, turn, session, history, out.keys), **_room(state, turn, out))
 
     async def send(body: dict[str, Any]) -> UpstreamResponse:
         return await forward(state, turn, body, rlog)
@@ -320,8 +320,8 @@ def _room(state: AppState, turn: Turn, out: Outgoing) -> dict[str, Any]:
             "count": lambda text: state.tokens.text(enc, text)}
 
 
-def _memory(state: AppState, turn: Turn, session: Session, history: History
-            ) -> Callable[[str, list[Message]], Awaitable[Found]] | None:
+def _memory(state: AppState, turn: Turn, session: Session, history: History,
+            keys: list[str]) -> Callable[[str, list[Message]], Awaitable[Found]] | None:
     """Long-term memory's search by meaning for this request's tools (policy.memory): the
     session's vectors of what the request carries."""
     if turn.policy.memory == "off":
@@ -330,11 +330,13 @@ def _memory(state: AppState, turn: Turn, session: Session, history: History
     usable = store if ns is not None and history.degraded != "store" else None
 
     cut: list[Carried] = []  # the request's segments, cut once for all its searches
+    model = state.memory_model(turn)
 
     async def search(query: str, messages: list[Message]) -> Found:
         if not cut:
-            cut.append(await offload(True, lambda: carried(messages)))
-        return await state.memory.search(usable, ns or "", session.id, query, cut[0])
+            cut.append(await state.memory.carried(ns or "", session.id, messages, keys))
+        return await state.memory.search(usable, ns or "", session.id, query, cut[0],
+                                         model=model)
 
     return search
 
