@@ -742,15 +742,25 @@ class RedisStore:
                   last: str = "") -> None:
         self._sessions[key] = _Cached(length, chain, internal, seen, gen, last)
 
+    def writing_internal(self, namespace: str, session_id: str, anchor: str,
+                         entry: dict[str, Any]) -> None:
+        """A proxy exchange about to be kept (``add_internal``): from now on the session's
+        next request on this replica splices it, and a sync of the session sent before it
+        lands is not taken as what Redis holds of its exchanges. Called where the write is
+        decided, before it is spawned: a request handled before the write's task first ran
+        spliced nothing."""
+        key = (namespace, session_id)
+        self._writing_internal.setdefault(key, {})[anchor] = entry
+        self._internal_seq += 1
+        self._internal_begun[key] = self._internal_seq
+
     async def add_internal(self, namespace: str, session_id: str, anchor: str,
                            entry: dict[str, Any], retention_days: float | None = None) -> None:
         """Keep a proxy-owned tool exchange, to splice around ``anchor`` (the chain hash at
         the message the client saw: that message, in that lineage) in later windows."""
         p = self.prefix(namespace, session_id)
         key = (namespace, session_id)
-        self._writing_internal.setdefault(key, {})[anchor] = entry
-        self._internal_seq += 1
-        self._internal_begun[key] = self._internal_seq
+        self.writing_internal(namespace, session_id, anchor, entry)
         try:
             # the hash and the log a replica's sync reads on from, written together
             logged, gen, fresh = await self._call("internal", lambda: self._add_internal(

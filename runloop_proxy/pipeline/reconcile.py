@@ -438,6 +438,7 @@ async def _record(state: AppState, turn: Turn, session: Session, history: Histor
         # the reply, in the lineage the request carries (what the next request's window
         # splices by: never what it trimmed, see shaping._chains_at)
         at = store.chains(ns, session.id, [*history.prepared, *answer])[-1]
+        store.writing_internal(ns, session.id, at, kept)  # known before the write's task runs
         state.spawn(_keep_internal(store, ns, session.id, at, kept,
                                    turn.caller.tenant.retention_days))
     retention = turn.caller.tenant.retention_days
