@@ -279,7 +279,8 @@ def _valid(name: str, value: Any) -> bool:
 
     from runloop_proxy.config import Policy, TenantSpec
 
-    if name in ("upstream", "policy.summary_upstream") and value not in UPSTREAMS:
+    if name in ("upstream", "policy.summary_upstream", "policy.embedding_upstream") \
+            and value not in UPSTREAMS:
         return False
     try:
         if name.startswith("policy."):

@@ -88,9 +88,13 @@ def test_a_shared_key_reaches_nothing_the_upstream_account_stores(
     models = httpx.get(three_tenants.url + "/models",
                        headers={"Authorization": f"Bearer {GLOBEX_KEY}"})
     assert [m["id"] for m in models.json()["data"]] == ["gpt-4o-mini", "gpt-4o"]
-    emb = httpx.post(three_tenants.url + "/embeddings", json={"model": "e", "input": "x"},
+    asked = {"model": "text-embedding-3-small", "input": "refund order #W5102934"}
+    emb = httpx.post(three_tenants.url + "/embeddings", json=asked,
                      headers={"Authorization": f"Bearer {GLOBEX_KEY}"})
-    assert emb.json()["data"][0]["embedding"] == [0.1, 0.2, 0.3]
+    direct = httpx.post(upstream.url + "/embeddings", json=asked,
+                        headers={"Authorization": "Bearer sk-up"})
+    vector = direct.json()["data"][0]["embedding"]
+    assert any(vector) and emb.json()["data"][0]["embedding"] == vector  # as it came
     # acme's key is its own: its own account is its own to read
     r = httpx.get(three_tenants.url + "/files/file-acme/content",
                   headers={"Authorization": f"Bearer {ACME_KEY}"})
