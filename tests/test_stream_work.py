@@ -292,7 +292,14 @@ def test_every_stream_reader_does_work_linear_in_the_stream(api: str, shape: str
     small, large = (_events(api, make, n) for n in (500, 2_000))
     _read(api, small)  # what is loaded or cached once is not the stream's work
     for count in (calls, allocated):
-        # the fewer of two counts: what else the process does adds to one, never takes away
-        a = min(count(_read, api, small)[1] for _ in range(2))
-        b = min(count(_read, api, large)[1] for _ in range(2))
+        # the fewest of a few counts: what else the process does (the bytes other threads
+        # allocate meanwhile count too: tracemalloc's are the process's) adds to one, never
+        # takes away; a stream read superlinearly stays over the bound however often counted
+        # (red once in a whole-suite run at 2 counts each: 105 MB against 20.5 MB)
+        a = b = 0
+        for k in range(4):
+            a = min(count(_read, api, small)[1], a or 1 << 62)
+            b = min(count(_read, api, large)[1], b or 1 << 62)
+            if k and b < 4.6 * a:
+                break
         assert b < 4.6 * a, (count.__name__, a, b)
