@@ -866,7 +866,7 @@ class RedisStore:
 
     async def announce(self, namespace: str, session_id: str, anchors: list[tuple[str, str]],
                        retention_days: float | None, announced_ms: int,
-                       token: str = "1") -> None:
+                       token: str) -> None:
         """Before an answer ends, in one round trip: its anchors (key and value: which
         session a recorded reply or response belongs to, or what a response chains on; a
         client that trims its history still sends its latest replies), kept as long as the

@@ -150,6 +150,13 @@ def durable(turn: Turn, history: History) -> bool:
     return turn.server_history and history.appended is not None and not history.degraded
 
 
+def held_to_record(turn: Turn, session: Session, history: History) -> bool:
+    """Whether the answer's last piece waits for its record (``kept``): the turn's write
+    (``durable``) or its anchors (``announces``), so the answer is not whole at the client
+    before Redis holds what its next request, to any replica, needs."""
+    return durable(turn, history) or announces(turn, session)
+
+
 async def kept(state: AppState, turn: Turn, session: Session, history: History,
                recording: Callable[[asyncio.Future[bool]], Coroutine[Any, Any, None]]
                ) -> bool:
@@ -200,11 +207,8 @@ async def _passed_through(state: AppState, turn: Turn, session: Session, history
     limit = state.config.store.max_message_bytes
     held: list[bytes] = []
     size = 0
-    # the last chunk waits for the turn's write (server history) or its anchors (``kept``),
-    # so the answer is not whole at the client before Redis holds what its next request,
-    # sent to any replica the moment it has it, finds the session by
     last: bytes | None = None
-    behind = durable(turn, history) or announces(turn, session)
+    behind = held_to_record(turn, session, history)
     try:
         async for chunk in resp.iter_chunks():
             if not behind:
@@ -396,7 +400,7 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                 observer.feed(ev)
                 return ()
 
-            behind = durable(turn, history) or announces(turn, session)
+            behind = held_to_record(turn, session, history)
             recorded = False
             async for chunk in resp.iter_chunks():
                 rlog.first_byte()
@@ -445,9 +449,8 @@ async def _streamed(state: AppState, turn: Turn, session: Session, history: Hist
                                  reply.message if reply else None)
         else:
             rounds = _rounds(state, turn, session, history, out, rlog)
-            # server history: each piece goes one behind, so the last (the answer's end)
-            # waits for the turn's write
-            behind = durable(turn, history) or announces(turn, session)
+            # each piece goes one behind, so the last (the answer's end) waits for the record
+            behind = held_to_record(turn, session, history)
             try:
                 async for piece in answer_stream(rounds, resp, turn.body, outcomes.append):
                     rlog.first_byte()
