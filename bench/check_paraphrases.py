@@ -7,10 +7,11 @@ their targets.
 Each line names a conversation of a trace, a position ``at`` (the query is asked with
 ``messages[:at]`` as history), the target messages and the query. The checker validates every
 line (the conversation exists, its half is ``half_of``'s, indices are in range and before
-``at``, a loop target lies at least two loops before ``at``'s loop, the query has 4-14 words
-and no digit), prints for each entry the words (lower-cased, 3 letters or more) the query
-shares with the target messages' text, then entries per half and trace and the mean count of
-shared words. Exits 1 if any line is invalid.
+``at``, a loop target is a whole loop at least two loops before ``at``'s loop, a message
+target is an assistant call and its tool result at least 15 messages before ``at``, the
+query has 4-14 words and no digit), prints for each entry the words (lower-cased, 3 letters
+or more) the query shares with the target messages' text, then entries per half and trace
+and the mean count of shared words. Exits 1 if any line is invalid.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def words(text: str) -> set[str]:
 
 def message_words(msg: dict[str, Any]) -> set[str]:
     """The words of a message's content and of its tool calls' names and arguments."""
-    out = words(msg.get("content") or "" if isinstance(msg.get("content"), str)
-                else json.dumps(msg.get("content") or ""))
+    content = msg.get("content") or ""
+    out = words(content if isinstance(content, str) else json.dumps(content))
     for call in msg.get("tool_calls") or []:
         fn = call.get("function") or {}
         out |= words(fn.get("name") or "") | words(fn.get("arguments") or "")
@@ -85,6 +86,14 @@ def problems(entry: dict[str, Any], traces: Path, cache: dict) -> list[str]:
                 out.append(f"targets are not loop {t}'s positions")
             if at_loop - t < 2:
                 out.append(f"target loop {t} is fewer than 2 loops before at's loop {at_loop}")
+    elif entry["unit"] == "message" and not out:
+        # a step: an assistant tool call and its result, asked about 15 or more messages later
+        first = msgs[targets[0]]
+        if (len(targets) != 2 or targets[1] != targets[0] + 1 or first.get("role") != "assistant"
+                or not first.get("tool_calls") or msgs[targets[1]].get("role") != "tool"):
+            out.append("targets are not [assistant call, its tool result]")
+        elif at - targets[1] < 14:
+            out.append(f"at {at} is fewer than 15 messages after target {targets[0]}")
     elif entry["unit"] not in ("loop", "message"):
         out.append(f"unit {entry['unit']!r}")
     n = len(entry["query"].split())
