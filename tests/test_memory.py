@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from runloop_proxy.conversation.messages import message_hash, message_refs
-from runloop_proxy.conversation.segments import closed_loops, segments
+from runloop_proxy.conversation.segments import archived_loops, closed_loops, segments
 from runloop_proxy.errors import EmbeddingError
 from runloop_proxy.pipeline.memory import FIELD_CHARS, fuse, nearest
 from runloop_proxy.scripted import ScriptedUpstream
@@ -174,6 +174,69 @@ def test_closed_loops_are_indexed_once_and_a_past_turn_is_found_by_meaning_and_o
     fields = _fields(proxy, key) - {"_upto", "_tail"}
     assert fields >= want and count == len(fields), (count, embedded, sorted(fields - want))
     assert len(fields - want) <= 3  # the new loop: its question, the search, the answer
+
+
+BASH = [{"type": "function", "function": {"name": "bash", "parameters": {
+    "type": "object", "properties": {"command": {"type": "string"}}}}}]
+STEPS = [  # a coding agent's steps under one task (mini-swe-agent's shape), with their output
+    ("grep -rn 'def next_run' src/", "src/scheduler/jobs.py:88:    def next_run(self, now):"),
+    ("python -m pytest tests/test_jobs.py -x -q",
+     "FAILED tests/test_jobs.py::test_next_run_daylight - TypeError: can't compare "
+     "offset-naive and offset-aware datetimes\n1 failed, 31 passed in 0.84s"),
+    ("sed -n 80,110p src/scheduler/jobs.py",
+     "    def next_run(self, now):\n        due = self.last + self.every\n        return due"),
+    ("git log --oneline -3 -- src/scheduler/jobs.py",
+     "4be1f0c jobs: cache the cron parse\n91d2a7e jobs: every= accepts seconds"),
+    ("pip list 2>/dev/null | grep -i tz", "tzdata 2024.1"),
+]
+CLOCK_QUERY = "mismatch between plain versus zoned timestamps"
+
+
+def test_a_coding_agents_earlier_step_is_found_by_meaning_while_its_task_goes_on(
+        tmp_path: Path, make_proxy: Any, upstream: ScriptedUpstream) -> None:
+    """One task, many steps, no second user turn (a coding agent's whole session is one
+    loop): each answer indexes the steps finished so far, and a search by meaning from the
+    middle of the task finds the earlier test failure by what it meant (the query shares no
+    word with it), with its anchor. Catches: only closed loops archived (planted:
+    ``archived_loops`` as ``closed_loops``, red: nothing indexed, the failure not found)."""
+    proxy = _served(tmp_path, make_proxy, upstream)
+    c = _client(proxy, "mem-task")
+    sent: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a software engineer; use bash."},
+        {"role": "user", "content": "The scheduler's daylight-saving test fails: fix it."}]
+    for n, (command, output) in enumerate(STEPS):
+        call = f"call_{n}Xq8Lw2Tz7pR"
+        upstream.push({"content": f"THOUGHT: step {n}.", "tool_calls": [
+            {"id": call, "name": "bash", "arguments": {"command": command}}]})
+        got = c.chat.completions.create(model=MODEL, messages=sent,  # type: ignore[arg-type]
+                                        tools=BASH)  # type: ignore[arg-type]
+        sent += [got.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call, "content": output}]
+    # the last answer's conversation (its tool result not sent yet): the task and the four
+    # steps before it, three segments each (the thought, the call, its output)
+    answered = sent[:-1]
+    finished = {s.key[:FIELD_CHARS] for s in segments(answered, archived_loops(answered))}
+    assert len(finished) == 13
+    until(lambda: len(_mem_keys(proxy)) == 1
+          and _fields(proxy, _mem_keys(proxy)[0]) >= finished, what="the steps indexed")
+
+    def respond(body: dict[str, Any]) -> dict[str, Any]:
+        last = body["messages"][-1]
+        if last.get("tool_call_id") == "sh_1":
+            return {"content": str(last["content"])}
+        return {"tool_calls": [{"id": "sh_1", "name": "search_history",
+                                "arguments": {"query": CLOCK_QUERY}}]}
+    upstream.responder = respond
+    found = c.chat.completions.create(model=MODEL, messages=sent,  # type: ignore[arg-type]
+                                      tools=BASH).choices[0].message.content or ""  # type: ignore[arg-type]
+    hits = found.splitlines()[1:]
+    assert found.startswith(f"{len(hits)} best match(es) for '{CLOCK_QUERY}', by words and "
+                            f"meaning:"), found
+    first = hits[0]
+    assert "offset-naive and offset-aware" in first, found
+    assert re.match(r"- \[turn 0, tool id=\S+, iteration 2, segment \d+ tool_result, "
+                    r"open=s:[0-9a-f]+, score [0-9.]+, meaning 0\.\d+\] ", first), first
+    assert "words " not in first  # found by meaning alone
 
 
 def test_with_memory_off_the_search_is_by_words_alone(

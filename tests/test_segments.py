@@ -12,6 +12,7 @@ from runloop_proxy.conversation.segments import (
     MAX_PARTS,
     Anchor,
     Kind,
+    archived_loops,
     closed_loops,
     segment_key,
     segments,
@@ -72,6 +73,53 @@ def test_a_segment_is_keyed_by_its_kind_and_text_alone() -> None:
     assert [s.key for s in again[2:]] == [s.key for s in first]
     assert again[2].anchor.loop == 1 and again[2].anchor.position == 3
     assert segment_key(Kind.USER, "same") != segment_key(Kind.RESPONSE, "same")
+
+
+TASK: list[dict[str, Any]] = [  # a coding agent's single task, its steps still going
+    {"role": "system", "content": "You are a software engineer working in a repository."},
+    {"role": "user", "content": "Fix the failing timezone test in the scheduler."},
+    {"role": "assistant", "content": "THOUGHT: find the test first.",
+     "tool_calls": [_call("call_8sKq2", "bash", '{"cmd": "grep -rn timezone tests"}')]},
+    {"role": "tool", "tool_call_id": "call_8sKq2", "content": "tests/test_sched.py:41: tz"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [_call("call_8sKq3", "bash", '{"cmd": "pytest tests/test_sched.py"}'),
+                    _call("call_8sKq4", "bash", '{"cmd": "git log -1"}')]},
+    {"role": "tool", "tool_call_id": "call_8sKq3", "content": "1 failed: naive datetime"},
+    {"role": "tool", "tool_call_id": "call_8sKq4", "content": "commit 4be1f0c"},
+    {"role": "assistant", "content": "THOUGHT: patch it.",
+     "tool_calls": [_call("call_8sKq5", "bash", '{"cmd": "sed -i s/now/utcnow/ sched.py"}')]},
+    {"role": "tool", "tool_call_id": "call_8sKq5", "content": ""},
+    {"role": "assistant", "content": "The scheduler now builds aware datetimes; fixed."},
+]
+
+
+@pytest.mark.parametrize(("upto", "archived"), [
+    (2, []),  # the task alone: the question being asked, nothing finished yet
+    (3, [range(1, 2)]),  # a call made, unanswered: the task is kept, not the call
+    (4, [range(1, 2)]),  # answered, but the next step not begun: its call may be retried
+    (5, [range(1, 4)]),  # the next step begun: the first is finished
+    (7, [range(1, 4)]),  # both results of the second step in: still its newest
+    (9, [range(1, 7)]),
+    (10, [range(1, 10)]),  # the final reply: the loop closed, whole
+])
+def test_the_open_loop_keeps_its_finished_steps(upto: int, archived: list[range]) -> None:
+    """Catches: the open loop left out (planted: ``closed_loops``, red from upto 3), its
+    newest step taken while its calls may still be answered or retried (planted: the
+    whole open loop, red at 3, 4 and 7)."""
+    assert [lp.positions for lp in archived_loops(TASK[:upto])] == archived
+
+
+def test_a_finished_step_is_the_same_segment_before_and_after_its_loop_closes() -> None:
+    """Every segment the open loop's finished steps give, at every point of the task and of
+    the support conversation, is one of the closed loop's own (key, anchor and text), so a
+    vector embedded while the loop went on is the one its closed loop looks up. Catches: the
+    open loop's part anchored as a loop of its own (planted: ``index=last.index + 1``,
+    red)."""
+    for conversation in (TASK, [*CONVERSATION[:-1]]):
+        whole = set(segments(conversation, archived_loops(conversation)))
+        for upto in range(len(conversation) + 1):
+            part = segments(conversation[:upto], archived_loops(conversation[:upto]))
+            assert set(part) <= whole, upto
 
 
 @pytest.mark.parametrize(("text", "limit", "pieces"), [

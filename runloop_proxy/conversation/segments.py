@@ -9,6 +9,7 @@ or forked copy of a loop is the same segments, embedded once.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from enum import StrEnum
@@ -58,6 +59,23 @@ def closed_loops(messages: list[Message]) -> list[RunLoop]:
     """The loops of ``messages`` that are over (a later user message opened another, or
     the final reply ended them): those seed 002 archives."""
     return [lp for lp in segment(messages) if lp.status is LoopStatus.CLOSED]
+
+
+def archived_loops(messages: list[Message]) -> list[RunLoop]:
+    """What long-term memory keeps of ``messages``: the closed loops whole, and of the open
+    one (the last) its finished iterations: all before its newest assistant message, whose
+    calls may still be answered. Those never change kind later (no piece of them becomes the
+    loop's final reply), so their segments and anchors are the ones the loop has once closed:
+    a coding agent's hundred steps under one task are found while the task is still going."""
+    loops = segment(messages)
+    out = [lp for lp in loops if lp.status is LoopStatus.CLOSED]
+    last = loops[-1] if loops else None
+    if last is not None and last.status is not LoopStatus.CLOSED:
+        newest = next((p for p in reversed(last.positions)
+                       if messages[p].get("role") == "assistant"), None)
+        if newest is not None and newest > last.start:
+            out.append(dataclasses.replace(last, end=newest))
+    return out
 
 
 def segments(messages: list[Message], loops: list[RunLoop],

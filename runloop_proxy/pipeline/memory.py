@@ -1,8 +1,9 @@
-"""Long-term memory: closed loops' segments embedded after the answer, found again by meaning.
+"""Long-term memory: past loops' segments embedded after the answer, found again by meaning.
 
-After a turn is answered, the loops it closed are cut into segments
-(``conversation/segments.py``) and those the session has no vector of yet are embedded in a
-worker thread and kept in Redis beside the session (its ``:mem`` hash, under its retention).
+After a turn is answered, the loops it closed and the finished steps of the loop still going
+(``archived_loops``) are cut into segments (``conversation/segments.py``), and those the
+session has no vector of yet are embedded in a worker thread and kept in Redis beside the
+session (its ``:mem`` hash, under its retention).
 ``search_history`` then ranks by words and by meaning together (reciprocal rank fusion); the
 search reads only the vectors of segments the request itself carries, so a session nobody
 named still reaches only what its request carries, and a vector is never another session's.
@@ -23,8 +24,8 @@ import xxhash
 
 from ..caches import ENTRY_OVERHEAD, ByteLRU
 from ..conversation.messages import Message
-from ..conversation.runloops import RunLoop
-from ..conversation.segments import Segment, closed_loops, loop_segments
+from ..conversation.runloops import LoopStatus, RunLoop
+from ..conversation.segments import Segment, archived_loops, loop_segments
 from ..errors import EmbeddingError, StoreError
 from ..history.store import RedisStore
 from ..ops import logs
@@ -86,8 +87,9 @@ def field_of(seg: Segment) -> str:
 
 
 def conversation_segments(messages: list[Message]) -> list[Segment]:
-    """The segments of the conversation's closed loops, the newest ``MAX_SEARCH_SEGMENTS``."""
-    out = [s for lp in closed_loops(messages) for s in loop_segments(messages, lp)]
+    """The segments of the conversation's archived loops (``archived_loops``: the closed
+    ones, the open one's finished iterations), the newest ``MAX_SEARCH_SEGMENTS``."""
+    out = [s for lp in archived_loops(messages) for s in loop_segments(messages, lp)]
     return out[-MAX_SEARCH_SEGMENTS:]
 
 
@@ -132,7 +134,7 @@ def cut_carried(messages: list[Message], keys: list[str] | None = None,
 
     cut: dict[bytes, list[Segment]] = {}
     segs: list[Segment] = []
-    for lp in closed_loops(messages):
+    for lp in archived_loops(messages):
         if keys is None:
             segs.extend(loop_segments(messages, lp))
             continue
@@ -280,15 +282,18 @@ class Memory:
     async def index(self, store: RedisStore, namespace: str, session_id: str,
                     messages: list[Message], retention_days: float | None,
                     model: Model | None = None) -> int:
-        """Embed and keep the closed loops' segments the session has no vector of; how
+        """Embed and keep the archived loops' segments the session has no vector of; how
         many were embedded. The loops a previous indexing covered (its mark: how many, and
         its last segment's key, which a fork changes) are not looked at again."""
         import numpy as np
 
         model = model or self.local()
         name = model.name
-        by_loop = await asyncio.to_thread(
-            lambda: [loop_segments(messages, lp) for lp in closed_loops(messages)])
+        loops = await asyncio.to_thread(archived_loops, messages)
+        by_loop = await asyncio.to_thread(lambda: [loop_segments(messages, lp) for lp in loops])
+        # the mark covers closed loops only: the open loop's part grows, and is looked at
+        # again each time (only its new segments are missing)
+        whole = sum(1 for lp in loops if lp.status is LoopStatus.CLOSED)
         upto, tail = await store.memory_mark(namespace, session_id, name)
         covered = [s for loop in by_loop[:upto] for s in loop]
         start = upto if 0 < upto <= len(by_loop) and covered \
@@ -302,7 +307,8 @@ class Memory:
             namespace, session_id, name, fields)]
         taken = missing[:MAX_INDEX_SEGMENTS]
         # how far the conversation is indexed: up to the loop of the first segment left out
-        upto = todo[missing[len(taken)]][0] if len(taken) < len(missing) else len(by_loop)
+        upto = min(whole, todo[missing[len(taken)]][0] if len(taken) < len(missing)
+                   else len(by_loop))
         last = next((loop[-1] for loop in reversed(by_loop[:upto]) if loop), None)
         mark = (upto, field_of(last) if last is not None else "")
         rows = []
