@@ -2,6 +2,7 @@
 
     python bench/memory_recall.py [TRACE.jsonl ...] [--half holdout] [--limit N]
                                   [--segments 10000] [--redis-url URL]
+                                  [--paraphrases bench/memory_paraphrases.jsonl]
 
 For every reply of the held-out half (``replay.half_of``), the identifiers it takes from a past
 loop that the proxy's window (default policy, offline replay) does not show are the
@@ -10,6 +11,13 @@ query is the user message that opened the reply's loop, as a model would pass it
 hit counts when a loop holding the reference is among the first five past loops found.
 Lexical is ``search_history``'s word ranking alone, hybrid the same fused with the embedded
 model's (``pipeline/memory.py``: rank fusion of the two, each message by its best segment).
+
+Words already find most of those: a reply takes an identifier the next user message names
+too. So, second, the references words miss: ``bench/memory_paraphrases.jsonl``, queries
+written by hand before any model was run on them (``bench/check_paraphrases.py`` checks
+them), each saying in other words what a past loop (the support trace) or an earlier step
+of one long task (the coding trace: one loop, its finished steps archived) said. The hit
+counts when that loop, or that step's call or result, is among the first five found.
 
 Then the costs, with the proxy's own code on a real Redis (an embedded redis-server unless
 --redis-url): embedding per segment (batches of 64, one thread), indexing a conversation of N
@@ -34,7 +42,7 @@ import orjson
 from runloop_proxy.config import Settings, passthrough_tenant
 from runloop_proxy.conversation.messages import Message, message_hash
 from runloop_proxy.conversation.runloops import segment
-from runloop_proxy.conversation.segments import Segment, closed_loops, loop_segments
+from runloop_proxy.conversation.segments import Segment, archived_loops, loop_segments
 from runloop_proxy.ops.replay import conversation_of, half_of
 from runloop_proxy.ops.replay_offline import Replayer
 from runloop_proxy.ops.replay_tally import Tally
@@ -103,7 +111,7 @@ class Recall:
             for i in lp.positions:
                 loop_of.setdefault(keys[i], lp.index)
                 start_of[i] = lp.start
-        segs: list[Segment] = [s for lp in closed_loops(messages)
+        segs: list[Segment] = [s for lp in archived_loops(messages)
                                for s in loop_segments(messages, lp)]
         rows = self.embed([s.text for s in segs])
         docs = [doc(k, m) for k, m in zip(keys, messages, strict=True)]
@@ -154,6 +162,106 @@ class Recall:
                     self.deep_hybrid += bool(holders & set(by_both))
 
         replayer.conversation(conv, Tally(), seen)
+
+
+PARAPHRASES = Path(__file__).resolve().parent / "memory_paraphrases.jsonl"
+
+
+class Paraphrased:
+    """Hits at top 5 of the hand-written queries, by words alone and fused with meaning."""
+
+    def __init__(self, embedder: StaticEmbedder):
+        self.embedder = embedder
+        self.kept: dict[str, Any] = {}  # a segment's vector by its key: each embedded once
+        self.asked: dict[tuple[str, str], int] = {}  # by (half, trace)
+        self.lexical: dict[tuple[str, str], int] = {}
+        self.hybrid: dict[tuple[str, str], int] = {}
+
+    def vectors(self, segs: list[Segment]) -> Any:
+        import numpy as np
+
+        new = list(dict.fromkeys(s.key for s in segs if s.key not in self.kept))
+        text = {s.key: s.text for s in segs}
+        for i in range(0, len(new), EMBED_BATCH):
+            batch = new[i:i + EMBED_BATCH]
+            for k, row in zip(batch, self.embedder.embed([text[k] for k in batch]),
+                              strict=True):
+                self.kept[k] = row
+        return np.stack([self.kept[s.key] for s in segs])
+
+    def entry(self, conv: dict[str, Any], e: dict[str, Any]) -> None:
+        messages: list[Message] = conv["messages"][:e["at"]]
+        keys = [message_hash(m) for m in messages]
+        query = str(e["query"])[:MAX_QUERY_CHARS]
+        docs = [doc(k, m) for k, m in zip(keys, messages, strict=True)]
+        lexical = [k for _, k, _ in rank_docs(query_terms(query), docs, CANDIDATES, query)]
+        segs = [s for lp in archived_loops(messages) for s in loop_segments(messages, lp)]
+        best = nearest(self.vectors([Segment("q", segs[0].anchor, query)])[0],
+                       self.vectors(segs), CANDIDATES) if segs else []
+        semantic = list(dict.fromkeys(keys[segs[r].anchor.position] for r, _ in best))
+        fused = [k for _, k in fuse([lexical, semantic])]
+        targets = set(e["targets"])
+        if e["unit"] == "loop":
+            loop_of: dict[str, int] = {}
+            for lp in segment(messages):
+                for i in lp.positions:
+                    loop_of.setdefault(keys[i], lp.index)
+            want = {loop_of[keys[i]] for i in targets}
+            here = len(segment(messages))
+
+            def top(ranked: list[str]) -> set[int]:
+                return set(_loops_ranked(ranked, loop_of, here)[:TOP])
+        else:  # a step: its call or its result among the first five messages found
+            first = {}
+            for i, k in enumerate(keys):
+                first.setdefault(k, i)
+            want = {first[keys[i]] for i in targets}
+
+            def top(ranked: list[str]) -> set[int]:
+                return set(list(dict.fromkeys(first[k] for k in ranked))[:TOP])
+        at = (e["half"], e["trace"])
+        self.asked[at] = self.asked.get(at, 0) + 1
+        self.lexical[at] = self.lexical.get(at, 0) + bool(want & top(lexical))
+        self.hybrid[at] = self.hybrid.get(at, 0) + bool(want & top(fused))
+
+    def report(self, halves: set[str]) -> None:
+        rows = sorted(k for k in self.asked if k[0] in halves)
+        for half in sorted(halves):
+            mine = [k for k in rows if k[0] == half]
+            if len(mine) > 1:
+                rows.append((half, "all traces"))
+                self.asked[(half, "all traces")] = sum(self.asked[k] for k in mine)
+                for d in (self.lexical, self.hybrid):
+                    d[(half, "all traces")] = sum(d[k] for k in mine)
+        for half, trace in sorted(set(rows)):
+            n = self.asked[(half, trace)]
+            lex = 100 * self.lexical[(half, trace)] / n
+            hyb = 100 * self.hybrid[(half, trace)] / n
+            print(f"paraphrased, {trace} ({half}): {n} queries; the target in the top {TOP}: "
+                  f"lexical {lex:.1f}%, hybrid {hyb:.1f}% ({hyb - lex:+.1f} points)")
+
+
+def paraphrased(path: Path, traces: list[Path], half: str, embedder: StaticEmbedder) -> None:
+    entries = [orjson.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    halves = {"tune", "holdout"} if half == "all" else {half}
+    by_trace = {p.name: p for p in traces}
+    r = Paraphrased(embedder)
+    for name in sorted({e["trace"] for e in entries if e["half"] in halves}):
+        if name not in by_trace:
+            print(f"paraphrased: {name} not among the traces given; its queries skipped")
+            continue
+        wanted = {e["id"] for e in entries if e["trace"] == name}
+        convs = {}
+        with open(by_trace[name], "rb") as f:
+            for line in f:
+                line_ = orjson.loads(line) if line.strip() else None
+                conv = conversation_of(line_)
+                if conv is not None and conv.get("id") in wanted:
+                    convs[conv["id"]] = conv
+        for e in entries:
+            if e["trace"] == name and e["half"] in halves:
+                r.entry(convs[e["id"]], e)
+    r.report(halves)
 
 
 def search_costs(embedder: StaticEmbedder, messages: list[Message], n: int, url: str,
@@ -235,6 +343,8 @@ def main() -> int:
     parser.add_argument("--segments", type=int, default=10_000)
     parser.add_argument("--runs", type=int, default=50)
     parser.add_argument("--redis-url", default=os.environ.get("REDIS_URL"))
+    parser.add_argument("--paraphrases", type=Path, default=PARAPHRASES,
+                        help="the hand-written queries (none: --paraphrases '')")
     args = parser.parse_args()
     traces = args.traces or sorted(SHARED.glob("*.jsonl"))
     if not traces:
@@ -268,6 +378,8 @@ def main() -> int:
         total.embed_s += one.embed_s
     if len(traces) > 1:
         _report("all traces", total)
+    if args.paraphrases and args.paraphrases.is_file():
+        paraphrased(args.paraphrases, traces, args.half, embedder)
     if total.segments:
         print(f"indexing: {total.embed_s / total.segments * 1000:.3f} ms a segment "
               f"({total.segments} segments and queries, batches of {EMBED_BATCH}, one thread)")
