@@ -51,7 +51,7 @@ from runloop_proxy.pipeline.memory import (
     CANDIDATES,
     EMBED_BATCH,
     conversation_segments,
-    fuse,
+    hybrid,
     nearest,
 )
 from runloop_proxy.pipeline.tools import MAX_QUERY_CHARS, doc, query_terms, rank_docs
@@ -144,7 +144,7 @@ class Recall:
             semantic = list(dict.fromkeys(keys[segs[past_segs[r]].anchor.position]
                                           for r, _ in best))
             by_words = _loops_ranked(lexical, loop_of, here)[:TOP]
-            by_both = _loops_ranked([k for _, k in fuse([lexical, semantic])], loop_of,
+            by_both = _loops_ranked([k for _, k in hybrid(query, lexical, semantic)], loop_of,
                                     here)[:TOP]
             for ref in hidden:
                 if (ref, here) in asked:
@@ -196,10 +196,10 @@ class Paraphrased:
         docs = [doc(k, m) for k, m in zip(keys, messages, strict=True)]
         lexical = [k for _, k, _ in rank_docs(query_terms(query), docs, CANDIDATES, query)]
         segs = [s for lp in archived_loops(messages) for s in loop_segments(messages, lp)]
-        best = nearest(self.vectors([Segment("q", segs[0].anchor, query)])[0],
-                       self.vectors(segs), CANDIDATES) if segs else []
+        best = nearest(self.embedder.embed([query])[0], self.vectors(segs),
+                       CANDIDATES) if segs else []
         semantic = list(dict.fromkeys(keys[segs[r].anchor.position] for r, _ in best))
-        fused = [k for _, k in fuse([lexical, semantic])]
+        fused = [k for _, k in hybrid(query, lexical, semantic)]
         targets = set(e["targets"])
         if e["unit"] == "loop":
             loop_of: dict[str, int] = {}

@@ -16,7 +16,7 @@ import redis
 from runloop_proxy.conversation.messages import message_hash, message_refs
 from runloop_proxy.conversation.segments import archived_loops, closed_loops, segments
 from runloop_proxy.errors import EmbeddingError
-from runloop_proxy.pipeline.memory import FIELD_CHARS, fuse, nearest
+from runloop_proxy.pipeline.memory import FIELD_CHARS, fuse, hybrid, nearest
 from runloop_proxy.scripted import ScriptedUpstream
 
 from .conftest import ProxyServer, until
@@ -320,7 +320,23 @@ def test_another_session_never_reads_a_segment_or_a_vector_of_this_one(
 def test_reciprocal_rank_fusion(rankings: list[list[str]], want: list[str]) -> None:
     """Catches: the constant lost (planted: ``k = 0``, red on the second row) and scores
     added as ranks (planted: ``+= r``, red)."""
-    assert [k for _, k in fuse(rankings)] == want
+    assert [k for _, k in fuse(rankings, 60)] == want
+
+
+@pytest.mark.parametrize(("query", "want"), [
+    # plain words: w2, in both, first (1 / 22 + 3 / 23); meaning's first two (3 / 21,
+    # 3 / 22) before the words' first (1 / 21)
+    ("the refund we talked about", ["w2", "m1", "m2", "w1"]),
+    # a number named: the two alike; the words' first ties meaning's (1 / 21), kept first
+    ("reservation WUNA5K", ["w2", "w1", "m1", "m2"]),
+    ("order #W5102934", ["w2", "w1", "m1", "m2"]),
+])
+def test_meaning_counts_more_for_a_query_of_plain_words(query: str, want: list[str]) -> None:
+    """Catches: one weighting for every query (planted: ``meaning = MEANING_WEIGHT``
+    always, red on the numbered rows; planted: 1.0 always, red on the first), the weights
+    ignored by ``fuse`` (planted: ``w = 1.0``, red on the first)."""
+    by_words, by_meaning = ["w1", "w2"], ["m1", "m2", "w2"]
+    assert [k for _, k in hybrid(query, by_words, by_meaning)][:4] == want
 
 
 def test_nearest_is_exact_and_ordered() -> None:

@@ -16,6 +16,7 @@ event loop under a deadline; any failure leaves the words alone to answer, and s
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -48,18 +49,35 @@ MAX_SEARCH_SEGMENTS = 20_000  # of a request's conversation, the newest, searche
 INLINE_EMBED = 256  # segments a search embeds itself when their indexing has not landed yet
 SEARCH_TIMEOUT_S = 2.0  # a search by meaning past this answers by words alone
 CANDIDATES = 50  # of each ranking, fused
-RRF_K = 60  # reciprocal rank fusion's constant (the usual one: a rank's weight 1 / (60 + r))
+# How the two rankings are fused, chosen on the traces' tune half (bench/memory_recall.py:
+# the references replies took, and the hand-written paraphrases): a rank's weight
+# 1 / (20 + r), the top ranks counting more than the usual 60 gives; a query of plain words
+# takes meaning's ranking at three times the words', one naming a number (an order, a
+# reservation code, a line: what words find exactly) the two alike.
+RRF_K = 20
+MEANING_WEIGHT = 3.0
+_NAMES_A_NUMBER = re.compile(r"\d")
 
 
-def fuse(rankings: list[list[str]], k: int = RRF_K) -> list[tuple[float, str]]:
-    """Reciprocal rank fusion (pure): each key's sum of 1 / (k + rank) over the rankings
-    (rank from 1), best first; ties keep the order of first appearance."""
+def fuse(rankings: list[list[str]], k: int = RRF_K, weights: list[float] | None = None
+         ) -> list[tuple[float, str]]:
+    """Reciprocal rank fusion (pure): each key's sum of weight / (k + rank) over the
+    rankings (rank from 1; each weight 1 unless given), best first; ties keep the order of
+    first appearance."""
     scores: dict[str, float] = {}
-    for ranking in rankings:
+    for n, ranking in enumerate(rankings):
+        w = weights[n] if weights is not None else 1.0
         for r, key in enumerate(ranking, 1):
-            scores[key] = scores.get(key, 0.0) + 1.0 / (k + r)
+            scores[key] = scores.get(key, 0.0) + w / (k + r)
     order = {key: i for i, key in enumerate(scores)}
     return sorted(((s, key) for key, s in scores.items()), key=lambda p: (-p[0], order[p[1]]))
+
+
+def hybrid(query: str, by_words: list[str], by_meaning: list[str]) -> list[tuple[float, str]]:
+    """``search_history``'s ranking: the words' and meaning's fused, meaning weighted by
+    what the query is (``MEANING_WEIGHT`` for plain words, alike when it names a number)."""
+    meaning = 1.0 if _NAMES_A_NUMBER.search(query) else MEANING_WEIGHT
+    return fuse([by_words, by_meaning], RRF_K, [1.0, meaning])
 
 
 def nearest(query: Vectors, rows: Vectors, k: int) -> list[tuple[int, float]]:

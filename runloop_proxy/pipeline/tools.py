@@ -31,7 +31,7 @@ from ..conversation.runloops import segment
 from ..conversation.segments import Segment
 from ..errors import StoreError
 from ..window.names import decoded, holds
-from .memory import CANDIDATES, Found, conversation_segments, fuse
+from .memory import CANDIDATES, Found, conversation_segments, hybrid
 from .offload import is_large, offload
 from .tokens import TokenCounter
 
@@ -395,7 +395,7 @@ class ToolRunner:
         words = {key: (score, m) for score, key, m in hits}
         message_of = {key: m for _, key, m in hits}
         message_of.update((k, self.messages[s.anchor.position]) for k, (s, _) in by_key.items())
-        fused = fuse([[key for _, key, _ in hits], list(by_key)])[:self.max_results]
+        fused = hybrid(query, [key for _, key, _ in hits], list(by_key))[:self.max_results]
         if not fused:
             return (f"no match for {said} in this conversation's history"
                     + (f" (by words alone: {found.note})" if found.note else "")), "miss"
