@@ -241,3 +241,70 @@ def test_a_sessions_kept_cut_is_the_fresh_cut_and_cuts_only_what_changed(
     moved = [edited[0], {"role": "user", "content": "Hello."},
              {"role": "assistant", "content": "Hi."}, *edited[1:]]
     assert len(request(moved)) == 8  # every loop moved: each cut again
+
+
+class _Asking(RedisStore):
+    """A real store that records how many segment keys each indexing looks up."""
+
+    asked: list[int]
+
+    async def missing_vectors(self, namespace: str, session_id: str, model: str,
+                              fields: list[str]) -> list[int]:
+        self.asked.append(len(fields))
+        return await super().missing_vectors(namespace, session_id, model, fields)
+
+
+def _step(n: int) -> list[dict[str, Any]]:
+    """A coding agent's step: its thought and bash call, and the command's output."""
+    call = f"call_{n:03d}Rk5vN8pW"
+    return [{"role": "assistant", "content": f"THOUGHT: look at module {n} next.",
+             "tool_calls": [{"id": call, "type": "function", "function": {
+                 "name": "bash", "arguments": f'{{"command": "sed -n 1,40p src/mod{n}.py"}}'}}]},
+            {"role": "tool", "tool_call_id": call,
+             "content": f"def handler_{n}(request):\n    return route_{n}(request.path)\n"}]
+
+
+def test_a_long_tasks_answers_each_look_up_only_their_new_steps(redis_url: str) -> None:
+    """One task's answers, a step each (a coding agent's session: one loop, never closed
+    until the end): each indexing looks up the segments of the step its answer finished and
+    no more, and embeds them, and the task's closing reply adds its own alone; a fork (back
+    to an earlier step, its output edited) looks its steps up again and embeds the edit. Catches:
+    the mark ignored (planted: ``start = 0``, red: every answer looks up the whole task, 1,
+    4, 7, 10 ...), the mark counting loops and the open one never (the mark before: red,
+    the same)."""
+    real = StaticEmbedder()
+    counting = _Counting(real)
+
+    async def go() -> list[int]:
+        store = _Asking(redis_url, StoreSection(key_prefix=f"test-task-{id(real)}"), Metrics())
+        store.asked = []
+        memory = Memory(counting, store.metrics, asyncio.ensure_future, 8 << 20)
+        task: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a software engineer; use bash."},
+            {"role": "user", "content": "Route requests to their handlers by path."}]
+        embedded = []
+        try:
+            for n in range(6):  # the answer: step n's call, its output sent with the next
+                task += _step(n)
+                embedded.append(await memory.index(store, "acme", "n:task", task[:-1], None))
+            task.append({"role": "assistant", "content": "Routing is in place."})
+            embedded.append(await memory.index(store, "acme", "n:task", task, None))
+            # the client goes back to step 2, its output edited, and the agent goes on
+            forked = [*task[:7], {**task[7], "content": "sed: can't read src/mod2.py"},
+                      *_step(9)]
+            embedded.append(await memory.index(store, "acme", "n:task", forked[:-1], None))
+            return [*store.asked, *embedded]
+        finally:
+            async for k in store.client.scan_iter(match=f"test-task-{id(real)}:*"):
+                await store.client.delete(k)
+            await store.client.aclose()
+
+    got = asyncio.run(go())
+    asked, embedded = got[:8], got[8:]
+    # the first answer: the task alone (the call it made is not finished); then each
+    # answer the step before it, three segments (thought, call, output); the reply: the
+    # last step and itself; the fork: its task and three steps again (its new step's call
+    # not finished)
+    assert asked == [1, 3, 3, 3, 3, 3, 4, 10]
+    assert embedded == [1, 3, 3, 3, 3, 3, 4, 1]
+    assert counting.texts == sum(embedded)

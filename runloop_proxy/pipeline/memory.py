@@ -25,7 +25,7 @@ import xxhash
 
 from ..caches import ENTRY_OVERHEAD, ByteLRU
 from ..conversation.messages import Message
-from ..conversation.runloops import LoopStatus, RunLoop
+from ..conversation.runloops import RunLoop
 from ..conversation.segments import Segment, archived_loops, loop_segments
 from ..errors import EmbeddingError, StoreError
 from ..history.store import RedisStore
@@ -301,37 +301,31 @@ class Memory:
                     messages: list[Message], retention_days: float | None,
                     model: Model | None = None) -> int:
         """Embed and keep the archived loops' segments the session has no vector of; how
-        many were embedded. The loops a previous indexing covered (its mark: how many, and
-        its last segment's key, which a fork changes) are not looked at again."""
+        many were embedded. The segments a previous indexing covered (its mark: how many,
+        and the last one's key, which a fork changes) are not looked at again: the archived
+        segments only grow at their end (a step finished, a loop closed), so a long task's
+        answers each look up their new steps alone."""
         import numpy as np
 
         model = model or self.local()
         name = model.name
-        loops = await asyncio.to_thread(archived_loops, messages)
-        by_loop = await asyncio.to_thread(lambda: [loop_segments(messages, lp) for lp in loops])
-        # the mark covers closed loops only: the open loop's part grows, and is looked at
-        # again each time (only its new segments are missing)
-        whole = sum(1 for lp in loops if lp.status is LoopStatus.CLOSED)
+        segs = await asyncio.to_thread(lambda: [s for lp in archived_loops(messages)
+                                                for s in loop_segments(messages, lp)])
         upto, tail = await store.memory_mark(namespace, session_id, name)
-        covered = [s for loop in by_loop[:upto] for s in loop]
-        start = upto if 0 < upto <= len(by_loop) and covered \
-            and field_of(covered[-1]) == tail else 0
-        todo: dict[str, tuple[int, Segment]] = {}
-        for n, loop in enumerate(by_loop[start:], start):
-            for s in loop:
-                todo.setdefault(field_of(s), (n, s))
+        start = upto if 0 < upto <= len(segs) and field_of(segs[upto - 1]) == tail else 0
+        todo: dict[str, int] = {}  # each new field's first segment
+        for n in range(start, len(segs)):
+            todo.setdefault(field_of(segs[n]), n)
         fields = list(todo)
         missing = [fields[i] for i in await store.missing_vectors(
             namespace, session_id, name, fields)]
         taken = missing[:MAX_INDEX_SEGMENTS]
-        # how far the conversation is indexed: up to the loop of the first segment left out
-        upto = min(whole, todo[missing[len(taken)]][0] if len(taken) < len(missing)
-                   else len(by_loop))
-        last = next((loop[-1] for loop in reversed(by_loop[:upto]) if loop), None)
-        mark = (upto, field_of(last) if last is not None else "")
+        # how far the conversation is indexed: up to the first segment left out
+        upto = todo[missing[len(taken)]] if len(taken) < len(missing) else len(segs)
+        mark = (upto, field_of(segs[upto - 1]) if upto else "")
         rows = []
         for i in range(0, len(taken), EMBED_BATCH):
-            rows.append(await model.vectors([todo[f][1].text
+            rows.append(await model.vectors([segs[todo[f]].text
                                              for f in taken[i:i + EMBED_BATCH]], "index"))
         packed = await asyncio.to_thread(
             lambda: block(taken, np.concatenate(rows)) if rows else b"")
