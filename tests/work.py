@@ -39,11 +39,18 @@ def calls(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, int]:
     return result, count
 
 
+# while ``allocated`` counts, the other threads wait: tracemalloc's counts are the process's,
+# and a thread an earlier test left running (a server's loop, a writer) allocating meanwhile
+# counted as the function's (a whole-suite run: 95 MB where the function's own were 71)
+HOLD_S = 30.0
+
+
 def allocated(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
     """``fn(*args)`` and the bytes it allocated (in this thread), each step's high-water mark
     over what was live when the step began, summed over the steps between its calls and
     returns: a list re-copied per item costs its length every time, one grown in place only
-    what it grew by."""
+    what it grew by. No other thread runs meanwhile unless ``fn`` waits (the interpreter
+    does not switch threads for ``HOLD_S``)."""
     total = 0
     last = 0
 
@@ -58,13 +65,18 @@ def allocated(fn: Callable[..., Any], *args: Any) -> tuple[Any, int]:
     if started:
         tracemalloc.start()
     previous = sys.getprofile()
-    last = tracemalloc.get_traced_memory()[0]
-    tracemalloc.reset_peak()
-    sys.setprofile(hook)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(HOLD_S)
     try:
-        result = fn(*args)
+        last = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        sys.setprofile(hook)
+        try:
+            result = fn(*args)
+        finally:
+            sys.setprofile(previous)
     finally:
-        sys.setprofile(previous)
+        sys.setswitchinterval(interval)
         if started:
             tracemalloc.stop()
     return result, total
