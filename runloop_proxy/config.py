@@ -122,9 +122,10 @@ class Policy(_Strict):
     max_tool_rounds: int = Field(4, ge=0, le=16)
     search_results: int = Field(5, ge=1, le=50)
     memory: Literal["off", "embedded", "upstream"] = Field(
-        "off", description='long-term memory: "embedded" cuts every closed run loop into '
-                           'segments, embeds them after the answer with the model the package '
-                           'ships (no network, no download) and kept with the session, and '
+        "off", description='long-term memory: "embedded" cuts every closed run loop (and '
+                           'the finished steps of the one going on) into segments, embeds '
+                           'them after the answer with the model the package ships (no '
+                           'network, no download) and kept with the session, and '
                            'search_history ranks by meaning as well as by words; "upstream": '
                            'the same with embedding_model through the tenant\'s upstream '
                            '(or embedding_upstream) /v1/embeddings; "off": by words alone')
