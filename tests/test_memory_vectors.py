@@ -17,6 +17,7 @@ from runloop_proxy.history.store import RedisStore
 from runloop_proxy.ops.metrics import Metrics
 from runloop_proxy.pipeline.embeddings import KEY_BYTES, StaticEmbedder, block
 from runloop_proxy.pipeline.memory import Memory, carried
+from runloop_proxy.pipeline.memory import conversation_segments as memory_segments
 from runloop_proxy.pipeline.vectors import assemble, rows_of
 
 NAMESPACE = "pt-" + "5" * 61  # a pass-through caller's namespace: its key's digest
@@ -308,3 +309,41 @@ def test_a_long_tasks_answers_each_look_up_only_their_new_steps(redis_url: str) 
     assert asked == [1, 3, 3, 3, 3, 3, 4, 10]
     assert embedded == [1, 3, 3, 3, 3, 3, 4, 1]
     assert counting.texts == sum(embedded)
+
+
+def test_a_step_edited_before_the_marks_last_segment_is_indexed(redis_url: str) -> None:
+    """The mark trusts the segments before it by its last segment's key alone: a client
+    whose copy of an earlier step differs (a regenerated thought with the same call and
+    output, an edited or cleared tool result) keeps the count and the last key, and its new
+    segment must still be indexed (else a tenant's model never finds it by meaning, the
+    embedded one embeds it inline at every search)."""
+    real = StaticEmbedder()
+
+    async def go() -> tuple[list[int], list[int]]:
+        prefix = f"test-edit-{id(real)}"
+        store = _Asking(redis_url, StoreSection(key_prefix=prefix), Metrics())
+        store.asked = []
+        memory = Memory(real, store.metrics, asyncio.ensure_future, 8 << 20)
+        task: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a software engineer; use bash."},
+            {"role": "user", "content": "Route requests to their handlers by path."}]
+        try:
+            for n in range(4):
+                task += _step(n)
+            # the answer: step 4's call; steps 0-3 archived
+            await memory.index(store, "acme", "n:edit", [*task, *_step(4)[:1]], None)
+            # the same task, step 1's thought as the client now sends it (regenerated)
+            edited = [*task[:4], {**task[4], "content": "THOUGHT: the router lives in "
+                                  "module 1; read it."}, *task[5:]]
+            await memory.index(store, "acme", "n:edit", [*edited, *_step(4)[:1]], None)
+            segs = memory_segments(edited)
+            fields = [s.key[:KEY_BYTES] for s in segs]
+            missing = await store.missing_vectors("acme", "n:edit", real.name, fields)
+            return store.asked, missing
+        finally:
+            async for k in store.client.scan_iter(match=f"{prefix}:*"):
+                await store.client.delete(k)
+            await store.client.aclose()
+
+    asked, missing = asyncio.run(go())
+    assert missing == []  # the edited thought has its vector
