@@ -1051,8 +1051,8 @@ class RedisStore:
 
     async def memory_mark(self, namespace: str, session_id: str, model: str
                           ) -> tuple[int, str]:
-        """How many of the session's archived segments were indexed last, and the key of
-        the last of them ((0, "") when none)."""
+        """How many of the session's archived segments were indexed last, and the digest
+        of their keys (``memory.covered_digest``; (0, "") when none)."""
         upto, tail = await self._call("memory", lambda: self.client.hmget(
             self._memory_key(namespace, session_id, model), "_upto", "_tail"))
         return (int(upto) if upto is not None and bytes(upto).isdigit() else 0,

@@ -104,6 +104,18 @@ def field_of(seg: Segment) -> str:
     return seg.key[:FIELD_CHARS]
 
 
+def covered_digest(segs: list[Segment], upto: int) -> str:
+    """What the index mark knows the first ``upto`` segments by: a digest of all their keys
+    (pure), so an edit anywhere before the mark, not only at its last segment, reads as a
+    fork ("" when none)."""
+    if not upto:
+        return ""
+    h = xxhash.xxh3_128()
+    for s in segs[:upto]:
+        h.update(field_of(s).encode())
+    return h.hexdigest()
+
+
 def conversation_segments(messages: list[Message]) -> list[Segment]:
     """The segments of the conversation's archived loops (``archived_loops``: the closed
     ones, the open one's finished iterations), the newest ``MAX_SEARCH_SEGMENTS``."""
@@ -302,7 +314,8 @@ class Memory:
                     model: Model | None = None) -> int:
         """Embed and keep the archived loops' segments the session has no vector of; how
         many were embedded. The segments a previous indexing covered (its mark: how many,
-        and the last one's key, which a fork changes) are not looked at again: the archived
+        and a digest of their keys, which a fork or an edit before it changes) are not
+        looked at again: the archived
         segments only grow at their end (a step finished, a loop closed), so a long task's
         answers each look up their new steps alone."""
         import numpy as np
@@ -312,7 +325,8 @@ class Memory:
         segs = await asyncio.to_thread(lambda: [s for lp in archived_loops(messages)
                                                 for s in loop_segments(messages, lp)])
         upto, tail = await store.memory_mark(namespace, session_id, name)
-        start = upto if 0 < upto <= len(segs) and field_of(segs[upto - 1]) == tail else 0
+        start = upto if 0 < upto <= len(segs) and await asyncio.to_thread(
+            covered_digest, segs, upto) == tail else 0
         todo: dict[str, int] = {}  # each new field's first segment
         for n in range(start, len(segs)):
             todo.setdefault(field_of(segs[n]), n)
@@ -322,7 +336,7 @@ class Memory:
         taken = missing[:MAX_INDEX_SEGMENTS]
         # how far the conversation is indexed: up to the first segment left out
         upto = todo[missing[len(taken)]] if len(taken) < len(missing) else len(segs)
-        mark = (upto, field_of(segs[upto - 1]) if upto else "")
+        mark = (upto, await asyncio.to_thread(covered_digest, segs, upto))
         rows = []
         for i in range(0, len(taken), EMBED_BATCH):
             rows.append(await model.vectors([segs[todo[f]].text
