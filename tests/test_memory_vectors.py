@@ -347,3 +347,59 @@ def test_a_step_edited_before_the_marks_last_segment_is_indexed(redis_url: str) 
 
     asked, missing = asyncio.run(go())
     assert missing == []  # the edited thought has its vector
+
+
+class _FailsOnce:
+    """A tenant's model through its upstream (as ``Memory`` sees one) whose second call
+    fails once (a 429, the day's embedding tokens spent mid-indexing), then answers."""
+
+    inline = False
+
+    def __init__(self, real: StaticEmbedder):
+        self.real, self.name, self.dim = real, "upstream-" + real.name, real.dim
+        self.calls, self.embedded = 0, 0
+
+    async def vectors(self, texts: list[str], op: str) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            from runloop_proxy.errors import EmbeddingError
+            raise EmbeddingError("the embedding call answered 429")
+        self.embedded += len(texts)
+        return self.real.embed(texts)
+
+
+def test_an_indexing_failed_midway_keeps_the_batches_it_paid_for(redis_url: str) -> None:
+    """An indexing whose embedding fails after some batches landed keeps those (and its
+    mark up to them): the next answer embeds only what is left, not every batch again (an
+    upstream model's tokens, spent again at each answer while the failure lasts)."""
+    real = StaticEmbedder()
+
+    async def go() -> tuple[int, int, list[int]]:
+        prefix = f"test-midway-{id(real)}"
+        store = _Asking(redis_url, StoreSection(key_prefix=prefix), Metrics())
+        store.asked = []
+        memory = Memory(real, store.metrics, asyncio.ensure_future, 8 << 20)
+        model = _FailsOnce(real)
+        task: list[dict[str, Any]] = [
+            {"role": "system", "content": "You are a software engineer; use bash."},
+            {"role": "user", "content": "Route requests to their handlers by path."}]
+        for n in range(60):  # 1 + 3 * 60 segments: three batches of 64
+            task += _step(n)
+        task += _step(60)[:1]
+        try:
+            from runloop_proxy.errors import EmbeddingError
+            with pytest.raises(EmbeddingError):
+                await memory.index(store, "acme", "n:midway", task, None, model)
+            await memory.index(store, "acme", "n:midway", task, None, model)
+            segs = memory_segments(task)
+            missing = await store.missing_vectors(
+                "acme", "n:midway", model.name, [s.key[:KEY_BYTES] for s in segs])
+            return model.embedded, len({s.key for s in segs}), missing
+        finally:
+            async for k in store.client.scan_iter(match=f"{prefix}:*"):
+                await store.client.delete(k)
+            await store.client.aclose()
+
+    embedded, distinct, missing = asyncio.run(go())
+    assert missing == []
+    assert embedded == distinct  # each segment embedded once: the first batch kept
