@@ -338,13 +338,29 @@ class Memory:
         upto = todo[missing[len(taken)]] if len(taken) < len(missing) else len(segs)
         mark = (upto, await asyncio.to_thread(covered_digest, segs, upto))
         rows = []
+        failed: EmbeddingError | None = None
         for i in range(0, len(taken), EMBED_BATCH):
-            rows.append(await model.vectors([segs[todo[f]].text
-                                             for f in taken[i:i + EMBED_BATCH]], "index"))
+            try:
+                rows.append(await model.vectors([segs[todo[f]].text
+                                                 for f in taken[i:i + EMBED_BATCH]], "index"))
+            except EmbeddingError as exc:
+                failed = exc
+                break
+        if failed is not None:
+            # the batches that landed are kept (paid for: an upstream's tokens), the mark
+            # up to the first segment not embedded; the failure still said
+            done = sum(len(r) for r in rows)
+            if not done:
+                raise failed
+            upto = todo[taken[done]]
+            taken = taken[:done]
+            mark = (upto, await asyncio.to_thread(covered_digest, segs, upto))
         packed = await asyncio.to_thread(
             lambda: block(taken, np.concatenate(rows)) if rows else b"")
         await store.put_vectors(namespace, session_id, name, taken, packed, mark,
                                 retention_days)
+        if failed is not None:
+            raise failed
         return len(taken)
 
     async def search(self, store: RedisStore | None, namespace: str, session_id: str,
