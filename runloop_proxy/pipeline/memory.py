@@ -315,9 +315,9 @@ class Memory:
         """Embed and keep the archived loops' segments the session has no vector of; how
         many were embedded. The segments a previous indexing covered (its mark: how many,
         and a digest of their keys, which a fork or an edit before it changes) are not
-        looked at again: the archived
-        segments only grow at their end (a step finished, a loop closed), so a long task's
-        answers each look up their new steps alone."""
+        looked at again: the archived segments only grow at their end (a step finished, a
+        loop closed), so a long task's answers each look up their new steps alone. An
+        embedding that fails midway keeps the batches before it, and is raised."""
         import numpy as np
 
         model = model or self.local()
