@@ -330,10 +330,19 @@ def test_reciprocal_rank_fusion(rankings: list[list[str]], want: list[str]) -> N
     # a number named: the two alike; the words' first ties meaning's (1 / 21), kept first
     ("reservation WUNA5K", ["w2", "w1", "m1", "m2"]),
     ("order #W5102934", ["w2", "w1", "m1", "m2"]),
+    # an identifier without a digit: a file, a function, a camel-cased name
+    ("where is src/router.py read", ["w2", "w1", "m1", "m2"]),
+    ("handle_request", ["w2", "w1", "m1", "m2"]),
+    ("the nextRun bug", ["w2", "w1", "m1", "m2"]),
+    ("setup.cfg", ["w2", "w1", "m1", "m2"]),
+    # a sentence's full stop, a hyphen, a capital after a space: plain words still
+    ("Where was it. Then what?", ["w2", "m1", "m2", "w1"]),
+    ("the follow-up About routing", ["w2", "m1", "m2", "w1"]),
 ])
 def test_meaning_counts_more_for_a_query_of_plain_words(query: str, want: list[str]) -> None:
     """Catches: one weighting for every query (planted: ``meaning = MEANING_WEIGHT``
-    always, red on the numbered rows; planted: 1.0 always, red on the first), the weights
+    always, red on the numbered rows; planted: 1.0 always, red on the first), identifiers
+    missed (planted: the digit alone, red on the identifier rows), the weights
     ignored by ``fuse`` (planted: ``w = 1.0``, red on the first)."""
     by_words, by_meaning = ["w1", "w2"], ["m1", "m2", "w2"]
     assert [k for _, k in hybrid(query, by_words, by_meaning)][:4] == want

@@ -52,11 +52,14 @@ CANDIDATES = 50  # of each ranking, fused
 # How the two rankings are fused, chosen on the traces' tune half (bench/memory_recall.py:
 # the references replies took, and the hand-written paraphrases): a rank's weight
 # 1 / (20 + r), the top ranks counting more than the usual 60 gives; a query of plain words
-# takes meaning's ranking at three times the words', one naming a number (an order, a
-# reservation code, a line: what words find exactly) the two alike.
+# takes meaning's ranking at three times the words', one naming a number or an identifier
+# (an order, a reservation code, a line; a file, a function: what words find exactly) the
+# two alike. (No query of either set names an identifier without a digit: that part is
+# not measured, and holds words' exact matches where meaning knows nothing of them.)
 RRF_K = 20
 MEANING_WEIGHT = 3.0
-_NAMES_A_NUMBER = re.compile(r"\d")
+# a digit; or inside a word an underscore, a dot or a slash; or a lower letter then a capital
+_NAMES_AN_IDENTIFIER = re.compile(r"\d|\w[_./]\w|[a-z][A-Z]")
 
 
 def fuse(rankings: list[list[str]], k: int = RRF_K, weights: list[float] | None = None
@@ -75,8 +78,9 @@ def fuse(rankings: list[list[str]], k: int = RRF_K, weights: list[float] | None 
 
 def hybrid(query: str, by_words: list[str], by_meaning: list[str]) -> list[tuple[float, str]]:
     """``search_history``'s ranking: the words' and meaning's fused, meaning weighted by
-    what the query is (``MEANING_WEIGHT`` for plain words, alike when it names a number)."""
-    meaning = 1.0 if _NAMES_A_NUMBER.search(query) else MEANING_WEIGHT
+    what the query is (``MEANING_WEIGHT`` for plain words, alike when it names a number or
+    an identifier)."""
+    meaning = 1.0 if _NAMES_AN_IDENTIFIER.search(query) else MEANING_WEIGHT
     return fuse([by_words, by_meaning], RRF_K, [1.0, meaning])
 
 
