@@ -54,7 +54,13 @@ from runloop_proxy.pipeline.memory import (
     hybrid,
     nearest,
 )
-from runloop_proxy.pipeline.tools import MAX_QUERY_CHARS, doc, query_terms, rank_docs
+from runloop_proxy.pipeline.tools import (
+    MAX_QUERY_CHARS,
+    doc,
+    loop_index,
+    query_terms,
+    rank_docs,
+)
 from runloop_proxy.window.retention import Conversation
 
 TOP = 5
@@ -202,15 +208,12 @@ class Paraphrased:
         fused = [k for _, k in hybrid(query, lexical, semantic)]
         targets = set(e["targets"])
         if e["unit"] == "loop":
-            loop_of: dict[str, int] = {}
-            for lp in segment(messages):
-                for i in lp.positions:
-                    loop_of.setdefault(keys[i], lp.index)
+            loop_of = loop_index(messages, keys)
             want = {loop_of[keys[i]] for i in targets}
-            here = len(segment(messages))
 
             def top(ranked: list[str]) -> set[int]:
-                return set(_loops_ranked(ranked, loop_of, here)[:TOP])
+                # every key ranked is of messages[:at]: each loop is before len(messages)
+                return set(_loops_ranked(ranked, loop_of, len(messages))[:TOP])
         else:  # a step: its call or its result among the first five messages found
             first = {}
             for i, k in enumerate(keys):

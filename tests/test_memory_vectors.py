@@ -255,6 +255,11 @@ class _Asking(RedisStore):
         return await super().missing_vectors(namespace, session_id, model, fields)
 
 
+TASK_OPENING: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a software engineer; use bash."},
+    {"role": "user", "content": "Route requests to their handlers by path."}]
+
+
 def _step(n: int) -> list[dict[str, Any]]:
     """A coding agent's step: its thought and bash call, and the command's output."""
     call = f"call_{n:03d}Rk5vN8pW"
@@ -280,9 +285,7 @@ def test_a_long_tasks_answers_each_look_up_only_their_new_steps(redis_url: str) 
         store = _Asking(redis_url, StoreSection(key_prefix=f"test-task-{id(real)}"), Metrics())
         store.asked = []
         memory = Memory(counting, store.metrics, asyncio.ensure_future, 8 << 20)
-        task: list[dict[str, Any]] = [
-            {"role": "system", "content": "You are a software engineer; use bash."},
-            {"role": "user", "content": "Route requests to their handlers by path."}]
+        task = list(TASK_OPENING)
         embedded = []
         try:
             for n in range(6):  # the answer: step n's call, its output sent with the next
@@ -324,9 +327,7 @@ def test_a_step_edited_before_the_marks_last_segment_is_indexed(redis_url: str) 
         store = _Asking(redis_url, StoreSection(key_prefix=prefix), Metrics())
         store.asked = []
         memory = Memory(real, store.metrics, asyncio.ensure_future, 8 << 20)
-        task: list[dict[str, Any]] = [
-            {"role": "system", "content": "You are a software engineer; use bash."},
-            {"role": "user", "content": "Route requests to their handlers by path."}]
+        task = list(TASK_OPENING)
         try:
             for n in range(4):
                 task += _step(n)
@@ -380,9 +381,7 @@ def test_an_indexing_failed_midway_keeps_the_batches_it_paid_for(redis_url: str)
         store.asked = []
         memory = Memory(real, store.metrics, asyncio.ensure_future, 8 << 20)
         model = _FailsOnce(real)
-        task: list[dict[str, Any]] = [
-            {"role": "system", "content": "You are a software engineer; use bash."},
-            {"role": "user", "content": "Route requests to their handlers by path."}]
+        task = list(TASK_OPENING)
         for n in range(60):  # 1 + 3 * 60 segments: three batches of 64
             task += _step(n)
         task += _step(60)[:1]

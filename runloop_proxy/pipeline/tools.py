@@ -367,7 +367,7 @@ class ToolRunner:
         wanted = self.max_results if self.memory is None else CANDIDATES
         hits = await offload(large, lambda: rank_docs(terms, docs, wanted, query))
         loop_of, ref_of = await offload(large, lambda: (
-            _loop_index(self.messages, self.keys),
+            loop_index(self.messages, self.keys),
             dict(zip(self.keys, message_refs(self.keys), strict=True))))
         said = f"{query!r}" + (f" (the first {MAX_QUERY_CHARS} characters)" if cut else "")
         if self.memory is not None:
@@ -490,7 +490,8 @@ def around(messages: list[Message], ref: str, recall: str) -> tuple[str, str]:
     return "\n".join(out), "hit"
 
 
-def _loop_index(messages: list[Message], keys: list[str]) -> dict[str, int]:
+def loop_index(messages: list[Message], keys: list[str]) -> dict[str, int]:
+    """Each message key's loop (its first, for a message repeated)."""
     out: dict[str, int] = {}
     for lp in segment(messages):
         for i in lp.positions:
